@@ -1,0 +1,109 @@
+// mha::core::MultiHeadAttention: the textbook multi-head attention layer (d2l,
+// "Multi-Head Attention") on oneDNN.
+//
+//   q_i = queries W_q^T (+ b_q), k_i, v_i likewise, each head i its slice of p columns
+//   scores_i = q_i k_i^T / sqrt(p); masked keys excluded; a_i = softmax over keys
+//   head_i = a_i v_i (* head_mask[i]); output = concat(head_1..head_h) W_o^T (+ b_o)
+//
+// Shapes (row-major float32):
+//   queries (B, Q, d_q); keys (B, K, d_k); values (B, K, d_v); output (B, Q, p_o);
+//   attention weights, when asked for, (B, h, Q, K).
+//
+// Masks, all optional and combinable:
+//   valid_lens: B entries (one key length per batch row) or B*Q (one per query);
+//     keys j >= valid_len are masked. 0 <= valid_len <= K, else INVALID_ARGUMENT.
+//   causal: query i sees keys j <= i (top-left aligned, like PyTorch is_causal).
+//   head_mask: h factors multiplying each head's output before W_o.
+// A query whose every key is masked gets a zero context vector (not NaN, not the
+// uniform average); its attention-weight row is all zeros. Masked weights are
+// exactly 0.
+//
+// Worked example, the seeds' toy call:
+//   ModelConfig c;                       // p_o 100, h 5, d_q = d_k = d_v = 100
+//   auto mha = MultiHeadAttention::Create(c, SeededWeights(c, 0)).value();
+//   std::vector<float> x(2 * 4 * 100), y(2 * 6 * 100), out(2 * 4 * 100);
+//   int32_t lens[] = {3, 2};
+//   AttentionInputs in{.batch = 2, .num_queries = 4, .num_keys = 6,
+//                      .queries = x.data(), .keys = y.data(), .values = y.data(),
+//                      .valid_lens = lens};
+//   absl::Status s = mha->Forward(in, out.data());   // out is (2, 4, 100)
+//
+// Thread safety: Create'd objects are immutable apart from internal caches that are
+// guarded; Forward may be called from several threads at once. Each call runs its
+// parallel regions on `Options::num_threads` OpenMP threads (0: the OpenMP default),
+// so callers that run calls concurrently should divide the cores between them.
+#ifndef MHA_CORE_ATTENTION_H_
+#define MHA_CORE_ATTENTION_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/config.h"
+#include "core/weights.h"
+
+namespace mha::core {
+
+// Non-owning views of one forward call's inputs.
+struct AttentionInputs {
+  int64_t batch = 0;        // B
+  int64_t num_queries = 0;  // Q
+  int64_t num_keys = 0;     // K; must equal Q for self-attention
+  const float* queries = nullptr;  // (B, Q, d_q)
+  const float* keys = nullptr;     // (B, K, d_k); nullptr: self-attention on queries
+  const float* values = nullptr;   // (B, K, d_v); nullptr iff keys is nullptr
+  std::span<const int32_t> valid_lens;  // empty, B or B*Q entries
+  bool causal = false;
+  std::span<const float> head_mask;  // empty or h entries
+
+  bool self_attention() const { return keys == nullptr; }
+};
+
+class MultiHeadAttention {
+ public:
+  struct Options {
+    int num_threads = 0;  // OpenMP threads per Forward; 0 = omp_get_max_threads()
+    // Query and key block sizes of the fused attention kernel (tuning knobs).
+    int64_t query_block = 64;
+    int64_t key_block = 256;
+  };
+
+  static absl::StatusOr<std::unique_ptr<MultiHeadAttention>> Create(
+      const ModelConfig& config, const Weights& weights);
+  static absl::StatusOr<std::unique_ptr<MultiHeadAttention>> Create(
+      const ModelConfig& config, const Weights& weights, const Options& options);
+  ~MultiHeadAttention();
+
+  // Checks `inputs` against the model (one line per rule; INVALID_ARGUMENT names
+  // the field). Forward calls it; servers may call it earlier to fail fast.
+  absl::Status CheckInputs(const AttentionInputs& inputs) const;
+
+  // output: (B, Q, p_o), caller-owned. attention: nullptr, or (B, h, Q, K)
+  // caller-owned, filled with the softmax weights. Errors: INVALID_ARGUMENT for bad
+  // inputs, INTERNAL if oneDNN fails (never throws).
+  absl::Status Forward(const AttentionInputs& inputs, float* output,
+                       float* attention = nullptr) const;
+
+  const ModelConfig& config() const { return config_; }
+  const Options& options() const { return options_; }
+
+  // Floating-point operations of one call at full length, as benchmarks count
+  // them: the four projections and the two attention products (2 per multiply-add).
+  static double Flops(const ModelConfig& config, int64_t batch, int64_t num_queries,
+                      int64_t num_keys);
+
+ private:
+  class Impl;
+  MultiHeadAttention(const ModelConfig& config, const Options& options,
+                     std::unique_ptr<Impl> impl);
+
+  ModelConfig config_;
+  Options options_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mha::core
+
+#endif  // MHA_CORE_ATTENTION_H_

@@ -1,0 +1,54 @@
+#include "core/config.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace mha::core {
+
+absl::string_view PrecisionName(Precision precision) {
+  switch (precision) {
+    case Precision::kF32:
+      return "f32";
+    case Precision::kBf16:
+      return "bf16";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<Precision> ParsePrecision(absl::string_view name) {
+  if (name == "f32" || name == "fp32" || name == "float32") return Precision::kF32;
+  if (name == "bf16" || name == "bfloat16") return Precision::kBf16;
+  return absl::InvalidArgumentError(
+      absl::StrCat("precision: expected \"f32\" or \"bf16\", got \"", name, "\""));
+}
+
+absl::Status ModelConfig::Validate() const {
+  // Each dimension is bounded so that every product of two of them fits easily in
+  // int64 and no weight matrix exceeds 2^31 elements.
+  constexpr int64_t kMaxDim = 1 << 16;
+  auto check_dim = [](absl::string_view name, int64_t v) -> absl::Status {
+    if (v < 1 || v > kMaxDim) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": expected 1 <= ", name, " <= ", kMaxDim, ", got ", v));
+    }
+    return absl::OkStatus();
+  };
+  for (auto [name, v] : {std::pair<absl::string_view, int64_t>{"num_hiddens", num_hiddens},
+                         {"num_heads", num_heads},
+                         {"query_size", query_size},
+                         {"key_size", key_size},
+                         {"value_size", value_size}}) {
+    if (absl::Status s = check_dim(name, v); !s.ok()) return s;
+  }
+  if (num_hiddens % num_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_hiddens: must be divisible by num_heads (", num_hiddens, " % ",
+        num_heads, " = ", num_hiddens % num_heads, ")"));
+  }
+  if (!(dropout >= 0.0f && dropout < 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dropout: expected 0 <= dropout < 1, got ", dropout));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace mha::core

@@ -1,0 +1,50 @@
+// The description of one multi-head attention layer (DESIGN.md, "The layer").
+#ifndef MHA_CORE_CONFIG_H_
+#define MHA_CORE_CONFIG_H_
+
+#include <cstdint>
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace mha::core {
+
+// Precision of the GEMMs. Inputs and outputs are always float32; kBf16 converts
+// activations and weights to bfloat16 for the matrix products and accumulates in
+// float32 (softmax statistics stay float32).
+enum class Precision { kF32, kBf16 };
+
+absl::string_view PrecisionName(Precision precision);
+absl::StatusOr<Precision> ParsePrecision(absl::string_view name);  // "f32" | "bf16"
+
+// Sizes follow the d2l seeds: num_hiddens is p_o, query/key/value_size are the
+// input feature sizes d_q, d_k, d_v (they may differ from p_o).
+//
+// Example, the seeds' toy layer:
+//   ModelConfig c{.num_hiddens = 100, .num_heads = 5, .query_size = 100,
+//                 .key_size = 100, .value_size = 100};
+//   c.head_size() == 20
+struct ModelConfig {
+  int64_t num_hiddens = 100;  // p_o, the width of every projection and the output
+  int64_t num_heads = 5;      // h; p_o % h must be 0
+  int64_t query_size = 100;   // d_q
+  int64_t key_size = 100;     // d_k
+  int64_t value_size = 100;   // d_v
+  bool bias = false;          // biases on W_q, W_k, W_v and W_o (all or none)
+  Precision precision = Precision::kF32;
+  float dropout = 0.0f;  // accepted for parity with training configs; identity here
+
+  int64_t head_size() const { return num_hiddens / num_heads; }
+  // Self-attention (keys and values omitted) needs d_k == d_v == d_q.
+  bool SupportsSelfAttention() const {
+    return key_size == query_size && value_size == query_size;
+  }
+  // INVALID_ARGUMENT naming the first field that is out of range.
+  absl::Status Validate() const;
+};
+
+}  // namespace mha::core
+
+#endif  // MHA_CORE_CONFIG_H_

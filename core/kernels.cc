@@ -1,0 +1,89 @@
+#include "core/kernels.h"
+
+#include <bit>
+#include <cmath>
+#include <limits>
+
+// Function multiversioning: one body, compiled for AVX-512, AVX2 and baseline x86-64;
+// the dynamic loader picks the best for the CPU. No -march flag leaks into the build.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#define MHA_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define MHA_MULTIVERSION
+#endif
+
+namespace mha::core::kernels {
+namespace {
+
+// exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2/2, exp(r) by its Taylor series
+// to r^7 (truncation error below 6e-9, under half an f32 ulp), 2^n built in the
+// exponent bits. Inputs below -87 flush to ~2^-126 (they vanish in the sum).
+inline float ExpNonPositive(float x) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2Hi = 0.693359375f;
+  constexpr float kLn2Lo = -2.12194440e-4f;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to integer
+  x = x < -87.0f ? -87.0f : x;
+  const float n = (x * kLog2e + kRound) - kRound;
+  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
+  float p = 1.0f / 5040;
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  return p * std::bit_cast<float>(e);
+}
+
+inline uint16_t Bf16Bits(float x) {
+  uint32_t u = std::bit_cast<uint32_t>(x);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+}  // namespace
+
+MHA_MULTIVERSION float RowMax(const float* s, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < n; ++j) m = s[j] > m ? s[j] : m;
+  return m;
+}
+
+MHA_MULTIVERSION float ExpSubSum(const float* s, float m, float* p, int64_t n) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    const float e = ExpNonPositive(s[j] - m);
+    p[j] = e;
+    sum += e;
+  }
+  return sum;
+}
+
+MHA_MULTIVERSION float ExpSubSumBf16(const float* s, float m, uint16_t* p, int64_t n) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    const float e = ExpNonPositive(s[j] - m);
+    p[j] = Bf16Bits(e);
+    sum += e;
+  }
+  return sum;
+}
+
+MHA_MULTIVERSION void Scale(float* x, float factor, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) x[j] *= factor;
+}
+
+MHA_MULTIVERSION void ToBf16(const float* x, uint16_t* y, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) y[j] = Bf16Bits(x[j]);
+}
+
+}  // namespace mha::core::kernels

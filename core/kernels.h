@@ -1,0 +1,25 @@
+// Row kernels of the fused attention loop: online-softmax statistics, exp, and
+// float <-> bfloat16 conversion. Internal to core/; plain loops written so the
+// compiler vectorises them, with AVX-512 and AVX2 clones picked at load time.
+#ifndef MHA_CORE_KERNELS_H_
+#define MHA_CORE_KERNELS_H_
+
+#include <cstdint>
+
+namespace mha::core::kernels {
+
+// Max of s[0, n); -inf when n == 0.
+float RowMax(const float* s, int64_t n);
+
+// p[j] = exp(s[j] - m) for j < n, returns the sum of p[0, n). p may alias s.
+float ExpSubSum(const float* s, float m, float* p, int64_t n);
+
+// Same, writing bfloat16 (round to nearest even) to p; the sum is of the f32 values.
+float ExpSubSumBf16(const float* s, float m, uint16_t* p, int64_t n);
+
+void Scale(float* x, float factor, int64_t n);  // x *= factor
+void ToBf16(const float* x, uint16_t* y, int64_t n);
+
+}  // namespace mha::core::kernels
+
+#endif  // MHA_CORE_KERNELS_H_

@@ -1,0 +1,209 @@
+#include "core/weights.h"
+
+#include <cmath>
+#include <set>
+#include "absl/strings/string_view.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/safetensors.h"
+#include "core/status_macros.h"
+
+namespace mha::core {
+namespace {
+
+// SplitMix64: tiny, fast and well distributed; enough for reproducible demo weights.
+class SplitMix64 {
+ public:
+  explicit SplitMix64(uint64_t seed) : state_(seed) {}
+  uint64_t Next() {
+    uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [-1, 1).
+  float Symmetric() { return static_cast<float>((Next() >> 40) * 0x1p-23 - 1.0); }
+
+ private:
+  uint64_t state_;
+};
+
+uint64_t HashName(absl::string_view name) {
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
+  for (char c : name) h = (h ^ static_cast<uint8_t>(c)) * 0x100000001b3ull;
+  return h;
+}
+
+std::vector<float> Uniform(absl::string_view name, uint64_t seed, int64_t n, int64_t fan_in) {
+  SplitMix64 rng(seed ^ HashName(name));
+  const float bound = 1.0f / std::sqrt(static_cast<float>(fan_in));
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = bound * rng.Symmetric();
+  return v;
+}
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  return absl::StrCat("(", absl::StrJoin(shape, ", "), ")");
+}
+
+// Fetches one float tensor of the expected shape and marks its name used.
+absl::StatusOr<std::vector<float>> Take(const SafetensorsFile& file, const std::string& name,
+                                        const std::vector<int64_t>& shape,
+                                        std::set<std::string>& used) {
+  auto it = file.tensors().find(name);
+  if (it == file.tensors().end()) {
+    return absl::InvalidArgumentError(absl::StrCat(file.source(), ": missing tensor \"", name,
+                                                   "\" ", ShapeString(shape)));
+  }
+  used.insert(name);
+  if (it->second.shape != shape) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(file.source(), ": tensor \"", name, "\": expected shape ",
+                     ShapeString(shape), ", got ", ShapeString(it->second.shape)));
+  }
+  auto values = it->second.ToFloat(name);
+  if (!values.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(file.source(), ": ", values.status().message()));
+  }
+  return values;
+}
+
+std::vector<float> Slice(const std::vector<float>& v, int64_t begin, int64_t n) {
+  return std::vector<float>(v.begin() + begin, v.begin() + begin + n);
+}
+
+absl::Status LoadTorchNaming(const SafetensorsFile& file, const ModelConfig& c, Weights& w,
+                             std::set<std::string>& used) {
+  const int64_t e = c.num_hiddens;
+  if (c.query_size != e) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        file.source(), ": nn.MultiheadAttention weights need query_size == num_hiddens (",
+        c.query_size, " != ", e, ")"));
+  }
+  if (file.tensors().contains("in_proj_weight")) {
+    if (c.key_size != e || c.value_size != e) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          file.source(), ": tensor \"in_proj_weight\" is packed, which needs key_size == "
+                         "value_size == num_hiddens; export q_proj_weight, k_proj_weight and "
+                         "v_proj_weight instead"));
+    }
+    MHA_ASSIGN_OR_RETURN(std::vector<float> packed, Take(file, "in_proj_weight", {3 * e, e}, used));
+    w.w_q = Slice(packed, 0, e * e);
+    w.w_k = Slice(packed, e * e, e * e);
+    w.w_v = Slice(packed, 2 * e * e, e * e);
+  } else {
+    MHA_ASSIGN_OR_RETURN(w.w_q, Take(file, "q_proj_weight", {e, c.query_size}, used));
+    MHA_ASSIGN_OR_RETURN(w.w_k, Take(file, "k_proj_weight", {e, c.key_size}, used));
+    MHA_ASSIGN_OR_RETURN(w.w_v, Take(file, "v_proj_weight", {e, c.value_size}, used));
+  }
+  MHA_ASSIGN_OR_RETURN(w.w_o, Take(file, "out_proj.weight", {e, e}, used));
+  if (c.bias) {
+    MHA_ASSIGN_OR_RETURN(std::vector<float> packed, Take(file, "in_proj_bias", {3 * e}, used));
+    w.b_q = Slice(packed, 0, e);
+    w.b_k = Slice(packed, e, e);
+    w.b_v = Slice(packed, 2 * e, e);
+    MHA_ASSIGN_OR_RETURN(w.b_o, Take(file, "out_proj.bias", {e}, used));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LoadD2lNaming(const SafetensorsFile& file, const ModelConfig& c, Weights& w,
+                           std::set<std::string>& used) {
+  const int64_t p = c.num_hiddens;
+  MHA_ASSIGN_OR_RETURN(w.w_q, Take(file, "W_q.weight", {p, c.query_size}, used));
+  MHA_ASSIGN_OR_RETURN(w.w_k, Take(file, "W_k.weight", {p, c.key_size}, used));
+  MHA_ASSIGN_OR_RETURN(w.w_v, Take(file, "W_v.weight", {p, c.value_size}, used));
+  MHA_ASSIGN_OR_RETURN(w.w_o, Take(file, "W_o.weight", {p, p}, used));
+  if (c.bias) {
+    MHA_ASSIGN_OR_RETURN(w.b_q, Take(file, "W_q.bias", {p}, used));
+    MHA_ASSIGN_OR_RETURN(w.b_k, Take(file, "W_k.bias", {p}, used));
+    MHA_ASSIGN_OR_RETURN(w.b_v, Take(file, "W_v.bias", {p}, used));
+    MHA_ASSIGN_OR_RETURN(w.b_o, Take(file, "W_o.bias", {p}, used));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Weights::Validate(const ModelConfig& c) const {
+  const int64_t p = c.num_hiddens;
+  struct Expect {
+    absl::string_view name;
+    const std::vector<float>& v;
+    int64_t n;
+  };
+  const Expect expects[] = {{"W_q", w_q, p * c.query_size}, {"W_k", w_k, p * c.key_size},
+                            {"W_v", w_v, p * c.value_size}, {"W_o", w_o, p * p}};
+  for (const Expect& e : expects) {
+    if (static_cast<int64_t>(e.v.size()) != e.n) {
+      return absl::InvalidArgumentError(absl::StrCat("weights ", e.name, ": expected ", e.n,
+                                                     " values, got ", e.v.size()));
+    }
+  }
+  const Expect biases[] = {{"b_q", b_q, p}, {"b_k", b_k, p}, {"b_v", b_v, p}, {"b_o", b_o, p}};
+  for (const Expect& e : biases) {
+    const int64_t want = c.bias ? e.n : 0;
+    if (static_cast<int64_t>(e.v.size()) != want) {
+      return absl::InvalidArgumentError(absl::StrCat("weights ", e.name, ": expected ", want,
+                                                     " values (bias=", c.bias, "), got ",
+                                                     e.v.size()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+Weights SeededWeights(const ModelConfig& c, uint64_t seed) {
+  const int64_t p = c.num_hiddens;
+  Weights w;
+  w.w_q = Uniform("W_q.weight", seed, p * c.query_size, c.query_size);
+  w.w_k = Uniform("W_k.weight", seed, p * c.key_size, c.key_size);
+  w.w_v = Uniform("W_v.weight", seed, p * c.value_size, c.value_size);
+  w.w_o = Uniform("W_o.weight", seed, p * p, p);
+  if (c.bias) {
+    w.b_q = Uniform("W_q.bias", seed, p, c.query_size);
+    w.b_k = Uniform("W_k.bias", seed, p, c.key_size);
+    w.b_v = Uniform("W_v.bias", seed, p, c.value_size);
+    w.b_o = Uniform("W_o.bias", seed, p, p);
+  }
+  return w;
+}
+
+absl::StatusOr<Weights> WeightsFromSafetensors(const SafetensorsFile& file,
+                                               const ModelConfig& config) {
+  MHA_RETURN_IF_ERROR(config.Validate());
+  const auto& t = file.tensors();
+  const bool torch = t.contains("in_proj_weight") || t.contains("q_proj_weight") ||
+                     t.contains("out_proj.weight");
+  const bool d2l = t.contains("W_q.weight") || t.contains("W_o.weight");
+  if (torch && d2l) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        file.source(), ": mixes nn.MultiheadAttention names (in_proj_weight, out_proj.*) "
+                       "with d2l names (W_q.weight, ...); use one naming"));
+  }
+  if (!torch && !d2l) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        file.source(), ": no known weight names; expected nn.MultiheadAttention "
+                       "(in_proj_weight, out_proj.weight, ...) or d2l (W_q.weight, ...)"));
+  }
+  Weights w;
+  std::set<std::string> used;
+  MHA_RETURN_IF_ERROR(torch ? LoadTorchNaming(file, config, w, used)
+                            : LoadD2lNaming(file, config, w, used));
+  for (const auto& [name, view] : t) {
+    if (!used.contains(name)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          file.source(), ": unexpected tensor \"", name, "\" ", ShapeString(view.shape),
+          config.bias ? "" : " (the model config says bias: false)"));
+    }
+  }
+  return w;
+}
+
+absl::StatusOr<Weights> LoadSafetensorsWeights(const std::string& path,
+                                               const ModelConfig& config) {
+  MHA_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::Open(path));
+  return WeightsFromSafetensors(*file, config);
+}
+
+}  // namespace mha::core

@@ -1,0 +1,316 @@
+#include "core/attention.h"
+
+#include <algorithm>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/reference.h"
+#include "gtest/gtest.h"
+#include "tests/unit/test_util.h"
+
+namespace mha::core {
+namespace {
+
+using ::mha::testing::MaxAbsDiff;
+using ::mha::testing::RandomVector;
+
+// f32 fast path vs the double-precision reference, elementwise.
+constexpr double kF32Tolerance = 1e-4;
+// bf16 rounds every GEMM operand to 8 significant bits (relative error 2^-9), so
+// unit-scale outputs agree to a few 2^-8; we allow 2^-5.
+constexpr double kBf16Tolerance = 1.0 / 32;
+
+struct Case {
+  ModelConfig config;
+  MultiHeadAttention::Options options;
+  int64_t batch, num_queries, num_keys;
+  bool self_attention = false;
+  bool same_keys_values = false;
+  int mask_kind = 0;  // 0 none, 1 (B), 2 (B, Q)
+  bool causal = false;
+  bool head_mask = false;
+  bool weights = false;
+  std::string Describe() const {
+    return absl::StrCat("B=", batch, " Q=", num_queries, " K=", num_keys,
+                        " p_o=", config.num_hiddens, " h=", config.num_heads,
+                        " d=", config.query_size, "/", config.key_size, "/", config.value_size,
+                        " bias=", config.bias, " self=", self_attention, " mask=", mask_kind,
+                        " causal=", causal, " head_mask=", head_mask, " weights=", weights,
+                        " blocks=", options.query_block, "x", options.key_block,
+                        " ", PrecisionName(config.precision));
+  }
+};
+
+struct Data {
+  std::vector<float> queries, keys, values;
+  std::vector<int32_t> valid_lens;
+  std::vector<float> head_mask;
+  AttentionInputs Inputs(const Case& c) const {
+    AttentionInputs in{.batch = c.batch, .num_queries = c.num_queries, .num_keys = c.num_keys,
+                       .queries = queries.data(), .valid_lens = valid_lens, .causal = c.causal,
+                       .head_mask = head_mask};
+    if (!c.self_attention) {
+      in.keys = keys.data();
+      in.values = c.same_keys_values ? keys.data() : values.data();
+    }
+    return in;
+  }
+};
+
+Data MakeData(const Case& c, std::mt19937_64& rng) {
+  Data d;
+  const ModelConfig& m = c.config;
+  d.queries = RandomVector(rng, c.batch * c.num_queries * m.query_size);
+  if (!c.self_attention) {
+    d.keys = RandomVector(rng, c.batch * c.num_keys * m.key_size);
+    d.values = RandomVector(rng, c.batch * c.num_keys * m.value_size);
+  }
+  std::uniform_int_distribution<int32_t> len(0, static_cast<int32_t>(c.num_keys));
+  if (c.mask_kind == 1) d.valid_lens.resize(c.batch);
+  if (c.mask_kind == 2) d.valid_lens.resize(c.batch * c.num_queries);
+  for (int32_t& v : d.valid_lens) v = len(rng);
+  if (c.head_mask) {
+    d.head_mask = RandomVector(rng, m.num_heads, 0.0f, 2.0f);
+    d.head_mask[0] = 0.0f;  // a dropped head
+  }
+  return d;
+}
+
+void CheckAgainstReference(const Case& c, uint64_t seed, double tolerance) {
+  SCOPED_TRACE(c.Describe());
+  std::mt19937_64 rng(seed);
+  const Weights weights = SeededWeights(c.config, seed);
+  auto mha = MultiHeadAttention::Create(c.config, weights, c.options);
+  ASSERT_TRUE(mha.ok()) << mha.status();
+  const Data d = MakeData(c, rng);
+  const AttentionInputs in = d.Inputs(c);
+  const int64_t h = c.config.num_heads;
+  std::vector<float> out(c.batch * c.num_queries * c.config.num_hiddens, -7.0f);
+  std::vector<float> attn(c.weights ? c.batch * h * c.num_queries * c.num_keys : 0, -7.0f);
+  ASSERT_TRUE((*mha)->Forward(in, out.data(), c.weights ? attn.data() : nullptr).ok());
+  const ReferenceResult ref = ReferenceForward(c.config, weights, in);
+  EXPECT_LE(MaxAbsDiff(out, ref.output), tolerance);
+  if (c.weights) {
+    EXPECT_LE(MaxAbsDiff(attn, ref.attention), tolerance);
+    // Masked entries are exactly zero, not merely small.
+    for (size_t i = 0; i < attn.size(); ++i) {
+      if (ref.attention[i] == 0.0) {
+        ASSERT_EQ(attn[i], 0.0f) << "index " << i;
+      }
+    }
+  }
+}
+
+Case RandomCase(std::mt19937_64& rng, Precision precision) {
+  auto pick = [&](std::initializer_list<int64_t> xs) {
+    return *(xs.begin() + std::uniform_int_distribution<size_t>(0, xs.size() - 1)(rng));
+  };
+  auto between = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  Case c;
+  c.config.num_heads = pick({1, 2, 5, 8, 12});
+  c.config.num_hiddens = c.config.num_heads * pick({1, 3, 8, 16, 20, 24});
+  c.config.bias = between(0, 1) == 1;
+  c.config.precision = precision;
+  c.self_attention = between(0, 3) == 0;
+  if (c.self_attention) {
+    c.config.query_size = c.config.key_size = c.config.value_size = between(1, 64);
+  } else {
+    c.config.query_size = between(1, 64);
+    c.config.key_size = between(1, 64);
+    c.config.value_size = between(0, 3) == 0 ? c.config.key_size : between(1, 64);
+    c.same_keys_values = c.config.key_size == c.config.value_size && between(0, 1) == 1;
+  }
+  c.batch = between(1, 8);
+  // Lengths: often 1, often a non-multiple of 16, up to 300.
+  c.num_queries = pick({1, 2, 7, 16, 33, 100, 129, between(1, 300)});
+  c.num_keys = c.self_attention ? c.num_queries : pick({1, 3, 16, 45, 130, between(1, 300)});
+  // Keep the double-precision reference affordable.
+  while (c.batch * c.num_queries * c.num_keys * c.config.num_hiddens > 60'000'000) {
+    c.batch = std::max<int64_t>(1, c.batch / 2);
+    if (c.batch == 1) break;
+  }
+  c.mask_kind = static_cast<int>(between(0, 2));
+  c.causal = between(0, 2) == 0;
+  c.head_mask = between(0, 3) == 0;
+  c.weights = between(0, 2) == 0;
+  c.options.query_block = pick({64, 16, 7});
+  c.options.key_block = pick({256, 32, 5});
+  return c;
+}
+
+class RandomizedTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(RandomizedTest, F32MatchesReference) {
+  std::mt19937_64 rng(1000 + GetParam());
+  CheckAgainstReference(RandomCase(rng, Precision::kF32), 1000 + GetParam(), kF32Tolerance);
+}
+
+TEST_P(RandomizedTest, Bf16MatchesReferenceWithinBound) {
+  std::mt19937_64 rng(5000 + GetParam());
+  CheckAgainstReference(RandomCase(rng, Precision::kBf16), 5000 + GetParam(), kBf16Tolerance);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, RandomizedTest, ::testing::Range(0, 40));
+
+// Every combination of mask kinds on one shape that spans several blocks.
+TEST(AttentionTest, EveryMaskCombinationMatchesReference) {
+  for (int mask_kind = 0; mask_kind < 3; ++mask_kind) {
+    for (bool causal : {false, true}) {
+      for (bool head_mask : {false, true}) {
+        for (bool weights : {false, true}) {
+          Case c;
+          c.config = {.num_hiddens = 40, .num_heads = 5, .query_size = 24, .key_size = 12,
+                      .value_size = 20, .bias = true};
+          c.options = {.query_block = 8, .key_block = 16};
+          c.batch = 3;
+          c.num_queries = 37;
+          c.num_keys = 53;
+          c.mask_kind = mask_kind;
+          c.causal = causal;
+          c.head_mask = head_mask;
+          c.weights = weights;
+          CheckAgainstReference(c, 77, kF32Tolerance);
+        }
+      }
+    }
+  }
+}
+
+TEST(AttentionTest, SeedsToyExample) {
+  // d2l: p_o 100, h 5, queries (2, 4, 100), keys = values (2, 6, 100), valid_lens [3, 2].
+  Case c;
+  c.batch = 2;
+  c.num_queries = 4;
+  c.num_keys = 6;
+  c.same_keys_values = true;
+  c.mask_kind = 1;
+  std::mt19937_64 rng(0);
+  const Weights w = SeededWeights(c.config, 0);
+  auto mha = MultiHeadAttention::Create(c.config, w).value();
+  Data d = MakeData(c, rng);
+  d.valid_lens = {3, 2};
+  std::vector<float> out(2 * 4 * 100);
+  ASSERT_TRUE(mha->Forward(d.Inputs(c), out.data()).ok());
+  EXPECT_EQ(out.size(), 2u * 4 * 100);
+  EXPECT_LE(MaxAbsDiff(out, ReferenceForward(c.config, w, d.Inputs(c)).output), kF32Tolerance);
+}
+
+TEST(AttentionTest, ZeroValidLenGivesZeroContext) {
+  for (bool bias : {false, true}) {
+    ModelConfig config{.num_hiddens = 16, .num_heads = 4, .query_size = 8, .key_size = 8,
+                       .value_size = 8, .bias = bias};
+    const Weights w = SeededWeights(config, 3);
+    auto mha = MultiHeadAttention::Create(config, w).value();
+    std::mt19937_64 rng(1);
+    const auto x = RandomVector(rng, 2 * 5 * 8);
+    const std::vector<int32_t> lens = {0, 5};
+    std::vector<float> out(2 * 5 * 16), attn(2 * 4 * 5 * 5, -1.0f);
+    AttentionInputs in{.batch = 2, .num_queries = 5, .num_keys = 5, .queries = x.data(),
+                       .keys = x.data(), .values = x.data(), .valid_lens = lens};
+    ASSERT_TRUE(mha->Forward(in, out.data(), attn.data()).ok());
+    // Batch row 0 sees no key: context 0, so the output is exactly b_o (or 0).
+    for (int64_t i = 0; i < 5; ++i) {
+      for (int64_t o = 0; o < 16; ++o) {
+        ASSERT_EQ(out[i * 16 + o], bias ? w.b_o[o] : 0.0f);
+        ASSERT_FALSE(std::isnan(out[i * 16 + o]));
+      }
+    }
+    for (int64_t i = 0; i < 4 * 5 * 5; ++i) ASSERT_EQ(attn[i], 0.0f);
+    // Row 1 is a proper softmax: every weight row sums to 1.
+    for (int64_t r = 0; r < 4 * 5; ++r) {
+      double sum = 0;
+      for (int64_t j = 0; j < 5; ++j) sum += attn[(4 * 5 + r) * 5 + j];
+      EXPECT_NEAR(sum, 1.0, 1e-5);
+    }
+  }
+}
+
+TEST(AttentionTest, SelfAttentionEqualsCrossAttentionOnSameInput) {
+  ModelConfig config{.num_hiddens = 24, .num_heads = 3, .query_size = 10, .key_size = 10,
+                     .value_size = 10, .bias = true};
+  auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 9)).value();
+  std::mt19937_64 rng(2);
+  const auto x = RandomVector(rng, 3 * 11 * 10);
+  const std::vector<int32_t> lens = {11, 4, 7};
+  std::vector<float> self(3 * 11 * 24), cross(3 * 11 * 24);
+  AttentionInputs in{.batch = 3, .num_queries = 11, .num_keys = 11, .queries = x.data(),
+                     .valid_lens = lens};
+  ASSERT_TRUE(mha->Forward(in, self.data()).ok());
+  in.keys = in.values = x.data();
+  ASSERT_TRUE(mha->Forward(in, cross.data()).ok());
+  EXPECT_LE(MaxAbsDiff(self, cross), 1e-5);
+}
+
+TEST(AttentionTest, ConcurrentCallsAgree) {
+  ModelConfig config{.num_hiddens = 64, .num_heads = 8, .query_size = 64, .key_size = 64,
+                     .value_size = 64};
+  auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 4),
+                                        {.num_threads = 1, .query_block = 16, .key_block = 32})
+                 .value();
+  std::mt19937_64 rng(3);
+  const auto x = RandomVector(rng, 2 * 70 * 64);
+  const std::vector<int32_t> lens = {70, 33};
+  AttentionInputs in{.batch = 2, .num_queries = 70, .num_keys = 70, .queries = x.data(),
+                     .valid_lens = lens};
+  std::vector<float> expected(2 * 70 * 64);
+  ASSERT_TRUE(mha->Forward(in, expected.data()).ok());
+  std::vector<std::vector<float>> outs(4, std::vector<float>(expected.size()));
+  std::vector<std::thread> threads;
+  for (auto& out : outs) {
+    threads.emplace_back([&] {
+      for (int rep = 0; rep < 10; ++rep) ASSERT_TRUE(mha->Forward(in, out.data()).ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& out : outs) EXPECT_EQ(out, expected);
+}
+
+TEST(AttentionTest, RejectsBadInputsNamingTheField) {
+  ModelConfig config{.num_hiddens = 8, .num_heads = 2, .query_size = 4, .key_size = 4,
+                     .value_size = 4};
+  auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 0)).value();
+  std::vector<float> x(2 * 3 * 4), out(2 * 3 * 8);
+  struct Bad {
+    std::vector<int32_t> lens;
+    std::vector<float> head_mask;
+    bool keys_only;
+    const char* field;
+  };
+  const Bad bad[] = {
+      {{4, 1}, {}, false, "valid_lens[0]"},   // > K
+      {{-1, 1}, {}, false, "valid_lens[0]"},  // negative
+      {{1, 1, 1}, {}, false, "valid_lens"},   // neither B nor B*Q entries
+      {{}, {1, 1, 1}, false, "head_mask"},    // h = 2
+      {{}, {1, NAN}, false, "head_mask[1]"},
+      {{}, {}, true, "keys, values"},
+  };
+  for (const Bad& b : bad) {
+    AttentionInputs in{.batch = 2, .num_queries = 3, .num_keys = 3, .queries = x.data(),
+                       .keys = x.data(), .values = b.keys_only ? nullptr : x.data(),
+                       .valid_lens = b.lens, .head_mask = b.head_mask};
+    const absl::Status s = mha->Forward(in, out.data());
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << b.field;
+    EXPECT_TRUE(absl::StartsWith(s.message(), b.field)) << s.message();
+  }
+  ModelConfig cross{.num_hiddens = 8, .num_heads = 2, .query_size = 4, .key_size = 5,
+                    .value_size = 4};
+  auto cross_mha = MultiHeadAttention::Create(cross, SeededWeights(cross, 0)).value();
+  AttentionInputs self{.batch = 2, .num_queries = 3, .num_keys = 3, .queries = x.data()};
+  EXPECT_EQ(cross_mha->Forward(self, out.data()).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(AttentionTest, FlopsCountsProjectionsAndBothProducts) {
+  ModelConfig c{.num_hiddens = 768, .num_heads = 12, .query_size = 768, .key_size = 768,
+                .value_size = 768};
+  // BERT-base, B 8, L 128: 4 * 2*B*L*E*E + 2 * 2*B*L*L*E.
+  const double b = 8, l = 128, e = 768;
+  EXPECT_DOUBLE_EQ(MultiHeadAttention::Flops(c, 8, 128, 128), 8 * b * l * e * e + 4 * b * l * l * e);
+}
+
+}  // namespace
+}  // namespace mha::core
