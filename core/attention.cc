@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -36,6 +37,32 @@ size_t SizeOf(Dt dt) { return dt == Dt::bf16 ? 2 : 4; }
 // repeat in serving (the batcher pads to few sizes), so this almost never fires.
 constexpr size_t kMaxCachedPrimitives = 1024;
 
+// A matmul with a caller-owned scratchpad. Debian's oneDNN is built with
+// DNNL_ENABLE_CONCURRENT_EXEC, where a library-managed scratchpad belongs to the
+// primitive, so one primitive run from two threads at once would share it. With
+// scratchpad_mode::user every execution brings its own, and primitives are safe to
+// share between threads.
+struct Matmul {
+  dnnl::matmul prim;
+  memory::desc weights;  // the layout the primitive chose (for format_tag::any)
+  memory::desc scratchpad;
+
+  static Matmul Make(const dnnl::matmul::desc& desc, dnnl::primitive_attr attr) {
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    dnnl::matmul::primitive_desc pd(desc, attr, CpuEngine());
+    return {dnnl::matmul(pd), pd.weights_desc(), pd.scratchpad_desc()};
+  }
+  void Execute(dnnl::stream& stream, std::unordered_map<int, memory> args,
+               std::vector<char>& scratch) const {
+    const size_t bytes = scratchpad.get_size();
+    if (bytes > 0) {
+      if (scratch.size() < bytes) scratch.resize(bytes);
+      args.emplace(DNNL_ARG_SCRATCHPAD, memory(scratchpad, CpuEngine(), scratch.data()));
+    }
+    prim.execute(stream, args);
+  }
+};
+
 // A weight matrix W (n, k) applied as dst = src W^T (+ b) with a oneDNN matmul.
 // Primitives are built once per (rows, strides, dtype) and cached; the weights are
 // reordered once into each blocked layout a primitive asks for. Thread-safe.
@@ -54,8 +81,9 @@ class Linear {
 
   // dst[bi, r, :] = src[bi, r, :] W^T + b for bi < batch, r < rows. src has dtype
   // dt_ with row stride src_ld and batch stride src_bs; dst has dtype dst_dt.
-  void Run(dnnl::stream& stream, int64_t batch, int64_t rows, const void* src, int64_t src_ld,
-           int64_t src_bs, void* dst, Dt dst_dt, int64_t dst_ld, int64_t dst_bs) const {
+  void Run(dnnl::stream& stream, std::vector<char>& scratch, int64_t batch, int64_t rows,
+           const void* src, int64_t src_ld, int64_t src_bs, void* dst, Dt dst_dt, int64_t dst_ld,
+           int64_t dst_bs) const {
     const std::array<int64_t, 7> key{batch, rows, src_ld, src_bs, dst_ld, dst_bs,
                                      static_cast<int64_t>(dst_dt)};
     const std::shared_ptr<const Entry> entry = Lookup(key);
@@ -68,12 +96,12 @@ class Linear {
     if (!bias_.empty()) {
       args.emplace(DNNL_ARG_BIAS, memory(e.bias_md, eng, const_cast<float*>(bias_.data())));
     }
-    e.prim.execute(stream, args);
+    e.matmul.Execute(stream, std::move(args), scratch);
   }
 
  private:
   struct Entry {
-    dnnl::matmul prim;
+    Matmul matmul;
     memory::desc src_md, dst_md, bias_md;
     memory weights;
   };
@@ -99,11 +127,8 @@ class Linear {
       if (!bias_.empty()) e->bias_md = memory::desc({1, n_}, Dt::f32, {n_, 1});
     }
     const memory::desc w_any(w_dims, dt_, memory::format_tag::any);
-    const dnnl::engine& eng = CpuEngine();
-    dnnl::matmul::primitive_desc pd(
-        dnnl::matmul::desc(e->src_md, w_any, e->bias_md, e->dst_md), eng);
-    e->prim = dnnl::matmul(pd);
-    e->weights = PackedWeights(pd.weights_desc(), memory::desc(w_dims, dt_, w_strides));
+    e->matmul = Matmul::Make(dnnl::matmul::desc(e->src_md, w_any, e->bias_md, e->dst_md), {});
+    e->weights = PackedWeights(e->matmul.weights, memory::desc(w_dims, dt_, w_strides));
     cache_.emplace(key, e);
     return e;
   }
@@ -194,184 +219,233 @@ class MultiHeadAttention::Impl {
   absl::Status Forward(const AttentionInputs& in, float* output, float* attention) const;
 
  private:
-  struct Projected {
-    const char* q;
-    const char* k;
-    const char* v;
-    int64_t ldq, ldk, ldv;  // row strides in elements
+  // Q, K, V after projection, repacked head-major: (B, h, L, p), dense, in act_.
+  struct HeadMajor {
+    const char* q;    // (B, h, Q, p)
+    const char* k;    // (B, h, kv_rows, p)
+    const char* v;    // (B, h, kv_rows, p)
+    int64_t kv_rows;  // key rows projected per batch row (the largest key limit)
+  };
+  struct TaskScratch {
+    std::vector<float> s;     // scores / f32 probabilities (query_block, key_block)
+    std::vector<float> o;     // context accumulator (query_block, p)
+    std::vector<uint16_t> p;  // bf16 probabilities
+    std::vector<char> dnnl;   // oneDNN scratchpad
   };
 
-  // dst (mq, nk) f32 = src (mq, p) wei^T; src, wei row strides given (elements).
-  dnnl::matmul ScorePrimitive(int64_t mq, int64_t nk, int64_t ldq, int64_t ldk,
-                                     int64_t ld_s) const;
-  // dst (mq, p) f32 (+)= P (mq, nk) V (nk, p).
-  dnnl::matmul ContextPrimitive(int64_t mq, int64_t nk, int64_t ld_p, int64_t ldv,
-                                       bool accumulate) const;
-  dnnl::matmul CachedMatmul(const std::array<int64_t, 8>& key,
-                                   const dnnl::matmul::desc& desc,
-                                   const dnnl::primitive_attr& attr) const;
+  // (mq, nk) f32 = q (mq, p) k^T / sqrt(p); all operands dense.
+  Matmul ScorePrimitive(int64_t mq, int64_t nk) const;
+  // o (mq, p) f32 (+)= P (mq, nk) v (nk, p).
+  Matmul ContextPrimitive(int64_t mq, int64_t nk, bool accumulate) const;
+  std::optional<Matmul> FindMatmul(const std::array<int64_t, 4>& key) const;
+  Matmul AddMatmul(const std::array<int64_t, 4>& key, const dnnl::matmul::desc& desc,
+                   const dnnl::primitive_attr& attr) const;
 
   void AttendTask(int64_t b, int64_t h, int64_t qb, const AttentionInputs& in,
-                  const Projected& pr, const std::vector<int32_t>& limits, float* ctx,
-                  float* attention, dnnl::stream& stream, std::vector<float>& s_buf,
-                  std::vector<uint16_t>& p_buf) const;
+                  const HeadMajor& hm, const std::vector<int32_t>& limits, float* ctx,
+                  float* attention, dnnl::stream& stream, TaskScratch& scratch) const;
+
+  // Buffers of one Forward call, kept between calls: first-touching fresh pages is
+  // expensive (and on some VMs very expensive), so a call reuses the memory of an
+  // earlier one. A pool holds one workspace per concurrent call.
+  struct Workspace {
+    std::vector<char> xq, xk, xv;  // bf16 copies of the inputs
+    std::vector<char> proj, kv;    // projections, row-major
+    std::vector<char> heads;       // Q, K, V head-major
+    std::vector<char> ctx;         // concatenated heads, f32 (B*Q, p_o)
+    std::vector<TaskScratch> scratch;  // one per OpenMP thread
+    std::vector<char> dnnl;            // oneDNN scratchpad of the projections
+  };
+  class WorkspacePool {
+   public:
+    std::unique_ptr<Workspace> Acquire() {
+      absl::MutexLock lock(&mu_);
+      if (free_.empty()) return std::make_unique<Workspace>();
+      auto ws = std::move(free_.back());
+      free_.pop_back();
+      return ws;
+    }
+    void Release(std::unique_ptr<Workspace> ws) {
+      absl::MutexLock lock(&mu_);
+      free_.push_back(std::move(ws));
+    }
+
+   private:
+    absl::Mutex mu_;
+    std::vector<std::unique_ptr<Workspace>> free_ ABSL_GUARDED_BY(mu_);
+  };
+  class WorkspaceLease {
+   public:
+    explicit WorkspaceLease(WorkspacePool& pool) : pool_(pool), ws_(pool.Acquire()) {}
+    ~WorkspaceLease() { pool_.Release(std::move(ws_)); }
+    Workspace* operator->() { return ws_.get(); }
+
+   private:
+    WorkspacePool& pool_;
+    std::unique_ptr<Workspace> ws_;
+  };
+  // Grows (never shrinks) a buffer; contents are not preserved.
+  static void Grow(std::vector<char>& buf, size_t bytes) {
+    if (buf.size() < bytes) {
+      buf = std::vector<char>();
+      buf.resize(bytes);
+    }
+  }
 
   const ModelConfig c_;
   const Options o_;
+  mutable WorkspacePool workspaces_;
   const Dt act_;
   std::unique_ptr<Linear> q_, k_, v_, kv_, qkv_, o_lin_;
   mutable absl::Mutex mu_;
-  mutable absl::flat_hash_map<std::array<int64_t, 8>, dnnl::matmul> attn_cache_
+  mutable absl::flat_hash_map<std::array<int64_t, 4>, Matmul> attn_cache_
       ABSL_GUARDED_BY(mu_);
 };
 
-dnnl::matmul MultiHeadAttention::Impl::CachedMatmul(
-    const std::array<int64_t, 8>& key, const dnnl::matmul::desc& desc,
-    const dnnl::primitive_attr& attr) const {
-  absl::MutexLock lock(&mu_);
+std::optional<Matmul> MultiHeadAttention::Impl::FindMatmul(
+    const std::array<int64_t, 4>& key) const {
+  absl::ReaderMutexLock lock(&mu_);
   auto it = attn_cache_.find(key);
-  if (it != attn_cache_.end()) return it->second;
-  if (attn_cache_.size() >= kMaxCachedPrimitives) attn_cache_.clear();
-  dnnl::matmul prim(dnnl::matmul::primitive_desc(desc, attr, CpuEngine()));
-  attn_cache_.emplace(key, prim);
-  return prim;  // a handle: copies share the primitive
+  if (it == attn_cache_.end()) return std::nullopt;
+  return it->second;
 }
 
-dnnl::matmul MultiHeadAttention::Impl::ScorePrimitive(int64_t mq, int64_t nk, int64_t ldq,
-                                                             int64_t ldk, int64_t ld_s) const {
+Matmul MultiHeadAttention::Impl::AddMatmul(const std::array<int64_t, 4>& key,
+                                           const dnnl::matmul::desc& desc,
+                                           const dnnl::primitive_attr& attr) const {
+  Matmul prim = Matmul::Make(desc, attr);
+  absl::MutexLock lock(&mu_);
+  if (attn_cache_.size() >= kMaxCachedPrimitives) attn_cache_.clear();
+  return attn_cache_.try_emplace(key, prim).first->second;  // a handle: copies share it
+}
+
+Matmul MultiHeadAttention::Impl::ScorePrimitive(int64_t mq, int64_t nk) const {
   const int64_t p = c_.head_size();
-  const std::array<int64_t, 8> key{0, mq, nk, ldq, ldk, ld_s, 0, 0};
+  const std::array<int64_t, 4> key{0, mq, nk, 0};
+  if (auto prim = FindMatmul(key)) return *prim;
   dnnl::primitive_attr attr;
   attr.set_output_scales(0, {1.0f / std::sqrt(static_cast<float>(p))});
-  return CachedMatmul(key,
-                      dnnl::matmul::desc(memory::desc({mq, p}, act_, {ldq, 1}),
-                                         memory::desc({p, nk}, act_, {1, ldk}),
-                                         memory::desc({mq, nk}, Dt::f32, {ld_s, 1})),
-                      attr);
+  return AddMatmul(key, dnnl::matmul::desc(memory::desc({mq, p}, act_, {p, 1}),
+                                           memory::desc({p, nk}, act_, {1, p}),
+                                           memory::desc({mq, nk}, Dt::f32, {nk, 1})),
+                   attr);
 }
 
-dnnl::matmul MultiHeadAttention::Impl::ContextPrimitive(int64_t mq, int64_t nk,
-                                                               int64_t ld_p, int64_t ldv,
-                                                               bool accumulate) const {
+Matmul MultiHeadAttention::Impl::ContextPrimitive(int64_t mq, int64_t nk,
+                                                        bool accumulate) const {
   const int64_t p = c_.head_size();
-  const std::array<int64_t, 8> key{1, mq, nk, ld_p, ldv, accumulate, 0, 0};
+  const std::array<int64_t, 4> key{1, mq, nk, accumulate};
+  if (auto prim = FindMatmul(key)) return *prim;
   dnnl::primitive_attr attr;
   if (accumulate) {
     dnnl::post_ops ops;
     ops.append_sum(1.0f);
     attr.set_post_ops(ops);
   }
-  return CachedMatmul(key,
-                      dnnl::matmul::desc(memory::desc({mq, nk}, act_, {ld_p, 1}),
-                                         memory::desc({nk, p}, act_, {ldv, 1}),
-                                         memory::desc({mq, p}, Dt::f32, {c_.num_hiddens, 1})),
-                      attr);
+  return AddMatmul(key, dnnl::matmul::desc(memory::desc({mq, nk}, act_, {nk, 1}),
+                                           memory::desc({nk, p}, act_, {p, 1}),
+                                           memory::desc({mq, p}, Dt::f32, {p, 1})),
+                   attr);
 }
 
 void MultiHeadAttention::Impl::AttendTask(int64_t b, int64_t h, int64_t qb,
-                                          const AttentionInputs& in, const Projected& pr,
+                                          const AttentionInputs& in, const HeadMajor& hm,
                                           const std::vector<int32_t>& limits, float* ctx,
                                           float* attention, dnnl::stream& stream,
-                                          std::vector<float>& s_buf,
-                                          std::vector<uint16_t>& p_buf) const {
+                                          TaskScratch& scratch) const {
   const int64_t Q = in.num_queries, K = in.num_keys, H = c_.num_heads, E = c_.num_hiddens;
   const int64_t p = c_.head_size();
   const size_t asz = SizeOf(act_);
+  const bool bf16 = act_ == Dt::bf16;
   const int64_t i0 = qb * o_.query_block;
   const int64_t mq = std::min(o_.query_block, Q - i0);
   const int32_t* lim = &limits[b * Q + i0];
-  const char* q = pr.q + ((b * Q + i0) * pr.ldq + h * p) * asz;
-  const char* k = pr.k + (b * K * pr.ldk + h * p) * asz;
-  const char* v = pr.v + (b * K * pr.ldv + h * p) * asz;
+  const char* q = hm.q + ((b * H + h) * Q + i0) * p * asz;
+  const char* k = hm.k + (b * H + h) * hm.kv_rows * p * asz;
+  const char* v = hm.v + (b * H + h) * hm.kv_rows * p * asz;
   float* c = ctx + (b * Q + i0) * E + h * p;
   float* a = attention == nullptr ? nullptr : attention + ((b * H + h) * Q + i0) * K;
   const dnnl::engine& eng = CpuEngine();
   const float factor = in.head_mask.empty() ? 1.0f : in.head_mask[h];
   const int64_t max_lim = *std::max_element(lim, lim + mq);
 
-  auto zero_rows = [&] {
+  if (a != nullptr) std::fill_n(a, mq * K, 0.0f);
+  if (max_lim == 0 || (factor == 0.0f && a == nullptr)) {
     for (int64_t i = 0; i < mq; ++i) std::fill_n(c + i * E, p, 0.0f);
-    if (a != nullptr) std::fill_n(a, mq * K, 0.0f);
-  };
-  if (max_lim == 0 || (factor == 0.0f && a == nullptr)) return zero_rows();
+    return;
+  }
 
-  auto run = [&](const dnnl::matmul& prim, const memory::desc& src_md, const void* src,
-                 const memory::desc& wei_md, const void* wei, const memory::desc& dst_md,
-                 void* dst) {
-    prim.execute(stream, {{DNNL_ARG_SRC, memory(src_md, eng, const_cast<void*>(src))},
-                          {DNNL_ARG_WEIGHTS, memory(wei_md, eng, const_cast<void*>(wei))},
-                          {DNNL_ARG_DST, memory(dst_md, eng, dst)}});
-  };
-  // One key block [j0, j0 + nk): scores into s (row stride ld_s), probabilities
-  // into P (f32 in place, or bf16 in p_buf), then ctx (+)= P V.
-  auto block = [&](int64_t j0, int64_t nk, float* s, int64_t ld_s, bool first, float* m,
-                   float* l, bool exact) {
-    run(ScorePrimitive(mq, nk, pr.ldq, pr.ldk, ld_s), memory::desc({mq, p}, act_, {pr.ldq, 1}),
-        q, memory::desc({p, nk}, act_, {1, pr.ldk}), k + j0 * pr.ldk * asz,
-        memory::desc({mq, nk}, Dt::f32, {ld_s, 1}), s);
-    const bool bf16 = act_ == Dt::bf16;
-    const int64_t ld_p = bf16 ? nk : ld_s;
-    if (bf16 && p_buf.size() < static_cast<size_t>(mq * nk)) p_buf.resize(mq * nk);
-    for (int64_t i = 0; i < mq; ++i) {
-      float* srow = s + i * ld_s;
-      uint16_t* prow = bf16 ? p_buf.data() + i * ld_p : nullptr;
-      const int64_t n = std::clamp<int64_t>(lim[i] - j0, 0, nk);
-      if (n == 0) {
-        std::fill_n(srow, nk, 0.0f);
-        if (bf16) std::fill_n(prow, nk, uint16_t{0});
-        continue;
-      }
-      const float m_new = std::max(m[i], kernels::RowMax(srow, n));
-      float sum;
-      if (exact) {  // the whole row is in this block: normalise now (weights requested)
-        sum = kernels::ExpSubSum(srow, m_new, srow, n);
-        kernels::Scale(srow, 1.0f / sum, n);
-        if (bf16) kernels::ToBf16(srow, prow, n);
-        l[i] = 1.0f;
-      } else {
-        sum = bf16 ? kernels::ExpSubSumBf16(srow, m_new, prow, n)
-                   : kernels::ExpSubSum(srow, m_new, srow, n);
-        const float alpha = std::exp(m[i] - m_new);  // 0 when m[i] is -inf
-        if (!first && alpha != 1.0f) kernels::Scale(c + i * E, alpha, p);
-        l[i] = l[i] * alpha + sum;
-      }
-      m[i] = m_new;
-      std::fill(srow + n, srow + nk, 0.0f);
-      if (bf16) std::fill(prow + n, prow + nk, uint16_t{0});
-    }
-    const void* probs = bf16 ? static_cast<const void*>(p_buf.data()) : s;
-    run(ContextPrimitive(mq, nk, ld_p, pr.ldv, !first),
-        memory::desc({mq, nk}, act_, {ld_p, 1}), probs,
-        memory::desc({nk, p}, act_, {pr.ldv, 1}), v + j0 * pr.ldv * asz,
-        memory::desc({mq, p}, Dt::f32, {E, 1}), c);
-  };
-
+  // Every operand is dense, which is what lets oneDNN pick its brgemm kernels.
+  const int64_t bk = a != nullptr ? max_lim : std::min(o_.key_block, max_lim);
+  scratch.s.resize(std::max<size_t>(scratch.s.size(), mq * bk));
+  scratch.o.resize(std::max<size_t>(scratch.o.size(), mq * p));
+  if (bf16) scratch.p.resize(std::max<size_t>(scratch.p.size(), mq * bk));
+  float* s = scratch.s.data();
+  float* o = scratch.o.data();
   float m[256], l[256];  // query_block <= 256 (checked in Create)
   std::fill_n(m, mq, -std::numeric_limits<float>::infinity());
   std::fill_n(l, mq, 0.0f);
-  if (a != nullptr) {
-    // Weights requested: one block over every key that any row may see, written
-    // straight into the caller's (B, h, Q, K) tensor; the tail stays exactly 0.
-    for (int64_t i = 0; i < mq; ++i) std::fill(a + i * K + max_lim, a + (i + 1) * K, 0.0f);
-    block(0, max_lim, a, K, /*first=*/true, m, l, /*exact=*/true);
-  } else {
-    const int64_t bk = o_.key_block;
-    if (s_buf.size() < static_cast<size_t>(mq * bk)) s_buf.resize(mq * bk);
-    for (int64_t j0 = 0; j0 < max_lim; j0 += bk) {
-      block(j0, std::min(bk, max_lim - j0), s_buf.data(), std::min(bk, max_lim - j0),
-            /*first=*/j0 == 0, m, l, /*exact=*/false);
+
+  for (int64_t j0 = 0; j0 < max_lim; j0 += bk) {
+    const int64_t nk = std::min(bk, max_lim - j0);
+    const bool first = j0 == 0;
+    ScorePrimitive(mq, nk).Execute(
+        stream,
+        {{DNNL_ARG_SRC, memory(memory::desc({mq, p}, act_, {p, 1}), eng,
+                                       const_cast<char*>(q))},
+                 {DNNL_ARG_WEIGHTS, memory(memory::desc({p, nk}, act_, {1, p}), eng,
+                                           const_cast<char*>(k + j0 * p * asz))},
+                 {DNNL_ARG_DST, memory(memory::desc({mq, nk}, Dt::f32, {nk, 1}), eng, s)}},
+        scratch.dnnl);
+    uint16_t* probs16 = bf16 ? scratch.p.data() : nullptr;
+    for (int64_t i = 0; i < mq; ++i) {
+      float* srow = s + i * nk;
+      uint16_t* prow = bf16 ? probs16 + i * nk : nullptr;
+      const int64_t n = std::clamp<int64_t>(lim[i] - j0, 0, nk);
+      if (n > 0) {
+        const float m_new = std::max(m[i], kernels::RowMax(srow, n));
+        if (a != nullptr) {
+          // The whole row is in this one block: normalise now, hand out the weights.
+          const float sum = kernels::ExpSubSum(srow, m_new, srow, n);
+          kernels::Scale(srow, 1.0f / sum, n);
+          std::copy_n(srow, n, a + i * K);
+          if (bf16) kernels::ToBf16(srow, prow, n);
+          l[i] = 1.0f;
+        } else {
+          const float sum = bf16 ? kernels::ExpSubSumBf16(srow, m_new, prow, n)
+                                 : kernels::ExpSubSum(srow, m_new, srow, n);
+          const float alpha = std::exp(m[i] - m_new);  // 0 while m[i] is -inf
+          if (!first && alpha != 1.0f) kernels::Scale(o + i * p, alpha, p);
+          l[i] = l[i] * alpha + sum;
+        }
+        m[i] = m_new;
+      }
+      std::fill(srow + n, srow + nk, 0.0f);
+      if (bf16) std::fill(prow + n, prow + nk, uint16_t{0});
     }
+    const void* probs = bf16 ? static_cast<const void*>(probs16) : s;
+    ContextPrimitive(mq, nk, !first)
+        .Execute(stream,
+                 {{DNNL_ARG_SRC, memory(memory::desc({mq, nk}, act_, {nk, 1}), eng,
+                                        const_cast<void*>(probs))},
+                  {DNNL_ARG_WEIGHTS, memory(memory::desc({nk, p}, act_, {p, 1}), eng,
+                                            const_cast<char*>(v + j0 * p * asz))},
+                  {DNNL_ARG_DST, memory(memory::desc({mq, p}, Dt::f32, {p, 1}), eng, o)}},
+                 scratch.dnnl);
   }
+  // Final softmax normalisation and head_mask, written into this head's columns.
   for (int64_t i = 0; i < mq; ++i) {
     const float scale = l[i] > 0.0f ? factor / l[i] : 0.0f;
-    if (scale != 1.0f) kernels::Scale(c + i * E, scale, p);
+    const float* orow = o + i * p;
+    float* crow = c + i * E;
+    for (int64_t d = 0; d < p; ++d) crow[d] = orow[d] * scale;
   }
 }
 
 absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float* output,
                                                float* attention) const {
   const int64_t B = in.batch, Q = in.num_queries, K = in.num_keys;
-  const int64_t E = c_.num_hiddens, H = c_.num_heads;
+  const int64_t E = c_.num_hiddens, H = c_.num_heads, p = c_.head_size();
   const size_t asz = SizeOf(act_);
   const int threads = o_.num_threads > 0 ? o_.num_threads : omp_get_max_threads();
   omp_set_num_threads(threads);  // this thread's ICV: bounds oneDNN's regions too
@@ -393,78 +467,113 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
     }
   }
 
+  WorkspaceLease ws(workspaces_);
   try {
     dnnl::stream stream(CpuEngine());
     // bf16: activations are converted once, then every GEMM runs in bf16.
-    std::vector<uint16_t> xq16, xk16, xv16;
-    auto as_act = [&](const float* x, int64_t n, std::vector<uint16_t>& tmp) -> const void* {
+    auto as_act = [&](const float* x, int64_t n, std::vector<char>& tmp) -> const void* {
       if (act_ == Dt::f32) return x;
-      tmp.resize(n);
-      kernels::ToBf16(x, tmp.data(), n);
+      Grow(tmp, n * 2);
+      kernels::ToBf16(x, reinterpret_cast<uint16_t*>(tmp.data()), n);
       return tmp.data();
     };
-    const void* xq = as_act(in.queries, B * Q * c_.query_size, xq16);
+    const void* xq = as_act(in.queries, B * Q * c_.query_size, ws->xq);
 
-    // Projections. Key/value rows that no query can see are never projected.
-    std::vector<char> qkv_buf, kv_buf;
-    Projected pr{};
+    // Projections into a row-major (rows, ld) buffer; key/value rows that no query
+    // can see are never projected. Q sits at column 0, K at k_col, V at v_col.
+    int64_t ld, q_rows_ld, kv_batch_stride, k_col, v_col;
+    const char* kv_base;
     if (in.self_attention()) {
-      const int64_t ld = 3 * E, d = c_.query_size;
-      qkv_buf.resize(B * Q * ld * asz);
-      char* base = qkv_buf.data();
+      ld = 3 * E;
+      Grow(ws->proj, B * Q * ld * asz);
+      const int64_t d = c_.query_size;
       if (kv_rows == K) {
-        qkv_->Run(stream, 1, B * Q, xq, d, 0, base, act_, ld, 0);
+        qkv_->Run(stream, ws->dnnl, 1, B * Q, xq, d, 0, ws->proj.data(), act_, ld, 0);
       } else {
-        q_->Run(stream, 1, B * Q, xq, d, 0, base, act_, ld, 0);
+        q_->Run(stream, ws->dnnl, 1, B * Q, xq, d, 0, ws->proj.data(), act_, ld, 0);
         if (kv_rows > 0) {
-          kv_->Run(stream, B, kv_rows, xq, d, Q * d, base + E * asz, act_, ld, Q * ld);
+          kv_->Run(stream, ws->dnnl, B, kv_rows, xq, d, Q * d, ws->proj.data() + E * asz, act_, ld, Q * ld);
         }
       }
-      pr = {base, base + E * asz, base + 2 * E * asz, ld, ld, ld};
+      q_rows_ld = ld;
+      kv_base = ws->proj.data();
+      kv_batch_stride = Q * ld;
+      k_col = E;
+      v_col = 2 * E;
     } else {
-      qkv_buf.resize(B * Q * E * asz);
-      q_->Run(stream, 1, B * Q, xq, c_.query_size, 0, qkv_buf.data(), act_, E, 0);
       const bool fuse_kv = in.keys == in.values && kv_ != nullptr;
-      const int64_t ld = fuse_kv ? 2 * E : E;
-      kv_buf.resize(B * K * 2 * E * asz);
-      char* kbase = kv_buf.data();
-      char* vbase = fuse_kv ? kbase + E * asz : kbase + B * K * E * asz;
+      ld = fuse_kv ? 2 * E : E;
+      Grow(ws->proj, B * Q * E * asz);
+      q_->Run(stream, ws->dnnl, 1, B * Q, xq, c_.query_size, 0, ws->proj.data(), act_, E, 0);
+      Grow(ws->kv, B * K * 2 * E * asz);
+      char* kbase = ws->kv.data();
       // Contiguous rows run as one 2-D GEMM; a per-batch prefix as a 3-D one.
       const int64_t batch = kv_rows == K ? 1 : B;
       const int64_t rows = kv_rows == K ? B * K : kv_rows;
+      const int64_t dk = c_.key_size, dv = c_.value_size;
       if (kv_rows > 0) {
-        const void* xk = as_act(in.keys, B * K * c_.key_size, xk16);
+        const void* xk = as_act(in.keys, B * K * dk, ws->xk);
         if (fuse_kv) {
-          kv_->Run(stream, batch, rows, xk, c_.key_size, K * c_.key_size, kbase, act_, ld,
-                   K * ld);
+          kv_->Run(stream, ws->dnnl, batch, rows, xk, dk, K * dk, kbase, act_, ld, K * ld);
         } else {
-          const void* xv = as_act(in.values, B * K * c_.value_size, xv16);
-          k_->Run(stream, batch, rows, xk, c_.key_size, K * c_.key_size, kbase, act_, ld,
-                  K * ld);
-          v_->Run(stream, batch, rows, xv, c_.value_size, K * c_.value_size, vbase, act_, ld,
-                  K * ld);
+          const void* xv = as_act(in.values, B * K * dv, ws->xv);
+          k_->Run(stream, ws->dnnl, batch, rows, xk, dk, K * dk, kbase, act_, ld, K * ld);
+          v_->Run(stream, ws->dnnl, batch, rows, xv, dv, K * dv, kbase + B * K * E * asz, act_, ld, K * ld);
         }
       }
-      pr = {qkv_buf.data(), kbase, vbase, E, ld, ld};
+      q_rows_ld = E;
+      kv_base = kbase;
+      kv_batch_stride = K * ld;
+      k_col = 0;
+      v_col = fuse_kv ? E : 0;
+    }
+    const bool separate_v = !in.self_attention() && !(in.keys == in.values && kv_ != nullptr);
+
+    // Repack head-major (B, h, L, p) so that every block GEMM has dense operands.
+    Grow(ws->heads, (B * Q + 2 * B * kv_rows) * E * asz);
+    char* qh = ws->heads.data();
+    char* kh = qh + B * Q * E * asz;
+    char* vh = kh + B * kv_rows * E * asz;
+    const int64_t pb = p * asz;
+    const char* v_plane = separate_v ? kv_base + B * K * E * asz : kv_base;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < B * std::max(Q, kv_rows); ++r) {
+      const int64_t b = r / std::max(Q, kv_rows), i = r % std::max(Q, kv_rows);
+      if (i < Q) {
+        const char* src = ws->proj.data() + (b * Q + i) * q_rows_ld * asz;
+        for (int64_t h = 0; h < H; ++h) {
+          std::memcpy(qh + ((b * H + h) * Q + i) * pb, src + h * pb, pb);
+        }
+      }
+      if (i < kv_rows) {
+        const char* ksrc = kv_base + (b * kv_batch_stride + i * ld + k_col) * asz;
+        const char* vsrc = v_plane + (b * kv_batch_stride + i * ld + v_col) * asz;
+        for (int64_t h = 0; h < H; ++h) {
+          std::memcpy(kh + ((b * H + h) * kv_rows + i) * pb, ksrc + h * pb, pb);
+          std::memcpy(vh + ((b * H + h) * kv_rows + i) * pb, vsrc + h * pb, pb);
+        }
+      }
     }
 
     // Attention: one task per (batch row, head, query block), key blocks inside.
-    std::vector<float> ctx(static_cast<size_t>(B * Q * E));
+    Grow(ws->ctx, B * Q * E * sizeof(float));
+    float* ctx = reinterpret_cast<float*>(ws->ctx.data());
     const int64_t q_blocks = (Q + o_.query_block - 1) / o_.query_block;
     const int64_t tasks = B * H * q_blocks;
+    const int team = static_cast<int>(std::min<int64_t>(threads, tasks));
+    if (ws->scratch.size() < static_cast<size_t>(team)) ws->scratch.resize(team);
+    const HeadMajor hm{qh, kh, vh, kv_rows};
     FirstError error;
-#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, tasks)))
+#pragma omp parallel num_threads(team)
     {
       dnnl::stream task_stream(CpuEngine());
-      std::vector<float> s_buf;
-      std::vector<uint16_t> p_buf;
+      TaskScratch& scratch = ws->scratch[omp_get_thread_num()];
 #pragma omp for schedule(dynamic, 1)
       for (int64_t t = 0; t < tasks; ++t) {
         if (error.failed()) continue;
         const int64_t b = t / (H * q_blocks), h = (t / q_blocks) % H, qb = t % q_blocks;
         try {
-          AttendTask(b, h, qb, in, pr, limits, ctx.data(), attention, task_stream, s_buf,
-                     p_buf);
+          AttendTask(b, h, qb, in, hm, limits, ctx, attention, task_stream, scratch);
         } catch (const dnnl::error& e) {
           error.Set(DnnlMessage(e));
         } catch (const std::exception& e) {
@@ -474,9 +583,8 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
     }
     MHA_RETURN_IF_ERROR(error.status());
 
-    std::vector<uint16_t> ctx16;
-    const void* ctx_act = as_act(ctx.data(), B * Q * E, ctx16);
-    o_lin_->Run(stream, 1, B * Q, ctx_act, E, 0, output, Dt::f32, E, 0);
+    const void* ctx_act = as_act(ctx, B * Q * E, ws->xq);
+    o_lin_->Run(stream, ws->dnnl, 1, B * Q, ctx_act, E, 0, output, Dt::f32, E, 0);
     stream.wait();
   } catch (const dnnl::error& e) {
     return absl::InternalError(DnnlMessage(e));

@@ -65,14 +65,11 @@ MHA_MULTIVERSION float ExpSubSum(const float* s, float m, float* p, int64_t n) {
   return sum;
 }
 
-MHA_MULTIVERSION float ExpSubSumBf16(const float* s, float m, uint16_t* p, int64_t n) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) {
-    const float e = ExpNonPositive(s[j] - m);
-    p[j] = Bf16Bits(e);
-    sum += e;
-  }
+float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n) {
+  // Two vectorised passes: GCC does not vectorise the exp, the float reduction and a
+  // 16-bit store in one loop.
+  const float sum = ExpSubSum(s, m, s, n);
+  ToBf16(s, p, n);
   return sum;
 }
 

@@ -15,7 +15,8 @@ float RowMax(const float* s, int64_t n);
 float ExpSubSum(const float* s, float m, float* p, int64_t n);
 
 // Same, writing bfloat16 (round to nearest even) to p; the sum is of the f32 values.
-float ExpSubSumBf16(const float* s, float m, uint16_t* p, int64_t n);
+// s is overwritten with the f32 exponentials.
+float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n);
 
 void Scale(float* x, float factor, int64_t n);  // x *= factor
 void ToBf16(const float* x, uint16_t* y, int64_t n);

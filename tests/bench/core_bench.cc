@@ -1,0 +1,92 @@
+// Benchmarks of mha::core::MultiHeadAttention::Forward on the shapes of the core
+// issue. Each reports GFLOPS: the four projections and the two attention products
+// counted at full length (MultiHeadAttention::Flops), per second of wall time.
+//
+//   build/release/tests/bench/mha_core_bench --benchmark_filter='Forward/(bert|long|small|padded)'
+//   /usr/bin/time -v build/release/tests/bench/mha_core_bench --benchmark_filter=memory_16k
+//
+// Threads: OMP_NUM_THREADS, else every core. Compare with PyTorch on the same shapes:
+// tests/bench/compare_torch.py --ours FILE (FILE from --benchmark_out=FILE
+// --benchmark_out_format=json).
+#include <random>
+#include <string>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "core/attention.h"
+
+namespace mha::core {
+namespace {
+
+struct Shape {
+  const char* name;
+  int64_t batch, length, hiddens, heads;
+  bool padded;  // valid_lens = length / 2 for every batch row
+  int64_t iterations = 0;  // 0: let the library decide
+};
+
+constexpr Shape kShapes[] = {
+    {"bert_base", 8, 128, 768, 12, false},
+    {"long", 1, 2048, 512, 8, false},
+    {"small", 1, 16, 256, 8, false},
+    {"padded", 1, 2048, 512, 8, true},
+    // Self-attention at L 16384: the full score tensor would be 8.6 GB; run under
+    // /usr/bin/time -v to see the peak RSS of the blocked kernel.
+    {"memory_16k", 1, 16384, 512, 8, false, 1},
+};
+
+void BM_Forward(benchmark::State& state, Shape shape, Precision precision) {
+  const ModelConfig config{.num_hiddens = shape.hiddens, .num_heads = shape.heads,
+                           .query_size = shape.hiddens, .key_size = shape.hiddens,
+                           .value_size = shape.hiddens, .bias = true, .precision = precision};
+  auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 1));
+  if (!mha.ok()) {
+    state.SkipWithError(std::string(mha.status().message()).c_str());
+    return;
+  }
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> x(shape.batch * shape.length * shape.hiddens);
+  for (float& v : x) v = dist(rng);
+  std::vector<float> out(x.size());
+  std::vector<int32_t> lens;
+  if (shape.padded) lens.assign(shape.batch, static_cast<int32_t>(shape.length / 2));
+  const AttentionInputs in{.batch = shape.batch, .num_queries = shape.length,
+                           .num_keys = shape.length, .queries = x.data(), .valid_lens = lens};
+  for (auto _ : state) {
+    const absl::Status s = (*mha)->Forward(in, out.data());
+    if (!s.ok()) {
+      state.SkipWithError(std::string(s.message()).c_str());
+      break;
+    }
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  const double flops = MultiHeadAttention::Flops(config, shape.batch, shape.length, shape.length);
+  state.counters["GFLOPS"] =
+      benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(shape.batch * shape.length),
+                                                  benchmark::Counter::kIsIterationInvariantRate);
+}
+
+[[maybe_unused]] const bool kRegistered = [] {
+  for (const Shape& shape : kShapes) {
+    for (Precision p : {Precision::kF32, Precision::kBf16}) {
+      auto* b = benchmark::RegisterBenchmark(
+          (std::string("Forward/") + shape.name + "/" + std::string(PrecisionName(p))).c_str(),
+          BM_Forward, shape, p);
+      b->Unit(benchmark::kMillisecond)->UseRealTime();
+      if (shape.iterations > 0) {
+        b->Iterations(shape.iterations);
+      } else {
+        b->MinTime(1.0);
+      }
+    }
+  }
+  return true;
+}();
+
+}  // namespace
+}  // namespace mha::core
+
+BENCHMARK_MAIN();
