@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -37,6 +38,10 @@ size_t SizeOf(Dt dt) { return dt == Dt::bf16 ? 2 : 4; }
 // repeat in serving (the batcher pads to few sizes), so this almost never fires.
 constexpr size_t kMaxCachedPrimitives = 1024;
 
+// Below these sizes a loop runs on the calling thread (see Forward).
+constexpr int64_t kParallelBytes = 256 << 10;
+constexpr double kParallelFlops = 4e6;
+
 // A matmul with a caller-owned scratchpad. Debian's oneDNN is built with
 // DNNL_ENABLE_CONCURRENT_EXEC, where a library-managed scratchpad belongs to the
 // primitive, so one primitive run from two threads at once would share it. With
@@ -61,6 +66,72 @@ struct Matmul {
     }
     prim.execute(stream, args);
   }
+};
+
+// The arguments of one thread's block GEMMs. A memory object is made once per
+// (argument, shape) and re-pointed with set_data_handle afterwards, so a block
+// costs no allocation: with tiny blocks the allocations cost more than the math.
+// Not thread-safe: one per OpenMP thread.
+class Bindings {
+ public:
+  // A 2-D plain operand (rows, cols) with row stride `ld` (or column-major when
+  // `transposed`), element type `dt`, at `ptr`.
+  void Bind(int arg, int64_t rows, int64_t cols, int64_t ld, bool transposed, Dt dt,
+            const void* ptr) {
+    const std::array<int64_t, 6> key{arg, rows, cols, ld, transposed, static_cast<int64_t>(dt)};
+    auto it = memories_.find(key);
+    if (it == memories_.end()) {
+      const memory::dims strides = transposed ? memory::dims{1, ld} : memory::dims{ld, 1};
+      it = memories_.emplace(key, memory(memory::desc({rows, cols}, dt, strides), CpuEngine(),
+                                         const_cast<void*>(ptr)))
+               .first;
+    } else {
+      it->second.set_data_handle(const_cast<void*>(ptr));
+    }
+    args_[arg] = it->second;
+  }
+
+  void Execute(const Matmul& m, dnnl::stream& stream) {
+    const size_t bytes = m.scratchpad.get_size();
+    if (bytes > 0) {
+      if (scratchpad_.size() < bytes) scratchpad_.resize(bytes);
+      const std::array<int64_t, 6> key{DNNL_ARG_SCRATCHPAD, static_cast<int64_t>(bytes)};
+      auto it = memories_.find(key);
+      if (it == memories_.end()) {
+        it = memories_.emplace(key, memory(m.scratchpad, CpuEngine(), scratchpad_.data())).first;
+      } else {
+        it->second.set_data_handle(scratchpad_.data());
+      }
+      args_[DNNL_ARG_SCRATCHPAD] = it->second;
+    }
+    m.prim.execute(stream, args_);
+  }
+
+ private:
+  absl::flat_hash_map<std::array<int64_t, 6>, memory> memories_;
+  std::unordered_map<int, memory> args_;
+  std::vector<char> scratchpad_;
+};
+
+// Records the first failure of a parallel region; exceptions may not cross an
+// OpenMP region, so each task catches and reports here.
+class FirstError {
+ public:
+  void Set(std::string message) {
+    absl::MutexLock lock(&mu_);
+    if (message_.empty()) message_ = std::move(message);
+    failed_.store(true, std::memory_order_relaxed);
+  }
+  bool failed() const { return failed_.load(std::memory_order_relaxed); }
+  absl::Status status() const {
+    absl::MutexLock lock(&mu_);
+    return message_.empty() ? absl::OkStatus() : absl::InternalError(message_);
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  std::string message_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> failed_{false};
 };
 
 // A weight matrix W (n, k) applied as dst = src W^T (+ b) with a oneDNN matmul.
@@ -165,27 +236,6 @@ std::vector<float> Stack(std::initializer_list<const std::vector<float>*> parts)
   return out;
 }
 
-// Records the first failure of a parallel region; exceptions may not cross an
-// OpenMP region, so each task catches and reports here.
-class FirstError {
- public:
-  void Set(std::string message) {
-    absl::MutexLock lock(&mu_);
-    if (message_.empty()) message_ = std::move(message);
-    failed_.store(true, std::memory_order_relaxed);
-  }
-  bool failed() const { return failed_.load(std::memory_order_relaxed); }
-  absl::Status status() const {
-    absl::MutexLock lock(&mu_);
-    return message_.empty() ? absl::OkStatus() : absl::InternalError(message_);
-  }
-
- private:
-  mutable absl::Mutex mu_;
-  std::string message_ ABSL_GUARDED_BY(mu_);
-  std::atomic<bool> failed_{false};
-};
-
 std::string DnnlMessage(const dnnl::error& e) {
   return absl::StrCat("oneDNN: ", e.what(), " (status ", static_cast<int>(e.status), ")");
 }
@@ -230,7 +280,7 @@ class MultiHeadAttention::Impl {
     std::vector<float> s;     // scores / f32 probabilities (query_block, key_block)
     std::vector<float> o;     // context accumulator (query_block, p)
     std::vector<uint16_t> p;  // bf16 probabilities
-    std::vector<char> dnnl;   // oneDNN scratchpad
+    Bindings bindings;        // oneDNN arguments and scratchpad
   };
 
   // (mq, nk) f32 = q (mq, p) k^T / sqrt(p); all operands dense.
@@ -365,7 +415,6 @@ void MultiHeadAttention::Impl::AttendTask(int64_t b, int64_t h, int64_t qb,
   const char* v = hm.v + (b * H + h) * hm.kv_rows * p * asz;
   float* c = ctx + (b * Q + i0) * E + h * p;
   float* a = attention == nullptr ? nullptr : attention + ((b * H + h) * Q + i0) * K;
-  const dnnl::engine& eng = CpuEngine();
   const float factor = in.head_mask.empty() ? 1.0f : in.head_mask[h];
   const int64_t max_lim = *std::max_element(lim, lim + mq);
 
@@ -389,14 +438,11 @@ void MultiHeadAttention::Impl::AttendTask(int64_t b, int64_t h, int64_t qb,
   for (int64_t j0 = 0; j0 < max_lim; j0 += bk) {
     const int64_t nk = std::min(bk, max_lim - j0);
     const bool first = j0 == 0;
-    ScorePrimitive(mq, nk).Execute(
-        stream,
-        {{DNNL_ARG_SRC, memory(memory::desc({mq, p}, act_, {p, 1}), eng,
-                                       const_cast<char*>(q))},
-                 {DNNL_ARG_WEIGHTS, memory(memory::desc({p, nk}, act_, {1, p}), eng,
-                                           const_cast<char*>(k + j0 * p * asz))},
-                 {DNNL_ARG_DST, memory(memory::desc({mq, nk}, Dt::f32, {nk, 1}), eng, s)}},
-        scratch.dnnl);
+    Bindings& args = scratch.bindings;
+    args.Bind(DNNL_ARG_SRC, mq, p, p, false, act_, q);
+    args.Bind(DNNL_ARG_WEIGHTS, p, nk, p, /*transposed=*/true, act_, k + j0 * p * asz);
+    args.Bind(DNNL_ARG_DST, mq, nk, nk, false, Dt::f32, s);
+    args.Execute(ScorePrimitive(mq, nk), stream);
     uint16_t* probs16 = bf16 ? scratch.p.data() : nullptr;
     for (int64_t i = 0; i < mq; ++i) {
       float* srow = s + i * nk;
@@ -424,14 +470,10 @@ void MultiHeadAttention::Impl::AttendTask(int64_t b, int64_t h, int64_t qb,
       if (bf16) std::fill(prow + n, prow + nk, uint16_t{0});
     }
     const void* probs = bf16 ? static_cast<const void*>(probs16) : s;
-    ContextPrimitive(mq, nk, !first)
-        .Execute(stream,
-                 {{DNNL_ARG_SRC, memory(memory::desc({mq, nk}, act_, {nk, 1}), eng,
-                                        const_cast<void*>(probs))},
-                  {DNNL_ARG_WEIGHTS, memory(memory::desc({nk, p}, act_, {p, 1}), eng,
-                                            const_cast<char*>(v + j0 * p * asz))},
-                  {DNNL_ARG_DST, memory(memory::desc({mq, p}, Dt::f32, {p, 1}), eng, o)}},
-                 scratch.dnnl);
+    args.Bind(DNNL_ARG_SRC, mq, nk, nk, false, act_, probs);
+    args.Bind(DNNL_ARG_WEIGHTS, nk, p, p, false, act_, v + j0 * p * asz);
+    args.Bind(DNNL_ARG_DST, mq, p, p, false, Dt::f32, o);
+    args.Execute(ContextPrimitive(mq, nk, !first), stream);
   }
   // Final softmax normalisation and head_mask, written into this head's columns.
   for (int64_t i = 0; i < mq; ++i) {
@@ -536,7 +578,10 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
     char* vh = kh + B * kv_rows * E * asz;
     const int64_t pb = p * asz;
     const char* v_plane = separate_v ? kv_base + B * K * E * asz : kv_base;
-#pragma omp parallel for num_threads(threads) schedule(static)
+    // Tiny problems run our loops on the calling thread: a fork/join costs more than
+    // the work (measured on the "small" benchmark shape).
+    const bool parallel_repack = B * (Q + 2 * kv_rows) * E * asz >= kParallelBytes;
+#pragma omp parallel for num_threads(threads) schedule(static) if (parallel_repack)
     for (int64_t r = 0; r < B * std::max(Q, kv_rows); ++r) {
       const int64_t b = r / std::max(Q, kv_rows), i = r % std::max(Q, kv_rows);
       if (i < Q) {
@@ -560,7 +605,8 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
     float* ctx = reinterpret_cast<float*>(ws->ctx.data());
     const int64_t q_blocks = (Q + o_.query_block - 1) / o_.query_block;
     const int64_t tasks = B * H * q_blocks;
-    const int team = static_cast<int>(std::min<int64_t>(threads, tasks));
+    const bool parallel_attention = 4.0 * B * Q * kv_rows * E >= kParallelFlops;
+    const int team = parallel_attention ? static_cast<int>(std::min<int64_t>(threads, tasks)) : 1;
     if (ws->scratch.size() < static_cast<size_t>(team)) ws->scratch.resize(team);
     const HeadMajor hm{qh, kh, vh, kv_rows};
     FirstError error;
@@ -590,6 +636,8 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
     return absl::InternalError(DnnlMessage(e));
   } catch (const std::bad_alloc&) {
     return absl::ResourceExhaustedError("out of memory in MultiHeadAttention::Forward");
+  } catch (const std::exception& e) {
+    return absl::InternalError(e.what());
   }
   return absl::OkStatus();
 }
