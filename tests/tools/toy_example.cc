@@ -1,6 +1,7 @@
 // The seeds' toy example (d2l, "Multi-Head Attention"): p_o 100, h 5, queries
 // (2, 4, 100), keys = values (2, 6, 100), valid_lens [3, 2]. Prints the output shape
 // and the first values of each row.
+#include <cmath>
 #include <cstdio>
 #include <vector>
 
@@ -14,8 +15,10 @@ int main() {
     std::fprintf(stderr, "%s\n", mha.status().ToString().c_str());
     return 1;
   }
-  std::vector<float> x(2 * 4 * 100, 1.0f), y(2 * 6 * 100, 1.0f), out(2 * 4 * 100);
-  for (size_t i = 0; i < y.size(); ++i) y[i] = static_cast<float>(i % 7) / 7.0f;
+  // Deterministic inputs in [-1, 1]; d2l uses ones, which makes every row equal.
+  std::vector<float> x(2 * 4 * 100), y(2 * 6 * 100), out(2 * 4 * 100);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37f * static_cast<float>(i));
+  for (size_t i = 0; i < y.size(); ++i) y[i] = std::cos(0.11f * static_cast<float>(i));
   const int32_t lens[] = {3, 2};
   AttentionInputs in{.batch = 2, .num_queries = 4, .num_keys = 6, .queries = x.data(),
                      .keys = y.data(), .values = y.data(), .valid_lens = lens};
