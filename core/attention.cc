@@ -57,15 +57,6 @@ struct Matmul {
     dnnl::matmul::primitive_desc pd(desc, attr, CpuEngine());
     return {dnnl::matmul(pd), pd.weights_desc(), pd.scratchpad_desc()};
   }
-  void Execute(dnnl::stream& stream, std::unordered_map<int, memory> args,
-               std::vector<char>& scratch) const {
-    const size_t bytes = scratchpad.get_size();
-    if (bytes > 0) {
-      if (scratch.size() < bytes) scratch.resize(bytes);
-      args.emplace(DNNL_ARG_SCRATCHPAD, memory(scratchpad, CpuEngine(), scratch.data()));
-    }
-    prim.execute(stream, args);
-  }
 };
 
 // The arguments of one thread's block GEMMs. A memory object is made once per
@@ -91,6 +82,24 @@ class Bindings {
     args_[arg] = it->second;
   }
 
+  // Any operand, keyed by argument and descriptor (for the projections' 2-D and 3-D
+  // views). The argument is part of the key: src and dst often share a descriptor.
+  void Bind(int arg, const memory::desc& md, const void* ptr) {
+    for (auto& d : described_) {
+      if (d.arg == arg && d.md == md) {
+        d.mem.set_data_handle(const_cast<void*>(ptr));
+        args_[arg] = d.mem;
+        return;
+      }
+    }
+    described_.push_back({arg, md, memory(md, CpuEngine(), const_cast<void*>(ptr))});
+    args_[arg] = described_.back().mem;
+  }
+  void Set(int arg, const memory& mem) { args_[arg] = mem; }
+  void Erase(int arg) {
+    if (args_.contains(arg)) args_.erase(arg);
+  }
+
   void Execute(const Matmul& m, dnnl::stream& stream) {
     const size_t bytes = m.scratchpad.get_size();
     if (bytes > 0) {
@@ -109,6 +118,12 @@ class Bindings {
 
  private:
   absl::flat_hash_map<std::array<int64_t, 6>, memory> memories_;
+  struct Described {
+    int arg;
+    memory::desc md;
+    memory mem;
+  };
+  std::vector<Described> described_;
   std::unordered_map<int, memory> args_;
   std::vector<char> scratchpad_;
 };
@@ -152,29 +167,29 @@ class Linear {
 
   // dst[bi, r, :] = src[bi, r, :] W^T + b for bi < batch, r < rows. src has dtype
   // dt_ with row stride src_ld and batch stride src_bs; dst has dtype dst_dt.
-  void Run(dnnl::stream& stream, std::vector<char>& scratch, int64_t batch, int64_t rows,
-           const void* src, int64_t src_ld, int64_t src_bs, void* dst, Dt dst_dt, int64_t dst_ld,
+  void Run(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows, const void* src,
+           int64_t src_ld, int64_t src_bs, void* dst, Dt dst_dt, int64_t dst_ld,
            int64_t dst_bs) const {
     const std::array<int64_t, 7> key{batch, rows, src_ld, src_bs, dst_ld, dst_bs,
                                      static_cast<int64_t>(dst_dt)};
     const std::shared_ptr<const Entry> entry = Lookup(key);
     const Entry& e = *entry;
-    const dnnl::engine& eng = CpuEngine();
-    memory src_m(e.src_md, eng, const_cast<void*>(src));
-    memory dst_m(e.dst_md, eng, dst);
-    std::unordered_map<int, memory> args{
-        {DNNL_ARG_SRC, src_m}, {DNNL_ARG_WEIGHTS, e.weights}, {DNNL_ARG_DST, dst_m}};
-    if (!bias_.empty()) {
-      args.emplace(DNNL_ARG_BIAS, memory(e.bias_md, eng, const_cast<float*>(bias_.data())));
+    args.Bind(DNNL_ARG_SRC, e.src_md, src);
+    args.Bind(DNNL_ARG_DST, e.dst_md, dst);
+    args.Set(DNNL_ARG_WEIGHTS, e.weights);
+    if (bias_.empty()) {
+      args.Erase(DNNL_ARG_BIAS);
+    } else {
+      args.Set(DNNL_ARG_BIAS, e.bias);
     }
-    e.matmul.Execute(stream, std::move(args), scratch);
+    args.Execute(e.matmul, stream);
   }
 
  private:
   struct Entry {
     Matmul matmul;
     memory::desc src_md, dst_md, bias_md;
-    memory weights;
+    memory weights, bias;  // read-only, shared by every call
   };
 
   // Entries are shared so that a cache reset never frees one a caller still runs.
@@ -200,6 +215,9 @@ class Linear {
     const memory::desc w_any(w_dims, dt_, memory::format_tag::any);
     e->matmul = Matmul::Make(dnnl::matmul::desc(e->src_md, w_any, e->bias_md, e->dst_md), {});
     e->weights = PackedWeights(e->matmul.weights, memory::desc(w_dims, dt_, w_strides));
+    if (!bias_.empty()) {
+      e->bias = memory(e->bias_md, CpuEngine(), const_cast<float*>(bias_.data()));
+    }
     cache_.emplace(key, e);
     return e;
   }
@@ -281,6 +299,7 @@ class MultiHeadAttention::Impl {
     std::vector<float> o;     // context accumulator (query_block, p)
     std::vector<uint16_t> p;  // bf16 probabilities
     Bindings bindings;        // oneDNN arguments and scratchpad
+    std::optional<dnnl::stream> stream;
   };
 
   // (mq, nk) f32 = q (mq, p) k^T / sqrt(p); all operands dense.
@@ -304,7 +323,8 @@ class MultiHeadAttention::Impl {
     std::vector<char> heads;       // Q, K, V head-major
     std::vector<char> ctx;         // concatenated heads, f32 (B*Q, p_o)
     std::vector<TaskScratch> scratch;  // one per OpenMP thread
-    std::vector<char> dnnl;            // oneDNN scratchpad of the projections
+    Bindings bindings;                 // oneDNN arguments of the projections
+    std::optional<dnnl::stream> stream;
   };
   class WorkspacePool {
    public:
@@ -511,7 +531,8 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
 
   WorkspaceLease ws(workspaces_);
   try {
-    dnnl::stream stream(CpuEngine());
+    if (!ws->stream) ws->stream.emplace(CpuEngine());
+    dnnl::stream& stream = *ws->stream;
     // bf16: activations are converted once, then every GEMM runs in bf16.
     auto as_act = [&](const float* x, int64_t n, std::vector<char>& tmp) -> const void* {
       if (act_ == Dt::f32) return x;
@@ -530,11 +551,11 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
       Grow(ws->proj, B * Q * ld * asz);
       const int64_t d = c_.query_size;
       if (kv_rows == K) {
-        qkv_->Run(stream, ws->dnnl, 1, B * Q, xq, d, 0, ws->proj.data(), act_, ld, 0);
+        qkv_->Run(stream, ws->bindings, 1, B * Q, xq, d, 0, ws->proj.data(), act_, ld, 0);
       } else {
-        q_->Run(stream, ws->dnnl, 1, B * Q, xq, d, 0, ws->proj.data(), act_, ld, 0);
+        q_->Run(stream, ws->bindings, 1, B * Q, xq, d, 0, ws->proj.data(), act_, ld, 0);
         if (kv_rows > 0) {
-          kv_->Run(stream, ws->dnnl, B, kv_rows, xq, d, Q * d, ws->proj.data() + E * asz, act_, ld, Q * ld);
+          kv_->Run(stream, ws->bindings, B, kv_rows, xq, d, Q * d, ws->proj.data() + E * asz, act_, ld, Q * ld);
         }
       }
       q_rows_ld = ld;
@@ -546,7 +567,7 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
       const bool fuse_kv = in.keys == in.values && kv_ != nullptr;
       ld = fuse_kv ? 2 * E : E;
       Grow(ws->proj, B * Q * E * asz);
-      q_->Run(stream, ws->dnnl, 1, B * Q, xq, c_.query_size, 0, ws->proj.data(), act_, E, 0);
+      q_->Run(stream, ws->bindings, 1, B * Q, xq, c_.query_size, 0, ws->proj.data(), act_, E, 0);
       Grow(ws->kv, B * K * 2 * E * asz);
       char* kbase = ws->kv.data();
       // Contiguous rows run as one 2-D GEMM; a per-batch prefix as a 3-D one.
@@ -556,11 +577,11 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
       if (kv_rows > 0) {
         const void* xk = as_act(in.keys, B * K * dk, ws->xk);
         if (fuse_kv) {
-          kv_->Run(stream, ws->dnnl, batch, rows, xk, dk, K * dk, kbase, act_, ld, K * ld);
+          kv_->Run(stream, ws->bindings, batch, rows, xk, dk, K * dk, kbase, act_, ld, K * ld);
         } else {
           const void* xv = as_act(in.values, B * K * dv, ws->xv);
-          k_->Run(stream, ws->dnnl, batch, rows, xk, dk, K * dk, kbase, act_, ld, K * ld);
-          v_->Run(stream, ws->dnnl, batch, rows, xv, dv, K * dv, kbase + B * K * E * asz, act_, ld, K * ld);
+          k_->Run(stream, ws->bindings, batch, rows, xk, dk, K * dk, kbase, act_, ld, K * ld);
+          v_->Run(stream, ws->bindings, batch, rows, xv, dv, K * dv, kbase + B * K * E * asz, act_, ld, K * ld);
         }
       }
       q_rows_ld = E;
@@ -612,8 +633,9 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
     FirstError error;
 #pragma omp parallel num_threads(team)
     {
-      dnnl::stream task_stream(CpuEngine());
       TaskScratch& scratch = ws->scratch[omp_get_thread_num()];
+      if (!scratch.stream) scratch.stream.emplace(CpuEngine());
+      dnnl::stream& task_stream = *scratch.stream;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t t = 0; t < tasks; ++t) {
         if (error.failed()) continue;
@@ -630,7 +652,7 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
     MHA_RETURN_IF_ERROR(error.status());
 
     const void* ctx_act = as_act(ctx, B * Q * E, ws->xq);
-    o_lin_->Run(stream, ws->dnnl, 1, B * Q, ctx_act, E, 0, output, Dt::f32, E, 0);
+    o_lin_->Run(stream, ws->bindings, 1, B * Q, ctx_act, E, 0, output, Dt::f32, E, 0);
     stream.wait();
   } catch (const dnnl::error& e) {
     return absl::InternalError(DnnlMessage(e));
