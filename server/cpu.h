@@ -1,0 +1,14 @@
+// How many CPUs this process may use.
+#ifndef MHA_SERVER_CPU_H_
+#define MHA_SERVER_CPU_H_
+
+namespace mha::server {
+
+// min(CPUs in the affinity mask (sched_getaffinity), ceil(cgroup CPU quota)),
+// at least 1. The quota is read from cgroup v2 cpu.max, else cgroup v1
+// cpu.cfs_quota_us / cpu.cfs_period_us; no quota means no limit.
+int AvailableCpus();
+
+}  // namespace mha::server
+
+#endif  // MHA_SERVER_CPU_H_

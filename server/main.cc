@@ -1,0 +1,135 @@
+// attention_server: serves attention.v1.AttentionService (docs/service.md).
+// Every flag lives here and fills ServerOptions.
+#include <signal.h>
+
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "core/config.h"
+#include "server/server.h"
+
+namespace {
+const mha::server::ServerOptions kDefaults;
+const mha::server::ModelLimits kLimits;
+}  // namespace
+
+ABSL_FLAG(std::string, host, kDefaults.host,
+          "Address to listen on; 127.0.0.1 (loopback) by default, 0.0.0.0 for all.");
+ABSL_FLAG(int32_t, port, kDefaults.port,
+          "gRPC port; 0 picks a free one. The bound address is printed as "
+          "'listening on HOST:PORT'.");
+ABSL_FLAG(int32_t, metrics_port, 9464, "Prometheus /metrics port (reserved; not served yet).");
+ABSL_FLAG(std::string, model_repository, kDefaults.model_repository,
+          "Directory of <name>/config.pbtxt models; empty serves the embedded 'default' "
+          "model (p_o 100, h 5, d_q = d_k = d_v = 100, seeded weights).");
+ABSL_FLAG(int32_t, compute_threads, kDefaults.compute_threads,
+          "OpenMP threads for compute in total; 0 = the CPUs this process may use "
+          "(affinity mask and cgroup quota).");
+ABSL_FLAG(int32_t, compute_workers, kDefaults.compute_workers,
+          "Forward calls run concurrently; each gets compute_threads / compute_workers "
+          "threads.");
+ABSL_FLAG(int64_t, max_queue_size, kDefaults.max_queue_size,
+          "Requests waiting for compute before new ones get RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, max_batch_size, kLimits.max_batch_size,
+          "Default limit on B per request (a model's config.pbtxt may override).");
+ABSL_FLAG(int64_t, max_sequence_length, kLimits.max_sequence_length,
+          "Default limit on Q and K per request.");
+ABSL_FLAG(int64_t, max_request_bytes, kLimits.max_request_bytes,
+          "Default limit on a serialized request; gRPC's receive limit is set to match.");
+ABSL_FLAG(int64_t, max_attention_elements, kLimits.max_attention_elements,
+          "Default limit on B*h*Q*K attention weights returned by return_attention.");
+ABSL_FLAG(absl::Duration, drain_timeout, kDefaults.drain_timeout,
+          "On SIGTERM/SIGINT: how long in-flight calls may take to finish.");
+ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate chain; enables TLS with --tls_key.");
+ABSL_FLAG(std::string, tls_key, "", "PEM server private key.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle; requires and verifies client certificates (mutual TLS).");
+
+int main(int argc, char** argv) {
+  // --help lists this file's flags (absl's default looks for <program>.cc).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "server/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
+  absl::SetProgramUsageMessage(
+      "Serves multi-head attention over gRPC (attention.v1.AttentionService).\n"
+      "Usage: attention_server [--port=50051] [--model_repository=DIR] ...");
+  absl::ParseCommandLine(argc, argv);
+
+  mha::server::ServerOptions options;
+  options.host = absl::GetFlag(FLAGS_host);
+  options.port = absl::GetFlag(FLAGS_port);
+  options.model_repository = absl::GetFlag(FLAGS_model_repository);
+  options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
+  options.compute_workers = absl::GetFlag(FLAGS_compute_workers);
+  options.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
+  options.limits.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
+  options.limits.max_sequence_length = absl::GetFlag(FLAGS_max_sequence_length);
+  options.limits.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
+  options.limits.max_attention_elements = absl::GetFlag(FLAGS_max_attention_elements);
+  options.drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
+  options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key = absl::GetFlag(FLAGS_tls_key);
+  options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  for (auto [name, value] : {std::pair{"max_batch_size", options.limits.max_batch_size},
+                             {"max_sequence_length", options.limits.max_sequence_length},
+                             {"max_request_bytes", options.limits.max_request_bytes},
+                             {"max_attention_elements", options.limits.max_attention_elements}}) {
+    if (value < 1) {
+      std::fprintf(stderr, "error: --%s: expected >= 1, got %lld\n", name,
+                   static_cast<long long>(value));
+      return 2;
+    }
+  }
+
+  // Signals are taken synchronously by sigwait below; block them before any
+  // thread starts so every thread inherits the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  auto server = mha::server::Server::Create(options);
+  if (!server.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(server.status().message()).c_str());
+    return 1;
+  }
+  for (const mha::server::Model* model : (*server)->models().models()) {
+    const mha::core::ModelConfig& c = model->config;
+    std::fprintf(stderr,
+                 "model %s: p_o %lld, h %lld, d_q %lld, d_k %lld, d_v %lld, bias %s, %s, "
+                 "weights %s, max_batch_size %lld, max_sequence_length %lld\n",
+                 model->name.c_str(), static_cast<long long>(c.num_hiddens),
+                 static_cast<long long>(c.num_heads), static_cast<long long>(c.query_size),
+                 static_cast<long long>(c.key_size), static_cast<long long>(c.value_size),
+                 c.bias ? "on" : "off", std::string(mha::core::PrecisionName(c.precision)).c_str(),
+                 model->weights_source.c_str(),
+                 static_cast<long long>(model->limits.max_batch_size),
+                 static_cast<long long>(model->limits.max_sequence_length));
+  }
+  std::fprintf(stderr, "compute: %d worker(s) x %d thread(s)%s\n", options.compute_workers,
+               (*server)->threads_per_worker(),
+               options.tls_client_ca.empty() ? (options.tls_cert.empty() ? "" : ", TLS")
+                                             : ", mutual TLS");
+  std::printf("listening on %s\n", (*server)->address().c_str());
+  std::fflush(stdout);
+
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  std::fprintf(stderr, "received %s: draining (up to %s)\n",
+               signal_number == SIGTERM ? "SIGTERM" : "SIGINT",
+               absl::FormatDuration(options.drain_timeout).c_str());
+  (*server)->Shutdown();
+  std::fprintf(stderr, "stopped\n");
+  return 0;
+}

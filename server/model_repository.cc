@@ -1,0 +1,209 @@
+#include "server/model_repository.h"
+
+#include <google/protobuf/io/tokenizer.h>
+#include <google/protobuf/text_format.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/status_macros.h"
+#include "core/weights.h"
+
+namespace mha::server {
+namespace {
+
+namespace fs = std::filesystem;
+
+class CollectErrors : public google::protobuf::io::ErrorCollector {
+ public:
+  void AddError(int line, google::protobuf::io::ColumnNumber column,
+                const std::string& message) override {
+    if (!errors_.empty()) errors_ += "; ";
+    absl::StrAppend(&errors_, "line ", line + 1, " column ", column + 1, ": ", message);
+  }
+  const std::string& errors() const { return errors_; }
+
+ private:
+  std::string errors_;
+};
+
+absl::StatusOr<ModelLimits> ResolveLimits(const attention::v1::ModelLimitsConfig& config,
+                                          const ModelLimits& defaults) {
+  ModelLimits limits = defaults;
+  const std::pair<const char*, std::pair<int64_t, int64_t*>> fields[] = {
+      {"max_batch_size", {config.max_batch_size(), &limits.max_batch_size}},
+      {"max_sequence_length", {config.max_sequence_length(), &limits.max_sequence_length}},
+      {"max_request_bytes", {config.max_request_bytes(), &limits.max_request_bytes}},
+      {"max_attention_elements",
+       {config.max_attention_elements(), &limits.max_attention_elements}},
+  };
+  for (const auto& [name, value] : fields) {
+    if (value.first < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("limits.", name, ": expected >= 0 (0 = the server default), got ",
+                       value.first));
+    }
+    if (value.first > 0) *value.second = value.first;
+  }
+  return limits;
+}
+
+absl::StatusOr<core::ModelConfig> ToCoreConfig(const attention::v1::ModelConfig& proto) {
+  core::ModelConfig config{
+      .num_hiddens = proto.num_hiddens(),
+      .num_heads = proto.num_heads(),
+      .query_size = proto.query_size() != 0 ? proto.query_size() : proto.num_hiddens(),
+      .key_size = proto.key_size() != 0 ? proto.key_size() : proto.num_hiddens(),
+      .value_size = proto.value_size() != 0 ? proto.value_size() : proto.num_hiddens(),
+      .bias = proto.bias(),
+      .dropout = proto.dropout(),
+  };
+  if (!proto.precision().empty()) {
+    MHA_ASSIGN_OR_RETURN(config.precision, core::ParsePrecision(proto.precision()));
+  }
+  MHA_RETURN_IF_ERROR(config.Validate());
+  return config;
+}
+
+absl::StatusOr<std::unique_ptr<core::MultiHeadAttention>> MakeAttention(
+    const core::ModelConfig& config, const core::Weights& weights, int num_threads) {
+  core::MultiHeadAttention::Options options;
+  options.num_threads = num_threads;
+  return core::MultiHeadAttention::Create(config, weights, options);
+}
+
+absl::Status WithContext(const absl::Status& status, absl::string_view context) {
+  return absl::Status(status.code(), absl::StrCat(context, ": ", status.message()));
+}
+
+}  // namespace
+
+absl::StatusOr<attention::v1::ModelConfig> ParseModelConfig(absl::string_view text,
+                                                            absl::string_view source) {
+  attention::v1::ModelConfig config;
+  google::protobuf::TextFormat::Parser parser;
+  CollectErrors errors;
+  parser.RecordErrorsTo(&errors);
+  if (!parser.ParseFromString(std::string(text), &config)) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", errors.errors()));
+  }
+  return config;
+}
+
+absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir,
+                                                 const std::string& name,
+                                                 const ModelRepository::Options& options) {
+  const std::string config_path = (fs::path(dir) / "config.pbtxt").string();
+  const std::string context = absl::StrCat("model ", name, " (", config_path, ")");
+  std::ifstream file(config_path);
+  if (!file) return absl::NotFoundError(absl::StrCat(context, ": cannot read the file"));
+  std::stringstream text;
+  text << file.rdbuf();
+
+  auto model = std::make_unique<Model>();
+  model->name = name;
+  MHA_ASSIGN_OR_RETURN(model->proto, ParseModelConfig(text.str(), context));
+  const attention::v1::ModelConfig& proto = model->proto;
+  if (!proto.name().empty() && proto.name() != name) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        context, ": name \"", proto.name(), "\" differs from the directory name \"", name,
+        "\""));
+  }
+  auto config = ToCoreConfig(proto);
+  if (!config.ok()) return WithContext(config.status(), context);
+  model->config = *config;
+  auto limits = ResolveLimits(proto.limits(), options.default_limits);
+  if (!limits.ok()) return WithContext(limits.status(), context);
+  model->limits = *limits;
+
+  core::Weights weights;
+  if (proto.has_seeded()) {
+    weights = core::SeededWeights(model->config, proto.seeded().seed());
+    model->weights_source = absl::StrCat("seeded (seed ", proto.seeded().seed(), ")");
+  } else {
+    const std::string weights_path =
+        (fs::path(dir) / (proto.file().empty() ? "weights.safetensors" : proto.file()))
+            .string();
+    auto loaded = core::LoadSafetensorsWeights(weights_path, model->config);
+    if (!loaded.ok()) {
+      return WithContext(loaded.status(), absl::StrCat("model ", name, " (", weights_path, ")"));
+    }
+    weights = *std::move(loaded);
+    model->weights_source = weights_path;
+  }
+  auto attention = MakeAttention(model->config, weights, options.num_threads);
+  if (!attention.ok()) return WithContext(attention.status(), context);
+  model->attention = *std::move(attention);
+  return model;
+}
+
+absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(
+    const Options& options) {
+  std::unique_ptr<ModelRepository> repository(new ModelRepository());
+  if (options.path.empty()) {
+    auto model = std::make_unique<Model>();
+    model->name = kDefaultModelName;
+    model->limits = options.default_limits;
+    model->weights_source = absl::StrCat("seeded (seed ", kDefaultModelSeed, ")");
+    MHA_ASSIGN_OR_RETURN(
+        model->attention,
+        MakeAttention(model->config, core::SeededWeights(model->config, kDefaultModelSeed),
+                      options.num_threads));
+    repository->models_.emplace(model->name, std::move(model));
+    return repository;
+  }
+
+  std::error_code error;
+  fs::directory_iterator it(options.path, error);
+  if (error) {
+    return absl::NotFoundError(absl::StrCat("model_repository ", options.path,
+                                            ": cannot list the directory: ", error.message()));
+  }
+  std::vector<fs::path> dirs;
+  for (const fs::directory_entry& entry : it) {
+    const std::string name = entry.path().filename().string();
+    if (entry.is_directory() && !name.empty() && name[0] != '.') dirs.push_back(entry.path());
+  }
+  std::sort(dirs.begin(), dirs.end());
+  for (const fs::path& dir : dirs) {
+    MHA_ASSIGN_OR_RETURN(std::unique_ptr<Model> model,
+                         LoadModel(dir.string(), dir.filename().string(), options));
+    repository->models_.emplace(model->name, std::move(model));
+  }
+  if (repository->models_.empty()) {
+    return absl::NotFoundError(absl::StrCat("model_repository ", options.path,
+                                            ": no model directories (<name>/config.pbtxt)"));
+  }
+  return repository;
+}
+
+absl::StatusOr<const Model*> ModelRepository::Find(absl::string_view name) const {
+  if (name.empty()) {
+    if (auto it = models_.find(kDefaultModelName); it != models_.end()) return it->second.get();
+    if (models_.size() == 1) return models_.begin()->second.get();
+  } else if (auto it = models_.find(name); it != models_.end()) {
+    return it->second.get();
+  }
+  std::vector<std::string> names;
+  for (const auto& [served, model] : models_) names.push_back(served);
+  if (name.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model: required, this server has several models and none named \"",
+        kDefaultModelName, "\" (", absl::StrJoin(names, ", "), ")"));
+  }
+  return absl::NotFoundError(absl::StrCat("model: unknown model \"", name, "\"; served: ",
+                                          absl::StrJoin(names, ", ")));
+}
+
+std::vector<const Model*> ModelRepository::models() const {
+  std::vector<const Model*> models;
+  for (const auto& [name, model] : models_) models.push_back(model.get());
+  return models;
+}
+
+}  // namespace mha::server

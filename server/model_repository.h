@@ -1,0 +1,86 @@
+// The models a server serves, loaded once at start-up and immutable afterwards.
+//
+// Layout of a model repository (DESIGN.md, "The service"):
+//   <repo>/<name>/config.pbtxt        text-format attention.v1.ModelConfig
+//   <repo>/<name>/weights.safetensors unless config.pbtxt declares `seeded { seed }`
+//                                      or names another `file`
+// Every sub-directory is a model; one that fails to load fails the whole
+// repository with a message naming the model and the file. With no repository
+// the server serves one embedded model, "default": d2l's toy sizes (p_o 100, h 5,
+// d_q = d_k = d_v = 100), SeededWeights(config, kDefaultModelSeed).
+//
+// Thread safety: immutable after Create; all methods are thread-safe.
+#ifndef MHA_SERVER_MODEL_REPOSITORY_H_
+#define MHA_SERVER_MODEL_REPOSITORY_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "core/attention.h"
+#include "core/config.h"
+#include "proto/model_config.pb.h"
+
+namespace mha::server {
+
+inline constexpr char kDefaultModelName[] = "default";
+inline constexpr uint64_t kDefaultModelSeed = 0;
+
+// Per-model request limits. A request over one is RESOURCE_EXHAUSTED naming it.
+struct ModelLimits {
+  int64_t max_batch_size = 64;                  // B
+  int64_t max_sequence_length = 4096;           // Q and K
+  int64_t max_request_bytes = int64_t{64} << 20;  // serialized AttendRequest
+  int64_t max_attention_elements = int64_t{1} << 24;  // B*h*Q*K, return_attention
+};
+
+struct Model {
+  std::string name;
+  core::ModelConfig config;
+  ModelLimits limits;
+  attention::v1::ModelConfig proto;  // as parsed (defaults not filled in)
+  std::string weights_source;        // "seeded (seed 0)" or the weights path
+  std::unique_ptr<core::MultiHeadAttention> attention;
+};
+
+class ModelRepository {
+ public:
+  struct Options {
+    std::string path;            // "" = the embedded default model
+    ModelLimits default_limits;  // used for every limit a config leaves at 0
+    int num_threads = 0;         // OpenMP threads per forward call (0: OpenMP default)
+  };
+
+  // INVALID_ARGUMENT / NOT_FOUND naming the model and the file on any fault.
+  static absl::StatusOr<std::unique_ptr<ModelRepository>> Create(const Options& options);
+
+  // name "" resolves to "default" if served, else to the only model. NOT_FOUND
+  // names the unknown model and lists the served ones; INVALID_ARGUMENT when ""
+  // is ambiguous.
+  absl::StatusOr<const Model*> Find(absl::string_view name) const;
+
+  // Sorted by name.
+  std::vector<const Model*> models() const;
+
+ private:
+  ModelRepository() = default;
+  std::map<std::string, std::unique_ptr<Model>, std::less<>> models_;
+};
+
+// Parses config.pbtxt text. `source` names the file in error messages.
+absl::StatusOr<attention::v1::ModelConfig> ParseModelConfig(absl::string_view text,
+                                                            absl::string_view source);
+
+// Loads <dir>/config.pbtxt and its weights as model `name` (the directory name).
+absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir,
+                                                 const std::string& name,
+                                                 const ModelRepository::Options& options);
+
+}  // namespace mha::server
+
+#endif  // MHA_SERVER_MODEL_REPOSITORY_H_

@@ -1,0 +1,123 @@
+#include "server/server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <algorithm>
+#include <climits>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+#include "server/cpu.h"
+
+namespace mha::server {
+namespace {
+
+absl::StatusOr<std::string> ReadFile(absl::string_view flag, const std::string& path) {
+  std::ifstream file(path);
+  if (!file) return absl::NotFoundError(absl::StrCat(flag, ": cannot read ", path));
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
+    const ServerOptions& options) {
+  if (options.tls_cert.empty() && options.tls_key.empty()) {
+    if (!options.tls_client_ca.empty()) {
+      return absl::InvalidArgumentError("tls_client_ca: needs --tls_cert and --tls_key");
+    }
+    return grpc::InsecureServerCredentials();
+  }
+  if (options.tls_cert.empty() || options.tls_key.empty()) {
+    return absl::InvalidArgumentError("tls_cert, tls_key: give both or neither");
+  }
+  grpc::SslServerCredentialsOptions ssl;
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  MHA_ASSIGN_OR_RETURN(pair.cert_chain, ReadFile("tls_cert", options.tls_cert));
+  MHA_ASSIGN_OR_RETURN(pair.private_key, ReadFile("tls_key", options.tls_key));
+  ssl.pem_key_cert_pairs.push_back(std::move(pair));
+  if (!options.tls_client_ca.empty()) {
+    MHA_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile("tls_client_ca", options.tls_client_ca));
+    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(ssl);
+}
+
+std::string HostPort(const std::string& host, int port) {
+  return absl::StrContains(host, ':') ? absl::StrCat("[", host, "]:", port)
+                                      : absl::StrCat(host, ":", port);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& options) {
+  std::unique_ptr<Server> server(new Server());
+  server->options_ = options;
+  const int threads = options.compute_threads > 0 ? options.compute_threads : AvailableCpus();
+  if (options.compute_workers < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("compute_workers: expected >= 1, got ", options.compute_workers));
+  }
+  server->threads_per_worker_ = std::max(1, threads / options.compute_workers);
+
+  MHA_ASSIGN_OR_RETURN(server->models_,
+                       ModelRepository::Create({.path = options.model_repository,
+                                                .default_limits = options.limits,
+                                                .num_threads = server->threads_per_worker_}));
+  MHA_ASSIGN_OR_RETURN(server->queue_,
+                       ComputeQueue::Create({.num_workers = options.compute_workers,
+                                             .max_queue_size = options.max_queue_size}));
+  MHA_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                       MakeCredentials(options));
+  server->service_ =
+      std::make_unique<AttentionServiceImpl>(server->models_.get(), server->queue_.get());
+
+  // The transport refuses bigger messages itself; each model's own limit is
+  // checked in validation, so the transport allows the largest of them.
+  int64_t max_receive = options.limits.max_request_bytes;
+  for (const Model* model : server->models_->models()) {
+    max_receive = std::max(max_receive, model->limits.max_request_bytes);
+  }
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(HostPort(options.host, options.port), credentials, &server->port_);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(max_receive, INT_MAX)));
+  builder.SetMaxSendMessageSize(INT_MAX);
+  builder.RegisterService(server->service_.get());
+  server->grpc_server_ = builder.BuildAndStart();
+  if (server->grpc_server_ == nullptr || server->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "port: cannot listen on ", HostPort(options.host, options.port),
+        " (address in use, or a bad host or TLS key pair)"));
+  }
+  grpc::HealthCheckServiceInterface* health = server->grpc_server_->GetHealthCheckService();
+  for (const Model* model : server->models_->models()) {
+    health->SetServingStatus(model->name, true);
+  }
+  health->SetServingStatus(true);  // overall ("") last: every model is ready
+  return server;
+}
+
+Server::~Server() { Shutdown(); }
+
+void Server::Shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (grpc_server_ != nullptr) {
+    // Turns every status NOT_SERVING and ignores later updates.
+    if (auto* health = grpc_server_->GetHealthCheckService()) health->Shutdown();
+    grpc_server_->Shutdown(absl::ToChronoTime(absl::Now() + options_.drain_timeout));
+  }
+  if (queue_ != nullptr) queue_->Shutdown();
+  if (grpc_server_ != nullptr) grpc_server_->Wait();
+}
+
+std::string Server::address() const { return HostPort(options_.host, port_); }
+
+}  // namespace mha::server

@@ -1,0 +1,76 @@
+// The attention server: model repository + compute queue + gRPC service, health
+// and reflection, listening on one port.
+//
+//   ServerOptions options;            // defaults: 127.0.0.1:50051, embedded model
+//   options.port = 0;                 // pick a free port
+//   auto server = Server::Create(options).value();   // serving when this returns
+//   std::printf("listening on %s\n", server->address().c_str());
+//   ...
+//   server->Shutdown();               // drain: see below
+//
+// Thread safety: Shutdown may be called from any thread, once.
+#ifndef MHA_SERVER_SERVER_H_
+#define MHA_SERVER_SERVER_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server/compute_queue.h"
+#include "server/model_repository.h"
+#include "server/service.h"
+
+namespace mha::server {
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";  // loopback by default; "0.0.0.0" to serve the network
+  int32_t port = 50051;            // 0 = pick a free port (see Server::port())
+  std::string model_repository;    // "" = the embedded "default" model
+  int compute_threads = 0;         // total OpenMP threads for compute; 0 = AvailableCpus()
+  int compute_workers = 1;         // concurrent forward calls; each gets threads/workers
+  int64_t max_queue_size = 1024;   // queued requests before RESOURCE_EXHAUSTED
+  ModelLimits limits;              // defaults for limits a model config leaves at 0
+  absl::Duration drain_timeout = absl::Seconds(10);
+  // TLS: PEM file paths. cert + key enable TLS; client_ca also requires and
+  // verifies client certificates (mutual TLS). All empty: plaintext.
+  std::string tls_cert;
+  std::string tls_key;
+  std::string tls_client_ca;
+};
+
+class Server {
+ public:
+  // Loads every model (any failure is returned, naming the model and file), binds
+  // the port and starts serving with health SERVING overall ("") and per model name.
+  static absl::StatusOr<std::unique_ptr<Server>> Create(const ServerOptions& options);
+  ~Server();  // Shutdown()
+
+  // Health NOT_SERVING, stop accepting calls, let in-flight calls finish for up to
+  // drain_timeout (then cancel the rest), run what is queued, stop the workers.
+  void Shutdown();
+
+  int port() const { return port_; }
+  std::string address() const;  // "host:port"
+  const ModelRepository& models() const { return *models_; }
+  int threads_per_worker() const { return threads_per_worker_; }
+
+ private:
+  Server() = default;
+
+  ServerOptions options_;
+  int port_ = 0;
+  int threads_per_worker_ = 1;
+  std::unique_ptr<ModelRepository> models_;
+  std::unique_ptr<ComputeQueue> queue_;
+  std::unique_ptr<AttentionServiceImpl> service_;
+  std::unique_ptr<grpc::Server> grpc_server_;
+  bool shut_down_ = false;
+};
+
+}  // namespace mha::server
+
+#endif  // MHA_SERVER_SERVER_H_

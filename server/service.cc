@@ -1,0 +1,255 @@
+#include "server/service.h"
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "core/config.h"
+#include "server/grpc_status.h"
+#include "server/validation.h"
+
+namespace mha::server {
+namespace {
+
+using attention::v1::AttendRequest;
+using attention::v1::AttendResponse;
+
+absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
+  const auto deadline = context->deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(deadline);
+}
+
+// One AttendStream call. Owned by itself: deleted when gRPC is done with it
+// (OnDone) and no worker still holds a reference (every queued item holds one).
+class AttendStreamReactor final
+    : public grpc::ServerBidiReactor<AttendRequest, AttendResponse> {
+ public:
+  AttendStreamReactor(grpc::CallbackServerContext* context, const ModelRepository* models,
+                      ComputeQueue* queue)
+      : context_(context), models_(models), queue_(queue) {
+    absl::MutexLock lock(&mu_);
+    reading_ = true;
+    StartRead(&incoming_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // half-close by the client, or the call is over
+      absl::MutexLock lock(&mu_);
+      reading_ = false;
+      read_done_ = true;
+      Advance();
+      return;
+    }
+    auto owned = std::make_unique<Slot>();
+    Slot* slot = owned.get();
+    slot->request.Swap(&incoming_);
+    slot->index = next_index_++;
+    slot->response.set_request_id(slot->request.request_id());
+    absl::StatusOr<ValidatedRequest> validated = ValidateRequest(slot->request, *models_);
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_ || finished_) {  // a late message on a stream that is ending
+        reading_ = false;
+        Advance();
+        return;
+      }
+      // From here the stream cannot finish before this slot is done.
+      slots_.push_back(std::move(owned));
+    }
+    absl::Status submitted = validated.status();
+    if (validated.ok()) {
+      Ref();
+      submitted = queue_->Submit(WorkItem{
+          .request = *validated,
+          .response = &slot->response,
+          .deadline = DeadlineOf(context_),
+          .cancelled = [context = context_] { return context->IsCancelled(); },
+          .done = [this, slot](absl::Status status) { OnComputed(slot, std::move(status)); },
+      });
+      if (!submitted.ok()) Unref();
+    }
+    absl::MutexLock lock(&mu_);
+    reading_ = false;
+    if (!submitted.ok()) {
+      Complete(slot, std::move(submitted));
+      no_more_reads_ = true;
+    }
+    Advance();
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    slots_.pop_front();
+    if (!ok && !stop_) {
+      stop_ = true;
+      final_status_ = absl::CancelledError("stream closed by the client");
+    }
+    Advance();
+  }
+
+  void OnDone() override { Unref(); }
+
+ private:
+  struct Slot {
+    AttendRequest request;
+    AttendResponse response;
+    int64_t index = 0;
+    bool done = false;
+    absl::Status status;
+  };
+
+  void OnComputed(Slot* slot, absl::Status status) {
+    {
+      absl::MutexLock lock(&mu_);
+      Complete(slot, std::move(status));
+      Advance();
+    }
+    Unref();
+  }
+
+  void Complete(Slot* slot, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    slot->done = true;
+    if (!status.ok()) {
+      slot->status = absl::Status(
+          status.code(), absl::StrCat("request ", slot->index, " (request_id \"",
+                                      slot->request.request_id(), "\"): ", status.message()));
+    }
+  }
+
+  // Starts whatever can happen next: a write of the oldest finished response, a
+  // read, or Finish once nothing is left in flight.
+  void Advance() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return;
+    if (!stop_ && !writing_ && !slots_.empty() && slots_.front()->done) {
+      Slot& front = *slots_.front();
+      if (front.status.ok()) {
+        writing_ = true;
+        StartWrite(&front.response);
+      } else {
+        stop_ = true;
+        final_status_ = front.status;
+      }
+    }
+    if (stop_) {
+      // Finish only when no worker is computing into a slot any more.
+      if (writing_) return;
+      for (const auto& slot : slots_) {
+        if (!slot->done) return;
+      }
+      slots_.clear();
+      finished_ = true;
+      Finish(ToGrpcStatus(final_status_));
+      return;
+    }
+    if (read_done_) {
+      if (slots_.empty() && !writing_) {
+        finished_ = true;
+        Finish(grpc::Status::OK);
+      }
+      return;
+    }
+    if (!reading_ && !no_more_reads_ &&
+        static_cast<int>(slots_.size()) < kMaxStreamInFlight) {
+      reading_ = true;
+      StartRead(&incoming_);
+    }
+  }
+
+  void Ref() { refs_.fetch_add(1, std::memory_order_relaxed); }
+  void Unref() {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+
+  grpc::CallbackServerContext* const context_;
+  const ModelRepository* const models_;
+  ComputeQueue* const queue_;
+  std::atomic<int> refs_{1};  // gRPC's, released in OnDone, plus one per queued item
+  AttendRequest incoming_;    // the read buffer; only the read path touches it
+  int64_t next_index_ = 0;    // likewise
+
+  absl::Mutex mu_;
+  std::deque<std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);  // in request order
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  bool read_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool no_more_reads_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;  // ending with final_status_
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status final_status_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+attention::v1::ModelInfo ToModelInfo(const Model& model) {
+  const core::ModelConfig& c = model.config;
+  attention::v1::ModelInfo info;
+  info.set_name(model.name);
+  info.set_num_hiddens(c.num_hiddens);
+  info.set_num_heads(c.num_heads);
+  info.set_head_size(c.head_size());
+  info.set_query_size(c.query_size);
+  info.set_key_size(c.key_size);
+  info.set_value_size(c.value_size);
+  info.set_bias(c.bias);
+  info.set_precision(std::string(core::PrecisionName(c.precision)));
+  info.set_supports_self_attention(c.SupportsSelfAttention());
+  attention::v1::ModelLimits* limits = info.mutable_limits();
+  limits->set_max_batch_size(model.limits.max_batch_size);
+  limits->set_max_sequence_length(model.limits.max_sequence_length);
+  limits->set_max_request_bytes(model.limits.max_request_bytes);
+  limits->set_max_attention_elements(model.limits.max_attention_elements);
+  return info;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
+                                                       const AttendRequest* request,
+                                                       AttendResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  response->set_request_id(request->request_id());
+  absl::StatusOr<ValidatedRequest> validated = ValidateRequest(*request, *models_);
+  if (!validated.ok()) {
+    reactor->Finish(ToGrpcStatus(validated.status()));
+    return reactor;
+  }
+  absl::Status submitted = queue_->Submit(WorkItem{
+      .request = *validated,
+      .response = response,
+      .deadline = DeadlineOf(context),
+      .cancelled = [context] { return context->IsCancelled(); },
+      .done = [reactor](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); },
+  });
+  if (!submitted.ok()) reactor->Finish(ToGrpcStatus(submitted));
+  return reactor;
+}
+
+grpc::ServerBidiReactor<AttendRequest, AttendResponse>* AttentionServiceImpl::AttendStream(
+    grpc::CallbackServerContext* context) {
+  return new AttendStreamReactor(context, models_, queue_);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(
+    grpc::CallbackServerContext* context, const attention::v1::GetModelRequest* request,
+    attention::v1::ModelInfo* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<const Model*> model = models_->Find(request->model());
+  if (model.ok()) *response = ToModelInfo(**model);
+  reactor->Finish(ToGrpcStatus(model.status()));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(
+    grpc::CallbackServerContext* context, const attention::v1::ListModelsRequest* /*request*/,
+    attention::v1::ListModelsResponse* response) {
+  for (const Model* model : models_->models()) *response->add_models() = ToModelInfo(*model);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace mha::server

@@ -1,0 +1,126 @@
+// Helpers for tests that call a running attention_server over gRPC.
+#ifndef MHA_TESTS_INTEGRATION_CLIENT_UTIL_H_
+#define MHA_TESTS_INTEGRATION_CLIENT_UTIL_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/attention.h"
+#include "core/config.h"
+#include "core/weights.h"
+#include "proto/attention.grpc.pb.h"
+#include "proto/grpc/health/v1/health.grpc.pb.h"
+
+namespace mha::testing {
+
+using attention::v1::AttendRequest;
+using attention::v1::AttendResponse;
+using attention::v1::AttentionService;
+using attention::v1::Tensor;
+
+// data[i] = sin(0.37 i + offset): deterministic, varied, finite.
+inline Tensor MakeTensor(const std::vector<int64_t>& shape, float offset = 0.0f) {
+  Tensor tensor;
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    tensor.add_shape(d);
+    n *= d;
+  }
+  for (int64_t i = 0; i < n; ++i) tensor.add_data(std::sin(0.37f * static_cast<float>(i) + offset));
+  return tensor;
+}
+
+// The seeds' toy request: queries (2, 4, 100), keys = values (2, 6, 100),
+// valid_lens [3, 2].
+inline AttendRequest ToyRequest() {
+  AttendRequest request;
+  *request.mutable_queries() = MakeTensor({2, 4, 100}, 0.0f);
+  *request.mutable_keys() = MakeTensor({2, 6, 100}, 1.0f);
+  *request.mutable_values() = request.keys();
+  request.add_valid_lens(3);
+  request.add_valid_lens(2);
+  request.set_request_id("toy");
+  return request;
+}
+
+inline std::shared_ptr<grpc::Channel> Channel(
+    const std::string& target,
+    std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials(),
+    const std::string& ssl_target_name = "", bool own_connection = false) {
+  grpc::ChannelArguments args;
+  // Channels with equal arguments share one connection; this one gets its own.
+  if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  if (!ssl_target_name.empty()) args.SetSslTargetNameOverride(ssl_target_name);
+  return grpc::CreateCustomChannel(target, credentials, args);
+}
+
+inline std::unique_ptr<AttentionService::Stub> Connect(const std::string& target) {
+  return AttentionService::NewStub(Channel(target));
+}
+
+inline void SetTimeout(grpc::ClientContext* context, std::chrono::milliseconds timeout) {
+  context->set_deadline(std::chrono::system_clock::now() + timeout);
+}
+
+inline grpc::Status Attend(AttentionService::Stub& stub, const AttendRequest& request,
+                           AttendResponse* response,
+                           std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+  grpc::ClientContext context;
+  SetTimeout(&context, timeout);
+  return stub.Attend(&context, request, response);
+}
+
+// The in-process core's answer for `request` on a model with `config` and
+// SeededWeights(config, seed).
+struct CoreResult {
+  std::vector<float> output, attention;
+};
+inline CoreResult CoreForward(const core::ModelConfig& config, uint64_t seed,
+                              const AttendRequest& request) {
+  auto mha = core::MultiHeadAttention::Create(config, core::SeededWeights(config, seed)).value();
+  const Tensor& q = request.queries();
+  const bool cross = request.has_keys();
+  core::AttentionInputs in{
+      .batch = q.shape(0),
+      .num_queries = q.shape(1),
+      .num_keys = cross ? request.keys().shape(1) : q.shape(1),
+      .queries = q.data().data(),
+      .keys = cross ? request.keys().data().data() : nullptr,
+      .values = cross ? request.values().data().data() : nullptr,
+      .valid_lens = {request.valid_lens().data(), static_cast<size_t>(request.valid_lens_size())},
+      .causal = request.causal(),
+      .head_mask = {request.head_mask().data(), static_cast<size_t>(request.head_mask_size())},
+  };
+  CoreResult result;
+  result.output.resize(static_cast<size_t>(in.batch * in.num_queries * config.num_hiddens));
+  if (request.return_attention()) {
+    result.attention.resize(
+        static_cast<size_t>(in.batch * config.num_heads * in.num_queries * in.num_keys));
+  }
+  const absl::Status status = mha->Forward(
+      in, result.output.data(), request.return_attention() ? result.attention.data() : nullptr);
+  if (!status.ok()) result.output.clear();
+  return result;
+}
+
+template <typename A, typename B>
+float MaxAbsDiff(const A& a, const B& b) {
+  if (static_cast<size_t>(a.size()) != static_cast<size_t>(b.size())) return INFINITY;
+  float diff = 0;
+  for (size_t i = 0; i < static_cast<size_t>(a.size()); ++i) {
+    diff = std::max(diff, std::abs(a[i] - b[i]));
+  }
+  return diff;
+}
+
+}  // namespace mha::testing
+
+#endif  // MHA_TESTS_INTEGRATION_CLIENT_UTIL_H_

@@ -1,0 +1,346 @@
+// Start-up, model repositories, TLS and shutdown of the real server process.
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "gtest/gtest.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "core/safetensors.h"
+#include "server/model_repository.h"
+#include "tests/integration/client_util.h"
+#include "tests/integration/server_process.h"
+
+namespace mha::testing {
+namespace {
+
+using ::grpc::health::v1::Health;
+using ::grpc::health::v1::HealthCheckRequest;
+using ::grpc::health::v1::HealthCheckResponse;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream file(path);
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+TEST(StartupTest, HelpListsEveryFlagWithItsDefault) {
+  const RunResult run = RunServer({"--help"});
+  for (const char* flag :
+       {"--host", "--port", "--metrics_port", "--model_repository", "--compute_threads",
+        "--compute_workers", "--max_queue_size", "--max_batch_size", "--max_sequence_length",
+        "--max_request_bytes", "--max_attention_elements", "--drain_timeout", "--tls_cert",
+        "--tls_key", "--tls_client_ca"}) {
+    EXPECT_TRUE(absl::StrContains(run.out, flag)) << flag << "\n" << run.out;
+  }
+  EXPECT_TRUE(absl::StrContains(run.out, "default: 50051"));
+  EXPECT_TRUE(absl::StrContains(run.out, "default: \"127.0.0.1\""));
+}
+
+TEST(StartupTest, BadModelFailsStartNamingModelAndFile) {
+  TempDir repository;
+  repository.Write("good/config.pbtxt", "num_hiddens: 100 num_heads: 5 seeded { seed: 0 }");
+  const std::string config =
+      repository.Write("bad/config.pbtxt", "num_hiddens: 100 num_heads: 7 seeded { seed: 0 }");
+  const RunResult run = RunServer({"--port=0", "--model_repository=" + repository.path()});
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_FALSE(absl::StrContains(run.out, "listening on"));
+  EXPECT_TRUE(absl::StrContains(run.err, "model bad (" + config + ")")) << run.err;
+  EXPECT_TRUE(absl::StrContains(run.err, "num_heads")) << run.err;
+}
+
+TEST(StartupTest, MissingWeightsFileFailsStartNamingIt) {
+  TempDir repository;
+  repository.Write("real/config.pbtxt", "num_hiddens: 100 num_heads: 5");
+  const RunResult run = RunServer({"--port=0", "--model_repository=" + repository.path()});
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_FALSE(absl::StrContains(run.out, "listening on"));
+  EXPECT_TRUE(absl::StrContains(run.err, "model real (" + repository.path() +
+                                             "/real/weights.safetensors)"))
+      << run.err;
+}
+
+TEST(StartupTest, ConfigSyntaxErrorNamesLine) {
+  TempDir repository;
+  repository.Write("typo/config.pbtxt", "num_hiddens: 100\nnum_head: 5\n");
+  const RunResult run = RunServer({"--port=0", "--model_repository=" + repository.path()});
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_TRUE(absl::StrContains(run.err, "typo/config.pbtxt): line 2")) << run.err;
+  EXPECT_TRUE(absl::StrContains(run.err, "num_head")) << run.err;
+}
+
+TEST(StartupTest, SafetensorsWeightsAreServed) {
+  // A d2l-named export with biases and d_k != d_q, written by the core's writer.
+  const core::ModelConfig config{.num_hiddens = 16, .num_heads = 4, .query_size = 8,
+                                 .key_size = 12, .value_size = 6, .bias = true};
+  const core::Weights w = core::SeededWeights(config, 42);
+  TempDir repository;
+  repository.Write("export/config.pbtxt",
+                   "num_hiddens: 16 num_heads: 4 query_size: 8 key_size: 12 value_size: 6 "
+                   "bias: true");
+  repository.Write(
+      "export/weights.safetensors",
+      core::SerializeSafetensors({core::F32Tensor("W_q.weight", {16, 8}, w.w_q),
+                                  core::F32Tensor("W_k.weight", {16, 12}, w.w_k),
+                                  core::F32Tensor("W_v.weight", {16, 6}, w.w_v),
+                                  core::F32Tensor("W_o.weight", {16, 16}, w.w_o),
+                                  core::F32Tensor("W_q.bias", {16}, w.b_q),
+                                  core::F32Tensor("W_k.bias", {16}, w.b_k),
+                                  core::F32Tensor("W_v.bias", {16}, w.b_v),
+                                  core::F32Tensor("W_o.bias", {16}, w.b_o)}));
+  auto server = ServerProcess::Start({"--port=0", "--model_repository=" + repository.path()});
+  ASSERT_TRUE(server.ok()) << server.status();
+  AttendRequest request;
+  *request.mutable_queries() = MakeTensor({2, 3, 8});
+  *request.mutable_keys() = MakeTensor({2, 5, 12}, 1.0f);
+  *request.mutable_values() = MakeTensor({2, 5, 6}, 2.0f);
+  AttendResponse response;
+  auto stub = Connect((*server)->target());
+  const grpc::Status status = Attend(*stub, request, &response);  // "" = the only model
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_LE(MaxAbsDiff(response.output().data(), CoreForward(config, 42, request).output),
+            1e-5f);
+}
+
+TEST(DeployModelsTest, ServesToyAndBertBase) {
+  auto server = ServerProcess::Start(
+      {"--port=0", "--model_repository=" + std::string(MHA_SOURCE_DIR) + "/deploy/models"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = Connect((*server)->target());
+  grpc::ClientContext list_context;
+  attention::v1::ListModelsResponse list;
+  ASSERT_TRUE(stub->ListModels(&list_context, {}, &list).ok());
+  ASSERT_EQ(list.models_size(), 2);
+  EXPECT_EQ(list.models(0).name(), "bert_base");
+  EXPECT_EQ(list.models(0).num_hiddens(), 768);
+  EXPECT_EQ(list.models(0).num_heads(), 12);
+  EXPECT_TRUE(list.models(0).bias());
+  EXPECT_EQ(list.models(0).limits().max_sequence_length(), 512);
+  EXPECT_EQ(list.models(1).name(), "toy");
+
+  AttendRequest toy = ToyRequest();
+  toy.set_model("toy");
+  AttendResponse response;
+  ASSERT_TRUE(Attend(*stub, toy, &response).ok());
+  EXPECT_LE(MaxAbsDiff(response.output().data(),
+                       CoreForward(core::ModelConfig{}, 0, toy).output),
+            1e-5f);
+
+  AttendRequest bert;
+  bert.set_model("bert_base");
+  *bert.mutable_queries() = MakeTensor({2, 16, 768});
+  bert.add_valid_lens(16);
+  bert.add_valid_lens(9);
+  ASSERT_TRUE(Attend(*stub, bert, &response).ok());
+  EXPECT_EQ(response.output().data_size(), 2 * 16 * 768);
+  const core::ModelConfig bert_config{.num_hiddens = 768, .num_heads = 12, .query_size = 768,
+                                      .key_size = 768, .value_size = 768, .bias = true};
+  EXPECT_LE(MaxAbsDiff(response.output().data(), CoreForward(bert_config, 1, bert).output),
+            1e-4f);
+
+  AttendRequest unnamed = ToyRequest();  // two models, neither "default"
+  const grpc::Status status = Attend(*stub, unnamed, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(status.error_message(), "model: required")) << status.error_message();
+
+  auto health = Health::NewStub(Channel((*server)->target()));
+  for (const char* name : {"", "toy", "bert_base"}) {
+    grpc::ClientContext context;
+    HealthCheckRequest request;
+    request.set_service(name);
+    HealthCheckResponse reply;
+    ASSERT_TRUE(health->Check(&context, request, &reply).ok()) << name;
+    EXPECT_EQ(reply.status(), HealthCheckResponse::SERVING) << name;
+  }
+}
+
+// Certificates made by openssl for this test: a CA, a server certificate for
+// localhost / 127.0.0.1 and a client certificate, all signed by the CA.
+class TlsTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new TempDir();
+    dir_->Write("make_certs.sh", R"(set -e
+EC="-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
+openssl req -x509 $EC -keyout ca.key -out ca.pem -days 2 -subj /CN=mha-test-ca
+openssl req $EC -keyout server.key -out server.csr -subj /CN=localhost
+printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\n' > server.ext
+openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
+  -out server.pem -days 2 -extfile server.ext
+openssl req $EC -keyout client.key -out client.csr -subj /CN=mha-test-client
+openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
+  -out client.pem -days 2
+)");
+    const std::string command = absl::StrCat("cd '", dir_->path(),
+                                             "' && sh make_certs.sh > openssl.log 2>&1");
+    if (std::system(command.c_str()) != 0) {
+      certs_error_ = new std::string(ReadFile(dir_->path() + "/openssl.log"));
+    }
+  }
+  // A failure in SetUpTestSuite would only skip the tests; fail each one instead.
+  void SetUp() override { ASSERT_EQ(certs_error_, nullptr) << *certs_error_; }
+  static void TearDownTestSuite() { delete dir_; }
+
+  static std::string File(const std::string& name) { return dir_->path() + "/" + name; }
+
+  static std::shared_ptr<grpc::ChannelCredentials> TlsCredentials(bool with_client_cert) {
+    grpc::SslCredentialsOptions options;
+    options.pem_root_certs = ReadFile(File("ca.pem"));
+    if (with_client_cert) {
+      options.pem_private_key = ReadFile(File("client.key"));
+      options.pem_cert_chain = ReadFile(File("client.pem"));
+    }
+    return grpc::SslCredentials(options);
+  }
+
+  static grpc::Status Call(const std::string& target,
+                           std::shared_ptr<grpc::ChannelCredentials> credentials) {
+    auto stub = AttentionService::NewStub(Channel(target, credentials));
+    AttendResponse response;
+    return Attend(*stub, ToyRequest(), &response, std::chrono::seconds(10));
+  }
+
+  static TempDir* dir_;
+  static std::string* certs_error_;
+};
+
+TempDir* TlsTest::dir_ = nullptr;
+std::string* TlsTest::certs_error_ = nullptr;
+
+TEST_F(TlsTest, TlsServerAcceptsTlsClientsAndRefusesPlaintext) {
+  auto server = ServerProcess::Start({"--port=0", "--tls_cert=" + File("server.pem"),
+                                      "--tls_key=" + File("server.key")});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const grpc::Status tls = Call((*server)->target(), TlsCredentials(false));
+  EXPECT_TRUE(tls.ok()) << tls.error_message();
+  EXPECT_EQ(Call((*server)->target(), grpc::InsecureChannelCredentials()).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST_F(TlsTest, MutualTlsRefusesClientsWithoutCertificate) {
+  auto server = ServerProcess::Start({"--port=0", "--tls_cert=" + File("server.pem"),
+                                      "--tls_key=" + File("server.key"),
+                                      "--tls_client_ca=" + File("ca.pem")});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const grpc::Status with_cert = Call((*server)->target(), TlsCredentials(true));
+  EXPECT_TRUE(with_cert.ok()) << with_cert.error_message();
+  EXPECT_EQ(Call((*server)->target(), TlsCredentials(false)).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(Call((*server)->target(), grpc::InsecureChannelCredentials()).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST_F(TlsTest, MissingKeyFileFailsStart) {
+  const RunResult run = RunServer({"--port=0", "--tls_cert=" + File("server.pem"),
+                                   "--tls_key=" + File("absent.key")});
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_TRUE(absl::StrContains(run.err, "tls_key: cannot read")) << run.err;
+}
+
+// SIGTERM under load: health turns NOT_SERVING, an accepted stream's requests
+// are all answered, every unary call ends OK or with an explicit refusal, and
+// the process exits 0. Refusals: UNAVAILABLE once the listener is closed, or
+// CANCELLED (message "CANCELLED", from gRPC core) for a call that reached the
+// server in the instant shutdown began, before any handler took it; neither was
+// computed. (These clients never cancel, so CANCELLED cannot come from them.)
+TEST(ShutdownTest, SigtermDrainsInFlightWorkAndExitsZero) {
+  auto started = ServerProcess::Start({"--port=0", "--compute_threads=2", "--drain_timeout=20s"});
+  ASSERT_TRUE(started.ok()) << started.status();
+  ServerProcess& server = **started;
+  // One connection each for the stream, the unary load and the health watch, so
+  // that the load's frames do not share the stream's connection.
+  const auto own = [&] {
+    return Channel(server.target(), grpc::InsecureChannelCredentials(), "", true);
+  };
+  auto stream_stub = AttentionService::NewStub(own());
+  auto stub = AttentionService::NewStub(own());
+
+  // Health watch, opened before the signal.
+  auto health = Health::NewStub(own());
+  grpc::ClientContext watch_context;
+  HealthCheckRequest watch_request;
+  auto watch = health->Watch(&watch_context, watch_request);
+  HealthCheckResponse health_update;
+  ASSERT_TRUE(watch->Read(&health_update));
+  EXPECT_EQ(health_update.status(), HealthCheckResponse::SERVING);
+
+  // An accepted stream: its first response has arrived.
+  grpc::ClientContext stream_context;
+  SetTimeout(&stream_context, std::chrono::seconds(60));
+  auto stream = stream_stub->AttendStream(&stream_context);
+  AttendRequest heavy;  // large keys and values, small output
+  *heavy.mutable_queries() = MakeTensor({2, 8, 100});
+  *heavy.mutable_keys() = MakeTensor({2, 2048, 100}, 1.0f);
+  *heavy.mutable_values() = MakeTensor({2, 2048, 100}, 2.0f);
+  ASSERT_TRUE(stream->Write(heavy));
+  AttendResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+
+  // Unary load from four threads until the server refuses.
+  std::atomic<bool> stop{false};
+  absl::Mutex mu;
+  int ok = 0, refused = 0;
+  std::vector<std::string> unexpected;
+  std::vector<std::thread> clients;
+  for (int t = 0; t < 4; ++t) {
+    clients.emplace_back([&] {
+      while (!stop.load()) {
+        AttendResponse reply;
+        const grpc::Status status = Attend(*stub, ToyRequest(), &reply, std::chrono::seconds(30));
+        absl::MutexLock lock(&mu);
+        if (status.ok()) {
+          ++ok;
+        } else if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                   status.error_code() == grpc::StatusCode::CANCELLED) {
+          ++refused;
+        } else {
+          unexpected.push_back(absl::StrCat("code ", status.error_code(), " message \"", status.error_message(), "\" details \"", status.error_details(), "\""));
+        }
+      }
+    });
+  }
+  {
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(+[](int* n) { return *n >= 50; }, &ok));
+  }
+  constexpr int kStreamRequests = 10;
+  for (int i = 0; i < kStreamRequests; ++i) {
+    heavy.set_request_id(absl::StrCat("after-", i));
+    ASSERT_TRUE(stream->Write(heavy));
+  }
+  server.Signal(SIGTERM);
+
+  ASSERT_TRUE(watch->Read(&health_update));
+  EXPECT_EQ(health_update.status(), HealthCheckResponse::NOT_SERVING);
+  watch_context.TryCancel();
+  watch->Finish();
+
+  stream->WritesDone();
+  int answered = 0;
+  while (stream->Read(&response)) {
+    EXPECT_EQ(response.request_id(), absl::StrCat("after-", answered));
+    ++answered;
+  }
+  const grpc::Status stream_status = stream->Finish();
+  EXPECT_TRUE(stream_status.ok()) << stream_status.error_message();
+  EXPECT_EQ(answered, kStreamRequests);
+
+  const std::optional<int> exit = server.WaitForExit(absl::Seconds(30));
+  stop = true;
+  for (std::thread& client : clients) client.join();
+  ASSERT_TRUE(exit.has_value()) << "server did not exit";
+  EXPECT_TRUE(WIFEXITED(*exit) && WEXITSTATUS(*exit) == 0) << server.log();
+  EXPECT_TRUE(unexpected.empty()) << (unexpected.empty() ? "" : unexpected.front()) << server.log();
+  EXPECT_GE(ok, 50);
+  EXPECT_GT(refused, 0);  // the load went on past the listener closing
+}
+
+}  // namespace
+}  // namespace mha::testing

@@ -1,0 +1,163 @@
+#include "tests/integration/server_process.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace mha::testing {
+namespace {
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream file(path);
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+// fork + exec with stdout to `stdout_fd` and stderr to `stderr_path`.
+pid_t Spawn(const std::vector<std::string>& args, int stdout_fd, const std::string& stderr_path) {
+  std::vector<std::string> argv_strings = {ServerPath()};
+  argv_strings.insert(argv_strings.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& s : argv_strings) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int err = open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(stdout_fd, STDOUT_FILENO);
+    dup2(err, STDERR_FILENO);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+// Waits for `pid` to exit without polling loops: a pidfd becomes readable on exit.
+std::optional<int> WaitPid(pid_t pid, absl::Duration timeout) {
+  const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  if (pidfd >= 0) {
+    pollfd p{.fd = pidfd, .events = POLLIN, .revents = 0};
+    const int ready = poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(timeout)));
+    close(pidfd);
+    if (ready <= 0) return std::nullopt;
+  }
+  int status = 0;
+  if (waitpid(pid, &status, 0) != pid) return std::nullopt;
+  return status;
+}
+
+}  // namespace
+
+std::string ServerPath() { return MHA_SERVER_PATH; }
+
+TempDir::TempDir() {
+  std::string pattern =
+      (std::filesystem::temp_directory_path() / "mha_server_test.XXXXXX").string();
+  path_ = mkdtemp(pattern.data());
+}
+
+TempDir::~TempDir() {
+  std::error_code ignored;
+  std::filesystem::remove_all(path_, ignored);
+}
+
+std::string TempDir::Write(const std::string& relative, const std::string& contents) const {
+  const std::filesystem::path path = std::filesystem::path(path_) / relative;
+  std::filesystem::create_directories(path.parent_path());
+  std::ofstream(path, std::ios::binary) << contents;
+  return path.string();
+}
+
+absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
+    const std::vector<std::string>& args, absl::Duration timeout) {
+  std::unique_ptr<ServerProcess> server(new ServerProcess());
+  server->dir_ = std::make_unique<TempDir>();
+  int out[2];
+  if (pipe2(out, O_CLOEXEC) != 0) return absl::InternalError("pipe failed");
+  server->pid_ = Spawn(args, out[1], server->dir_->path() + "/stderr.log");
+  close(out[1]);
+
+  const absl::Time deadline = absl::Now() + timeout;
+  std::string stdout_text;
+  while (true) {
+    const size_t line_end = stdout_text.find('\n');
+    if (line_end != std::string::npos &&
+        absl::StartsWith(stdout_text, "listening on ")) {
+      const std::string line = stdout_text.substr(0, line_end);
+      if (!absl::SimpleAtoi(line.substr(line.rfind(':') + 1), &server->port_)) {
+        close(out[0]);
+        return absl::InternalError(absl::StrCat("bad listening line: ", line));
+      }
+      close(out[0]);
+      return server;
+    }
+    pollfd p{.fd = out[0], .events = POLLIN, .revents = 0};
+    const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+    const int ready = left_ms > 0 ? poll(&p, 1, static_cast<int>(left_ms)) : 0;
+    if (ready < 0 && errno == EINTR) continue;
+    char buffer[256];
+    const ssize_t n = ready > 0 ? read(out[0], buffer, sizeof(buffer)) : 0;
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {  // exited (EOF) or timed out
+      close(out[0]);
+      std::optional<int> status = server->WaitForExit(absl::Seconds(ready > 0 ? 10 : 0));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "server did not start: ",
+          status ? absl::StrCat("exit status ", WEXITSTATUS(*status)) : "timed out",
+          "; stdout: ", stdout_text, "; stderr: ", server->log()));
+    }
+    stdout_text.append(buffer, static_cast<size_t>(n));
+  }
+}
+
+ServerProcess::~ServerProcess() {
+  if (pid_ > 0 && !exited_) {
+    kill(pid_, SIGKILL);
+    WaitPid(pid_, absl::Seconds(10));
+  }
+}
+
+void ServerProcess::Signal(int signal) { kill(pid_, signal); }
+
+std::optional<int> ServerProcess::WaitForExit(absl::Duration timeout) {
+  if (exited_) return std::nullopt;
+  std::optional<int> status = WaitPid(pid_, timeout);
+  exited_ = status.has_value();
+  return status;
+}
+
+std::string ServerProcess::log() const { return ReadAll(dir_->path() + "/stderr.log"); }
+
+RunResult RunServer(const std::vector<std::string>& args, absl::Duration timeout) {
+  TempDir dir;
+  const std::string out_path = dir.path() + "/stdout.log";
+  const int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const pid_t pid = Spawn(args, out, dir.path() + "/stderr.log");
+  close(out);
+  RunResult result;
+  std::optional<int> status = WaitPid(pid, timeout);
+  if (!status) {
+    kill(pid, SIGKILL);
+    WaitPid(pid, absl::Seconds(10));
+  } else if (WIFEXITED(*status)) {
+    result.exit_code = WEXITSTATUS(*status);
+  }
+  result.out = ReadAll(out_path);
+  result.err = ReadAll(dir.path() + "/stderr.log");
+  return result;
+}
+
+}  // namespace mha::testing

@@ -1,0 +1,75 @@
+// Runs the real attention_server binary as a child process for tests.
+//
+//   auto server = ServerProcess::Start({"--port=0"}).value();
+//   auto channel = grpc::CreateChannel(server->target(), ...);
+//   server->Signal(SIGTERM);
+//   std::optional<int> status = server->WaitForExit(absl::Seconds(15));
+//
+// Not thread-safe; one owner.
+#ifndef MHA_TESTS_INTEGRATION_SERVER_PROCESS_H_
+#define MHA_TESTS_INTEGRATION_SERVER_PROCESS_H_
+
+#include <sys/types.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace mha::testing {
+
+// The binary under test, from the MHA_SERVER_PATH compile definition.
+std::string ServerPath();
+
+// A fresh temporary directory, removed by the destructor.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  const std::string& path() const { return path_; }
+  std::string Write(const std::string& relative, const std::string& contents) const;
+
+ private:
+  std::string path_;
+};
+
+class ServerProcess {
+ public:
+  // Starts the server with `args` and waits (up to `timeout`) for the
+  // "listening on HOST:PORT" line on its stdout. If the process exits first,
+  // FAILED_PRECONDITION carrying the exit status and the server's stderr.
+  static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(
+      const std::vector<std::string>& args, absl::Duration timeout = absl::Seconds(30));
+  ~ServerProcess();  // SIGKILL and reap if still running
+
+  int port() const { return port_; }
+  std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
+  pid_t pid() const { return pid_; }
+
+  void Signal(int signal);
+  // The waitpid status once the process has exited, nullopt on timeout.
+  std::optional<int> WaitForExit(absl::Duration timeout);
+  std::string log() const;  // stderr so far
+
+ private:
+  ServerProcess() = default;
+  pid_t pid_ = -1;
+  int port_ = 0;
+  bool exited_ = false;
+  std::unique_ptr<TempDir> dir_;
+};
+
+// Runs the server to completion (for start-up failures and --help).
+struct RunResult {
+  int exit_code = -1;  // -1: killed by a signal or timed out
+  std::string out, err;
+};
+RunResult RunServer(const std::vector<std::string>& args,
+                    absl::Duration timeout = absl::Seconds(30));
+
+}  // namespace mha::testing
+
+#endif  // MHA_TESTS_INTEGRATION_SERVER_PROCESS_H_
