@@ -8,8 +8,13 @@ packages=(
   cmake ninja-build g++ pkg-config
   # core
   libdnnl-dev libabsl-dev nlohmann-json3-dev
-  # tests and benchmarks
-  libgtest-dev libgmock-dev libbenchmark-dev
+  # proto and server
+  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+  # tests and benchmarks: GoogleTest, Google Benchmark; openssl makes the TLS test
+  # certificates; Python gRPC and PyTorch drive the example client, the export test
+  # and the PyTorch comparison (with a real BLAS)
+  libgtest-dev libgmock-dev libbenchmark-dev openssl
+  python3 python3-grpcio python3-grpc-tools python3-numpy python3-torch libopenblas0-pthread
 )
 
 missing=()
