@@ -70,6 +70,17 @@ inline void SetTimeout(grpc::ClientContext* context, std::chrono::milliseconds t
   context->set_deadline(std::chrono::system_clock::now() + timeout);
 }
 
+// grpc.health.v1 Check of `service` ("" = the whole server).
+inline grpc::Status CheckHealth(const std::string& target, const std::string& service,
+                                grpc::health::v1::HealthCheckResponse* response) {
+  auto health = grpc::health::v1::Health::NewStub(Channel(target));
+  grpc::ClientContext context;
+  SetTimeout(&context, std::chrono::seconds(10));
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  return health->Check(&context, request, response);
+}
+
 inline grpc::Status Attend(AttentionService::Stub& stub, const AttendRequest& request,
                            AttendResponse* response,
                            std::chrono::milliseconds timeout = std::chrono::seconds(30)) {

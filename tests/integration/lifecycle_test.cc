@@ -150,13 +150,9 @@ TEST(DeployModelsTest, ServesToyAndBertBase) {
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_TRUE(absl::StrContains(status.error_message(), "model: required")) << status.error_message();
 
-  auto health = Health::NewStub(Channel((*server)->target()));
   for (const char* name : {"", "toy", "bert_base"}) {
-    grpc::ClientContext context;
-    HealthCheckRequest request;
-    request.set_service(name);
     HealthCheckResponse reply;
-    ASSERT_TRUE(health->Check(&context, request, &reply).ok()) << name;
+    ASSERT_TRUE(CheckHealth((*server)->target(), name, &reply).ok()) << name;
     EXPECT_EQ(reply.status(), HealthCheckResponse::SERVING) << name;
   }
 }

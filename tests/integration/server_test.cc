@@ -249,20 +249,13 @@ TEST_F(ServerTest, GetModelAndListModelsDescribeTheDefaultModel) {
 }
 
 TEST_F(ServerTest, HealthIsServingOverallAndPerModel) {
-  auto health = Health::NewStub(Channel(server_->target()));
   for (const char* service : {"", "default"}) {
-    grpc::ClientContext context;
-    HealthCheckRequest request;
-    request.set_service(service);
     HealthCheckResponse response;
-    ASSERT_TRUE(health->Check(&context, request, &response).ok()) << service;
+    ASSERT_TRUE(CheckHealth(server_->target(), service, &response).ok()) << service;
     EXPECT_EQ(response.status(), HealthCheckResponse::SERVING) << service;
   }
-  grpc::ClientContext context;
-  HealthCheckRequest request;
-  request.set_service("nope");
   HealthCheckResponse response;
-  EXPECT_EQ(health->Check(&context, request, &response).error_code(),
+  EXPECT_EQ(CheckHealth(server_->target(), "nope", &response).error_code(),
             grpc::StatusCode::NOT_FOUND);
 }
 
