@@ -542,34 +542,40 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
     };
     const void* xq = as_act(in.queries, B * Q * c_.query_size, ws->xq);
 
-    // Projections into a row-major (rows, ld) buffer; key/value rows that no query
-    // can see are never projected. Q sits at column 0, K at k_col, V at v_col.
-    int64_t ld, q_rows_ld, kv_batch_stride, k_col, v_col;
-    const char* kv_base;
+    // Projections into row-major buffers; key/value rows that no query can see are
+    // never projected. q_src, k_src and v_src point at the first row of batch row 0;
+    // rows are q_ld / kv_ld elements apart, key batch rows kv_bs apart.
+    const char* q_src;
+    const char* k_src;
+    const char* v_src;
+    int64_t q_ld, kv_ld, kv_bs;
     if (in.self_attention()) {
-      ld = 3 * E;
+      const int64_t ld = 3 * E, d = c_.query_size;
       Grow(ws->proj, B * Q * ld * asz);
-      const int64_t d = c_.query_size;
+      char* base = ws->proj.data();
       if (kv_rows == K) {
-        qkv_->Run(stream, ws->bindings, 1, B * Q, xq, d, 0, ws->proj.data(), act_, ld, 0);
+        qkv_->Run(stream, ws->bindings, 1, B * Q, xq, d, 0, base, act_, ld, 0);
       } else {
-        q_->Run(stream, ws->bindings, 1, B * Q, xq, d, 0, ws->proj.data(), act_, ld, 0);
+        q_->Run(stream, ws->bindings, 1, B * Q, xq, d, 0, base, act_, ld, 0);
         if (kv_rows > 0) {
-          kv_->Run(stream, ws->bindings, B, kv_rows, xq, d, Q * d, ws->proj.data() + E * asz, act_, ld, Q * ld);
+          kv_->Run(stream, ws->bindings, B, kv_rows, xq, d, Q * d, base + E * asz, act_, ld,
+                   Q * ld);
         }
       }
-      q_rows_ld = ld;
-      kv_base = ws->proj.data();
-      kv_batch_stride = Q * ld;
-      k_col = E;
-      v_col = 2 * E;
+      q_src = base;
+      k_src = base + E * asz;
+      v_src = base + 2 * E * asz;
+      q_ld = kv_ld = ld;
+      kv_bs = Q * ld;
     } else {
       const bool fuse_kv = in.keys == in.values && kv_ != nullptr;
-      ld = fuse_kv ? 2 * E : E;
+      const int64_t ld = fuse_kv ? 2 * E : E;
       Grow(ws->proj, B * Q * E * asz);
       q_->Run(stream, ws->bindings, 1, B * Q, xq, c_.query_size, 0, ws->proj.data(), act_, E, 0);
       Grow(ws->kv, B * K * 2 * E * asz);
       char* kbase = ws->kv.data();
+      // Fused: K and V side by side in each row; else V is a second (B*K, E) plane.
+      char* vbase = fuse_kv ? kbase + E * asz : kbase + B * K * E * asz;
       // Contiguous rows run as one 2-D GEMM; a per-batch prefix as a 3-D one.
       const int64_t batch = kv_rows == K ? 1 : B;
       const int64_t rows = kv_rows == K ? B * K : kv_rows;
@@ -581,16 +587,16 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
         } else {
           const void* xv = as_act(in.values, B * K * dv, ws->xv);
           k_->Run(stream, ws->bindings, batch, rows, xk, dk, K * dk, kbase, act_, ld, K * ld);
-          v_->Run(stream, ws->bindings, batch, rows, xv, dv, K * dv, kbase + B * K * E * asz, act_, ld, K * ld);
+          v_->Run(stream, ws->bindings, batch, rows, xv, dv, K * dv, vbase, act_, ld, K * ld);
         }
       }
-      q_rows_ld = E;
-      kv_base = kbase;
-      kv_batch_stride = K * ld;
-      k_col = 0;
-      v_col = fuse_kv ? E : 0;
+      q_src = ws->proj.data();
+      k_src = kbase;
+      v_src = vbase;
+      q_ld = E;
+      kv_ld = ld;
+      kv_bs = K * ld;
     }
-    const bool separate_v = !in.self_attention() && !(in.keys == in.values && kv_ != nullptr);
 
     // Repack head-major (B, h, L, p) so that every block GEMM has dense operands.
     Grow(ws->heads, (B * Q + 2 * B * kv_rows) * E * asz);
@@ -598,22 +604,22 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
     char* kh = qh + B * Q * E * asz;
     char* vh = kh + B * kv_rows * E * asz;
     const int64_t pb = p * asz;
-    const char* v_plane = separate_v ? kv_base + B * K * E * asz : kv_base;
+    const int64_t rows_per_batch = std::max(Q, kv_rows);
     // Tiny problems run our loops on the calling thread: a fork/join costs more than
     // the work (measured on the "small" benchmark shape).
     const bool parallel_repack = B * (Q + 2 * kv_rows) * E * asz >= kParallelBytes;
 #pragma omp parallel for num_threads(threads) schedule(static) if (parallel_repack)
-    for (int64_t r = 0; r < B * std::max(Q, kv_rows); ++r) {
-      const int64_t b = r / std::max(Q, kv_rows), i = r % std::max(Q, kv_rows);
+    for (int64_t r = 0; r < B * rows_per_batch; ++r) {
+      const int64_t b = r / rows_per_batch, i = r % rows_per_batch;
       if (i < Q) {
-        const char* src = ws->proj.data() + (b * Q + i) * q_rows_ld * asz;
+        const char* src = q_src + (b * Q + i) * q_ld * asz;
         for (int64_t h = 0; h < H; ++h) {
           std::memcpy(qh + ((b * H + h) * Q + i) * pb, src + h * pb, pb);
         }
       }
       if (i < kv_rows) {
-        const char* ksrc = kv_base + (b * kv_batch_stride + i * ld + k_col) * asz;
-        const char* vsrc = v_plane + (b * kv_batch_stride + i * ld + v_col) * asz;
+        const char* ksrc = k_src + (b * kv_bs + i * kv_ld) * asz;
+        const char* vsrc = v_src + (b * kv_bs + i * kv_ld) * asz;
         for (int64_t h = 0; h < H; ++h) {
           std::memcpy(kh + ((b * H + h) * kv_rows + i) * pb, ksrc + h * pb, pb);
           std::memcpy(vh + ((b * H + h) * kv_rows + i) * pb, vsrc + h * pb, pb);
@@ -651,7 +657,7 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
     }
     MHA_RETURN_IF_ERROR(error.status());
 
-    const void* ctx_act = as_act(ctx, B * Q * E, ws->xq);
+    const void* ctx_act = as_act(ctx, B * Q * E, ws->xq);  // the queries' copy is spent
     o_lin_->Run(stream, ws->bindings, 1, B * Q, ctx_act, E, 0, output, Dt::f32, E, 0);
     stream.wait();
   } catch (const dnnl::error& e) {
