@@ -742,12 +742,14 @@ absl::Status MultiHeadAttention::CheckInputs(const AttentionInputs& in) const {
   if (!in.head_mask.empty()) {
     if (static_cast<int64_t>(in.head_mask.size()) != c.num_heads) {
       return absl::InvalidArgumentError(absl::StrCat("head_mask: expected ", c.num_heads,
-                                                     " entries (one per head), got ",
+                                                     " entries (one per head) or none, got ",
                                                      in.head_mask.size()));
     }
     for (size_t i = 0; i < in.head_mask.size(); ++i) {
       if (!std::isfinite(in.head_mask[i])) {
-        return absl::InvalidArgumentError(absl::StrCat("head_mask[", i, "]: not finite"));
+        return absl::InvalidArgumentError(absl::StrCat("head_mask[", i,
+                                                       "]: expected a finite value, got ",
+                                                       in.head_mask[i]));
       }
     }
   }

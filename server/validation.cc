@@ -164,34 +164,9 @@ absl::StatusOr<ValidatedRequest> ValidateRequest(const AttendRequest& request,
     }
   }
 
+  // valid_lens and head_mask (counts, ranges, finiteness) are checked by the core's
+  // CheckInputs below, the one place those rules live.
   const int vl = request.valid_lens_size();
-  if (vl != 0 && vl != batch && vl != batch * num_queries) {
-    return absl::InvalidArgumentError(absl::StrCat("valid_lens: expected 0, B = ", batch,
-                                                   " or B*Q = ", batch * num_queries,
-                                                   " entries, got ", vl));
-  }
-  for (int i = 0; i < vl; ++i) {
-    if (request.valid_lens(i) < 0 || request.valid_lens(i) > num_keys) {
-      return absl::InvalidArgumentError(absl::StrCat("valid_lens[", i,
-                                                     "]: expected 0 <= valid_len <= K = ",
-                                                     num_keys, ", got ", request.valid_lens(i)));
-    }
-  }
-  if (request.head_mask_size() != 0) {
-    if (request.head_mask_size() != c.num_heads) {
-      return absl::InvalidArgumentError(absl::StrCat("head_mask: expected ", c.num_heads,
-                                                     " entries (one per head) or none, got ",
-                                                     request.head_mask_size()));
-    }
-    for (int i = 0; i < request.head_mask_size(); ++i) {
-      if (!std::isfinite(request.head_mask(i))) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("head_mask[", i, "]: expected a finite value, got ",
-                         request.head_mask(i)));
-      }
-    }
-  }
-
   out.return_attention = request.return_attention();
   out.inputs = core::AttentionInputs{
       .batch = batch,
