@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
 #include "core/weights.h"
+#include "server/abbreviate.h"
 
 namespace mha::server {
 namespace {
@@ -196,7 +197,8 @@ absl::StatusOr<const Model*> ModelRepository::Find(absl::string_view name) const
         "model: required, this server has several models and none named \"",
         kDefaultModelName, "\" (", absl::StrJoin(names, ", "), ")"));
   }
-  return absl::NotFoundError(absl::StrCat("model: unknown model \"", name, "\"; served: ",
+  return absl::NotFoundError(absl::StrCat("model: unknown model \"", Abbreviate(name),
+                                          "\"; served: ",
                                           absl::StrJoin(names, ", ")));
 }
 

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "core/config.h"
+#include "server/abbreviate.h"
 #include "server/grpc_status.h"
 #include "server/validation.h"
 
@@ -118,7 +119,8 @@ class AttendStreamReactor final
     if (!status.ok()) {
       slot->status = absl::Status(
           status.code(), absl::StrCat("request ", slot->index, " (request_id \"",
-                                      slot->request.request_id(), "\"): ", status.message()));
+                                      Abbreviate(slot->request.request_id()), "\"): ",
+                                      status.message()));
     }
   }
 
