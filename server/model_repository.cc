@@ -96,6 +96,19 @@ absl::StatusOr<attention::v1::ModelConfig> ParseModelConfig(absl::string_view te
   return config;
 }
 
+absl::StatusOr<ResolvedModelConfig> ResolveModelConfig(const attention::v1::ModelConfig& proto,
+                                                       absl::string_view name,
+                                                       const ModelLimits& defaults) {
+  if (!proto.name().empty() && proto.name() != name) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "name \"", proto.name(), "\" differs from the directory name \"", name, "\""));
+  }
+  ResolvedModelConfig resolved;
+  MHA_ASSIGN_OR_RETURN(resolved.config, ToCoreConfig(proto));
+  MHA_ASSIGN_OR_RETURN(resolved.limits, ResolveLimits(proto.limits(), defaults));
+  return resolved;
+}
+
 absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir,
                                                  const std::string& name,
                                                  const ModelRepository::Options& options) {
@@ -110,17 +123,10 @@ absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir,
   model->name = name;
   MHA_ASSIGN_OR_RETURN(model->proto, ParseModelConfig(text.str(), context));
   const attention::v1::ModelConfig& proto = model->proto;
-  if (!proto.name().empty() && proto.name() != name) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        context, ": name \"", proto.name(), "\" differs from the directory name \"", name,
-        "\""));
-  }
-  auto config = ToCoreConfig(proto);
-  if (!config.ok()) return WithContext(config.status(), context);
-  model->config = *config;
-  auto limits = ResolveLimits(proto.limits(), options.default_limits);
-  if (!limits.ok()) return WithContext(limits.status(), context);
-  model->limits = *limits;
+  auto resolved = ResolveModelConfig(proto, name, options.default_limits);
+  if (!resolved.ok()) return WithContext(resolved.status(), context);
+  model->config = resolved->config;
+  model->limits = resolved->limits;
 
   core::Weights weights;
   if (proto.has_seeded()) {

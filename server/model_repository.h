@@ -76,6 +76,18 @@ class ModelRepository {
 absl::StatusOr<attention::v1::ModelConfig> ParseModelConfig(absl::string_view text,
                                                             absl::string_view source);
 
+// A parsed config checked for model `name` (its directory name): the core's sizes
+// (ModelConfig::Validate passed) and the limits with `defaults` filled in for every
+// 0. No file access and no allocation proportional to the sizes. INVALID_ARGUMENT
+// naming the field, without the model/file context (LoadModel adds it).
+struct ResolvedModelConfig {
+  core::ModelConfig config;
+  ModelLimits limits;
+};
+absl::StatusOr<ResolvedModelConfig> ResolveModelConfig(const attention::v1::ModelConfig& proto,
+                                                       absl::string_view name,
+                                                       const ModelLimits& defaults);
+
 // Loads <dir>/config.pbtxt and its weights as model `name` (the directory name).
 absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir,
                                                  const std::string& name,
