@@ -14,6 +14,9 @@ packages=(
   # certificates; Python gRPC and PyTorch drive the example client, the export test
   # and the PyTorch comparison (with a real BLAS)
   libgtest-dev libgmock-dev libbenchmark-dev openssl
+  # fuzzing (cmake --preset fuzz): clang with libFuzzer and its sanitizer runtimes,
+  # and LLVM's OpenMP runtime for clang's -fopenmp
+  clang libclang-rt-14-dev libomp-14-dev
   python3 python3-grpcio python3-grpc-tools python3-numpy python3-torch libopenblas0-pthread
 )
 
