@@ -10,6 +10,8 @@ packages=(
   libdnnl-dev libabsl-dev nlohmann-json3-dev
   # proto and server
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+  # client: Cairo draws the attention heat maps (PNG out) with DejaVu for the labels
+  libcairo2-dev fonts-dejavu-core
   # tests and benchmarks: GoogleTest, Google Benchmark; openssl makes the TLS test
   # certificates; Python gRPC and PyTorch drive the example client, the export test
   # and the PyTorch comparison (with a real BLAS)
