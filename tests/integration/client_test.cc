@@ -28,6 +28,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/client_util.h"
+#include "tests/integration/metrics_scrape.h"
 #include "tests/integration/server_process.h"
 
 namespace mha::testing {
@@ -315,6 +316,32 @@ json ReadJson(const std::string& path) {
   return parsed;
 }
 
+// mha_requests_total summed over every model and code: every Attend and every
+// AttendStream message the server answered.
+int64_t RequestsTotal(const ServerProcess& server) {
+  const absl::StatusOr<std::string> text = ScrapeMetrics(server.metrics_port());
+  EXPECT_TRUE(text.ok()) << text.status();
+  if (!text.ok()) return -1;
+  double total = 0;
+  for (absl::string_view line : absl::StrSplit(*text, '\n')) {
+    if (!absl::ConsumePrefix(&line, "mha_requests_total{")) continue;
+    const size_t space = line.rfind(' ');
+    total += std::strtod(std::string(line.substr(space + 1)).c_str(), nullptr);
+  }
+  return static_cast<int64_t>(total);
+}
+
+// The server's count once it reaches `expected` (it is bumped as each answer is
+// sent, so it may trail the client's last response by a moment), or after 5 s.
+int64_t SettledRequestsTotal(const ServerProcess& server, int64_t expected) {
+  int64_t total = RequestsTotal(server);
+  for (int i = 0; i < 50 && total < expected; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    total = RequestsTotal(server);
+  }
+  return total;
+}
+
 void ExpectSaneStep(const json& step, const std::string& rpc) {
   SCOPED_TRACE(step.dump());
   EXPECT_EQ(step["rpc"], rpc);
@@ -419,6 +446,9 @@ TEST_F(ClientTest, BenchHealthRpcIsMeasuredBesideAttend) {
   ExpectSaneStep(report["steps"][0], "health");
   ExpectSaneStep(report["steps"][1], "attend");
   EXPECT_GT(report["health_requests"].get<int64_t>(), 0);
+  // Health/Check is not an Attend request: the server counted exactly the Attend calls.
+  const int64_t attend = report["attend_requests"];
+  EXPECT_EQ(SettledRequestsTotal(*server_, attend), attend);
   ASSERT_EQ(report["health_ratios"].size(), 1u);
   const json& ratio = report["health_ratios"][0];
   const double p50_ratio = ratio["attend_over_health_p50"].get<double>();
@@ -427,6 +457,45 @@ TEST_F(ClientTest, BenchHealthRpcIsMeasuredBesideAttend) {
                   report["steps"][0]["latency_us"]["p50"].get<double>(),
               1e-9 * p50_ratio);
   EXPECT_GT(p50_ratio, 0);
+}
+
+TEST_F(ClientTest, BenchCountEqualsTheServersRequestsTotal) {
+  ASSERT_GT(server_->metrics_port(), 0);
+  for (const char* mode : {"--mode=unary", "--mode=stream"}) {
+    SCOPED_TRACE(mode);
+    const int64_t before = RequestsTotal(*server_);
+    std::vector<std::string> args = QuickBench(TargetFlag());
+    args.insert(args.end(), {mode, "--concurrency=1:4:x2", "--json=" + Path("bench.json")});
+    const ClientRun run = RunClient(args);
+    ASSERT_EQ(run.exit_code, 0) << Describe(run);
+    const json report = ReadJson(Path("bench.json"));
+    const int64_t sent = report["attend_requests"];
+    EXPECT_GT(sent, 10);
+    EXPECT_EQ(SettledRequestsTotal(*server_, before + sent) - before, sent);
+  }
+}
+
+TEST(ClientTargetsTest, RoundRobinSpreadsLoadOverEveryServer) {
+  auto first = ServerProcess::Start({"--port=0"});
+  auto second = ServerProcess::Start({"--port=0"});
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(second.ok()) << second.status();
+  TempDir dir;
+  const ClientRun run = RunClient(
+      {"bench",
+       "--targets=" + (*first)->target() + ",localhost:" + std::to_string((*second)->port()),
+       "--concurrency=4", "--warmup=200ms", "--window=500ms", "--duration=3s", "--max_windows=4",
+       "--progress=false", "--json=" + dir.path() + "/bench.json"});
+  ASSERT_EQ(run.exit_code, 0) << Describe(run);
+  const json report = ReadJson(dir.path() + "/bench.json");
+  ExpectSaneStep(report["steps"][0], "attend");
+  const int64_t sent = report["attend_requests"];
+  const int64_t on_first = SettledRequestsTotal(**first, 1);
+  const int64_t on_second = SettledRequestsTotal(**second, sent - on_first);
+  EXPECT_EQ(on_first + on_second, sent);
+  // round_robin alternates per call: neither server sits idle.
+  EXPECT_GT(on_first, sent / 4) << on_first << " of " << sent;
+  EXPECT_GT(on_second, sent / 4) << on_second << " of " << sent;
 }
 
 // The pixel at the centre of cell (q, k) of a head's map.
