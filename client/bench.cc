@@ -78,8 +78,10 @@ StepReport RunStep(const BenchOptions& options, const LoadTarget& target, int co
     }
   };
 
-  wait_until(std::min(start + options.warmup, end));
-  recorder.Take();  // warm-up: sent and counted, not measured
+  if (options.warmup > absl::ZeroDuration()) {
+    wait_until(std::min(start + options.warmup, end));
+    recorder.Take();  // warm-up: sent and counted, not measured
+  }
   std::vector<Window> windows;
   bool stopped = false;
   while (!stopped && absl::Now() < end && static_cast<int>(windows.size()) < options.max_windows) {

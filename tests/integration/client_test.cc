@@ -396,13 +396,16 @@ TEST_F(ClientTest, BenchSweepsConcurrencyAndWritesJsonAndCsv) {
 
 TEST_F(ClientTest, BenchMaxRequestsBoundsEveryStep) {
   std::vector<std::string> args = QuickBench(TargetFlag());
-  args.insert(args.end(), {"--concurrency=3", "--warmup=0s", "--max_requests=40",
-                           "--json=" + Path("bench.json")});
+  // Windows long enough that the 40 requests finish in the last 3 even on a busy
+  // machine (the step ends as soon as they have); later flags override QuickBench's.
+  args.insert(args.end(), {"--concurrency=3", "--warmup=0s", "--max_requests=40", "--window=5s",
+                           "--duration=30s", "--json=" + Path("bench.json")});
   const ClientRun run = RunClient(args);
   ASSERT_EQ(run.exit_code, 0) << Describe(run);
   const json report = ReadJson(Path("bench.json"));
   ASSERT_EQ(report["steps"].size(), 1u);
   EXPECT_EQ(report["steps"][0]["sent"], 40);
+  EXPECT_EQ(report["steps"][0]["end_reason"], "max_requests");
   EXPECT_EQ(report["attend_requests"], 41);
   // Without warm-up every request finishes inside the measured windows.
   EXPECT_EQ(report["steps"][0]["requests"], 40) << report.dump();
@@ -417,10 +420,10 @@ TEST_F(ClientTest, BenchStreamsAtFixedConcurrencyAndRate) {
   EXPECT_EQ(report["mode"], "stream");
   ExpectSaneStep(report["steps"][0], "attend");
 
-  // Open loop: Poisson arrivals at 40/s over 2 streams; the achieved rate follows.
+  // Open loop: Poisson arrivals at 20/s over 2 streams; the achieved rate follows.
   args = QuickBench(TargetFlag());
   args.insert(args.end(),
-              {"--mode=stream", "--request_rate=40", "--request_distribution=poisson",
+              {"--mode=stream", "--request_rate=20", "--request_distribution=poisson",
                "--streams=2", "--window=1s", "--duration=4s", "--json=" + Path("r.json")});
   run = RunClient(args);
   ASSERT_EQ(run.exit_code, 0) << Describe(run);
@@ -429,10 +432,11 @@ TEST_F(ClientTest, BenchStreamsAtFixedConcurrencyAndRate) {
   EXPECT_EQ(report["distribution"], "poisson");
   const json& step = report["steps"][0];
   ExpectSaneStep(step, "attend");
-  EXPECT_EQ(step["request_rate"], 40.0);
-  // Poisson counts over ~1-3 s windows: well inside 20..80 unless the load is broken.
-  EXPECT_GT(step["requests_per_s"].get<double>(), 20) << step.dump();
-  EXPECT_LT(step["requests_per_s"].get<double>(), 80) << step.dump();
+  EXPECT_EQ(step["request_rate"], 20.0);
+  // A Poisson count over 1-3 s windows (mean 20-60) stays well inside 8..40 per
+  // second unless the schedule is broken (e.g. closed-loop or bursting).
+  EXPECT_GT(step["requests_per_s"].get<double>(), 8) << step.dump();
+  EXPECT_LT(step["requests_per_s"].get<double>(), 40) << step.dump();
 }
 
 TEST_F(ClientTest, BenchHealthRpcIsMeasuredBesideAttend) {
