@@ -9,11 +9,15 @@ packages=(
   # core
   libdnnl-dev libabsl-dev nlohmann-json3-dev
   # proto and server
-  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc prometheus-cpp-dev
+  # client: Cairo draws the attention heat maps (PNG out) with DejaVu for the labels
+  libcairo2-dev fonts-dejavu-core
   # tests and benchmarks: GoogleTest, Google Benchmark; openssl makes the TLS test
   # certificates; Python gRPC and PyTorch drive the example client, the export test
   # and the PyTorch comparison (with a real BLAS)
   libgtest-dev libgmock-dev libbenchmark-dev openssl
+  # the e2e test: a real Prometheus server (and promtool) scraping ours
+  prometheus
   # fuzzing (cmake --preset fuzz): clang with libFuzzer and its sanitizer runtimes,
   # and LLVM's OpenMP runtime for clang's -fopenmp
   clang libclang-rt-14-dev libomp-14-dev

@@ -54,6 +54,35 @@ absl::StatusOr<ModelLimits> ResolveLimits(const attention::v1::ModelLimitsConfig
   return limits;
 }
 
+absl::StatusOr<BatchingPolicy> ResolveBatching(const attention::v1::BatchingConfig& config,
+                                               const BatchingPolicy& defaults,
+                                               const ModelLimits& limits) {
+  BatchingPolicy policy = defaults;
+  if (config.disabled()) policy.enabled = false;
+  const std::pair<const char*, std::pair<int64_t, int64_t*>> fields[] = {
+      {"max_batch_size", {config.max_batch_size(), &policy.max_batch_size}},
+      {"max_queue_size", {config.max_queue_size(), &policy.max_queue_size}},
+      {"max_batch_tokens", {config.max_batch_tokens(), &policy.max_batch_tokens}},
+  };
+  for (const auto& [name, value] : fields) {
+    if (value.first < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("batching.", name, ": expected >= 0 (0 = the server default), got ",
+                       value.first));
+    }
+    if (value.first > 0) *value.second = value.first;
+  }
+  if (config.has_max_queue_delay_us()) {
+    if (config.max_queue_delay_us() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "batching.max_queue_delay_us: expected >= 0, got ", config.max_queue_delay_us()));
+    }
+    policy.max_queue_delay = absl::Microseconds(config.max_queue_delay_us());
+  }
+  policy.max_batch_size = std::min(policy.max_batch_size, limits.max_batch_size);
+  return policy;
+}
+
 absl::StatusOr<core::ModelConfig> ToCoreConfig(const attention::v1::ModelConfig& proto) {
   core::ModelConfig config{
       .num_hiddens = proto.num_hiddens(),
@@ -98,14 +127,17 @@ absl::StatusOr<attention::v1::ModelConfig> ParseModelConfig(absl::string_view te
 
 absl::StatusOr<ResolvedModelConfig> ResolveModelConfig(const attention::v1::ModelConfig& proto,
                                                        absl::string_view name,
-                                                       const ModelLimits& defaults) {
+                                                       const ModelRepository::Options& options) {
   if (!proto.name().empty() && proto.name() != name) {
     return absl::InvalidArgumentError(absl::StrCat(
         "name \"", proto.name(), "\" differs from the directory name \"", name, "\""));
   }
   ResolvedModelConfig resolved;
   MHA_ASSIGN_OR_RETURN(resolved.config, ToCoreConfig(proto));
-  MHA_ASSIGN_OR_RETURN(resolved.limits, ResolveLimits(proto.limits(), defaults));
+  MHA_ASSIGN_OR_RETURN(resolved.limits, ResolveLimits(proto.limits(), options.default_limits));
+  MHA_ASSIGN_OR_RETURN(resolved.batching, ResolveBatching(proto.batching(),
+                                                          options.default_batching,
+                                                          resolved.limits));
   return resolved;
 }
 
@@ -123,10 +155,11 @@ absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir,
   model->name = name;
   MHA_ASSIGN_OR_RETURN(model->proto, ParseModelConfig(text.str(), context));
   const attention::v1::ModelConfig& proto = model->proto;
-  auto resolved = ResolveModelConfig(proto, name, options.default_limits);
+  auto resolved = ResolveModelConfig(proto, name, options);
   if (!resolved.ok()) return WithContext(resolved.status(), context);
   model->config = resolved->config;
   model->limits = resolved->limits;
+  model->batching = resolved->batching;
 
   core::Weights weights;
   if (proto.has_seeded()) {
@@ -156,6 +189,9 @@ absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(
     auto model = std::make_unique<Model>();
     model->name = kDefaultModelName;
     model->limits = options.default_limits;
+    model->batching = options.default_batching;
+    model->batching.max_batch_size =
+        std::min(model->batching.max_batch_size, model->limits.max_batch_size);
     model->weights_source = absl::StrCat("seeded (seed ", kDefaultModelSeed, ")");
     MHA_ASSIGN_OR_RETURN(
         model->attention,

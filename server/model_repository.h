@@ -22,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "core/attention.h"
 #include "core/config.h"
 #include "proto/model_config.pb.h"
@@ -39,10 +40,21 @@ struct ModelLimits {
   int64_t max_attention_elements = int64_t{1} << 24;  // B*h*Q*K, return_attention
 };
 
+// Per-model dynamic batching (server/batcher.h). Defaults are the server flags;
+// config.pbtxt `batching { ... }` overrides them per model.
+struct BatchingPolicy {
+  bool enabled = true;
+  absl::Duration max_queue_delay = absl::Microseconds(500);
+  int64_t max_batch_size = 64;      // rows per forward call (<= limits.max_batch_size)
+  int64_t max_batch_tokens = 8192;  // rows x max(Q, K) per forward call
+  int64_t max_queue_size = 1024;    // queued requests before RESOURCE_EXHAUSTED
+};
+
 struct Model {
   std::string name;
   core::ModelConfig config;
   ModelLimits limits;
+  BatchingPolicy batching;
   attention::v1::ModelConfig proto;  // as parsed (defaults not filled in)
   std::string weights_source;        // "seeded (seed 0)" or the weights path
   std::unique_ptr<core::MultiHeadAttention> attention;
@@ -53,6 +65,7 @@ class ModelRepository {
   struct Options {
     std::string path;            // "" = the embedded default model
     ModelLimits default_limits;  // used for every limit a config leaves at 0
+    BatchingPolicy default_batching;  // likewise for `batching { ... }`
     int num_threads = 0;         // OpenMP threads per forward call (0: OpenMP default)
   };
 
@@ -77,16 +90,18 @@ absl::StatusOr<attention::v1::ModelConfig> ParseModelConfig(absl::string_view te
                                                             absl::string_view source);
 
 // A parsed config checked for model `name` (its directory name): the core's sizes
-// (ModelConfig::Validate passed) and the limits with `defaults` filled in for every
-// 0. No file access and no allocation proportional to the sizes. INVALID_ARGUMENT
-// naming the field, without the model/file context (LoadModel adds it).
+// (ModelConfig::Validate passed), the limits and the batching policy with the
+// server's defaults (options.default_limits, options.default_batching) filled in for
+// every 0. No file access and no allocation proportional to the sizes.
+// INVALID_ARGUMENT naming the field, without the model/file context (LoadModel adds it).
 struct ResolvedModelConfig {
   core::ModelConfig config;
   ModelLimits limits;
+  BatchingPolicy batching;
 };
 absl::StatusOr<ResolvedModelConfig> ResolveModelConfig(const attention::v1::ModelConfig& proto,
                                                        absl::string_view name,
-                                                       const ModelLimits& defaults);
+                                                       const ModelRepository::Options& options);
 
 // Loads <dir>/config.pbtxt and its weights as model `name` (the directory name).
 absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir,

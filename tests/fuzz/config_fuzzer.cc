@@ -23,7 +23,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     MHA_FUZZ_CHECK(proto.status().code() == absl::StatusCode::kInvalidArgument);
     return 0;
   }
-  const mha::server::ModelLimits defaults;
+  const mha::server::ModelRepository::Options defaults;
   auto resolved = mha::server::ResolveModelConfig(*proto, "fuzz", defaults);
   if (!resolved.ok()) {
     MHA_FUZZ_CHECK(resolved.status().code() == absl::StatusCode::kInvalidArgument, "%s\n",
@@ -36,6 +36,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const mha::server::ModelLimits& l = resolved->limits;
   MHA_FUZZ_CHECK(l.max_batch_size >= 1 && l.max_sequence_length >= 1 &&
                  l.max_request_bytes >= 1 && l.max_attention_elements >= 1);
+  const mha::server::BatchingPolicy& b = resolved->batching;
+  MHA_FUZZ_CHECK(b.max_batch_size >= 1 && b.max_batch_size <= l.max_batch_size &&
+                 b.max_queue_size >= 1 && b.max_batch_tokens >= 1 &&
+                 b.max_queue_delay >= absl::ZeroDuration());
 
   const int64_t weights =
       c.num_hiddens * (c.query_size + c.key_size + c.value_size + c.num_hiddens);

@@ -14,7 +14,7 @@
 #include <google/protobuf/stubs/logging.h>
 
 #include "proto/attention.pb.h"
-#include "server/compute_queue.h"
+#include "server/batcher.h"
 #include "server/model_repository.h"
 #include "server/validation.h"
 #include "tests/fuzz/fuzz_util.h"
