@@ -5,7 +5,7 @@
 # server's RSS and fd count every 10 s and prints them.
 #
 # Usage: tests/e2e/soak.sh [BUILD_DIR] [DURATION_S]   (build/release, 600)
-# Env: MODEL_ARGS, CONCURRENCY (8), OMP_NUM_THREADS.
+# Env: MODEL_ARGS, BENCH_ARGS (as overload.sh), CONCURRENCY (64), OMP_NUM_THREADS.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 BUILD="${1:-$here/../../build/release}"
@@ -13,19 +13,24 @@ duration="${2:-600}"
 warmup=60
 WORK="$(mktemp -d /tmp/mha_soak.XXXXXX)"
 source "$here/lib.sh"
-concurrency="${CONCURRENCY:-8}"
+concurrency="${CONCURRENCY:-64}"
 trap 'stop_server || true' EXIT
+write_models "$WORK/models" 256
 
 # shellcheck disable=SC2086
-start_server ${MODEL_ARGS:-}
+start_server ${MODEL_ARGS:---model_repository=$WORK/models}
 echo "server $SERVER_TARGET (pid $SERVER_PID); work dir $WORK"
-bench capacity --concurrency="$concurrency" --duration=15s
+bench capacity 15 --concurrency="$concurrency"
 capacity="$(metric capacity rps)"
-rate="$(calc "0.7 * $capacity")"
+rate="$(awk "BEGIN { printf \"%d\", 0.7 * $capacity + 0.5 }")"
 echo "capacity ${capacity} req/s; soaking at ${rate} req/s for ${duration} s"
 
+windows=$(((duration + 9) / 10))
 "$BUILD/client/attention_client" bench --target="$SERVER_TARGET" --request_rate="$rate" \
-  --duration="${duration}s" --json="$WORK/soak.json" >"$WORK/soak.out" 2>&1 &
+  --warmup=1s --window=10s --max_windows="$windows" --stable_windows=$((windows + 1)) \
+  --duration="$((windows * 10 + 2))s" --progress=false --json="$WORK/soak.json" \
+  ${BENCH_ARGS:-$DEFAULT_BENCH_ARGS} \
+  >"$WORK/soak.out" 2>&1 &
 client=$!
 printf '%6s %10s %5s\n' t_s rss_kib fds | tee "$WORK/samples.txt"
 rss_warm= fds_warm=
