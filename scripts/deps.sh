@@ -13,16 +13,18 @@ build_packages=(
   # libdnnl-dev only recommends
   libdnnl-dev ocl-icd-opencl-dev libabsl-dev nlohmann-json3-dev
   # proto and server
-  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc prometheus-cpp-dev
 )
 test_packages=(
   # tests and benchmarks: GoogleTest, Google Benchmark; openssl makes the TLS test
   # certificates; Python gRPC and PyTorch drive the example client, the export test
   # and the PyTorch comparison (with a real BLAS)
   libgtest-dev libgmock-dev libbenchmark-dev openssl
+  # the e2e test: a real Prometheus server (and promtool) scraping ours
+  prometheus
   python3 python3-grpcio python3-grpc-tools python3-numpy python3-torch libopenblas0-pthread
-  # deploy checks: yamllint for the manifests, promtool (in prometheus) for its config
-  yamllint python3-yaml prometheus
+  # deploy checks: yamllint for the manifests (promtool comes with prometheus above)
+  yamllint python3-yaml
 )
 
 case "${1:-all}" in

@@ -25,7 +25,11 @@ ABSL_FLAG(std::string, host, kDefaults.host,
 ABSL_FLAG(int32_t, port, kDefaults.port,
           "gRPC port; 0 picks a free one. The bound address is printed as "
           "'listening on HOST:PORT'.");
-ABSL_FLAG(int32_t, metrics_port, 9464, "Prometheus /metrics port (reserved; not served yet).");
+ABSL_FLAG(int32_t, metrics_port, 9464,
+          "Prometheus /metrics port; 0 picks a free one, -1 turns metrics off. The bound "
+          "address is printed as 'metrics on HOST:PORT'.");
+ABSL_FLAG(std::string, metrics_host, kDefaults.metrics_host,
+          "Address /metrics listens on; loopback by default, 0.0.0.0 for all.");
 ABSL_FLAG(std::string, model_repository, kDefaults.model_repository,
           "Directory of <name>/config.pbtxt models; empty serves the embedded 'default' "
           "model (p_o 100, h 5, d_q = d_k = d_v = 100, seeded weights).");
@@ -35,10 +39,19 @@ ABSL_FLAG(int32_t, compute_threads, kDefaults.compute_threads,
 ABSL_FLAG(int32_t, compute_workers, kDefaults.compute_workers,
           "Forward calls run concurrently; each gets compute_threads / compute_workers "
           "threads.");
-ABSL_FLAG(int64_t, max_queue_size, kDefaults.max_queue_size,
-          "Requests waiting for compute before new ones get RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, max_queue_size, kDefaults.batching.max_queue_size,
+          "Requests waiting for compute, per model, before new ones get RESOURCE_EXHAUSTED.");
+ABSL_FLAG(bool, batching, kDefaults.batching.enabled,
+          "Merge concurrent requests of a model into one forward call (dynamic batching); "
+          "false runs each request on its own.");
+ABSL_FLAG(int64_t, max_queue_delay_us, absl::ToInt64Microseconds(kDefaults.batching.max_queue_delay),
+          "How long the oldest queued request waits for others to fill its batch; 0 merges "
+          "only what is already queued.");
+ABSL_FLAG(int64_t, max_batch_tokens, kDefaults.batching.max_batch_tokens,
+          "Limit on rows x padded sequence length of a merged forward call.");
 ABSL_FLAG(int64_t, max_batch_size, kLimits.max_batch_size,
-          "Default limit on B per request (a model's config.pbtxt may override).");
+          "Default limit on B per request, and on the rows of a merged forward call (a "
+          "model's config.pbtxt may override either).");
 ABSL_FLAG(int64_t, max_sequence_length, kLimits.max_sequence_length,
           "Default limit on Q and K per request.");
 ABSL_FLAG(int64_t, max_request_bytes, kLimits.max_request_bytes,
@@ -71,8 +84,14 @@ int main(int argc, char** argv) {
   options.model_repository = absl::GetFlag(FLAGS_model_repository);
   options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   options.compute_workers = absl::GetFlag(FLAGS_compute_workers);
-  options.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
+  options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
+  options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  options.batching.enabled = absl::GetFlag(FLAGS_batching);
+  options.batching.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
+  options.batching.max_queue_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_queue_delay_us));
+  options.batching.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   options.limits.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
+  options.batching.max_batch_size = options.limits.max_batch_size;
   options.limits.max_sequence_length = absl::GetFlag(FLAGS_max_sequence_length);
   options.limits.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   options.limits.max_attention_elements = absl::GetFlag(FLAGS_max_attention_elements);
@@ -83,12 +102,20 @@ int main(int argc, char** argv) {
   for (auto [name, value] : {std::pair{"max_batch_size", options.limits.max_batch_size},
                              {"max_sequence_length", options.limits.max_sequence_length},
                              {"max_request_bytes", options.limits.max_request_bytes},
-                             {"max_attention_elements", options.limits.max_attention_elements}}) {
+                             {"max_attention_elements", options.limits.max_attention_elements},
+                             {"max_queue_size", options.batching.max_queue_size},
+                             {"max_batch_tokens", options.batching.max_batch_tokens}}) {
     if (value < 1) {
       std::fprintf(stderr, "error: --%s: expected >= 1, got %lld\n", name,
                    static_cast<long long>(value));
       return 2;
     }
+  }
+
+  if (options.batching.max_queue_delay < absl::ZeroDuration()) {
+    std::fprintf(stderr, "error: --max_queue_delay_us: expected >= 0, got %lld\n",
+                 static_cast<long long>(absl::GetFlag(FLAGS_max_queue_delay_us)));
+    return 2;
   }
 
   // Signals are taken synchronously by sigwait below; block them before any
@@ -117,10 +144,18 @@ int main(int argc, char** argv) {
                  static_cast<long long>(model->limits.max_batch_size),
                  static_cast<long long>(model->limits.max_sequence_length));
   }
-  std::fprintf(stderr, "compute: %d worker(s) x %d thread(s)%s\n", options.compute_workers,
-               (*server)->threads_per_worker(),
+  std::fprintf(stderr, "compute: %d worker(s) x %d thread(s); batching %s%s\n",
+               options.compute_workers, (*server)->threads_per_worker(),
+               options.batching.enabled
+                   ? absl::StrCat("on (max_queue_delay ",
+                                  absl::FormatDuration(options.batching.max_queue_delay), ")")
+                         .c_str()
+                   : "off",
                options.tls_client_ca.empty() ? (options.tls_cert.empty() ? "" : ", TLS")
                                              : ", mutual TLS");
+  if ((*server)->metrics_port() != 0) {
+    std::printf("metrics on %s\n", (*server)->metrics_address().c_str());
+  }
   std::printf("listening on %s\n", (*server)->address().c_str());
   std::fflush(stdout);
 

@@ -53,6 +53,35 @@ absl::StatusOr<ModelLimits> ResolveLimits(const attention::v1::ModelLimitsConfig
   return limits;
 }
 
+absl::StatusOr<BatchingPolicy> ResolveBatching(const attention::v1::BatchingConfig& config,
+                                               const BatchingPolicy& defaults,
+                                               const ModelLimits& limits) {
+  BatchingPolicy policy = defaults;
+  if (config.disabled()) policy.enabled = false;
+  const std::pair<const char*, std::pair<int64_t, int64_t*>> fields[] = {
+      {"max_batch_size", {config.max_batch_size(), &policy.max_batch_size}},
+      {"max_queue_size", {config.max_queue_size(), &policy.max_queue_size}},
+      {"max_batch_tokens", {config.max_batch_tokens(), &policy.max_batch_tokens}},
+  };
+  for (const auto& [name, value] : fields) {
+    if (value.first < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("batching.", name, ": expected >= 0 (0 = the server default), got ",
+                       value.first));
+    }
+    if (value.first > 0) *value.second = value.first;
+  }
+  if (config.has_max_queue_delay_us()) {
+    if (config.max_queue_delay_us() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "batching.max_queue_delay_us: expected >= 0, got ", config.max_queue_delay_us()));
+    }
+    policy.max_queue_delay = absl::Microseconds(config.max_queue_delay_us());
+  }
+  policy.max_batch_size = std::min(policy.max_batch_size, limits.max_batch_size);
+  return policy;
+}
+
 absl::StatusOr<core::ModelConfig> ToCoreConfig(const attention::v1::ModelConfig& proto) {
   core::ModelConfig config{
       .num_hiddens = proto.num_hiddens(),
@@ -120,6 +149,9 @@ absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir,
   auto limits = ResolveLimits(proto.limits(), options.default_limits);
   if (!limits.ok()) return WithContext(limits.status(), context);
   model->limits = *limits;
+  auto batching = ResolveBatching(proto.batching(), options.default_batching, model->limits);
+  if (!batching.ok()) return WithContext(batching.status(), context);
+  model->batching = *batching;
 
   core::Weights weights;
   if (proto.has_seeded()) {
@@ -149,6 +181,9 @@ absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(
     auto model = std::make_unique<Model>();
     model->name = kDefaultModelName;
     model->limits = options.default_limits;
+    model->batching = options.default_batching;
+    model->batching.max_batch_size =
+        std::min(model->batching.max_batch_size, model->limits.max_batch_size);
     model->weights_source = absl::StrCat("seeded (seed ", kDefaultModelSeed, ")");
     MHA_ASSIGN_OR_RETURN(
         model->attention,

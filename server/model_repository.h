@@ -22,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "core/attention.h"
 #include "core/config.h"
 #include "proto/model_config.pb.h"
@@ -39,10 +40,21 @@ struct ModelLimits {
   int64_t max_attention_elements = int64_t{1} << 24;  // B*h*Q*K, return_attention
 };
 
+// Per-model dynamic batching (server/batcher.h). Defaults are the server flags;
+// config.pbtxt `batching { ... }` overrides them per model.
+struct BatchingPolicy {
+  bool enabled = true;
+  absl::Duration max_queue_delay = absl::Microseconds(500);
+  int64_t max_batch_size = 64;      // rows per forward call (<= limits.max_batch_size)
+  int64_t max_batch_tokens = 8192;  // rows x max(Q, K) per forward call
+  int64_t max_queue_size = 1024;    // queued requests before RESOURCE_EXHAUSTED
+};
+
 struct Model {
   std::string name;
   core::ModelConfig config;
   ModelLimits limits;
+  BatchingPolicy batching;
   attention::v1::ModelConfig proto;  // as parsed (defaults not filled in)
   std::string weights_source;        // "seeded (seed 0)" or the weights path
   std::unique_ptr<core::MultiHeadAttention> attention;
@@ -53,6 +65,7 @@ class ModelRepository {
   struct Options {
     std::string path;            // "" = the embedded default model
     ModelLimits default_limits;  // used for every limit a config leaves at 0
+    BatchingPolicy default_batching;  // likewise for `batching { ... }`
     int num_threads = 0;         // OpenMP threads per forward call (0: OpenMP default)
   };
 

@@ -67,14 +67,23 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   MHA_ASSIGN_OR_RETURN(server->models_,
                        ModelRepository::Create({.path = options.model_repository,
                                                 .default_limits = options.limits,
+                                                .default_batching = options.batching,
                                                 .num_threads = server->threads_per_worker_}));
-  MHA_ASSIGN_OR_RETURN(server->queue_,
-                       ComputeQueue::Create({.num_workers = options.compute_workers,
-                                             .max_queue_size = options.max_queue_size}));
+  std::vector<std::string> names;
+  for (const Model* model : server->models_->models()) names.push_back(model->name);
+  server->metrics_ = std::make_unique<Metrics>(names);
+  if (options.metrics_port >= 0) {
+    MHA_ASSIGN_OR_RETURN(server->exposer_,
+                         MetricsExposer::Start(HostPort(options.metrics_host, options.metrics_port),
+                                               server->metrics_->registry()));
+  }
+  MHA_ASSIGN_OR_RETURN(server->batcher_,
+                       Batcher::Create({.num_workers = options.compute_workers},
+                                       *server->models_, server->metrics_.get()));
   MHA_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                        MakeCredentials(options));
-  server->service_ =
-      std::make_unique<AttentionServiceImpl>(server->models_.get(), server->queue_.get());
+  server->service_ = std::make_unique<AttentionServiceImpl>(
+      server->models_.get(), server->batcher_.get(), server->metrics_.get());
 
   // The transport refuses bigger messages itself; each model's own limit is
   // checked in validation, so the transport allows the largest of them.
@@ -114,10 +123,14 @@ void Server::Shutdown() {
     if (auto* health = grpc_server_->GetHealthCheckService()) health->Shutdown();
     grpc_server_->Shutdown(absl::ToChronoTime(absl::Now() + options_.drain_timeout));
   }
-  if (queue_ != nullptr) queue_->Shutdown();
+  if (batcher_ != nullptr) batcher_->Shutdown();
   if (grpc_server_ != nullptr) grpc_server_->Wait();
 }
 
 std::string Server::address() const { return HostPort(options_.host, port_); }
+
+std::string Server::metrics_address() const {
+  return HostPort(options_.metrics_host, metrics_port());
+}
 
 }  // namespace mha::server

@@ -1,5 +1,5 @@
-// The attention server: model repository + compute queue + gRPC service, health
-// and reflection, listening on one port.
+// The attention server: model repository + batcher + gRPC service, health and
+// reflection on one port, and Prometheus /metrics on another.
 //
 //   ServerOptions options;            // defaults: 127.0.0.1:50051, embedded model
 //   options.port = 0;                 // pick a free port
@@ -20,7 +20,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "server/compute_queue.h"
+#include "server/batcher.h"
+#include "server/metrics.h"
 #include "server/model_repository.h"
 #include "server/service.h"
 
@@ -32,8 +33,10 @@ struct ServerOptions {
   std::string model_repository;    // "" = the embedded "default" model
   int compute_threads = 0;         // total OpenMP threads for compute; 0 = AvailableCpus()
   int compute_workers = 1;         // concurrent forward calls; each gets threads/workers
-  int64_t max_queue_size = 1024;   // queued requests before RESOURCE_EXHAUSTED
   ModelLimits limits;              // defaults for limits a model config leaves at 0
+  BatchingPolicy batching;         // likewise for `batching { ... }`
+  std::string metrics_host = "127.0.0.1";  // /metrics: loopback unless asked
+  int32_t metrics_port = -1;       // -1 = no metrics endpoint; 0 = pick a free port
   absl::Duration drain_timeout = absl::Seconds(10);
   // TLS: PEM file paths. cert + key enable TLS; client_ca also requires and
   // verifies client certificates (mutual TLS). All empty: plaintext.
@@ -51,10 +54,14 @@ class Server {
 
   // Health NOT_SERVING, stop accepting calls, let in-flight calls finish for up to
   // drain_timeout (then cancel the rest), run what is queued, stop the workers.
+  // /metrics stays up until the server is destroyed.
   void Shutdown();
 
   int port() const { return port_; }
   std::string address() const;  // "host:port"
+  // The bound /metrics port; 0 when metrics_port was -1.
+  int metrics_port() const { return exposer_ != nullptr ? exposer_->port() : 0; }
+  std::string metrics_address() const;  // "host:port"
   const ModelRepository& models() const { return *models_; }
   int threads_per_worker() const { return threads_per_worker_; }
 
@@ -65,7 +72,9 @@ class Server {
   int port_ = 0;
   int threads_per_worker_ = 1;
   std::unique_ptr<ModelRepository> models_;
-  std::unique_ptr<ComputeQueue> queue_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<MetricsExposer> exposer_;
+  std::unique_ptr<Batcher> batcher_;
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<grpc::Server> grpc_server_;
   bool shut_down_ = false;

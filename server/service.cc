@@ -18,6 +18,39 @@ namespace {
 using attention::v1::AttendRequest;
 using attention::v1::AttendResponse;
 
+// One request's accounting, from receipt to answer (see service.h).
+class Meter {
+ public:
+  explicit Meter(Metrics* metrics) : metrics_(metrics), received_(absl::Now()) {}
+
+  // Validated and about to be submitted: in flight from now.
+  void Accepted(const ValidatedRequest& request) {
+    model_ = &metrics_->ForModel(request.model->name);
+    tokens_ = request.inputs.batch * request.inputs.num_queries;
+    model_->inflight().Increment();
+  }
+
+  // `requested_model` labels a request that was never accepted.
+  void Answered(const absl::Status& status, const ModelRepository& models,
+                const std::string& requested_model) {
+    ModelMetrics* model = model_;
+    if (model != nullptr) {
+      model->inflight().Decrement();
+    } else {
+      absl::StatusOr<const Model*> found = models.Find(requested_model);
+      model = &metrics_->ForModel(found.ok() ? (*found)->name : kUnknownModelLabel);
+    }
+    model->Answered(status.code(), absl::Now() - received_);
+    if (status.ok()) model->tokens().Increment(static_cast<double>(tokens_));
+  }
+
+ private:
+  Metrics* const metrics_;
+  const absl::Time received_;
+  ModelMetrics* model_ = nullptr;
+  int64_t tokens_ = 0;
+};
+
 absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
   const auto deadline = context->deadline();
   if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
@@ -30,8 +63,8 @@ class AttendStreamReactor final
     : public grpc::ServerBidiReactor<AttendRequest, AttendResponse> {
  public:
   AttendStreamReactor(grpc::CallbackServerContext* context, const ModelRepository* models,
-                      ComputeQueue* queue)
-      : context_(context), models_(models), queue_(queue) {
+                      Batcher* batcher, Metrics* metrics)
+      : context_(context), models_(models), batcher_(batcher), metrics_(metrics) {
     absl::MutexLock lock(&mu_);
     reading_ = true;
     StartRead(&incoming_);
@@ -45,7 +78,7 @@ class AttendStreamReactor final
       Advance();
       return;
     }
-    auto owned = std::make_unique<Slot>();
+    auto owned = std::make_unique<Slot>(metrics_);
     Slot* slot = owned.get();
     slot->request.Swap(&incoming_);
     slot->index = next_index_++;
@@ -64,7 +97,8 @@ class AttendStreamReactor final
     absl::Status submitted = validated.status();
     if (validated.ok()) {
       Ref();
-      submitted = queue_->Submit(WorkItem{
+      slot->meter.Accepted(*validated);
+      submitted = batcher_->Submit(WorkItem{
           .request = *validated,
           .response = &slot->response,
           .deadline = DeadlineOf(context_),
@@ -97,6 +131,8 @@ class AttendStreamReactor final
 
  private:
   struct Slot {
+    explicit Slot(Metrics* metrics) : meter(metrics) {}
+    Meter meter;
     AttendRequest request;
     AttendResponse response;
     int64_t index = 0;
@@ -115,6 +151,7 @@ class AttendStreamReactor final
 
   void Complete(Slot* slot, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     slot->done = true;
+    slot->meter.Answered(status, *models_, slot->request.model());
     if (!status.ok()) {
       slot->status = absl::Status(
           status.code(), absl::StrCat("request ", slot->index, " (request_id \"",
@@ -168,7 +205,8 @@ class AttendStreamReactor final
 
   grpc::CallbackServerContext* const context_;
   const ModelRepository* const models_;
-  ComputeQueue* const queue_;
+  Batcher* const batcher_;
+  Metrics* const metrics_;
   std::atomic<int> refs_{1};  // gRPC's, released in OnDone, plus one per queued item
   AttendRequest incoming_;    // the read buffer; only the read path touches it
   int64_t next_index_ = 0;    // likewise
@@ -212,25 +250,35 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
                                                        AttendResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   response->set_request_id(request->request_id());
+  auto meter = std::make_shared<Meter>(metrics_);
   absl::StatusOr<ValidatedRequest> validated = ValidateRequest(*request, *models_);
   if (!validated.ok()) {
+    meter->Answered(validated.status(), *models_, request->model());
     reactor->Finish(ToGrpcStatus(validated.status()));
     return reactor;
   }
-  absl::Status submitted = queue_->Submit(WorkItem{
+  meter->Accepted(*validated);
+  absl::Status submitted = batcher_->Submit(WorkItem{
       .request = *validated,
       .response = response,
       .deadline = DeadlineOf(context),
       .cancelled = [context] { return context->IsCancelled(); },
-      .done = [reactor](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); },
+      .done =
+          [this, reactor, request, meter](absl::Status status) {
+            meter->Answered(status, *models_, request->model());
+            reactor->Finish(ToGrpcStatus(status));
+          },
   });
-  if (!submitted.ok()) reactor->Finish(ToGrpcStatus(submitted));
+  if (!submitted.ok()) {
+    meter->Answered(submitted, *models_, request->model());
+    reactor->Finish(ToGrpcStatus(submitted));
+  }
   return reactor;
 }
 
 grpc::ServerBidiReactor<AttendRequest, AttendResponse>* AttentionServiceImpl::AttendStream(
     grpc::CallbackServerContext* context) {
-  return new AttendStreamReactor(context, models_, queue_);
+  return new AttendStreamReactor(context, models_, batcher_, metrics_);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(

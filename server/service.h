@@ -1,6 +1,10 @@
 // attention.v1.AttentionService on gRPC's callback API. Handlers decode, validate
-// (server/validation.h) and enqueue on the ComputeQueue; they never block and never
-// compute. Workers finish the reactors.
+// (server/validation.h) and submit to the Batcher; they never block and never
+// compute. Compute workers finish the reactors.
+//
+// Every Attend request, and every request on an AttendStream, is counted once when
+// it is answered: mha_requests_total{model,code}, mha_request_duration_seconds,
+// and mha_tokens_total when OK; mha_inflight_requests covers accepted requests.
 //
 // AttendStream answers in request order. It keeps up to kMaxStreamInFlight
 // requests of one stream in the queue (reads pause beyond that: flow control).
@@ -8,14 +12,16 @@
 // prefixed with "request N (request_id \"...\"): "; the responses of the requests
 // before it are written first.
 //
-// Thread safety: thread-safe; the repository and queue must outlive the service.
+// Thread safety: thread-safe; the repository, batcher and metrics must outlive the
+// service.
 #ifndef MHA_SERVER_SERVICE_H_
 #define MHA_SERVER_SERVICE_H_
 
 #include <grpcpp/grpcpp.h>
 
 #include "proto/attention.grpc.pb.h"
-#include "server/compute_queue.h"
+#include "server/batcher.h"
+#include "server/metrics.h"
 #include "server/model_repository.h"
 
 namespace mha::server {
@@ -27,8 +33,8 @@ attention::v1::ModelInfo ToModelInfo(const Model& model);
 
 class AttentionServiceImpl final : public attention::v1::AttentionService::CallbackService {
  public:
-  AttentionServiceImpl(const ModelRepository* models, ComputeQueue* queue)
-      : models_(models), queue_(queue) {}
+  AttentionServiceImpl(const ModelRepository* models, Batcher* batcher, Metrics* metrics)
+      : models_(models), batcher_(batcher), metrics_(metrics) {}
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const attention::v1::AttendRequest* request,
@@ -44,7 +50,8 @@ class AttentionServiceImpl final : public attention::v1::AttentionService::Callb
 
  private:
   const ModelRepository* models_;
-  ComputeQueue* queue_;
+  Batcher* batcher_;
+  Metrics* metrics_;
 };
 
 }  // namespace mha::server

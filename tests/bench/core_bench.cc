@@ -4,6 +4,7 @@
 //
 //   build/release/tests/bench/mha_core_bench --benchmark_filter='Forward/(bert|long|small|padded)'
 //   /usr/bin/time -v build/release/tests/bench/mha_core_bench --benchmark_filter=memory_16k
+//   build/release/tests/bench/mha_core_bench --benchmark_filter=Rows/   (service ceiling)
 //
 // Threads: OMP_NUM_THREADS, else every core. Compare with PyTorch on the same shapes:
 // tests/bench/compare_torch.py --ours FILE (FILE from --benchmark_out=FILE
@@ -68,6 +69,38 @@ void BM_Forward(benchmark::State& state, Shape shape, Precision precision) {
   state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(shape.batch * shape.length),
                                                   benchmark::Counter::kIsIterationInvariantRate);
 }
+
+// The core alone on what the batcher hands it for the service benchmark: `rows`
+// requests of B 1, Q = K = 32 (self-attention) in one call. requests/s here is
+// the ceiling the service's batched throughput is compared with (README,
+// "Batching").
+void BM_Rows(benchmark::State& state, const char* model, int64_t hiddens, int64_t heads,
+             bool bias) {
+  const int64_t rows = state.range(0);
+  constexpr int64_t kLength = 32;
+  const ModelConfig config{.num_hiddens = hiddens, .num_heads = heads, .query_size = hiddens,
+                           .key_size = hiddens, .value_size = hiddens, .bias = bias};
+  auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 1)).value();
+  std::vector<float> x(rows * kLength * hiddens, 0.5f), out(x.size());
+  const AttentionInputs in{
+      .batch = rows, .num_queries = kLength, .num_keys = kLength, .queries = x.data()};
+  for (auto _ : state) {
+    if (!mha->Forward(in, out.data()).ok()) {
+      state.SkipWithError("Forward failed");
+      break;
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetLabel(model);
+  state.counters["requests/s"] = benchmark::Counter(static_cast<double>(rows),
+                                                    benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK_CAPTURE(BM_Rows, toy, "toy", 100, 5, false)
+    ->Name("Rows/toy_q32")->RangeMultiplier(2)->Range(1, 64)->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_Rows, bert_base, "bert_base", 768, 12, true)
+    ->Name("Rows/bert_base_q32")->RangeMultiplier(2)->Range(1, 64)->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 
 [[maybe_unused]] const bool kRegistered = [] {
   for (const Shape& shape : kShapes) {

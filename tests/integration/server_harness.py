@@ -1,5 +1,6 @@
 """Starts the real attention_server for Python-driven tests (loopback, free port)."""
 
+import os
 import selectors
 import signal
 import subprocess
@@ -7,25 +8,37 @@ import time
 
 
 def start_server(binary, args=(), timeout=30.0):
-    """Starts `binary --port=0 args`; returns (process, "127.0.0.1:PORT") once it
-    prints its 'listening on' line. Raises RuntimeError with its stderr if it
-    exits first or stays silent past `timeout`."""
+    """Starts `binary --port=0 --metrics_port=0 args`; returns (process,
+    "127.0.0.1:PORT") once it prints its 'listening on' line (the process's
+    `metrics_port` attribute holds the /metrics port). Raises RuntimeError with
+    its stderr if it exits first or stays silent past `timeout`."""
+    if not any(a.startswith("--metrics_port") for a in args):
+        args = [*args, "--metrics_port=0"]
     proc = subprocess.Popen([binary, "--port=0", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE)
+    proc.metrics_port = 0
     selector = selectors.DefaultSelector()
     selector.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout
+    pending = b""
     while True:
+        # Raw reads: a buffered readline could swallow the next line unseen.
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            line = line.decode()
+            if line.startswith("metrics on "):
+                proc.metrics_port = int(line.rsplit(":", 1)[1])
+            if line.startswith("listening on "):
+                return proc, "127.0.0.1:" + line.strip().rsplit(":", 1)[1]
         left = deadline - time.monotonic()
         if left <= 0 or not selector.select(timeout=left):
             proc.kill()
             raise RuntimeError(f"server silent for {timeout}s: {proc.communicate()[1]}")
-        line = proc.stdout.readline()
-        if not line:
+        chunk = os.read(proc.stdout.fileno(), 4096)
+        if not chunk:
             proc.wait()
             raise RuntimeError(f"server exited ({proc.returncode}): {proc.stderr.read()}")
-        if line.startswith("listening on "):
-            return proc, "127.0.0.1:" + line.strip().rsplit(":", 1)[1]
+        pending += chunk
 
 
 def stop_server(proc, timeout=30.0):
@@ -37,5 +50,5 @@ def stop_server(proc, timeout=30.0):
         proc.kill()
         raise
     if proc.returncode != 0:
-        print(err)
+        print(err.decode(errors="replace"))
     return proc.returncode

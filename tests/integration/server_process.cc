@@ -7,9 +7,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <filesystem>
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -87,22 +89,35 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   server->dir_ = std::make_unique<TempDir>();
   int out[2];
   if (pipe2(out, O_CLOEXEC) != 0) return absl::InternalError("pipe failed");
-  server->pid_ = Spawn(args, out[1], server->dir_->path() + "/stderr.log");
+  // Metrics on a free port too, unless the test chose one.
+  std::vector<std::string> argv = args;
+  if (std::none_of(args.begin(), args.end(), [](const std::string& arg) {
+        return absl::StartsWith(arg, "--metrics_port");
+      })) {
+    argv.push_back("--metrics_port=0");
+  }
+  server->pid_ = Spawn(argv, out[1], server->dir_->path() + "/stderr.log");
   close(out[1]);
 
+  // "metrics on HOST:PORT" (when metrics are on), then "listening on HOST:PORT".
   const absl::Time deadline = absl::Now() + timeout;
   std::string stdout_text;
   while (true) {
-    const size_t line_end = stdout_text.find('\n');
-    if (line_end != std::string::npos &&
-        absl::StartsWith(stdout_text, "listening on ")) {
+    size_t line_end;
+    while ((line_end = stdout_text.find('\n')) != std::string::npos) {
       const std::string line = stdout_text.substr(0, line_end);
-      if (!absl::SimpleAtoi(line.substr(line.rfind(':') + 1), &server->port_)) {
+      stdout_text.erase(0, line_end + 1);
+      const bool listening = absl::StartsWith(line, "listening on ");
+      if (!listening && !absl::StartsWith(line, "metrics on ")) continue;
+      int* port = listening ? &server->port_ : &server->metrics_port_;
+      if (!absl::SimpleAtoi(line.substr(line.rfind(':') + 1), port)) {
         close(out[0]);
-        return absl::InternalError(absl::StrCat("bad listening line: ", line));
+        return absl::InternalError(absl::StrCat("bad address line: ", line));
       }
-      close(out[0]);
-      return server;
+      if (listening) {
+        close(out[0]);
+        return server;
+      }
     }
     pollfd p{.fd = out[0], .events = POLLIN, .revents = 0};
     const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());

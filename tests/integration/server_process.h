@@ -38,8 +38,9 @@ class TempDir {
 
 class ServerProcess {
  public:
-  // Starts the server with `args` and waits (up to `timeout`) for the
-  // "listening on HOST:PORT" line on its stdout. If the process exits first,
+  // Starts the server with `args` (plus --metrics_port=0 unless `args` set it)
+  // and waits (up to `timeout`) for the "listening on HOST:PORT" line on its
+  // stdout. If the process exits first,
   // FAILED_PRECONDITION carrying the exit status and the server's stderr.
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(
       const std::vector<std::string>& args, absl::Duration timeout = absl::Seconds(30));
@@ -47,6 +48,7 @@ class ServerProcess {
 
   int port() const { return port_; }
   std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
+  int metrics_port() const { return metrics_port_; }  // 0 when metrics are off
   pid_t pid() const { return pid_; }
 
   void Signal(int signal);
@@ -58,6 +60,7 @@ class ServerProcess {
   ServerProcess() = default;
   pid_t pid_ = -1;
   int port_ = 0;
+  int metrics_port_ = 0;
   bool exited_ = false;
   std::unique_ptr<TempDir> dir_;
 };

@@ -1,0 +1,228 @@
+#include "server/metrics.h"
+
+#include <dirent.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <exception>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+namespace mha::server {
+namespace {
+
+using prometheus::Counter;
+using prometheus::Family;
+using prometheus::Gauge;
+using prometheus::Histogram;
+
+std::vector<double> PowersOfTwo(double from, double to) {
+  std::vector<double> bounds;
+  for (double b = from; b <= to; b *= 2) bounds.push_back(b);
+  return bounds;
+}
+
+// process_* in the names the Prometheus client libraries use, read from /proc
+// at each scrape.
+class ProcessCollector final : public prometheus::Collectable {
+ public:
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    std::vector<prometheus::MetricFamily> families;
+    auto add = [&families](const char* name, const char* help, prometheus::MetricType type,
+                           double value) {
+      prometheus::ClientMetric metric;
+      if (type == prometheus::MetricType::Counter) {
+        metric.counter.value = value;
+      } else {
+        metric.gauge.value = value;
+      }
+      families.push_back({name, help, type, {metric}});
+    };
+    const long page = sysconf(_SC_PAGESIZE);
+    const double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
+    // /proc/self/stat: "pid (comm) state ..."; comm may hold spaces, so split
+    // after the last ')'. Fields from there: [0] state, [11] utime, [12] stime,
+    // [17] num_threads, [19] starttime, [20] vsize, [21] rss (pages).
+    std::ifstream stat_file("/proc/self/stat");
+    std::string stat((std::istreambuf_iterator<char>(stat_file)), {});
+    const size_t paren = stat.rfind(')');
+    if (paren != std::string::npos && paren + 2 < stat.size()) {
+      std::vector<std::string> f =
+          absl::StrSplit(stat.substr(paren + 2), ' ', absl::SkipEmpty());
+      if (f.size() > 21) {
+        add("process_cpu_seconds_total", "User and system CPU time spent in seconds.",
+            prometheus::MetricType::Counter,
+            (std::stod(f[11]) + std::stod(f[12])) / ticks);
+        add("process_threads", "Number of OS threads in the process.",
+            prometheus::MetricType::Gauge, std::stod(f[17]));
+        add("process_virtual_memory_bytes", "Virtual memory size in bytes.",
+            prometheus::MetricType::Gauge, std::stod(f[20]));
+        add("process_resident_memory_bytes", "Resident memory size in bytes.",
+            prometheus::MetricType::Gauge, std::stod(f[21]) * static_cast<double>(page));
+        if (const double boot = BootTime(); boot > 0) {
+          add("process_start_time_seconds",
+              "Start time of the process since unix epoch in seconds.",
+              prometheus::MetricType::Gauge, boot + std::stod(f[19]) / ticks);
+        }
+      }
+    }
+    add("process_open_fds", "Number of open file descriptors.", prometheus::MetricType::Gauge,
+        static_cast<double>(OpenFds()));
+    rlimit limit{};
+    if (getrlimit(RLIMIT_NOFILE, &limit) == 0) {
+      add("process_max_fds", "Maximum number of open file descriptors.",
+          prometheus::MetricType::Gauge, static_cast<double>(limit.rlim_cur));
+    }
+    return families;
+  }
+
+ private:
+  static double BootTime() {
+    std::ifstream file("/proc/stat");
+    std::string line;
+    while (std::getline(file, line)) {
+      if (line.rfind("btime ", 0) == 0) return std::stod(line.substr(6));
+    }
+    return 0;
+  }
+
+  static int OpenFds() {
+    DIR* dir = opendir("/proc/self/fd");
+    if (dir == nullptr) return 0;
+    int count = 0;
+    while (const dirent* entry = readdir(dir)) {
+      if (entry->d_name[0] != '.') ++count;
+    }
+    closedir(dir);
+    return count - 1;  // the directory stream's own descriptor
+  }
+};
+
+}  // namespace
+
+std::vector<double> DurationBuckets() {
+  return {50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
+          50e-3, 100e-3, 250e-3, 500e-3, 1,    2.5,    5,    10};
+}
+
+ModelMetrics::ModelMetrics(const std::string& model, Family<Counter>& requests,
+                           Family<Histogram>& request_duration,
+                           Family<Histogram>& queue_duration,
+                           Family<Histogram>& compute_duration, Family<Histogram>& batch_size,
+                           Family<Histogram>& batch_tokens, Family<Gauge>& queue_depth,
+                           Family<Gauge>& inflight, Family<Counter>& tokens)
+    : model_(model),
+      requests_family_(requests),
+      request_duration_(request_duration.Add({{"model", model}}, DurationBuckets())),
+      queue_duration_(queue_duration.Add({{"model", model}}, DurationBuckets())),
+      compute_duration_(compute_duration.Add({{"model", model}}, DurationBuckets())),
+      batch_size_(batch_size.Add({{"model", model}}, PowersOfTwo(1, 1024))),
+      batch_tokens_(batch_tokens.Add({{"model", model}}, PowersOfTwo(16, 1 << 20))),
+      queue_depth_(queue_depth.Add({{"model", model}})),
+      inflight_(inflight.Add({{"model", model}})),
+      tokens_(tokens.Add({{"model", model}})) {
+  // OK exists from the start so rate() and the dashboards see a series at once.
+  requests_[0] = &requests_family_.Add({{"model", model_}, {"code", "OK"}});
+}
+
+void ModelMetrics::Answered(absl::StatusCode code, absl::Duration duration) {
+  const size_t index = static_cast<size_t>(code) < requests_.size()
+                           ? static_cast<size_t>(code)
+                           : static_cast<size_t>(absl::StatusCode::kUnknown);
+  Counter* counter = requests_[index].load(std::memory_order_acquire);
+  if (counter == nullptr) {
+    // Several threads may get here for one code; Add returns the same child.
+    std::string name = absl::StatusCodeToString(static_cast<absl::StatusCode>(index));
+    counter = &requests_family_.Add({{"model", model_}, {"code", std::move(name)}});
+    requests_[index].store(counter, std::memory_order_release);
+  }
+  counter->Increment();
+  request_duration_.Observe(absl::ToDoubleSeconds(duration));
+}
+
+void ModelMetrics::Batch(int64_t rows, int64_t tokens, absl::Duration compute) {
+  batch_size_.Observe(static_cast<double>(rows));
+  batch_tokens_.Observe(static_cast<double>(tokens));
+  compute_duration_.Observe(absl::ToDoubleSeconds(compute));
+}
+
+Metrics::Metrics(const std::vector<std::string>& model_names)
+    : registry_(std::make_shared<prometheus::Registry>()) {
+  auto& requests = prometheus::BuildCounter()
+                       .Name("mha_requests_total")
+                       .Help("Attend requests answered, by model and gRPC status code.")
+                       .Register(*registry_);
+  auto& request_duration = prometheus::BuildHistogram()
+                               .Name("mha_request_duration_seconds")
+                               .Help("Time from receiving a request to answering it.")
+                               .Register(*registry_);
+  auto& queue_duration = prometheus::BuildHistogram()
+                             .Name("mha_queue_duration_seconds")
+                             .Help("Time a computed request waited in the batcher's queue.")
+                             .Register(*registry_);
+  auto& compute_duration = prometheus::BuildHistogram()
+                               .Name("mha_compute_duration_seconds")
+                               .Help("Forward pass time of each batch.")
+                               .Register(*registry_);
+  auto& batch_size = prometheus::BuildHistogram()
+                         .Name("mha_batch_size")
+                         .Help("Batch rows (B) per forward call, after merging requests.")
+                         .Register(*registry_);
+  auto& batch_tokens = prometheus::BuildHistogram()
+                           .Name("mha_batch_tokens")
+                           .Help("Query tokens per forward call, padding included.")
+                           .Register(*registry_);
+  auto& queue_depth = prometheus::BuildGauge()
+                          .Name("mha_queue_depth")
+                          .Help("Requests waiting in the batcher's queue.")
+                          .Register(*registry_);
+  auto& inflight = prometheus::BuildGauge()
+                       .Name("mha_inflight_requests")
+                       .Help("Requests accepted and not yet answered.")
+                       .Register(*registry_);
+  auto& tokens = prometheus::BuildCounter()
+                     .Name("mha_tokens_total")
+                     .Help("Query tokens (B*Q) of requests answered OK.")
+                     .Register(*registry_);
+  auto make = [&](const std::string& name) {
+    return std::make_unique<ModelMetrics>(name, requests, request_duration, queue_duration,
+                                          compute_duration, batch_size, batch_tokens,
+                                          queue_depth, inflight, tokens);
+  };
+  for (const std::string& name : model_names) models_.emplace(name, make(name));
+  unknown_ = make(kUnknownModelLabel);
+}
+
+ModelMetrics& Metrics::ForModel(absl::string_view name) {
+  auto it = models_.find(name);
+  return it == models_.end() ? *unknown_ : *it->second;
+}
+
+absl::StatusOr<std::unique_ptr<MetricsExposer>> MetricsExposer::Start(
+    const std::string& address, std::shared_ptr<prometheus::Registry> registry) {
+  std::unique_ptr<MetricsExposer> exposer(new MetricsExposer());
+  try {
+    exposer->exposer_ = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/1);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("metrics_port: cannot listen on ", address, ": ", e.what()));
+  }
+  const std::vector<int> ports = exposer->exposer_->GetListeningPorts();
+  if (ports.empty()) {
+    return absl::UnavailableError(absl::StrCat("metrics_port: cannot listen on ", address));
+  }
+  exposer->port_ = ports.front();
+  exposer->registry_ = std::move(registry);
+  exposer->process_ = std::make_shared<ProcessCollector>();
+  exposer->exposer_->RegisterCollectable(exposer->registry_);
+  exposer->exposer_->RegisterCollectable(exposer->process_);
+  return exposer;
+}
+
+MetricsExposer::~MetricsExposer() = default;
+
+}  // namespace mha::server

@@ -1,0 +1,128 @@
+// Prometheus metrics (prometheus-cpp 1.0), served in text format at /metrics on
+// their own port by MetricsExposer.
+//
+// Families are registered once, when Metrics is made; each served model's
+// children are created then too and cached in its ModelMetrics, so recording is a
+// pointer dereference and an atomic add. Request counters by code are created on
+// first use of a code (prometheus::Family::Add is thread-safe and idempotent).
+//
+//   mha_requests_total{model,code}         counter, every answered request
+//   mha_request_duration_seconds{model}    histogram, handler entry to answer
+//   mha_queue_duration_seconds{model}      histogram, enqueue to compute start
+//   mha_compute_duration_seconds{model}    histogram, the batch's forward pass
+//   mha_batch_size{model}                  histogram, rows (B) per forward call
+//   mha_batch_tokens{model}                histogram, padded query tokens per call
+//   mha_queue_depth{model}                 gauge, requests waiting for compute
+//   mha_inflight_requests{model}           gauge, accepted and not yet answered
+//   mha_tokens_total{model}                counter, query tokens (B*Q) answered OK
+//   process_*                              resident/virtual memory, CPU seconds,
+//                                          threads, open fds, start time (/proc)
+// A request whose model cannot be resolved is counted under model="_unknown", so
+// callers cannot grow the label set with made-up names.
+//
+// Thread safety: everything is thread-safe once constructed.
+#ifndef MHA_SERVER_METRICS_H_
+#define MHA_SERVER_METRICS_H_
+
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+
+namespace mha::server {
+
+inline constexpr char kUnknownModelLabel[] = "_unknown";
+
+// One model's children of every family.
+class ModelMetrics {
+ public:
+  ModelMetrics(const std::string& model, prometheus::Family<prometheus::Counter>& requests,
+               prometheus::Family<prometheus::Histogram>& request_duration,
+               prometheus::Family<prometheus::Histogram>& queue_duration,
+               prometheus::Family<prometheus::Histogram>& compute_duration,
+               prometheus::Family<prometheus::Histogram>& batch_size,
+               prometheus::Family<prometheus::Histogram>& batch_tokens,
+               prometheus::Family<prometheus::Gauge>& queue_depth,
+               prometheus::Family<prometheus::Gauge>& inflight,
+               prometheus::Family<prometheus::Counter>& tokens);
+
+  // An answered request: mha_requests_total{code} and mha_request_duration_seconds.
+  void Answered(absl::StatusCode code, absl::Duration duration);
+  // A forward call of `rows` rows and `tokens` padded query tokens.
+  void Batch(int64_t rows, int64_t tokens, absl::Duration compute);
+
+  prometheus::Histogram& queue_duration() { return queue_duration_; }
+  prometheus::Gauge& queue_depth() { return queue_depth_; }
+  prometheus::Gauge& inflight() { return inflight_; }
+  prometheus::Counter& tokens() { return tokens_; }
+
+ private:
+  const std::string model_;
+  prometheus::Family<prometheus::Counter>& requests_family_;
+  std::array<std::atomic<prometheus::Counter*>, 17> requests_{};  // by absl::StatusCode
+  prometheus::Histogram& request_duration_;
+  prometheus::Histogram& queue_duration_;
+  prometheus::Histogram& compute_duration_;
+  prometheus::Histogram& batch_size_;
+  prometheus::Histogram& batch_tokens_;
+  prometheus::Gauge& queue_depth_;
+  prometheus::Gauge& inflight_;
+  prometheus::Counter& tokens_;
+};
+
+class Metrics {
+ public:
+  explicit Metrics(const std::vector<std::string>& model_names);
+
+  // The model's metrics; the "_unknown" ones for a name that is not served.
+  ModelMetrics& ForModel(absl::string_view name);
+
+  const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::map<std::string, std::unique_ptr<ModelMetrics>, std::less<>> models_;
+  std::unique_ptr<ModelMetrics> unknown_;
+};
+
+// Latency buckets: 50 us to 10 s in 1-2.5-5 steps.
+std::vector<double> DurationBuckets();
+
+// The /metrics HTTP endpoint (prometheus-cpp's civetweb exposer) serving a
+// registry and the process_* figures.
+class MetricsExposer {
+ public:
+  // `address` is "host:port" ("[::1]:port" for IPv6); port 0 picks a free port.
+  // UNAVAILABLE naming the address if it cannot bind.
+  static absl::StatusOr<std::unique_ptr<MetricsExposer>> Start(
+      const std::string& address, std::shared_ptr<prometheus::Registry> registry);
+  ~MetricsExposer();
+
+  int port() const { return port_; }
+
+ private:
+  MetricsExposer() = default;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<prometheus::Collectable> process_;
+  int port_ = 0;
+};
+
+}  // namespace mha::server
+
+#endif  // MHA_SERVER_METRICS_H_

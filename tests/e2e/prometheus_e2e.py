@@ -1,0 +1,119 @@
+#!/usr/bin/python3
+"""A real Prometheus scrapes a real attention_server.
+
+Starts the server (loopback, free ports), writes a scrape config pointing at its
+/metrics, checks it with `promtool check config`, starts Debian's `prometheus` on
+a free loopback port, sends requests (OK and INVALID_ARGUMENT), then asks
+Prometheus's HTTP API for mha_requests_total until it holds exactly what was sent.
+
+    prometheus_e2e.py SERVER_BINARY REPO_ROOT
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+
+REPO = sys.argv[2] if len(sys.argv) > 2 else os.path.join(os.path.dirname(__file__), "..", "..")
+sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
+sys.path.insert(0, os.path.join(REPO, "client", "python"))
+
+import grpc  # noqa: E402
+from attention_client import attend, load_api, toy_inputs  # noqa: E402
+from server_harness import start_server, stop_server  # noqa: E402
+
+SENT_OK = 17
+SENT_INVALID = 4
+SCRAPE_CONFIG = """\
+global:
+  scrape_interval: 1s
+  evaluation_interval: 1s
+scrape_configs:
+  - job_name: mha-serve
+    metrics_path: /metrics
+    static_configs:
+      - targets: ["127.0.0.1:{port}"]
+"""
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def query(prometheus, expr):
+    url = f"http://{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        body = json.load(reply)
+    if body.get("status") != "success":
+        raise RuntimeError(f"query {expr} failed: {body}")
+    return {tuple(sorted(r["metric"].items())): float(r["value"][1])
+            for r in body["data"]["result"]}
+
+
+def main():
+    binary = sys.argv[1]
+    pb2, pb2_grpc = load_api(os.path.join(REPO, "proto"))
+    server, target = start_server(binary, ["--max_queue_delay_us=0"])
+    work = tempfile.mkdtemp(prefix="mha_prometheus_")
+    prometheus = None
+    try:
+        config = os.path.join(work, "prometheus.yml")
+        with open(config, "w") as f:
+            f.write(SCRAPE_CONFIG.format(port=server.metrics_port))
+        subprocess.run(["promtool", "check", "config", config], check=True)
+
+        address = f"127.0.0.1:{free_port()}"
+        prometheus = subprocess.Popen(
+            ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={work}/data",
+             f"--web.listen-address={address}", "--log.level=warn"],
+            stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "prometheus.log"), "w"))
+
+        channel = grpc.insecure_channel(target)
+        stub = pb2_grpc.AttentionServiceStub(channel)
+        queries, keys = toy_inputs()
+        for _ in range(SENT_OK):
+            attend(stub, pb2, queries, keys, keys, valid_lens=[3, 2])
+        bad_keys = ((2, 6, 99), keys[1][: 2 * 6 * 99])
+        for _ in range(SENT_INVALID):
+            try:
+                attend(stub, pb2, queries, bad_keys, bad_keys)
+                raise AssertionError("a malformed request succeeded")
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e
+
+        expected = {"OK": SENT_OK, "INVALID_ARGUMENT": SENT_INVALID}
+        deadline = time.monotonic() + 90
+        seen = None
+        while time.monotonic() < deadline:
+            if prometheus.poll() is not None:
+                raise RuntimeError("prometheus exited: " +
+                                   open(os.path.join(work, "prometheus.log")).read())
+            try:
+                result = query(address, 'mha_requests_total{job="mha-serve",model="default"}')
+                seen = {dict(k)["code"]: v for k, v in result.items()}
+                if all(seen.get(code) == n for code, n in expected.items()):
+                    up = query(address, 'up{job="mha-serve"}')
+                    assert list(up.values()) == [1.0], up
+                    print(f"prometheus {address} scraped mha_requests_total: {seen}")
+                    return 0
+            except OSError:
+                pass  # not listening yet
+            time.sleep(0.5)
+        raise AssertionError(f"prometheus never saw {expected}; last seen {seen}")
+    finally:
+        if prometheus is not None:
+            prometheus.terminate()
+            prometheus.wait(timeout=30)
+        stop_server(server)
+        subprocess.run(["rm", "-rf", work], check=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+// The batcher in-process, with the real toy model: merged requests give the
+// same output as requests run alone; requests that cannot share a call run
+// apart; limits, queue bound, deadlines and cancellation hold; Shutdown drains.
+//
+// To make merging deterministic, each test holds the single worker busy inside
+// the first request's `done` callback while it queues the rest.
+#include "server/batcher.h"
+
+#include <memory>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "absl/synchronization/mutex.h"
+#include "server/grpc_status.h"
+#include "tests/integration/client_util.h"
+
+namespace mha::server {
+namespace {
+
+using ::mha::testing::MakeTensor;
+using ::mha::testing::MaxAbsDiff;
+using ::mha::testing::ToyRequest;
+using attention::v1::AttendRequest;
+using attention::v1::AttendResponse;
+
+// A request for the toy model (d = 100): self-attention when k == 0.
+AttendRequest Request(int64_t b, int64_t q, int64_t k, std::vector<int32_t> lens = {},
+                      float offset = 0.0f) {
+  AttendRequest request;
+  *request.mutable_queries() = MakeTensor({b, q, 100}, offset);
+  if (k > 0) {
+    *request.mutable_keys() = MakeTensor({b, k, 100}, offset + 1.0f);
+    *request.mutable_values() = MakeTensor({b, k, 100}, offset + 2.0f);
+  }
+  for (int32_t len : lens) request.add_valid_lens(len);
+  return request;
+}
+
+// Runs requests through a one-worker batcher. Request 0 is submitted first and
+// its `done` blocks the worker until every other request is queued, so those
+// are batched by the policy alone.
+class BatcherTest : public ::testing::Test {
+ protected:
+  struct Call {
+    AttendRequest request;
+    AttendResponse response;
+    absl::Status status;
+    bool done = false;
+  };
+
+  void MakeRepository(const BatchingPolicy& policy) {
+    models_ = ModelRepository::Create({.default_batching = policy}).value();
+  }
+
+  // Submits every call (0 first, the rest while the worker is held) and waits
+  // for all of them. Returns the Submit statuses.
+  std::vector<absl::Status> RunAll(std::vector<Call>& calls, absl::Time deadline_for_rest =
+                                                                 absl::InfiniteFuture()) {
+    auto batcher = Batcher::Create({.num_workers = 1}, *models_, nullptr).value();
+    absl::Mutex mu;
+    bool release = false;
+    std::vector<absl::Status> submitted;
+    for (size_t i = 0; i < calls.size(); ++i) {
+      Call& call = calls[i];
+      auto validated = ValidateRequest(call.request, *models_);
+      EXPECT_TRUE(validated.ok()) << validated.status();
+      submitted.push_back(batcher->Submit(WorkItem{
+          .request = *validated,
+          .response = &call.response,
+          .deadline = i == 0 ? absl::InfiniteFuture() : deadline_for_rest,
+          .done =
+              [&, i](absl::Status status) {
+                absl::MutexLock lock(&mu);
+                calls[i].status = std::move(status);
+                calls[i].done = true;
+                if (i == 0) mu.Await(absl::Condition(&release));
+              },
+      }));
+      if (i == 0) {  // wait until request 0 is running, not queued
+        absl::MutexLock lock(&mu);
+        mu.Await(absl::Condition(&calls[0].done));
+      }
+    }
+    {
+      absl::MutexLock lock(&mu);
+      release = true;
+    }
+    batcher->Shutdown();  // computes everything queued
+    return submitted;
+  }
+
+  // The output of `request` computed on its own (RunForward, no batcher).
+  std::vector<float> Alone(const AttendRequest& request) {
+    AttendResponse response;
+    auto validated = ValidateRequest(request, *models_).value();
+    EXPECT_TRUE(RunForward(validated, &response).ok());
+    return {response.output().data().begin(), response.output().data().end()};
+  }
+
+  std::unique_ptr<ModelRepository> models_;
+};
+
+TEST_F(BatcherTest, MixedLengthsMergeIntoOneCallAndMatchRunningAlone) {
+  MakeRepository({.max_queue_delay = absl::ZeroDuration()});
+  std::vector<Call> calls(6);
+  calls[0].request = Request(1, 8, 8);
+  // Cross-attention, lengths and mask kinds all different: one merged call.
+  calls[1].request = Request(2, 4, 6, {3, 2}, 0.1f);               // the toy shape
+  calls[2].request = Request(1, 7, 13, {}, 0.2f);                  // no mask, longest K
+  calls[3].request = Request(1, 5, 9, {1, 2, 3, 9, 0}, 0.3f);      // one len per query
+  calls[4].request = Request(3, 1, 2, {2, 0, 1}, 0.4f);            // valid_len 0 row
+  calls[5].request = Request(1, 16, 4, {4}, 0.5f);                 // longest Q
+  for (const absl::Status& s : RunAll(calls)) ASSERT_TRUE(s.ok()) << s;
+  for (size_t i = 1; i < calls.size(); ++i) {
+    SCOPED_TRACE(i);
+    ASSERT_TRUE(calls[i].status.ok()) << calls[i].status;
+    EXPECT_EQ(calls[i].response.timing().batch_rows(), 2 + 1 + 1 + 3 + 1);
+    EXPECT_EQ(calls[i].response.output().shape(0), calls[i].request.queries().shape(0));
+    EXPECT_EQ(calls[i].response.output().shape(1), calls[i].request.queries().shape(1));
+    EXPECT_LE(MaxAbsDiff(calls[i].response.output().data(), Alone(calls[i].request)), 1e-5f);
+  }
+}
+
+TEST_F(BatcherTest, SelfAttentionAndCausalMergeWithPadding) {
+  MakeRepository({.max_queue_delay = absl::ZeroDuration()});
+  std::vector<Call> calls(4);
+  calls[0].request = Request(1, 4, 0);
+  for (int i = 1; i <= 3; ++i) {
+    calls[i].request = Request(1, 3 * i, 0, {}, 0.1f * i);  // self-attention, Q 3, 6, 9
+    calls[i].request.set_causal(true);
+  }
+  calls[2].request.add_valid_lens(4);
+  for (const absl::Status& s : RunAll(calls)) ASSERT_TRUE(s.ok()) << s;
+  for (int i = 1; i <= 3; ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(calls[i].response.timing().batch_rows(), 3);
+    EXPECT_LE(MaxAbsDiff(calls[i].response.output().data(), Alone(calls[i].request)), 1e-5f);
+  }
+}
+
+TEST_F(BatcherTest, RequestsThatCannotShareACallRunApart) {
+  MakeRepository({.max_queue_delay = absl::ZeroDuration()});
+  std::vector<Call> calls(6);
+  calls[0].request = Request(1, 4, 6);
+  calls[1].request = Request(2, 4, 6);                       // cross
+  calls[2].request = Request(1, 4, 0);                       // self: not with cross
+  calls[3].request = Request(1, 4, 6);                       // joins 1
+  calls[3].request.set_causal(true);                         // ... no: causal
+  calls[4].request = Request(1, 4, 6);
+  calls[4].request.set_return_attention(true);               // weights: alone
+  calls[5].request = Request(1, 4, 6);
+  for (float f : {1.0f, 0.0f, 1.0f, 1.0f, 1.0f}) calls[5].request.add_head_mask(f);
+  for (const absl::Status& s : RunAll(calls)) ASSERT_TRUE(s.ok()) << s;
+  for (size_t i = 1; i < calls.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(calls[i].response.timing().batch_rows(), calls[i].request.queries().shape(0));
+    EXPECT_LE(MaxAbsDiff(calls[i].response.output().data(), Alone(calls[i].request)), 1e-5f);
+  }
+  EXPECT_EQ(calls[4].response.attention().data_size(), 1 * 5 * 4 * 6);
+}
+
+TEST_F(BatcherTest, BatchesStopAtMaxBatchSizeAndMaxBatchTokens) {
+  MakeRepository({.max_queue_delay = absl::ZeroDuration(),
+                  .max_batch_size = 4,
+                  .max_batch_tokens = 4 * 16});
+  std::vector<Call> calls(7);
+  calls[0].request = Request(1, 4, 4);
+  calls[1].request = Request(2, 4, 4);
+  calls[2].request = Request(2, 4, 4);   // 1 + 2 fill 4 rows
+  calls[3].request = Request(3, 4, 4);   // next batch
+  calls[4].request = Request(1, 32, 4);  // 3 + 1 rows, but 4 x 32 > 64 tokens: apart
+  calls[5].request = Request(1, 4, 4);   // joins 3
+  calls[6].request = Request(1, 4, 4);   // over 4 rows: next batch, with 4
+  for (const absl::Status& s : RunAll(calls)) ASSERT_TRUE(s.ok()) << s;
+  const std::vector<int64_t> rows = {4, 4, 4, 2, 4, 2};
+  for (size_t i = 1; i < calls.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(calls[i].response.timing().batch_rows(), rows[i - 1]);
+    EXPECT_LE(MaxAbsDiff(calls[i].response.output().data(), Alone(calls[i].request)), 1e-5f);
+  }
+}
+
+TEST_F(BatcherTest, DisabledBatchingRunsEachRequestAlone) {
+  MakeRepository({.enabled = false});
+  std::vector<Call> calls(4);
+  for (int i = 0; i < 4; ++i) calls[i].request = Request(1 + i, 4, 6);
+  for (const absl::Status& s : RunAll(calls)) ASSERT_TRUE(s.ok()) << s;
+  for (int i = 1; i < 4; ++i) EXPECT_EQ(calls[i].response.timing().batch_rows(), 1 + i);
+}
+
+TEST_F(BatcherTest, OldestRequestWaitsForTheQueueDelay) {
+  // A lone request is held for max_queue_delay in the hope of company.
+  MakeRepository({.max_queue_delay = absl::Milliseconds(50)});
+  std::vector<Call> calls(1);
+  calls[0].request = ToyRequest();
+  ASSERT_TRUE(RunAll(calls)[0].ok());
+  ASSERT_TRUE(calls[0].status.ok());
+  EXPECT_GE(calls[0].response.timing().queue_us(), 50000);
+  EXPECT_EQ(calls[0].response.timing().batch_rows(), 2);
+}
+
+TEST_F(BatcherTest, ExpiredAndCancelledRequestsAreDroppedAtBatchFormation) {
+  MakeRepository({.max_queue_delay = absl::ZeroDuration()});
+  auto batcher = Batcher::Create({}, *models_, nullptr).value();
+  AttendRequest request = ToyRequest();
+  const ValidatedRequest validated = ValidateRequest(request, *models_).value();
+  auto run = [&](WorkItem item) {
+    absl::Mutex mu;
+    bool done = false;
+    absl::Status result;
+    item.request = validated;
+    item.done = [&](absl::Status status) {
+      absl::MutexLock lock(&mu);
+      result = std::move(status);
+      done = true;
+    };
+    EXPECT_TRUE(batcher->Submit(std::move(item)).ok());
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(&done));
+    return result;
+  };
+  AttendResponse response;
+  EXPECT_EQ(run(WorkItem{.response = &response, .deadline = absl::Now()}).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(run(WorkItem{.response = &response, .cancelled = [] { return true; }}).code(),
+            absl::StatusCode::kCancelled);
+  EXPECT_FALSE(response.has_output());  // compute never ran
+  EXPECT_TRUE(run(WorkItem{.response = &response}).ok());
+  EXPECT_EQ(response.output().data_size(), 2 * 4 * 100);
+}
+
+TEST_F(BatcherTest, FullQueueIsResourceExhaustedAndShutdownDrains) {
+  MakeRepository({.max_queue_delay = absl::ZeroDuration(), .max_queue_size = 2});
+  std::vector<Call> calls(4);
+  for (Call& call : calls) call.request = ToyRequest();
+  const std::vector<absl::Status> submitted = RunAll(calls);
+  EXPECT_TRUE(submitted[0].ok());
+  EXPECT_TRUE(submitted[1].ok());
+  EXPECT_TRUE(submitted[2].ok());
+  EXPECT_EQ(submitted[3].code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(submitted[3].message().find("max_queue_size 2"), absl::string_view::npos)
+      << submitted[3];
+  EXPECT_TRUE(calls[1].done && calls[1].status.ok());
+  EXPECT_TRUE(calls[2].done && calls[2].status.ok());
+  EXPECT_FALSE(calls[3].done);
+}
+
+TEST_F(BatcherTest, SubmitAfterShutdownIsUnavailable) {
+  MakeRepository({});
+  auto batcher = Batcher::Create({}, *models_, nullptr).value();
+  batcher->Shutdown();
+  AttendRequest request = ToyRequest();
+  AttendResponse response;
+  const absl::Status s = batcher->Submit(WorkItem{
+      .request = ValidateRequest(request, *models_).value(),
+      .response = &response,
+      .done = [](absl::Status) { ADD_FAILURE() << "done after a refused Submit"; }});
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(GrpcStatusTest, KeepsCodeAndMessage) {
+  const grpc::Status s = ToGrpcStatus(absl::ResourceExhaustedError("limit x"));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(s.error_message(), "limit x");
+  EXPECT_TRUE(ToGrpcStatus(absl::OkStatus()).ok());
+}
+
+}  // namespace
+}  // namespace mha::server
