@@ -94,17 +94,6 @@ def promtool_parses(promtool, exprs):
     return "" if proc.returncode == 0 else proc.stdout + proc.stderr
 
 
-# The metric names DESIGN.md and the metrics issue promise (histograms expand to
-# _bucket/_sum/_count). Used only while the server serves no /metrics.
-CONTRACT_METRICS = (
-    {"mha_requests_total", "mha_tokens_total", "mha_queue_depth", "mha_inflight_requests",
-     "process_resident_memory_bytes", "process_cpu_seconds_total", "process_threads",
-     "process_start_time_seconds"}
-    | {f"{h}{s}" for h in ("mha_request_duration_seconds", "mha_queue_duration_seconds",
-                           "mha_compute_duration_seconds", "mha_batch_size", "mha_batch_tokens")
-       for s in ("_bucket", "_sum", "_count")})
-
-
 def read_lines(proc, want, timeout, grace=3.0):
     """Reads the server's output until every pattern in `want` matched, `timeout`
     passed, or `grace` seconds passed since the first match; returns {pattern: first
@@ -130,7 +119,7 @@ def read_lines(proc, want, timeout, grace=3.0):
 
 def scrape_server(binary, source):
     """Starts a server (free ports), sends toy requests, returns the sample names on
-    its /metrics, or None when it serves none."""
+    its /metrics."""
     listening, metrics_on = r"^listening on \S+:(\d+)", r"^metrics on \S+:(\d+)"
     proc = subprocess.Popen([binary, "--port=0", "--metrics_port=0"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
@@ -139,7 +128,7 @@ def scrape_server(binary, source):
         if listening not in found:
             raise SystemExit("FAIL: the server printed no 'listening on' line")
         if metrics_on not in found:
-            return None
+            raise SystemExit("FAIL: the server printed no 'metrics on' line")
         client = os.path.join(source, "client", "python", "attention_client.py")
         for _ in range(3):
             subprocess.run([sys.executable, client, f"--target=127.0.0.1:{found[listening]}"],
@@ -183,12 +172,7 @@ def main():
         errors.append(f"promtool does not parse the dashboard's queries:\n{complaint}")
 
     exported = scrape_server(binary, source)
-    if exported is None:
-        print("NOTE: this server serves no /metrics yet (no 'metrics on' line): checking "
-              "the names against the metrics contract (DESIGN.md, issue 4) instead")
-        exported = CONTRACT_METRICS
-    else:
-        print(f"the server exports {len(exported)} series names: {', '.join(sorted(exported))}")
+    print(f"the server exports {len(exported)} series names: {', '.join(sorted(exported))}")
     for where, expr in queries + alert_queries:
         names = metric_names(expr)
         if not names:

@@ -37,7 +37,8 @@ def server_defaults(binary):
     defaults = {}
     for match in re.finditer(r"--(\w+) \((.*?)\);\s+default: (.*?);", text, re.S):
         defaults[match.group(1)] = match.group(3).strip('"')
-    for flag in ("port", "metrics_port", "host", "drain_timeout", "model_repository"):
+    for flag in ("port", "metrics_port", "host", "metrics_host", "drain_timeout",
+                 "model_repository"):
         if flag not in defaults:
             raise SystemExit(f"attention_server --help lists no --{flag}:\n{text}")
     return defaults
