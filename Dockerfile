@@ -41,9 +41,11 @@ RUN set -eu; mkdir -p /out/bin; \
 # ---- runtime: bookworm-slim with the runtime libraries only -------------------------
 FROM debian:bookworm-slim
 COPY --from=build /out/runtime-packages /tmp/runtime-packages
+# Besides the libraries: the font attention_client heatmap labels its axes with
+# (found through fontconfig at run time, so ldd cannot see it).
 RUN apt-get update -q \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-         $(cat /tmp/runtime-packages) \
+         $(cat /tmp/runtime-packages) fonts-dejavu-core \
     && apt-get clean \
     && rm -rf /var/lib/apt/lists/* /var/log/apt /var/log/dpkg.log /tmp/runtime-packages \
     && groupadd --system --gid 10001 mha \

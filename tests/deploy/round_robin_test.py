@@ -7,9 +7,10 @@ Starts three attention_server processes on loopback (free ports), runs
 `attention_client bench --targets=a,b,c` against all three for a few seconds, then
 reads each server's mha_requests_total from its /metrics. Passes when every server
 holds between 25% and 42% of the requests (a third each, give or take), and the
-servers counted as many requests as bench needs to be judged.
+servers together counted exactly the Attend requests bench reports (its --json).
 """
 
+import json
 import re
 import signal
 import subprocess
@@ -67,6 +68,8 @@ def main():
             if bench.returncode != 0:
                 print(f"FAIL: bench exited {bench.returncode}")
                 return 1
+            with open(report.name) as f:
+                sent = json.load(f)["attend_requests"]
         counts = [requests_total(m) for _, _, m in servers]
     finally:
         for proc, _, _ in servers:
@@ -80,6 +83,9 @@ def main():
     shares = [c / total if total else 0.0 for c in counts]
     for (_, target, _), count, share in zip(servers, counts, shares):
         print(f"{target}: mha_requests_total {count:.0f} ({share:.1%})")
+    if total != sent:
+        print(f"FAIL: bench reports {sent} Attend requests, the servers counted {total:.0f}")
+        return 1
     if total < MIN_TOTAL:
         print(f"FAIL: only {total:.0f} requests reached the servers (need {MIN_TOTAL})")
         return 1
