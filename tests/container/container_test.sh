@@ -7,7 +7,8 @@
 #   - the toy request from the image's attention_client: shape (2, 4, 100), and the same
 #     numbers as the host build's client and server give (to 1e-5);
 #   - the image's HEALTHCHECK command passes, and fails against a port with no server;
-#   - /metrics, scraped from the host, counts the requests;
+#   - a short bench from the image's client (what compose's load job runs), and
+#     /metrics, scraped from the host, counting exactly the requests sent;
 #   - SIGTERM: the server drains and exits 0.
 #
 #   bash tests/container/container_test.sh            (as root; installs what it needs)
@@ -201,14 +202,20 @@ if in_ctr attention_client health --target="127.0.0.1:$dead_port" --timeout=2s >
 fi
 log "HEALTHCHECK passes (and fails with no server)"
 
-# ---- /metrics, from the host ---------------------------------------------------------------
-/usr/bin/python3 - "$metrics_port" <<'EOF' || fail "/metrics"
-import re, sys, urllib.request
+# ---- load from the image's client (compose's load job), then /metrics from the host ------
+in_ctr attention_client bench --target="127.0.0.1:$port" --model=toy --concurrency=4 \
+  --duration=2s --progress=false --json=/tmp/bench.json > "$work/bench.txt" 2>&1 \
+  || { cat "$work/bench.txt"; fail "attention_client bench in the image"; }
+grep -E "^(concurrency|requests sent)" "$work/bench.txt" | sed 's/^/  bench: /'
+in_ctr cat /tmp/bench.json > "$work/bench.json"
+/usr/bin/python3 - "$metrics_port" "$work/bench.json" <<'EOF' || fail "/metrics"
+import json, re, sys, urllib.request
 text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=10).read().decode()
+sent = json.load(open(sys.argv[2]))["attend_requests"]
 ok = sum(float(v) for v in re.findall(
     r'^mha_requests_total\{[^}]*code="OK"[^}]*\} (\S+)$', text, re.M))
-print(f"  metrics: mha_requests_total{{code=\"OK\"}} = {ok:g}")
-assert ok >= 1, "the toy request is not counted"
+print(f"  metrics: mha_requests_total{{code=\"OK\"}} = {ok:g}; sent: 1 infer + {sent} bench")
+assert sent > 0 and ok == 1 + sent, "/metrics does not count the requests sent"
 assert re.search(r"^process_resident_memory_bytes \S+$", text, re.M), "no process metrics"
 EOF
 
