@@ -48,7 +48,7 @@ rm -rf "$rootfs/var/cache/apt/"*.bin "$rootfs/var/cache/apt/archives/"*.deb \
 for name in "${names[@]}"; do
   podman rmi --force "$name" > /dev/null 2>&1 || true
 done
-tar -C "$rootfs" --numeric-owner -c . | podman import - "${names[0]}" > /dev/null
+tar -C "$rootfs" --numeric-owner -c . | podman import --quiet - "${names[0]}" > /dev/null
 for name in "${names[@]:1}"; do
   podman tag "${names[0]}" "$name"
 done
