@@ -14,6 +14,8 @@ build_packages=(
   libdnnl-dev ocl-icd-opencl-dev libabsl-dev nlohmann-json3-dev
   # proto and server
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc prometheus-cpp-dev
+  # client: Cairo draws the attention heat maps (PNG out) with DejaVu for the labels
+  libcairo2-dev fonts-dejavu-core
 )
 test_packages=(
   # tests and benchmarks: GoogleTest, Google Benchmark; openssl makes the TLS test

@@ -1,0 +1,226 @@
+#include "client/bench.h"
+
+#include <algorithm>
+#include <cmath>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "client/channel.h"
+#include "client/request.h"
+#include "client/status.h"
+#include "proto/attention.grpc.pb.h"
+#include "proto/grpc/health/v1/health.grpc.pb.h"
+
+namespace mha::client {
+namespace {
+
+using attention::v1::AttendRequest;
+
+std::string LoadName(const StepReport& step) {
+  return step.concurrency > 0 ? absl::StrCat("concurrency ", step.concurrency)
+                              : absl::StrFormat("rate %g/s", step.request_rate);
+}
+
+std::string WindowLine(const StepReport& step, int window, const StepStats& stats) {
+  int64_t errors = 0;
+  for (const auto& [code, count] : stats.errors) errors += count;
+  return absl::StrFormat("[%s %s] window %d: %.1f req/s, p50 %.3f ms, p99 %.3f ms, errors %d",
+                         RpcName(step.rpc), LoadName(step), window, stats.requests_per_s,
+                         stats.latency.p50_us * 1e-3, stats.latency.p99_us * 1e-3, errors);
+}
+
+// One sync call of `rpc`, so a wrong model or shape fails fast with the server's
+// message instead of a table full of errors.
+absl::Status PreflightCall(Rpc rpc, const std::shared_ptr<grpc::Channel>& channel,
+                           const AttendRequest& request, absl::Duration timeout) {
+  grpc::ClientContext context;
+  SetTimeout(&context, timeout);
+  grpc::Status status;
+  if (rpc == Rpc::kHealth) {
+    grpc::health::v1::HealthCheckResponse response;
+    status = grpc::health::v1::Health::NewStub(channel)->Check(
+        &context, grpc::health::v1::HealthCheckRequest(), &response);
+  } else {
+    attention::v1::AttendResponse response;
+    status =
+        attention::v1::AttentionService::NewStub(channel)->Attend(&context, request, &response);
+  }
+  if (status.ok()) return absl::OkStatus();
+  const absl::Status error = FromGrpcStatus(status);
+  return absl::Status(error.code(),
+                      absl::StrCat("pre-flight ", RpcName(rpc), ": ", error.message()));
+}
+
+StepReport RunStep(const BenchOptions& options, const LoadTarget& target, int concurrency,
+                   double rate, uint64_t seed, std::ostream& progress, bool interactive) {
+  StepReport step;
+  step.rpc = target.rpc;
+  step.concurrency = concurrency;
+  step.request_rate = rate;
+  Recorder recorder;
+  const absl::Time start = absl::Now();
+  const absl::Time end = start + options.duration;
+  auto started = concurrency > 0 ? StartConcurrency(target, concurrency, &recorder)
+                                 : StartRate(target, rate, options.poisson, seed, &recorder);
+  if (!started.ok()) {  // options were checked before; keep the failure visible anyway
+    step.stats.errors[std::string(absl::StatusCodeToString(started.status().code()))] = 1;
+    return step;
+  }
+  std::unique_ptr<LoadGenerator> load = *std::move(started);
+  const absl::Duration tick = absl::Milliseconds(50);
+  // Sleeps until `until`, returning early once max_requests are sent.
+  auto wait_until = [&](absl::Time until) {
+    for (absl::Time now = absl::Now(); now < until && !load->exhausted(); now = absl::Now()) {
+      absl::SleepFor(std::min(tick, until - now));
+    }
+  };
+
+  if (options.warmup > absl::ZeroDuration()) {
+    wait_until(std::min(start + options.warmup, end));
+    recorder.Take();  // warm-up: sent and counted, not measured
+  }
+  std::vector<Window> windows;
+  bool stopped = false;
+  while (!stopped && absl::Now() < end && static_cast<int>(windows.size()) < options.max_windows) {
+    const int64_t window_start = SteadyNowNs();
+    wait_until(std::min(absl::Now() + options.window, end));
+    if (load->exhausted()) {  // the last requests finish inside this window
+      load->Stop();
+      stopped = true;
+    }
+    Window window;
+    window.samples = recorder.Take();
+    window.duration_ns = SteadyNowNs() - window_start;
+    windows.push_back(std::move(window));
+    const StepStats stats = Summarize(LastWindows(windows, 1), 0);
+    progress << (interactive ? "\r\033[K" : "")
+             << WindowLine(step, static_cast<int>(windows.size()), stats)
+             << (interactive ? "" : "\n") << std::flush;
+    if (IsStable(windows, options.stable_windows, options.stability)) {
+      step.stable = true;
+      break;
+    }
+  }
+  step.end_reason = step.stable          ? "stable"
+                    : load->exhausted()  ? "max_requests"
+                    : absl::Now() >= end ? "duration"
+                                         : "max_windows";
+  load->Stop();
+  step.sent = load->sent();
+  step.windows = static_cast<int>(windows.size());
+  step.stats = Summarize(LastWindows(windows, options.stable_windows), 0);
+  if (interactive) progress << "\r\033[K" << std::flush;
+  return step;
+}
+
+}  // namespace
+
+std::string RpcName(Rpc rpc) { return rpc == Rpc::kHealth ? "health" : "attend"; }
+std::string ModeName(Mode mode) { return mode == Mode::kStream ? "stream" : "unary"; }
+
+absl::StatusOr<std::vector<double>> ParseSweep(absl::string_view text, absl::string_view flag) {
+  auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, ": ", why, " in \"", text,
+                     "\"; expected N, START:END, START:END:STEP or START:END:xFACTOR"));
+  };
+  const std::vector<std::string> parts = absl::StrSplit(text, ':');
+  if (parts.empty() || parts.size() > 3) return bad("wrong number of fields");
+  double start = 0, end = 0, step = 1;
+  bool multiply = false;
+  if (!absl::SimpleAtod(parts[0], &start) || !(start > 0)) return bad("bad start");
+  end = start;
+  if (parts.size() >= 2 && (!absl::SimpleAtod(parts[1], &end) || end < start)) {
+    return bad("bad end (must be >= start)");
+  }
+  if (parts.size() == 3) {
+    absl::string_view step_text = parts[2];
+    multiply = absl::ConsumePrefix(&step_text, "x");
+    if (!absl::SimpleAtod(step_text, &step) || (multiply ? !(step > 1) : !(step > 0))) {
+      return bad("bad step (x factor > 1, or increment > 0)");
+    }
+  }
+  std::vector<double> values;
+  for (double v = start; v <= end * (1 + 1e-9); v = multiply ? v * step : v + step) {
+    values.push_back(v);
+    if (values.size() > 1000) return bad("more than 1000 steps");
+  }
+  return values;
+}
+
+absl::StatusOr<BenchReport> RunBench(const BenchOptions& options,
+                                     const std::vector<std::shared_ptr<grpc::Channel>>& channels,
+                                     const AttendRequest& request, std::ostream& progress,
+                                     bool interactive) {
+  if (channels.empty()) return absl::InvalidArgumentError("bench: no channel");
+  if (options.rpc == Rpc::kHealth && options.mode == Mode::kStream) {
+    return absl::InvalidArgumentError(
+        "--rpc=health measures the unary Health/Check; use --mode=unary");
+  }
+  if (options.window <= absl::ZeroDuration() || options.duration <= absl::ZeroDuration() ||
+      options.max_windows < 1 || options.stable_windows < 1 || options.stability <= 0) {
+    return absl::InvalidArgumentError(
+        "--window and --duration must be > 0, --max_windows and --stable_windows >= 1, "
+        "--stability > 0");
+  }
+  BenchReport report;
+  report.options = options;
+  const AttendRequest& q = request;
+  report.batch = q.queries().shape(0);
+  report.num_queries = q.queries().shape(1);
+  report.num_keys = q.has_keys() ? q.keys().shape(1) : report.num_queries;
+  report.tokens_per_request = TokenCount(request);
+
+  std::vector<Rpc> rpcs = {Rpc::kAttend};
+  if (options.rpc == Rpc::kHealth) rpcs = {Rpc::kHealth, Rpc::kAttend};
+  for (Rpc rpc : rpcs) {
+    const absl::Status status = PreflightCall(rpc, channels[0], request, options.timeout);
+    (rpc == Rpc::kHealth ? report.health_requests : report.attend_requests) += 1;
+    if (!status.ok()) return status;
+  }
+
+  std::vector<std::pair<int, double>> loads;
+  if (!options.request_rates.empty()) {
+    for (double rate : options.request_rates) loads.emplace_back(0, rate);
+  } else {
+    for (int c : options.concurrency) loads.emplace_back(c, 0.0);
+  }
+  uint64_t seed = options.seed;
+  for (const auto& [concurrency, rate] : loads) {
+    for (Rpc rpc : rpcs) {
+      LoadTarget target;
+      target.channels = channels;
+      target.request = &request;
+      target.rpc = rpc;
+      target.mode = rpc == Rpc::kHealth ? Mode::kUnary : options.mode;
+      target.timeout = options.timeout;
+      target.stream_deadline = options.duration + options.timeout;
+      target.max_requests = options.max_requests;
+      target.rate_streams = options.rate_streams;
+      StepReport step = RunStep(options, target, concurrency, rate, seed++, progress, interactive);
+      (rpc == Rpc::kHealth ? report.health_requests : report.attend_requests) += step.sent;
+      step.stats.tokens_per_s =
+          rpc == Rpc::kAttend
+              ? step.stats.requests_per_s * static_cast<double>(report.tokens_per_request)
+              : 0;
+      const StepStats& s = step.stats;
+      int64_t errors = 0;
+      for (const auto& [code, count] : s.errors) errors += count;
+      progress << absl::StrFormat(
+                      "[%s %s] %s after %d window(s): %.1f req/s, p50 %.3f ms, p99 %.3f ms, "
+                      "errors %d\n",
+                      RpcName(rpc), LoadName(step),
+                      step.stable ? "stable" : absl::StrCat("NOT stable (", step.end_reason, ")"),
+                      step.windows, s.requests_per_s, s.latency.p50_us * 1e-3,
+                      s.latency.p99_us * 1e-3, errors)
+               << std::flush;
+      report.steps.push_back(std::move(step));
+    }
+  }
+  return report;
+}
+
+}  // namespace mha::client

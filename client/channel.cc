@@ -1,0 +1,137 @@
+#include "client/channel.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+
+#include <climits>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "client/status.h"
+
+namespace mha::client {
+namespace {
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view flag) {
+  std::ifstream file(path, std::ios::binary);
+  std::stringstream text;
+  if (file) text << file.rdbuf();
+  if (!file || text.str().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": cannot read ", path));
+  }
+  return text.str();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> Credentials(
+    const ChannelOptions& options) {
+  if (options.tls_cert.empty() != options.tls_key.empty()) {
+    return absl::InvalidArgumentError("--tls_cert and --tls_key go together (mutual TLS)");
+  }
+  if (!options.tls && options.tls_ca.empty() && options.tls_cert.empty()) {
+    return grpc::InsecureChannelCredentials();
+  }
+  grpc::SslCredentialsOptions ssl;
+  if (!options.tls_ca.empty()) {
+    MHA_CLIENT_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem(options.tls_ca, "tls_ca"));
+  }
+  if (!options.tls_cert.empty()) {
+    MHA_CLIENT_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadPem(options.tls_cert, "tls_cert"));
+    MHA_CLIENT_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadPem(options.tls_key, "tls_key"));
+  }
+  return grpc::SslCredentials(ssl);
+}
+
+// "host:port" or "[v6]:port" -> (host, port).
+absl::StatusOr<std::pair<std::string, std::string>> SplitHostPort(const std::string& entry) {
+  std::string host, port;
+  if (!entry.empty() && entry[0] == '[') {
+    const size_t close = entry.find(']');
+    if (close == std::string::npos || close + 1 >= entry.size() || entry[close + 1] != ':') {
+      return absl::InvalidArgumentError(absl::StrCat("--targets: expected [v6]:port, got ", entry));
+    }
+    host = entry.substr(1, close - 1);
+    port = entry.substr(close + 2);
+  } else {
+    const size_t colon = entry.rfind(':');
+    if (colon == std::string::npos || entry.find(':') != colon) {
+      return absl::InvalidArgumentError(absl::StrCat("--targets: expected host:port, got ", entry));
+    }
+    host = entry.substr(0, colon);
+    port = entry.substr(colon + 1);
+  }
+  int port_number = 0;
+  if (host.empty() || !absl::SimpleAtoi(port, &port_number) || port_number < 1 ||
+      port_number > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("--targets: expected host:port, got ", entry));
+  }
+  return std::pair{host, port};
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> RoundRobinTarget(const std::vector<std::string>& targets) {
+  if (targets.empty()) return absl::InvalidArgumentError("--targets: empty");
+  std::vector<std::string> addresses;
+  int family = AF_UNSPEC;
+  for (const std::string& entry : targets) {
+    MHA_CLIENT_ASSIGN_OR_RETURN(auto host_port, SplitHostPort(entry));
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICSERV;
+    addrinfo* found = nullptr;
+    const int error =
+        getaddrinfo(host_port.first.c_str(), host_port.second.c_str(), &hints, &found);
+    if (error != 0 || found == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--targets: cannot resolve ", entry, ": ", gai_strerror(error)));
+    }
+    char text[INET6_ADDRSTRLEN] = {};
+    const int entry_family = found->ai_family;
+    const void* address =
+        entry_family == AF_INET
+            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(found->ai_addr)->sin_addr)
+            : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(found->ai_addr)->sin6_addr);
+    inet_ntop(entry_family, address, text, sizeof(text));
+    freeaddrinfo(found);
+    if (family != AF_UNSPEC && family != entry_family) {
+      return absl::InvalidArgumentError(
+          "--targets: mixes IPv4 and IPv6 addresses; gRPC's ipv4:/ipv6: targets take one family");
+    }
+    family = entry_family;
+    addresses.push_back(entry_family == AF_INET ? absl::StrCat(text, ":", host_port.second)
+                                                : absl::StrCat("[", text, "]:", host_port.second));
+  }
+  return absl::StrCat(family == AF_INET ? "ipv4:" : "ipv6:", absl::StrJoin(addresses, ","));
+}
+
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ChannelOptions& options,
+                                                           int index) {
+  MHA_CLIENT_ASSIGN_OR_RETURN(auto credentials, Credentials(options));
+  grpc::ChannelArguments args;
+  const int max_bytes =
+      options.max_message_bytes < 0
+          ? -1
+          : static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT_MAX));
+  args.SetMaxReceiveMessageSize(max_bytes);
+  args.SetMaxSendMessageSize(max_bytes);
+  if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  // Channels with equal arguments share connections; a distinct pool per index does not.
+  if (index > 0) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  std::string target = options.target;
+  if (!options.targets.empty()) {
+    MHA_CLIENT_ASSIGN_OR_RETURN(target, RoundRobinTarget(options.targets));
+    args.SetServiceConfigJSON(R"({"loadBalancingConfig": [{"round_robin": {}}]})");
+  }
+  return grpc::CreateCustomChannel(target, credentials, args);
+}
+
+void SetTimeout(grpc::ClientContext* context, absl::Duration timeout) {
+  context->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+}
+
+}  // namespace mha::client

@@ -1,0 +1,287 @@
+// attention_client: a client for attention_server that is also a load tester.
+// Every flag lives here and fills the option structs of client/verbs.h.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "client/status.h"
+#include "client/verbs.h"
+
+namespace {
+const mha::client::ChannelOptions kChannel;
+const mha::client::RequestOptions kRequest;
+const mha::client::BenchOptions kBench;
+const mha::client::HeatmapOptions kHeatmap;
+}  // namespace
+
+// Connection (every verb).
+ABSL_FLAG(std::string, target, kChannel.target, "Server address, HOST:PORT (any gRPC target).");
+ABSL_FLAG(std::string, targets, "",
+          "Comma-separated HOST:PORT list; replaces --target and spreads calls over the "
+          "servers with gRPC's round_robin policy.");
+ABSL_FLAG(bool, tls, kChannel.tls, "Use TLS (system roots unless --tls_ca).");
+ABSL_FLAG(std::string, tls_ca, kChannel.tls_ca,
+          "PEM CA bundle to verify the server; implies --tls.");
+ABSL_FLAG(std::string, tls_cert, kChannel.tls_cert,
+          "PEM client certificate chain for mutual TLS (with --tls_key); implies --tls.");
+ABSL_FLAG(std::string, tls_key, kChannel.tls_key, "PEM client private key for mutual TLS.");
+ABSL_FLAG(std::string, tls_server_name, kChannel.tls_server_name,
+          "Name to verify in the server certificate instead of the target's host.");
+ABSL_FLAG(absl::Duration, timeout, kChannel.timeout, "Deadline of every call.");
+ABSL_FLAG(int64_t, max_message_size, kChannel.max_message_bytes,
+          "Largest message sent or received, in bytes (gRPC's client default is 4 MiB).");
+
+// The request (infer, bench, heatmap, heads).
+ABSL_FLAG(std::string, model, kRequest.model, "Model name; empty = the server's default model.");
+ABSL_FLAG(int64_t, batch, kRequest.batch, "B: batch rows of random inputs.");
+ABSL_FLAG(int64_t, num_queries, kRequest.num_queries, "Q: queries per batch row.");
+ABSL_FLAG(int64_t, num_keys, kRequest.num_keys,
+          "K: keys (and values) per batch row; 0 = self-attention on the queries.");
+ABSL_FLAG(std::string, valid_lens, "3,2",
+          "Comma-separated key lengths, B entries (per row) or B*Q (per query); 'none' for "
+          "no mask.");
+ABSL_FLAG(bool, causal, kRequest.causal, "Causal mask: query i sees keys j <= i.");
+ABSL_FLAG(uint64_t, seed, kRequest.seed,
+          "Seed of the random inputs (uniform in [-1, 1)) and of Poisson intervals.");
+ABSL_FLAG(std::string, input, "",
+          "Inputs from files instead of random ones: one .safetensors (tensors queries, "
+          "keys, values, valid_lens) or .npy files: queries (self-attention) or "
+          "queries,keys,values.");
+
+// infer, heatmap.
+ABSL_FLAG(std::string, output, "",
+          "infer: write the output to FILE.npy, or inputs and output to FILE.safetensors; "
+          "heatmap: the PNG (empty = attention.png).");
+ABSL_FLAG(bool, return_attention, false, "infer: also ask for the attention weights.");
+
+// bench.
+ABSL_FLAG(std::string, concurrency, "1",
+          "bench: requests in flight, N or a sweep START:END[:STEP|:xFACTOR], e.g. 1:64:x2.");
+ABSL_FLAG(std::string, request_rate, "",
+          "bench: fixed request rate(s) per second instead of concurrency, N or a sweep.");
+ABSL_FLAG(std::string, request_distribution, "constant",
+          "bench: intervals at a fixed rate: constant or poisson.");
+ABSL_FLAG(std::string, mode, "unary",
+          "bench: unary (Attend) or stream (AttendStream; one stream per concurrency slot).");
+ABSL_FLAG(int32_t, streams, kBench.rate_streams,
+          "bench: streams carrying a --request_rate load in --mode=stream.");
+ABSL_FLAG(std::string, rpc, "attend",
+          "bench: attend, or health (measures grpc.health.v1 Check, then Attend at the "
+          "same load, and prints their ratio).");
+ABSL_FLAG(int32_t, channels, kBench.channels,
+          "bench: gRPC channels (HTTP/2 connections per server) the load is spread over.");
+ABSL_FLAG(absl::Duration, warmup, kBench.warmup, "bench: warm-up per step, not measured.");
+ABSL_FLAG(absl::Duration, window, kBench.window, "bench: length of a measurement window.");
+ABSL_FLAG(int32_t, stable_windows, kBench.stable_windows,
+          "bench: a step is stable when this many last windows agree.");
+ABSL_FLAG(double, stability, kBench.stability,
+          "bench: tolerance of that agreement (throughput and mean latency, +- fraction).");
+ABSL_FLAG(int32_t, max_windows, kBench.max_windows,
+          "bench: measurement windows per step, at most.");
+ABSL_FLAG(absl::Duration, duration, kBench.duration,
+          "bench: time per step, at most (warm-up included).");
+ABSL_FLAG(int64_t, max_requests, kBench.max_requests,
+          "bench: requests per step, at most; 0 = no limit.");
+ABSL_FLAG(std::string, json, "",
+          "bench, heads, heatmap: write a JSON report (heatmap: the image layout) to FILE.");
+ABSL_FLAG(std::string, csv, "", "bench: write a CSV report (one row per step) to FILE.");
+ABSL_FLAG(bool, progress, true, "bench: print progress per window on stderr.");
+
+// heatmap.
+ABSL_FLAG(int64_t, batch_index, kHeatmap.batch_index, "heatmap: the batch row to draw.");
+ABSL_FLAG(int32_t, cell_size, kHeatmap.style.cell_size,
+          "heatmap: pixels per weight; 0 = fit each map in about 240 pixels.");
+ABSL_FLAG(int32_t, columns, kHeatmap.style.columns,
+          "heatmap: maps per grid row; 0 = ceil(sqrt(heads)).");
+
+// heads.
+ABSL_FLAG(int64_t, prune, 0,
+          "heads: also report the change from dropping this many least important heads.");
+
+// health.
+ABSL_FLAG(std::string, service, "",
+          "health: the service name to check; empty = the server and every model.");
+
+namespace {
+
+constexpr char kUsage[] =
+    "A client for attention_server (attention.v1.AttentionService) and a load tester.\n"
+    "Usage: attention_client VERB [--target=HOST:PORT] [flags]\n"
+    "Verbs:\n"
+    "  infer    one request (random from --seed, or --input files); prints the output's\n"
+    "           shape, a summary and timing; --output=FILE.npy|.safetensors\n"
+    "  bench    load test: --concurrency=1:64:x2 or --request_rate=..., --mode=unary|stream,\n"
+    "           warm-up then windows until stable; table, --json, --csv\n"
+    "  heatmap  attention weights of one batch row as a PNG, one map per head\n"
+    "  heads    head importance: drop each head (head_mask), rank by output change\n"
+    "  health   grpc.health.v1 Check of the server and every model\n"
+    "Errors print one line, 'error: CODE: message', and exit 1 (usage errors: 2).";
+
+absl::StatusOr<std::vector<int32_t>> ParseValidLens(const std::string& text) {
+  std::vector<int32_t> lens;
+  if (text.empty() || text == "none") return lens;
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
+    int32_t len = 0;
+    if (!absl::SimpleAtoi(part, &len)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--valid_lens: expected comma-separated integers or 'none', got \"", text, "\""));
+    }
+    lens.push_back(len);
+  }
+  return lens;
+}
+
+absl::StatusOr<mha::client::BenchOptions> BenchFromFlags() {
+  using mha::client::Mode;
+  using mha::client::Rpc;
+  mha::client::BenchOptions bench;
+  const std::string rpc = absl::GetFlag(FLAGS_rpc), mode = absl::GetFlag(FLAGS_mode),
+                    distribution = absl::GetFlag(FLAGS_request_distribution);
+  if (rpc != "attend" && rpc != "health") {
+    return absl::InvalidArgumentError(absl::StrCat("--rpc: expected attend or health, got ", rpc));
+  }
+  if (mode != "unary" && mode != "stream") {
+    return absl::InvalidArgumentError(absl::StrCat("--mode: expected unary or stream, got ", mode));
+  }
+  if (distribution != "constant" && distribution != "poisson") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--request_distribution: expected constant or poisson, got ", distribution));
+  }
+  bench.rpc = rpc == "health" ? Rpc::kHealth : Rpc::kAttend;
+  bench.mode = mode == "stream" ? Mode::kStream : Mode::kUnary;
+  bench.poisson = distribution == "poisson";
+  if (const std::string rates = absl::GetFlag(FLAGS_request_rate); !rates.empty()) {
+    MHA_CLIENT_ASSIGN_OR_RETURN(bench.request_rates,
+                                mha::client::ParseSweep(rates, "request_rate"));
+  } else {
+    MHA_CLIENT_ASSIGN_OR_RETURN(
+        std::vector<double> levels,
+        mha::client::ParseSweep(absl::GetFlag(FLAGS_concurrency), "concurrency"));
+    bench.concurrency.clear();
+    for (double level : levels) {
+      if (level != static_cast<int>(level) || level > 100000) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--concurrency: expected whole numbers up to 100000, got ", level));
+      }
+      bench.concurrency.push_back(static_cast<int>(level));
+    }
+  }
+  bench.rate_streams = absl::GetFlag(FLAGS_streams);
+  bench.channels = absl::GetFlag(FLAGS_channels);
+  if (bench.channels < 1) return absl::InvalidArgumentError("--channels: expected >= 1");
+  bench.warmup = absl::GetFlag(FLAGS_warmup);
+  bench.window = absl::GetFlag(FLAGS_window);
+  bench.stable_windows = absl::GetFlag(FLAGS_stable_windows);
+  bench.stability = absl::GetFlag(FLAGS_stability);
+  bench.max_windows = absl::GetFlag(FLAGS_max_windows);
+  bench.duration = absl::GetFlag(FLAGS_duration);
+  bench.max_requests = absl::GetFlag(FLAGS_max_requests);
+  bench.seed = absl::GetFlag(FLAGS_seed);
+  return bench;
+}
+
+absl::Status Run(const std::string& verb) {
+  namespace client = mha::client;
+  client::ChannelOptions channel;
+  channel.target = absl::GetFlag(FLAGS_target);
+  for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_targets), ',', absl::SkipEmpty())) {
+    channel.targets.emplace_back(t);
+  }
+  channel.tls = absl::GetFlag(FLAGS_tls);
+  channel.tls_ca = absl::GetFlag(FLAGS_tls_ca);
+  channel.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  channel.tls_key = absl::GetFlag(FLAGS_tls_key);
+  channel.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  channel.timeout = absl::GetFlag(FLAGS_timeout);
+  channel.max_message_bytes = absl::GetFlag(FLAGS_max_message_size);
+  if (channel.timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--timeout: expected > 0");
+  }
+
+  if (verb == "health") {
+    return client::Health(channel, {.service = absl::GetFlag(FLAGS_service)}, std::cout);
+  }
+
+  client::RequestOptions request;
+  request.model = absl::GetFlag(FLAGS_model);
+  request.batch = absl::GetFlag(FLAGS_batch);
+  request.num_queries = absl::GetFlag(FLAGS_num_queries);
+  request.num_keys = absl::GetFlag(FLAGS_num_keys);
+  MHA_CLIENT_ASSIGN_OR_RETURN(request.valid_lens, ParseValidLens(absl::GetFlag(FLAGS_valid_lens)));
+  request.causal = absl::GetFlag(FLAGS_causal);
+  request.seed = absl::GetFlag(FLAGS_seed);
+  request.return_attention = absl::GetFlag(FLAGS_return_attention);
+  for (absl::string_view f : absl::StrSplit(absl::GetFlag(FLAGS_input), ',', absl::SkipEmpty())) {
+    request.input_files.emplace_back(f);
+  }
+
+  if (verb == "infer") {
+    return client::Infer(channel, request, {.output = absl::GetFlag(FLAGS_output)}, std::cout);
+  }
+  if (verb == "bench") {
+    client::BenchCommandOptions options;
+    MHA_CLIENT_ASSIGN_OR_RETURN(options.bench, BenchFromFlags());
+    options.json = absl::GetFlag(FLAGS_json);
+    options.csv = absl::GetFlag(FLAGS_csv);
+    options.interactive = isatty(STDERR_FILENO) != 0;
+    std::ostream null_stream(nullptr);
+    return client::Bench(channel, request, options, std::cout,
+                         absl::GetFlag(FLAGS_progress) ? std::cerr : null_stream);
+  }
+  if (verb == "heatmap") {
+    client::HeatmapOptions options;
+    if (!absl::GetFlag(FLAGS_output).empty()) options.output = absl::GetFlag(FLAGS_output);
+    options.json = absl::GetFlag(FLAGS_json);
+    options.batch_index = absl::GetFlag(FLAGS_batch_index);
+    options.style.cell_size = absl::GetFlag(FLAGS_cell_size);
+    options.style.columns = absl::GetFlag(FLAGS_columns);
+    return client::Heatmap(channel, request, options, std::cout);
+  }
+  if (verb == "heads") {
+    return client::Heads(channel, request,
+                         {.prune = absl::GetFlag(FLAGS_prune), .json = absl::GetFlag(FLAGS_json)},
+                         std::cout);
+  }
+  return absl::InvalidArgumentError("unreachable");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // --help lists this file's flags (absl's default looks for <program>.cc).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "client/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
+  absl::SetProgramUsageMessage(kUsage);
+  const std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+
+  const std::vector<std::string> verbs = {"infer", "bench", "heatmap", "heads", "health"};
+  if (args.size() != 2 || std::find(verbs.begin(), verbs.end(), args[1]) == verbs.end()) {
+    std::fprintf(stderr, "error: expected one verb (infer, bench, heatmap, heads, health)%s\n%s\n",
+                 args.size() > 1 ? absl::StrCat(", got '", args[1], "'").c_str() : "", kUsage);
+    return 2;
+  }
+  const absl::Status status = Run(args[1]);
+  if (!status.ok()) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "error: %s\n", mha::client::OneLine(status).c_str());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,195 @@
+#include "client/report.h"
+
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "nlohmann/json.hpp"
+
+namespace mha::client {
+namespace {
+
+std::string LoadLabel(const StepReport& step) {
+  return step.concurrency > 0 ? absl::StrCat("concurrency ", step.concurrency)
+                              : absl::StrFormat("rate %g/s", step.request_rate);
+}
+
+int64_t ErrorCount(const StepStats& stats) {
+  int64_t errors = 0;
+  for (const auto& [code, count] : stats.errors) errors += count;
+  return errors;
+}
+
+std::string ErrorText(const StepStats& stats) {
+  if (stats.errors.empty()) return "0";
+  std::vector<std::string> parts;
+  for (const auto& [code, count] : stats.errors) parts.push_back(absl::StrCat(code, "=", count));
+  return absl::StrJoin(parts, ";");
+}
+
+// The Attend step measured at the same load right after `health`, if any.
+const StepReport* AttendPartner(const BenchReport& report, size_t health_index) {
+  if (health_index + 1 >= report.steps.size()) return nullptr;
+  const StepReport& next = report.steps[health_index + 1];
+  const StepReport& health = report.steps[health_index];
+  if (next.rpc != Rpc::kAttend || next.concurrency != health.concurrency ||
+      next.request_rate != health.request_rate) {
+    return nullptr;
+  }
+  return &next;
+}
+
+double Ratio(double a, double b) { return b > 0 ? a / b : 0; }
+
+}  // namespace
+
+void PrintTable(const BenchReport& report, std::ostream& out) {
+  const BenchOptions& o = report.options;
+  out << absl::StrFormat(
+      "model %s (p_o %d, h %d, %s); request B %d, Q %d, K %d (%d tokens); %s; %s\n",
+      report.model.name(), report.model.num_hiddens(), report.model.num_heads(),
+      report.model.precision(), report.batch, report.num_queries, report.num_keys,
+      report.tokens_per_request, ModeName(o.mode),
+      o.request_rates.empty() ? "fixed concurrency"
+                              : (o.poisson ? "fixed rate, Poisson" : "fixed rate, constant"));
+  out << absl::StrFormat("%-17s %-6s %10s %11s %8s %8s %8s %8s %8s %8s %6s %9s %10s %s\n", "load",
+                         "rpc", "req/s", "tokens/s", "p50 ms", "p90 ms", "p95 ms", "p99 ms",
+                         "max ms", "errors", "batch", "queue us", "compute us", "stable");
+  for (const StepReport& step : report.steps) {
+    const StepStats& s = step.stats;
+    const bool attend = step.rpc == Rpc::kAttend;
+    out << absl::StrFormat(
+        "%-17s %-6s %10.1f %11s %8.3f %8.3f %8.3f %8.3f %8.3f %8s %6s %9s %10s %s\n",
+        LoadLabel(step), RpcName(step.rpc), s.requests_per_s,
+        attend ? absl::StrFormat("%.0f", s.tokens_per_s) : "-", s.latency.p50_us * 1e-3,
+        s.latency.p90_us * 1e-3, s.latency.p95_us * 1e-3, s.latency.p99_us * 1e-3,
+        s.latency.max_us * 1e-3, ErrorText(s),
+        attend ? absl::StrFormat("%.2f", s.server_batch_rows) : "-",
+        attend ? absl::StrFormat("%.0f", s.server_queue_us) : "-",
+        attend ? absl::StrFormat("%.0f", s.server_compute_us) : "-",
+        step.stable ? "yes" : absl::StrFormat("no, %s", step.end_reason));
+  }
+  for (size_t i = 0; i < report.steps.size(); ++i) {
+    if (report.steps[i].rpc != Rpc::kHealth) continue;
+    const StepReport* attend = AttendPartner(report, i);
+    if (attend == nullptr) continue;
+    const StepStats& h = report.steps[i].stats;
+    const StepStats& a = attend->stats;
+    out << absl::StrFormat(
+        "%s: Attend / Health p50 latency %.2fx, p99 %.2fx; Attend throughput %.2fx of Health's\n",
+        LoadLabel(*attend), Ratio(a.latency.p50_us, h.latency.p50_us),
+        Ratio(a.latency.p99_us, h.latency.p99_us), Ratio(a.requests_per_s, h.requests_per_s));
+  }
+  out << absl::StrFormat("requests sent: %d Attend%s\n", report.attend_requests,
+                         report.health_requests > 0
+                             ? absl::StrFormat(", %d Health/Check", report.health_requests)
+                             : "");
+}
+
+std::string ToJson(const BenchReport& report) {
+  using nlohmann::json;
+  const BenchOptions& o = report.options;
+  const attention::v1::ModelInfo& m = report.model;
+  json root = {
+      {"target", report.target},
+      {"model",
+       {{"name", m.name()},
+        {"num_hiddens", m.num_hiddens()},
+        {"num_heads", m.num_heads()},
+        {"query_size", m.query_size()},
+        {"key_size", m.key_size()},
+        {"value_size", m.value_size()},
+        {"precision", m.precision()}}},
+      {"request",
+       {{"batch", report.batch},
+        {"num_queries", report.num_queries},
+        {"num_keys", report.num_keys},
+        {"tokens", report.tokens_per_request}}},
+      {"mode", ModeName(o.mode)},
+      {"rpc", RpcName(o.rpc)},
+      {"load", o.request_rates.empty() ? "concurrency" : "request_rate"},
+      {"distribution", o.poisson ? "poisson" : "constant"},
+      {"attend_requests", report.attend_requests},
+      {"health_requests", report.health_requests},
+      {"steps", json::array()},
+      {"health_ratios", json::array()},
+  };
+  for (const StepReport& step : report.steps) {
+    const StepStats& s = step.stats;
+    const LatencyStats& l = s.latency;
+    root["steps"].push_back({
+        {"rpc", RpcName(step.rpc)},
+        {"concurrency", step.concurrency},
+        {"request_rate", step.request_rate},
+        {"stable", step.stable},
+        {"end_reason", step.end_reason},
+        {"windows", step.windows},
+        {"sent", step.sent},
+        {"duration_s", s.duration_s},
+        {"requests", s.requests},
+        {"ok", s.ok},
+        {"requests_per_s", s.requests_per_s},
+        {"tokens_per_s", s.tokens_per_s},
+        {"latency_us",
+         {{"mean", l.mean_us},
+          {"p50", l.p50_us},
+          {"p90", l.p90_us},
+          {"p95", l.p95_us},
+          {"p99", l.p99_us},
+          {"max", l.max_us}}},
+        {"errors", s.errors},
+        {"server",
+         {{"batch_rows", s.server_batch_rows},
+          {"queue_us", s.server_queue_us},
+          {"compute_us", s.server_compute_us}}},
+    });
+  }
+  for (size_t i = 0; i < report.steps.size(); ++i) {
+    const StepReport* attend =
+        report.steps[i].rpc == Rpc::kHealth ? AttendPartner(report, i) : nullptr;
+    if (attend == nullptr) continue;
+    const StepStats& h = report.steps[i].stats;
+    const StepStats& a = attend->stats;
+    root["health_ratios"].push_back(
+        {{"concurrency", attend->concurrency},
+         {"request_rate", attend->request_rate},
+         {"attend_over_health_p50", Ratio(a.latency.p50_us, h.latency.p50_us)},
+         {"attend_over_health_p99", Ratio(a.latency.p99_us, h.latency.p99_us)},
+         {"attend_over_health_throughput", Ratio(a.requests_per_s, h.requests_per_s)}});
+  }
+  return root.dump(2) + "\n";
+}
+
+std::string ToCsv(const BenchReport& report) {
+  std::string csv =
+      "rpc,mode,concurrency,request_rate,requests_per_s,tokens_per_s,p50_us,p90_us,p95_us,"
+      "p99_us,max_us,mean_us,requests,ok,errors,errors_by_code,server_batch_rows,"
+      "server_queue_us,server_compute_us,stable,end_reason,windows,sent\n";
+  for (const StepReport& step : report.steps) {
+    const StepStats& s = step.stats;
+    const LatencyStats& l = s.latency;
+    absl::StrAppend(
+        &csv,
+        absl::StrFormat("%s,%s,%d,%g,%.3f,%.3f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%d,%d,%d,%s,%.3f,"
+                        "%.1f,%.1f,%s,%s,%d,%d\n",
+                        RpcName(step.rpc),
+                        ModeName(step.rpc == Rpc::kHealth ? Mode::kUnary : report.options.mode),
+                        step.concurrency, step.request_rate, s.requests_per_s, s.tokens_per_s,
+                        l.p50_us, l.p90_us, l.p95_us, l.p99_us, l.max_us, l.mean_us, s.requests,
+                        s.ok, ErrorCount(s), s.errors.empty() ? "" : ErrorText(s),
+                        s.server_batch_rows, s.server_queue_us, s.server_compute_us,
+                        step.stable ? "true" : "false", step.end_reason, step.windows, step.sent));
+  }
+  return csv;
+}
+
+absl::Status WriteText(const std::string& path, const std::string& text) {
+  std::ofstream file(path, std::ios::binary | std::ios::trunc);
+  file << text;
+  file.close();
+  if (!file) return absl::InvalidArgumentError(absl::StrCat(path, ": cannot write the file"));
+  return absl::OkStatus();
+}
+
+}  // namespace mha::client

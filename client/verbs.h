@@ -1,0 +1,64 @@
+// The verbs of attention_client. Each takes option structs (filled from flags in
+// main.cc), writes its result to `out` and returns the first error, whose one-line
+// form (OneLine in status.h) carries the gRPC code name.
+//
+//   infer    one request; prints the output's shape, a summary and timing
+//   bench    load test (bench.h), table on `out`, progress on `progress`
+//   heatmap  attention weights of one batch row as a PNG (heatmap.h)
+//   heads    head importance: drop one head at a time with head_mask
+//   health   grpc.health.v1 Check of the server and of every model
+#ifndef MHA_CLIENT_VERBS_H_
+#define MHA_CLIENT_VERBS_H_
+
+#include <ostream>
+#include <string>
+
+#include "absl/status/status.h"
+#include "client/bench.h"
+#include "client/channel.h"
+#include "client/heatmap.h"
+#include "client/request.h"
+
+namespace mha::client {
+
+struct InferOptions {
+  // .npy: the output; .safetensors: the inputs sent and the output (and the
+  // attention weights when asked), loadable again with --input.
+  std::string output;
+};
+absl::Status Infer(const ChannelOptions& channel, const RequestOptions& request,
+                   const InferOptions& options, std::ostream& out);
+
+struct BenchCommandOptions {
+  BenchOptions bench;
+  std::string json, csv;     // report files, when set
+  bool interactive = false;  // progress rewrites one terminal line
+};
+absl::Status Bench(const ChannelOptions& channel, const RequestOptions& request,
+                   const BenchCommandOptions& options, std::ostream& out, std::ostream& progress);
+
+struct HeatmapOptions {
+  std::string output = "attention.png";
+  std::string json;  // the layout (image size, where each head's map is), when set
+  int64_t batch_index = 0;
+  HeatmapStyle style;
+};
+absl::Status Heatmap(const ChannelOptions& channel, const RequestOptions& request,
+                     const HeatmapOptions& options, std::ostream& out);
+
+struct HeadsOptions {
+  int64_t prune = 0;  // also drop the `prune` least important heads together
+  std::string json;
+};
+absl::Status Heads(const ChannelOptions& channel, const RequestOptions& request,
+                   const HeadsOptions& options, std::ostream& out);
+
+struct HealthOptions {
+  std::string service;  // "" = the server and every model it lists
+};
+// UNAVAILABLE naming the services that are not SERVING.
+absl::Status Health(const ChannelOptions& channel, const HealthOptions& options, std::ostream& out);
+
+}  // namespace mha::client
+
+#endif  // MHA_CLIENT_VERBS_H_

@@ -1,0 +1,776 @@
+// attention_client against the real attention_server on loopback: every verb runs
+// as the binary users run, and its results are checked against the in-process core
+// (same seeded or file weights), the PNG's pixels and the server's own counters.
+#include <cairo.h>
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "client/heatmap.h"
+#include "client/tensor_io.h"
+#include "core/attention.h"
+#include "core/safetensors.h"
+#include "core/weights.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/integration/client_util.h"
+#include "tests/integration/metrics_scrape.h"
+#include "tests/integration/server_process.h"
+
+namespace mha::testing {
+namespace {
+
+using nlohmann::json;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+struct ClientRun {
+  int exit_code = -1;  // -1: killed by a signal or timed out
+  std::string out, err;
+};
+
+// Runs attention_client with `args` to completion (killed after `timeout`).
+ClientRun RunClient(const std::vector<std::string>& args,
+                    absl::Duration timeout = absl::Seconds(90)) {
+  TempDir dir;
+  const std::string out_path = dir.path() + "/stdout", err_path = dir.path() + "/stderr";
+  std::vector<std::string> argv_strings = {MHA_CLIENT_PATH};
+  argv_strings.insert(argv_strings.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& s : argv_strings) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int err = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(out, STDOUT_FILENO);
+    dup2(err, STDERR_FILENO);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  ClientRun run;
+  int status = 0;
+  const absl::Time deadline = absl::Now() + timeout;
+  pid_t done = 0;
+  while ((done = waitpid(pid, &status, WNOHANG)) == 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  if (done == 0) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+  } else if (WIFEXITED(status)) {
+    run.exit_code = WEXITSTATUS(status);
+  }
+  run.out = ReadFile(out_path);
+  run.err = ReadFile(err_path);
+  return run;
+}
+
+std::string Describe(const ClientRun& run) {
+  return absl::StrCat("exit ", run.exit_code, "\nstdout:\n", run.out, "\nstderr:\n", run.err);
+}
+
+// The server's embedded model: the toy layer with SeededWeights(config, 0).
+const core::ModelConfig kToy;
+
+// The tensors of a .safetensors file as an AttendRequest (what infer recorded).
+AttendRequest RequestFromFile(const core::SafetensorsFile& file) {
+  AttendRequest request;
+  auto fill = [&](const char* name, Tensor* tensor) {
+    const core::TensorView view = file.Get(name).value();
+    for (int64_t d : view.shape) tensor->add_shape(d);
+    const absl::StatusOr<std::vector<float>> values = view.ToFloat(name);
+    ASSERT_TRUE(values.ok()) << values.status();
+    for (float v : *values) tensor->add_data(v);
+  };
+  fill("queries", request.mutable_queries());
+  if (file.tensors().count("keys")) {
+    fill("keys", request.mutable_keys());
+    fill("values", request.mutable_values());
+  }
+  if (file.tensors().count("valid_lens")) {
+    const core::TensorView lens = file.Get("valid_lens").value();
+    EXPECT_EQ(lens.dtype, core::DType::kI32);
+    for (int64_t i = 0; i < lens.num_elements(); ++i) {
+      int32_t len;
+      std::memcpy(&len, lens.data + i * 4, 4);
+      request.add_valid_lens(len);
+    }
+  }
+  return request;
+}
+
+class ClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto server = ServerProcess::Start({"--port=0"});
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+  }
+  std::string TargetFlag() const { return "--target=" + server_->target(); }
+  std::string Path(const std::string& name) const { return dir_.path() + "/" + name; }
+
+  TempDir dir_;
+  std::unique_ptr<ServerProcess> server_;
+};
+
+TEST(ClientHelpTest, ListsEveryFlagWithItsDefault) {
+  const ClientRun run = RunClient({"--help"});
+  const std::string help = run.out + run.err;
+  for (const char* flag : {"--target",
+                           "--targets",
+                           "--tls",
+                           "--tls_ca",
+                           "--tls_cert",
+                           "--tls_key",
+                           "--tls_server_name",
+                           "--timeout",
+                           "--max_message_size",
+                           "--model",
+                           "--batch",
+                           "--num_queries",
+                           "--num_keys",
+                           "--valid_lens",
+                           "--causal",
+                           "--seed",
+                           "--input",
+                           "--output",
+                           "--return_attention",
+                           "--concurrency",
+                           "--request_rate",
+                           "--request_distribution",
+                           "--mode",
+                           "--streams",
+                           "--rpc",
+                           "--channels",
+                           "--warmup",
+                           "--window",
+                           "--stable_windows",
+                           "--stability",
+                           "--max_windows",
+                           "--duration",
+                           "--max_requests",
+                           "--json",
+                           "--csv",
+                           "--progress",
+                           "--batch_index",
+                           "--cell_size",
+                           "--columns",
+                           "--prune",
+                           "--service"}) {
+    EXPECT_TRUE(absl::StrContains(help, absl::StrCat(flag, " ("))) << flag << "\n" << help;
+  }
+  EXPECT_TRUE(absl::StrContains(help, "default: \"127.0.0.1:50051\"")) << help;
+  EXPECT_TRUE(absl::StrContains(help, "default: 268435456")) << help;  // 256 MiB
+  for (const char* verb : {"infer", "bench", "heatmap", "heads", "health"}) {
+    EXPECT_TRUE(absl::StrContains(help, verb)) << verb;
+  }
+  EXPECT_FALSE(absl::StrContains(help, "--flagfile")) << "absl's own flags are not listed";
+}
+
+TEST(ClientUsageTest, UnknownVerbIsAUsageError) {
+  const ClientRun run = RunClient({"frobnicate"});
+  EXPECT_EQ(run.exit_code, 2) << Describe(run);
+  EXPECT_TRUE(absl::StrContains(run.err, "got 'frobnicate'")) << run.err;
+}
+
+TEST_F(ClientTest, InferDefaultRequestMatchesTheCore) {
+  const ClientRun run = RunClient({"infer", TargetFlag(), "--output=" + Path("run.safetensors")});
+  ASSERT_EQ(run.exit_code, 0) << Describe(run);
+  EXPECT_TRUE(absl::StrContains(run.out, "output shape: (2, 4, 100)")) << run.out;
+  EXPECT_TRUE(absl::StrContains(run.out, "valid_lens [3, 2]")) << run.out;
+  EXPECT_TRUE(absl::StrContains(run.out, "ms round trip")) << run.out;
+
+  // The file records what was sent; the core on those inputs must give the output.
+  auto file = core::SafetensorsFile::Open(Path("run.safetensors"));
+  ASSERT_TRUE(file.ok()) << file.status();
+  const AttendRequest request = RequestFromFile(**file);
+  ASSERT_EQ(request.queries().shape_size(), 3);
+  EXPECT_EQ(request.keys().shape(1), 6);
+  EXPECT_EQ(request.valid_lens_size(), 2);
+  float lo = 1, hi = -1;
+  for (float v : request.queries().data()) lo = std::min(lo, v), hi = std::max(hi, v);
+  EXPECT_GE(lo, -1.0f);
+  EXPECT_LT(hi, 1.0f);
+  EXPECT_GT(hi - lo, 1.5f) << "random inputs should cover [-1, 1)";
+
+  const CoreResult expected = CoreForward(kToy, 0, request);
+  const std::vector<float> got = (*file)->Get("output")->ToFloat("output").value();
+  ASSERT_EQ(got.size(), 2u * 4 * 100);
+  EXPECT_LE(MaxAbsDiff(got, expected.output), 1e-5f);
+
+  // Another seed, other inputs, another output.
+  const ClientRun other =
+      RunClient({"infer", TargetFlag(), "--seed=5", "--output=" + Path("other.npy")});
+  ASSERT_EQ(other.exit_code, 0) << Describe(other);
+  auto other_output = client::ReadNpy(Path("other.npy"));
+  ASSERT_TRUE(other_output.ok()) << other_output.status();
+  EXPECT_GT(
+      MaxAbsDiff(std::vector<float>(other_output->values.begin(), other_output->values.end()), got),
+      1e-3f);
+}
+
+TEST_F(ClientTest, InferFromNpyFilesMatchesTheCore) {
+  // Cross-attention with its own shapes, and self-attention from one file.
+  AttendRequest cross;
+  *cross.mutable_queries() = MakeTensor({3, 5, 100}, 0.3f);
+  *cross.mutable_keys() = MakeTensor({3, 7, 100}, 1.1f);
+  *cross.mutable_values() = MakeTensor({3, 7, 100}, 2.7f);
+  for (int len : {7, 1, 4}) cross.add_valid_lens(len);
+  std::vector<std::string> files;
+  for (const auto& [name, tensor] :
+       {std::pair{"q", &cross.queries()}, {"k", &cross.keys()}, {"v", &cross.values()}}) {
+    files.push_back(Path(absl::StrCat(name, ".npy")));
+    ASSERT_TRUE(client::WriteNpy(files.back(), {tensor->shape().begin(), tensor->shape().end()},
+                                 tensor->data())
+                    .ok());
+  }
+  ClientRun run = RunClient({"infer", TargetFlag(), "--input=" + absl::StrJoin(files, ","),
+                             "--valid_lens=7,1,4", "--output=" + Path("cross.npy")});
+  ASSERT_EQ(run.exit_code, 0) << Describe(run);
+  EXPECT_TRUE(absl::StrContains(run.out, "output shape: (3, 5, 100)")) << run.out;
+  auto output = client::ReadNpy(Path("cross.npy"));
+  ASSERT_TRUE(output.ok()) << output.status();
+  EXPECT_EQ(output->shape, (std::vector<int64_t>{3, 5, 100}));
+  EXPECT_LE(MaxAbsDiff(std::vector<float>(output->values.begin(), output->values.end()),
+                       CoreForward(kToy, 0, cross).output),
+            1e-5f);
+
+  AttendRequest self;
+  *self.mutable_queries() = cross.queries();
+  self.set_causal(true);
+  run = RunClient({"infer", TargetFlag(), "--input=" + files[0], "--valid_lens=none", "--causal",
+                   "--output=" + Path("self.npy")});
+  ASSERT_EQ(run.exit_code, 0) << Describe(run);
+  EXPECT_TRUE(absl::StrContains(run.out, "(self-attention)")) << run.out;
+  output = client::ReadNpy(Path("self.npy"));
+  ASSERT_TRUE(output.ok()) << output.status();
+  EXPECT_LE(MaxAbsDiff(std::vector<float>(output->values.begin(), output->values.end()),
+                       CoreForward(kToy, 0, self).output),
+            1e-5f);
+}
+
+TEST_F(ClientTest, ErrorsAreOneLineWithTheCodeName) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {{"--valid_lens=3,9"},
+       "error: INVALID_ARGUMENT: Attend: valid_lens[1]: expected 0 <= valid_len <= K = 6, got 9"},
+      {{"--model=nope"}, "error: NOT_FOUND: GetModel: model: unknown model \"nope\""},
+      {{"--batch=8"}, "error: INVALID_ARGUMENT: --valid_lens: 2 entries (3,2) for batch 8"},
+      {{"--timeout=1us"}, "error: DEADLINE_EXCEEDED: "},
+      {{"--target=127.0.0.1:1", "--timeout=5s"}, "error: UNAVAILABLE: "},
+      {{"--input=" + Path("absent.npy")}, "error: INVALID_ARGUMENT: "},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> args = {"infer", TargetFlag()};
+    args.insert(args.end(), c.args.begin(), c.args.end());
+    const ClientRun run = RunClient(args);
+    EXPECT_EQ(run.exit_code, 1) << Describe(run);
+    EXPECT_TRUE(absl::StartsWith(run.err, c.expected)) << run.err;
+    EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;
+  }
+}
+
+TEST_F(ClientTest, HealthChecksTheServerAndEveryModel) {
+  ClientRun run = RunClient({"health", TargetFlag()});
+  ASSERT_EQ(run.exit_code, 0) << Describe(run);
+  EXPECT_TRUE(absl::StrContains(run.out, "server: SERVING")) << run.out;
+  EXPECT_TRUE(absl::StrContains(run.out, "model default: SERVING")) << run.out;
+
+  run = RunClient({"health", TargetFlag(), "--service=nope"});
+  EXPECT_EQ(run.exit_code, 1) << Describe(run);
+  EXPECT_TRUE(absl::StartsWith(run.err, "error: NOT_FOUND: Health/Check model nope")) << run.err;
+}
+
+// Short steps: a fraction of a second of warm-up and windows, bounded by --duration.
+std::vector<std::string> QuickBench(const std::string& target_flag) {
+  return {"bench",         target_flag,       "--warmup=200ms",  "--window=500ms",
+          "--duration=3s", "--max_windows=4", "--progress=false"};
+}
+
+json ReadJson(const std::string& path) {
+  json parsed = json::parse(ReadFile(path), nullptr, /*allow_exceptions=*/false);
+  EXPECT_FALSE(parsed.is_discarded()) << path;
+  return parsed;
+}
+
+// mha_requests_total summed over every model and code: every Attend and every
+// AttendStream message the server answered.
+int64_t RequestsTotal(const ServerProcess& server) {
+  const absl::StatusOr<std::string> text = ScrapeMetrics(server.metrics_port());
+  EXPECT_TRUE(text.ok()) << text.status();
+  if (!text.ok()) return -1;
+  double total = 0;
+  for (absl::string_view line : absl::StrSplit(*text, '\n')) {
+    if (!absl::ConsumePrefix(&line, "mha_requests_total{")) continue;
+    const size_t space = line.rfind(' ');
+    total += std::strtod(std::string(line.substr(space + 1)).c_str(), nullptr);
+  }
+  return static_cast<int64_t>(total);
+}
+
+// The server's count once it reaches `expected` (it is bumped as each answer is
+// sent, so it may trail the client's last response by a moment), or after 5 s.
+int64_t SettledRequestsTotal(const ServerProcess& server, int64_t expected) {
+  int64_t total = RequestsTotal(server);
+  for (int i = 0; i < 50 && total < expected; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    total = RequestsTotal(server);
+  }
+  return total;
+}
+
+void ExpectSaneStep(const json& step, const std::string& rpc) {
+  SCOPED_TRACE(step.dump());
+  EXPECT_EQ(step["rpc"], rpc);
+  EXPECT_GT(step["ok"].get<int64_t>(), 0);
+  EXPECT_TRUE(step["errors"].empty());
+  EXPECT_GT(step["requests_per_s"].get<double>(), 0);
+  const json& l = step["latency_us"];
+  EXPECT_GT(l["p50"].get<double>(), 0);
+  EXPECT_LE(l["p50"].get<double>(), l["p90"].get<double>());
+  EXPECT_LE(l["p90"].get<double>(), l["p95"].get<double>());
+  EXPECT_LE(l["p95"].get<double>(), l["p99"].get<double>());
+  EXPECT_LE(l["p99"].get<double>(), l["max"].get<double>());
+  EXPECT_GE(step["sent"].get<int64_t>(), step["ok"].get<int64_t>());
+  EXPECT_GE(step["windows"].get<int>(), 1);
+  EXPECT_LE(step["windows"].get<int>(), 4);
+}
+
+TEST_F(ClientTest, BenchSweepsConcurrencyAndWritesJsonAndCsv) {
+  std::vector<std::string> args = QuickBench(TargetFlag());
+  args.insert(args.end(), {"--concurrency=1:4:x2", "--json=" + Path("bench.json"),
+                           "--csv=" + Path("bench.csv")});
+  const ClientRun run = RunClient(args);
+  ASSERT_EQ(run.exit_code, 0) << Describe(run);
+  for (const char* row : {"concurrency 1 ", "concurrency 2 ", "concurrency 4 "}) {
+    EXPECT_TRUE(absl::StrContains(run.out, row)) << run.out;
+  }
+  const json report = ReadJson(Path("bench.json"));
+  ASSERT_EQ(report["steps"].size(), 3u) << report.dump();
+  int64_t sent = 1;  // the pre-flight request
+  for (size_t i = 0; i < 3; ++i) {
+    const json& step = report["steps"][i];
+    ExpectSaneStep(step, "attend");
+    EXPECT_EQ(step["concurrency"], 1 << i);
+    // Tokens are B * Q = 8 per request.
+    EXPECT_NEAR(step["tokens_per_s"].get<double>(), 8 * step["requests_per_s"].get<double>(),
+                1e-6 * step["tokens_per_s"].get<double>());
+    // Server timing comes from the responses: B = 2 rows per request at least.
+    EXPECT_GE(step["server"]["batch_rows"].get<double>(), 2.0);
+    EXPECT_GT(step["server"]["compute_us"].get<double>(), 0);
+    sent += step["sent"].get<int64_t>();
+  }
+  EXPECT_EQ(report["attend_requests"].get<int64_t>(), sent);
+  EXPECT_EQ(report["request"]["tokens"], 8);
+  EXPECT_EQ(report["model"]["name"], "default");
+
+  const std::vector<std::string> csv =
+      absl::StrSplit(ReadFile(Path("bench.csv")), '\n', absl::SkipEmpty());
+  ASSERT_EQ(csv.size(), 4u);
+  EXPECT_TRUE(absl::StartsWith(csv[0], "rpc,mode,concurrency,request_rate,requests_per_s"));
+  EXPECT_TRUE(absl::StartsWith(csv[3], "attend,unary,4,")) << csv[3];
+}
+
+TEST_F(ClientTest, BenchMaxRequestsBoundsEveryStep) {
+  std::vector<std::string> args = QuickBench(TargetFlag());
+  // Windows long enough that the 40 requests finish in the last 3 even on a busy
+  // machine (the step ends as soon as they have); later flags override QuickBench's.
+  args.insert(args.end(), {"--concurrency=3", "--warmup=0s", "--max_requests=40", "--window=5s",
+                           "--duration=30s", "--json=" + Path("bench.json")});
+  const ClientRun run = RunClient(args);
+  ASSERT_EQ(run.exit_code, 0) << Describe(run);
+  const json report = ReadJson(Path("bench.json"));
+  ASSERT_EQ(report["steps"].size(), 1u);
+  EXPECT_EQ(report["steps"][0]["sent"], 40);
+  EXPECT_EQ(report["steps"][0]["end_reason"], "max_requests");
+  EXPECT_EQ(report["attend_requests"], 41);
+  // Without warm-up every request finishes inside the measured windows.
+  EXPECT_EQ(report["steps"][0]["requests"], 40) << report.dump();
+}
+
+TEST_F(ClientTest, BenchStreamsAtFixedConcurrencyAndRate) {
+  std::vector<std::string> args = QuickBench(TargetFlag());
+  args.insert(args.end(), {"--mode=stream", "--concurrency=2", "--json=" + Path("c.json")});
+  ClientRun run = RunClient(args);
+  ASSERT_EQ(run.exit_code, 0) << Describe(run);
+  json report = ReadJson(Path("c.json"));
+  EXPECT_EQ(report["mode"], "stream");
+  ExpectSaneStep(report["steps"][0], "attend");
+
+  // Open loop: Poisson arrivals at 20/s over 2 streams; the achieved rate follows.
+  args = QuickBench(TargetFlag());
+  args.insert(args.end(),
+              {"--mode=stream", "--request_rate=20", "--request_distribution=poisson",
+               "--streams=2", "--window=1s", "--duration=4s", "--json=" + Path("r.json")});
+  run = RunClient(args);
+  ASSERT_EQ(run.exit_code, 0) << Describe(run);
+  report = ReadJson(Path("r.json"));
+  EXPECT_EQ(report["load"], "request_rate");
+  EXPECT_EQ(report["distribution"], "poisson");
+  const json& step = report["steps"][0];
+  ExpectSaneStep(step, "attend");
+  EXPECT_EQ(step["request_rate"], 20.0);
+  // A Poisson count over 1-3 s windows (mean 20-60) stays well inside 8..40 per
+  // second unless the schedule is broken (e.g. closed-loop or bursting).
+  EXPECT_GT(step["requests_per_s"].get<double>(), 8) << step.dump();
+  EXPECT_LT(step["requests_per_s"].get<double>(), 40) << step.dump();
+}
+
+TEST_F(ClientTest, BenchHealthRpcIsMeasuredBesideAttend) {
+  std::vector<std::string> args = QuickBench(TargetFlag());
+  args.insert(args.end(), {"--rpc=health", "--concurrency=2", "--json=" + Path("h.json")});
+  const ClientRun run = RunClient(args);
+  ASSERT_EQ(run.exit_code, 0) << Describe(run);
+  EXPECT_TRUE(absl::StrContains(run.out, "Attend / Health p50 latency")) << run.out;
+  const json report = ReadJson(Path("h.json"));
+  ASSERT_EQ(report["steps"].size(), 2u);
+  ExpectSaneStep(report["steps"][0], "health");
+  ExpectSaneStep(report["steps"][1], "attend");
+  EXPECT_GT(report["health_requests"].get<int64_t>(), 0);
+  // Health/Check is not an Attend request: the server counted exactly the Attend calls.
+  const int64_t attend = report["attend_requests"];
+  EXPECT_EQ(SettledRequestsTotal(*server_, attend), attend);
+  ASSERT_EQ(report["health_ratios"].size(), 1u);
+  const json& ratio = report["health_ratios"][0];
+  const double p50_ratio = ratio["attend_over_health_p50"].get<double>();
+  EXPECT_NEAR(p50_ratio,
+              report["steps"][1]["latency_us"]["p50"].get<double>() /
+                  report["steps"][0]["latency_us"]["p50"].get<double>(),
+              1e-9 * p50_ratio);
+  EXPECT_GT(p50_ratio, 0);
+}
+
+TEST_F(ClientTest, BenchCountEqualsTheServersRequestsTotal) {
+  ASSERT_GT(server_->metrics_port(), 0);
+  for (const char* mode : {"--mode=unary", "--mode=stream"}) {
+    SCOPED_TRACE(mode);
+    const int64_t before = RequestsTotal(*server_);
+    std::vector<std::string> args = QuickBench(TargetFlag());
+    args.insert(args.end(), {mode, "--concurrency=1:4:x2", "--json=" + Path("bench.json")});
+    const ClientRun run = RunClient(args);
+    ASSERT_EQ(run.exit_code, 0) << Describe(run);
+    const json report = ReadJson(Path("bench.json"));
+    const int64_t sent = report["attend_requests"];
+    EXPECT_GT(sent, 10);
+    EXPECT_EQ(SettledRequestsTotal(*server_, before + sent) - before, sent);
+  }
+}
+
+TEST(ClientTargetsTest, RoundRobinSpreadsLoadOverEveryServer) {
+  auto first = ServerProcess::Start({"--port=0"});
+  auto second = ServerProcess::Start({"--port=0"});
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(second.ok()) << second.status();
+  TempDir dir;
+  const ClientRun run = RunClient(
+      {"bench",
+       "--targets=" + (*first)->target() + ",localhost:" + std::to_string((*second)->port()),
+       "--concurrency=4", "--warmup=200ms", "--window=500ms", "--duration=3s", "--max_windows=4",
+       "--progress=false", "--json=" + dir.path() + "/bench.json"});
+  ASSERT_EQ(run.exit_code, 0) << Describe(run);
+  const json report = ReadJson(dir.path() + "/bench.json");
+  ExpectSaneStep(report["steps"][0], "attend");
+  const int64_t sent = report["attend_requests"];
+  const int64_t on_first = SettledRequestsTotal(**first, 1);
+  const int64_t on_second = SettledRequestsTotal(**second, sent - on_first);
+  EXPECT_EQ(on_first + on_second, sent);
+  // round_robin alternates per call: neither server sits idle.
+  EXPECT_GT(on_first, sent / 4) << on_first << " of " << sent;
+  EXPECT_GT(on_second, sent / 4) << on_second << " of " << sent;
+}
+
+// The pixel at the centre of cell (q, k) of a head's map.
+uint32_t CellPixel(cairo_surface_t* png, const json& layout, int head, int64_t q, int64_t k) {
+  const int cell = layout["cell_size"];
+  const int x = layout["heads"][head]["x"].get<int>() + static_cast<int>(k) * cell + cell / 2;
+  const int y = layout["heads"][head]["y"].get<int>() + static_cast<int>(q) * cell + cell / 2;
+  const unsigned char* data = cairo_image_surface_get_data(png);
+  uint32_t pixel;
+  std::memcpy(&pixel, data + y * cairo_image_surface_get_stride(png) + x * 4, 4);
+  return pixel & 0xffffff;  // RGB of ARGB32 / RGB24
+}
+
+TEST_F(ClientTest, HeatmapDrawsEveryHeadWithMaskedKeysBlank) {
+  // The same request twice: once recorded with its weights, once drawn.
+  const std::vector<std::string> request = {TargetFlag(), "--num_queries=5", "--num_keys=7",
+                                            "--valid_lens=4,6", "--seed=3"};
+  std::vector<std::string> infer = {"infer", "--return_attention",
+                                    "--output=" + Path("run.safetensors")};
+  infer.insert(infer.end(), request.begin(), request.end());
+  ClientRun run = RunClient(infer);
+  ASSERT_EQ(run.exit_code, 0) << Describe(run);
+  auto file = core::SafetensorsFile::Open(Path("run.safetensors"));
+  ASSERT_TRUE(file.ok()) << file.status();
+  const std::vector<float> weights = (*file)->Get("attention")->ToFloat("attention").value();
+  ASSERT_EQ(weights.size(), 2u * 5 * 5 * 7);  // (B, h, Q, K)
+  // The recorded weights are the core's.
+  AttendRequest recorded = RequestFromFile(**file);
+  recorded.set_return_attention(true);
+  EXPECT_LE(MaxAbsDiff(weights, CoreForward(kToy, 0, recorded).attention), 1e-5f);
+
+  for (int b : {0, 1}) {
+    SCOPED_TRACE(absl::StrCat("batch row ", b));
+    const int valid_len = b == 0 ? 4 : 6;
+    std::vector<std::string> heatmap = {"heatmap", "--batch_index=" + std::to_string(b),
+                                        "--output=" + Path("map.png"),
+                                        "--json=" + Path("map.json")};
+    heatmap.insert(heatmap.end(), request.begin(), request.end());
+    run = RunClient(heatmap);
+    ASSERT_EQ(run.exit_code, 0) << Describe(run);
+    const json layout = ReadJson(Path("map.json"));
+    cairo_surface_t* png = cairo_image_surface_create_from_png(Path("map.png").c_str());
+    ASSERT_EQ(cairo_surface_status(png), CAIRO_STATUS_SUCCESS);
+    const int width = cairo_image_surface_get_width(png);
+    const int height = cairo_image_surface_get_height(png);
+    EXPECT_EQ(width, layout["width"].get<int>());
+    EXPECT_EQ(height, layout["height"].get<int>());
+    ASSERT_EQ(layout["heads"].size(), 5u);
+    const int cell = layout["cell_size"];
+    EXPECT_GE(cell, 4);
+    // Five maps of 7 x 5 cells in a 3 x 2 grid, with room for axes and a colour bar.
+    EXPECT_GE(width, 3 * 7 * cell);
+    EXPECT_GE(height, 2 * 5 * cell);
+    EXPECT_LE(width, 4000);
+    EXPECT_LE(height, 4000);
+
+    float max_weight = 0;
+    for (int h = 0; h < 5; ++h) {
+      for (int q = 0; q < 5; ++q) {
+        for (int k = 0; k < valid_len; ++k) {
+          max_weight = std::max(max_weight, weights[((b * 5 + h) * 5 + q) * 7 + k]);
+        }
+      }
+    }
+    EXPECT_NEAR(layout["max_weight"].get<float>(), max_weight, 1e-6f);
+    cairo_surface_flush(png);
+    for (int h = 0; h < 5; ++h) {
+      for (int q = 0; q < 5; ++q) {
+        for (int k = 0; k < 7; ++k) {
+          const uint32_t pixel = CellPixel(png, layout, h, q, k);
+          if (k >= valid_len) {
+            EXPECT_EQ(pixel, 0xffffffu)
+                << "masked cell not blank: head " << h << " (" << q << ", " << k << ")";
+            continue;
+          }
+          // Unmasked: the viridis colour of this weight on the 0..max scale.
+          uint8_t rgb[3];
+          client::Viridis(weights[((b * 5 + h) * 5 + q) * 7 + k] / max_weight, rgb);
+          const int r = (pixel >> 16) & 0xff, g = (pixel >> 8) & 0xff, bl = pixel & 0xff;
+          EXPECT_NEAR(r, rgb[0], 1) << "head " << h << " (" << q << ", " << k << ")";
+          EXPECT_NEAR(g, rgb[1], 1);
+          EXPECT_NEAR(bl, rgb[2], 1);
+          EXPECT_NE(pixel, 0xffffffu);
+        }
+      }
+    }
+    // The colour bar runs from viridis' yellow (top) to its purple (bottom).
+    const json& bar = layout["colour_bar"];
+    const unsigned char* data = cairo_image_surface_get_data(png);
+    const int stride = cairo_image_surface_get_stride(png);
+    auto bar_pixel = [&](int y) {
+      uint32_t p;
+      std::memcpy(&p, data + y * stride + (bar["x"].get<int>() + 5) * 4, 4);
+      return p & 0xffffff;
+    };
+    EXPECT_GT((bar_pixel(bar["y"].get<int>() + 1) >> 8) & 0xff, 200u);  // green of yellow
+    EXPECT_LT((bar_pixel(bar["y"].get<int>() + bar["height"].get<int>() - 2) >> 8) & 0xff, 40u);
+    cairo_surface_destroy(png);
+  }
+}
+
+// A model folder whose safetensors weights (d2l naming) have head `zeroed`'s W_o
+// columns set to zero: that head contributes nothing to the output.
+const core::ModelConfig kSmall{.num_hiddens = 48,
+                               .num_heads = 4,
+                               .query_size = 20,
+                               .key_size = 20,
+                               .value_size = 20,
+                               .bias = true};
+
+core::Weights WriteZeroedHeadModel(const TempDir& dir, int64_t zeroed) {
+  core::Weights weights = core::SeededWeights(kSmall, 11);
+  const int64_t n = kSmall.num_hiddens, p = kSmall.head_size();
+  for (int64_t row = 0; row < n; ++row) {
+    for (int64_t col = zeroed * p; col < (zeroed + 1) * p; ++col) {
+      weights.w_o[static_cast<size_t>(row * n + col)] = 0;
+    }
+  }
+  dir.Write("zeroed/config.pbtxt",
+            "num_hiddens: 48 num_heads: 4 query_size: 20 key_size: 20 value_size: 20 bias: true\n");
+  dir.Write("zeroed/weights.safetensors",
+            core::SerializeSafetensors({core::F32Tensor("W_q.weight", {n, 20}, weights.w_q),
+                                        core::F32Tensor("W_k.weight", {n, 20}, weights.w_k),
+                                        core::F32Tensor("W_v.weight", {n, 20}, weights.w_v),
+                                        core::F32Tensor("W_o.weight", {n, n}, weights.w_o),
+                                        core::F32Tensor("W_q.bias", {n}, weights.b_q),
+                                        core::F32Tensor("W_k.bias", {n}, weights.b_k),
+                                        core::F32Tensor("W_v.bias", {n}, weights.b_v),
+                                        core::F32Tensor("W_o.bias", {n}, weights.b_o)}));
+  return weights;
+}
+
+// ||y(without `dropped`) - y|| / ||y|| by the in-process core.
+double CoreRelativeChange(const core::MultiHeadAttention& mha, const AttendRequest& request,
+                          const std::vector<int64_t>& dropped) {
+  const Tensor& q = request.queries();
+  std::vector<float> mask(static_cast<size_t>(kSmall.num_heads), 1.0f);
+  for (int64_t h : dropped) mask[static_cast<size_t>(h)] = 0;
+  core::AttentionInputs in{
+      .batch = q.shape(0),
+      .num_queries = q.shape(1),
+      .num_keys = request.keys().shape(1),
+      .queries = q.data().data(),
+      .keys = request.keys().data().data(),
+      .values = request.values().data().data(),
+      .valid_lens = {request.valid_lens().data(), static_cast<size_t>(request.valid_lens_size())},
+  };
+  const size_t size = static_cast<size_t>(in.batch * in.num_queries * kSmall.num_hiddens);
+  std::vector<float> full(size), masked(size);
+  EXPECT_TRUE(mha.Forward(in, full.data()).ok());
+  in.head_mask = mask;
+  EXPECT_TRUE(mha.Forward(in, masked.data()).ok());
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < size; ++i) {
+    diff += (masked[i] - full[i]) * static_cast<double>(masked[i] - full[i]);
+    norm += full[i] * static_cast<double>(full[i]);
+  }
+  return std::sqrt(diff / norm);
+}
+
+TEST(ClientHeadsTest, RanksAZeroedHeadLastAndMatchesTheCore) {
+  TempDir repository;
+  constexpr int64_t kZeroed = 1;
+  const core::Weights weights = WriteZeroedHeadModel(repository, kZeroed);
+  auto mha = core::MultiHeadAttention::Create(kSmall, weights);
+  ASSERT_TRUE(mha.ok()) << mha.status();
+  auto server = ServerProcess::Start({"--port=0", "--model_repository=" + repository.path()});
+  ASSERT_TRUE(server.ok()) << server.status();
+
+  // Inputs from a file, so the test knows them: B 3, Q 6, K 9, valid_lens [9, 5, 1].
+  AttendRequest request;
+  *request.mutable_queries() = MakeTensor({3, 6, 20}, 0.5f);
+  *request.mutable_keys() = MakeTensor({3, 9, 20}, 1.5f);
+  *request.mutable_values() = MakeTensor({3, 9, 20}, 2.5f);
+  const std::vector<int32_t> lens = {9, 5, 1};
+  for (int32_t len : lens) request.add_valid_lens(len);
+  TempDir dir;
+  const std::string inputs = dir.Write(
+      "inputs.safetensors",
+      core::SerializeSafetensors(
+          {core::F32Tensor("queries", {3, 6, 20},
+                           {request.queries().data().begin(), request.queries().data().end()}),
+           core::F32Tensor("keys", {3, 9, 20},
+                           {request.keys().data().begin(), request.keys().data().end()}),
+           core::F32Tensor("values", {3, 9, 20},
+                           {request.values().data().begin(), request.values().data().end()}),
+           core::NamedTensor{"valid_lens",
+                             core::DType::kI32,
+                             {3},
+                             std::string(reinterpret_cast<const char*>(lens.data()), 12)}}));
+
+  const ClientRun run =
+      RunClient({"heads", "--target=" + (*server)->target(), "--model=zeroed", "--prune=2",
+                 "--input=" + inputs, "--json=" + dir.path() + "/heads.json"});
+  ASSERT_EQ(run.exit_code, 0) << Describe(run);
+  EXPECT_TRUE(absl::StrContains(run.out, "rank  head")) << run.out;
+  const json report = ReadJson(dir.path() + "/heads.json");
+  ASSERT_EQ(report["ranking"].size(), 4u) << report.dump();
+  EXPECT_EQ(report["ranking"][3], kZeroed) << report.dump();
+  EXPECT_LT(report["heads"][kZeroed]["relative_change"].get<double>(), 1e-6);
+  for (int64_t h = 0; h < 4; ++h) {
+    const double change = report["heads"][h]["relative_change"];
+    EXPECT_NEAR(change, CoreRelativeChange(**mha, request, {h}), 1e-5) << "head " << h;
+    if (h != kZeroed) {
+      EXPECT_GT(change, 1e-3) << "head " << h;
+    }
+  }
+  // Ranked by change, most important first.
+  for (size_t r = 1; r < 4; ++r) {
+    EXPECT_GE(report["heads"][report["ranking"][r - 1].get<int>()]["relative_change"].get<double>(),
+              report["heads"][report["ranking"][r].get<int>()]["relative_change"].get<double>());
+  }
+  // --prune=2 drops the two least important heads together.
+  const json& prune = report["prune"];
+  const std::vector<int64_t> pruned = {report["ranking"][2], report["ranking"][3]};
+  EXPECT_EQ(prune["heads"], json(pruned));
+  EXPECT_NEAR(prune["relative_change"].get<double>(), CoreRelativeChange(**mha, request, pruned),
+              1e-5);
+  (*server)->Signal(SIGTERM);
+  EXPECT_TRUE((*server)->WaitForExit(absl::Seconds(15)).has_value());
+}
+
+// Certificates made by openssl for this test, as lifecycle_test's TlsTest makes them.
+TEST(ClientTlsTest, InferOverMutualTls) {
+  TempDir certs;
+  certs.Write("make_certs.sh", R"(set -e
+EC="-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
+openssl req -x509 $EC -keyout ca.key -out ca.pem -days 2 -subj /CN=mha-test-ca
+openssl req $EC -keyout server.key -out server.csr -subj /CN=localhost
+printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\n' > server.ext
+openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
+  -out server.pem -days 2 -extfile server.ext
+openssl req $EC -keyout client.key -out client.csr -subj /CN=mha-test-client
+openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
+  -out client.pem -days 2
+)");
+  ASSERT_EQ(
+      std::system(
+          absl::StrCat("cd '", certs.path(), "' && sh make_certs.sh > openssl.log 2>&1").c_str()),
+      0)
+      << ReadFile(certs.path() + "/openssl.log");
+  auto file = [&](const char* name) { return certs.path() + "/" + name; };
+  auto server = ServerProcess::Start({"--port=0", "--tls_cert=" + file("server.pem"),
+                                      "--tls_key=" + file("server.key"),
+                                      "--tls_client_ca=" + file("ca.pem")});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string target = "--target=" + (*server)->target();
+
+  ClientRun run =
+      RunClient({"infer", target, "--tls_ca=" + file("ca.pem"), "--tls_cert=" + file("client.pem"),
+                 "--tls_key=" + file("client.key")});
+  EXPECT_EQ(run.exit_code, 0) << Describe(run);
+  EXPECT_TRUE(absl::StrContains(run.out, "output shape: (2, 4, 100)")) << run.out;
+  // The name checked can be overridden (the certificate also names localhost).
+  run = RunClient({"health", target, "--tls_ca=" + file("ca.pem"), "--tls_server_name=localhost",
+                   "--tls_cert=" + file("client.pem"), "--tls_key=" + file("client.key")});
+  EXPECT_EQ(run.exit_code, 0) << Describe(run);
+
+  // No client certificate, or plaintext: refused, one line with the code.
+  for (const std::vector<std::string>& flags :
+       {std::vector<std::string>{"--tls_ca=" + file("ca.pem")}, std::vector<std::string>{}}) {
+    std::vector<std::string> args = {"infer", target, "--timeout=5s"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    run = RunClient(args);
+    EXPECT_EQ(run.exit_code, 1) << Describe(run);
+    EXPECT_TRUE(absl::StartsWith(run.err, "error: UNAVAILABLE: ")) << run.err;
+  }
+  run = RunClient({"infer", target, "--tls_cert=" + file("client.pem")});
+  EXPECT_EQ(run.exit_code, 1) << Describe(run);
+  EXPECT_TRUE(absl::StrContains(run.err, "--tls_cert and --tls_key go together")) << run.err;
+}
+
+}  // namespace
+}  // namespace mha::testing
