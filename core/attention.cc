@@ -509,7 +509,11 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
   const int64_t B = in.batch, Q = in.num_queries, K = in.num_keys;
   const int64_t E = c_.num_hiddens, H = c_.num_heads, p = c_.head_size();
   const size_t asz = SizeOf(act_);
-  const int threads = o_.num_threads > 0 ? o_.num_threads : omp_get_max_threads();
+  // oneDNN splits a primitive's work for the threads it asks OpenMP for and assumes
+  // it gets them all: asking for more than OMP_THREAD_LIMIT silently skipped part of
+  // the output (found when the sanitizer runs set OMP_THREAD_LIMIT=1).
+  const int threads = std::min(o_.num_threads > 0 ? o_.num_threads : omp_get_max_threads(),
+                               omp_get_thread_limit());
   omp_set_num_threads(threads);  // this thread's ICV: bounds oneDNN's regions too
 
   // Per-query key limit: valid_lens and causal folded into one number.

@@ -18,13 +18,16 @@ namespace {
 
 // exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2/2, exp(r) by its Taylor series
 // to r^7 (truncation error below 6e-9, under half an f32 ulp), 2^n built in the
-// exponent bits. Inputs below -87 flush to ~2^-126 (they vanish in the sum).
+// exponent bits. Inputs below -87 flush to ~2^-126 (they vanish in the sum). NaN
+// (scores that overflowed to inf, minus an inf maximum) gives NaN: it is kept out of
+// the float -> int conversion, which is undefined for NaN.
 inline float ExpNonPositive(float x) {
   constexpr float kLog2e = 1.44269504088896341f;
   constexpr float kLn2Hi = 0.693359375f;
   constexpr float kLn2Lo = -2.12194440e-4f;
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to integer
-  x = x < -87.0f ? -87.0f : x;
+  const bool nan = x != x;
+  x = x > -87.0f ? x : -87.0f;  // NaN compares false: -87
   const float n = (x * kLog2e + kRound) - kRound;
   const float r = (x - n * kLn2Hi) - n * kLn2Lo;
   float p = 1.0f / 5040;
@@ -36,7 +39,7 @@ inline float ExpNonPositive(float x) {
   p = p * r + 1.0f;
   p = p * r + 1.0f;
   const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  return p * std::bit_cast<float>(e);
+  return nan ? std::numeric_limits<float>::quiet_NaN() : p * std::bit_cast<float>(e);
 }
 
 inline uint16_t Bf16Bits(float x) {

@@ -200,7 +200,10 @@ absl::Status SafetensorsFile::Parse() {
   const uint64_t data_size = size_ - 8 - header_len;
 
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  for (const auto& [name, entry] : json.items()) {
+  for (const auto& item : json.items()) {
+    // Named, not a structured binding: clang 14 (the fuzz build) cannot capture those.
+    const std::string& name = item.key();
+    const nlohmann::json& entry = item.value();
     if (name == "__metadata__") {
       if (!entry.is_object()) return Invalid(source_, "__metadata__ is not an object");
       for (const auto& [k, v] : entry.items()) {

@@ -24,6 +24,9 @@ test_packages=(
   libgtest-dev libgmock-dev libbenchmark-dev openssl
   # the e2e test: a real Prometheus server (and promtool) scraping ours
   prometheus
+  # fuzzing (cmake --preset fuzz): clang with libFuzzer and its sanitizer runtimes,
+  # and LLVM's OpenMP runtime for clang's -fopenmp
+  clang libclang-rt-14-dev libomp-14-dev
   python3 python3-grpcio python3-grpc-tools python3-numpy python3-torch libopenblas0-pthread
   # deploy checks: yamllint for the manifests (promtool comes with prometheus above)
   yamllint python3-yaml

@@ -2,12 +2,14 @@
 
 #include <string>
 
+#include "server/abbreviate.h"
+
 namespace mha::server {
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
+                      Abbreviate(status.message(), kMaxStatusMessageBytes));
 }
 
 }  // namespace mha::server

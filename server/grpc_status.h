@@ -8,8 +8,9 @@
 
 namespace mha::server {
 
-// Same canonical code, same message. Codes absl has that gRPC lacks do not exist
-// (both use the canonical google.rpc.Code space), so the mapping is exact.
+// Same canonical code, same message (abbreviated past kMaxStatusMessageBytes, see
+// server/abbreviate.h). Codes absl has that gRPC lacks do not exist (both use the
+// canonical google.rpc.Code space), so the mapping is exact.
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
 }  // namespace mha::server

@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
 #include "core/weights.h"
+#include "server/abbreviate.h"
 
 namespace mha::server {
 namespace {
@@ -124,6 +125,22 @@ absl::StatusOr<attention::v1::ModelConfig> ParseModelConfig(absl::string_view te
   return config;
 }
 
+absl::StatusOr<ResolvedModelConfig> ResolveModelConfig(const attention::v1::ModelConfig& proto,
+                                                       absl::string_view name,
+                                                       const ModelRepository::Options& options) {
+  if (!proto.name().empty() && proto.name() != name) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "name \"", proto.name(), "\" differs from the directory name \"", name, "\""));
+  }
+  ResolvedModelConfig resolved;
+  MHA_ASSIGN_OR_RETURN(resolved.config, ToCoreConfig(proto));
+  MHA_ASSIGN_OR_RETURN(resolved.limits, ResolveLimits(proto.limits(), options.default_limits));
+  MHA_ASSIGN_OR_RETURN(resolved.batching, ResolveBatching(proto.batching(),
+                                                          options.default_batching,
+                                                          resolved.limits));
+  return resolved;
+}
+
 absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir,
                                                  const std::string& name,
                                                  const ModelRepository::Options& options) {
@@ -138,20 +155,11 @@ absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir,
   model->name = name;
   MHA_ASSIGN_OR_RETURN(model->proto, ParseModelConfig(text.str(), context));
   const attention::v1::ModelConfig& proto = model->proto;
-  if (!proto.name().empty() && proto.name() != name) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        context, ": name \"", proto.name(), "\" differs from the directory name \"", name,
-        "\""));
-  }
-  auto config = ToCoreConfig(proto);
-  if (!config.ok()) return WithContext(config.status(), context);
-  model->config = *config;
-  auto limits = ResolveLimits(proto.limits(), options.default_limits);
-  if (!limits.ok()) return WithContext(limits.status(), context);
-  model->limits = *limits;
-  auto batching = ResolveBatching(proto.batching(), options.default_batching, model->limits);
-  if (!batching.ok()) return WithContext(batching.status(), context);
-  model->batching = *batching;
+  auto resolved = ResolveModelConfig(proto, name, options);
+  if (!resolved.ok()) return WithContext(resolved.status(), context);
+  model->config = resolved->config;
+  model->limits = resolved->limits;
+  model->batching = resolved->batching;
 
   core::Weights weights;
   if (proto.has_seeded()) {
@@ -231,7 +239,8 @@ absl::StatusOr<const Model*> ModelRepository::Find(absl::string_view name) const
         "model: required, this server has several models and none named \"",
         kDefaultModelName, "\" (", absl::StrJoin(names, ", "), ")"));
   }
-  return absl::NotFoundError(absl::StrCat("model: unknown model \"", name, "\"; served: ",
+  return absl::NotFoundError(absl::StrCat("model: unknown model \"", Abbreviate(name),
+                                          "\"; served: ",
                                           absl::StrJoin(names, ", ")));
 }
 

@@ -92,6 +92,20 @@ class ModelRepository {
 absl::StatusOr<attention::v1::ModelConfig> ParseModelConfig(absl::string_view text,
                                                             absl::string_view source);
 
+// A parsed config checked for model `name` (its directory name): the core's sizes
+// (ModelConfig::Validate passed), the limits and the batching policy with the
+// server's defaults (options.default_limits, options.default_batching) filled in for
+// every 0. No file access and no allocation proportional to the sizes.
+// INVALID_ARGUMENT naming the field, without the model/file context (LoadModel adds it).
+struct ResolvedModelConfig {
+  core::ModelConfig config;
+  ModelLimits limits;
+  BatchingPolicy batching;
+};
+absl::StatusOr<ResolvedModelConfig> ResolveModelConfig(const attention::v1::ModelConfig& proto,
+                                                       absl::string_view name,
+                                                       const ModelRepository::Options& options);
+
 // Loads <dir>/config.pbtxt and its weights as model `name` (the directory name).
 absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir,
                                                  const std::string& name,

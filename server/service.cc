@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "core/config.h"
+#include "server/abbreviate.h"
 #include "server/grpc_status.h"
 #include "server/validation.h"
 
@@ -80,8 +81,14 @@ class AttendStreamReactor final
     }
     auto owned = std::make_unique<Slot>(metrics_);
     Slot* slot = owned.get();
-    slot->request.Swap(&incoming_);
-    slot->index = next_index_++;
+    {
+      // Consecutive reads complete on different gRPC threads; the lock (held when
+      // the next StartRead was issued) is what orders them for readers of the code
+      // and for ThreadSanitizer, which cannot see gRPC core's hand-off.
+      absl::MutexLock lock(&mu_);
+      slot->request.Swap(&incoming_);
+      slot->index = next_index_++;
+    }
     slot->response.set_request_id(slot->request.request_id());
     absl::StatusOr<ValidatedRequest> validated = ValidateRequest(slot->request, *models_);
     {
@@ -155,7 +162,8 @@ class AttendStreamReactor final
     if (!status.ok()) {
       slot->status = absl::Status(
           status.code(), absl::StrCat("request ", slot->index, " (request_id \"",
-                                      slot->request.request_id(), "\"): ", status.message()));
+                                      Abbreviate(slot->request.request_id()), "\"): ",
+                                      status.message()));
     }
   }
 
@@ -208,10 +216,10 @@ class AttendStreamReactor final
   Batcher* const batcher_;
   Metrics* const metrics_;
   std::atomic<int> refs_{1};  // gRPC's, released in OnDone, plus one per queued item
-  AttendRequest incoming_;    // the read buffer; only the read path touches it
-  int64_t next_index_ = 0;    // likewise
 
   absl::Mutex mu_;
+  AttendRequest incoming_ ABSL_GUARDED_BY(mu_);  // the read buffer (gRPC fills it)
+  int64_t next_index_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);  // in request order
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
   bool read_done_ ABSL_GUARDED_BY(mu_) = false;

@@ -181,6 +181,23 @@ TEST(AttentionTest, EveryMaskCombinationMatchesReference) {
   }
 }
 
+// More threads asked for than OpenMP gives (OMP_THREAD_LIMIT; ctest also runs this
+// test with OMP_THREAD_LIMIT=1 as core_thread_limit_test): every output is computed.
+TEST(AttentionTest, MatchesReferenceWhenOpenMpGivesFewerThreads) {
+  for (const bool self_attention : {true, false}) {
+    Case c;
+    c.config = ModelConfig{.num_hiddens = 64, .num_heads = 4, .query_size = 64,
+                           .key_size = 64, .value_size = 64, .bias = true};
+    c.options.num_threads = 4;
+    c.batch = 3;
+    c.num_queries = 200;
+    c.num_keys = self_attention ? 200 : 150;
+    c.self_attention = self_attention;
+    c.mask_kind = 1;
+    CheckAgainstReference(c, 11, kF32Tolerance);
+  }
+}
+
 TEST(AttentionTest, SeedsToyExample) {
   // d2l: p_o 100, h 5, queries (2, 4, 100), keys = values (2, 6, 100), valid_lens [3, 2].
   Case c;

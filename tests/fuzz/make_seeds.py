@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Writes the small seed corpora under tests/fuzz/corpus/ (committed; rerun to
+regenerate). No dependencies: the protobuf wire format and safetensors are written
+by hand, so the seeds do not depend on generated code.
+
+Usage: python3 tests/fuzz/make_seeds.py
+"""
+import json
+import os
+import struct
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def varint(n):
+    n &= (1 << 64) - 1  # negative int64/int32 are 10-byte varints
+    out = b""
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out += bytes([b | 0x80])
+        else:
+            return out + bytes([b])
+
+
+def field(number, wire_type, payload):
+    key = varint((number << 3) | wire_type)
+    if wire_type == 2:
+        return key + varint(len(payload)) + payload
+    return key + payload
+
+
+def tensor(shape, data=None, count=None):
+    if data is None:
+        n = 1
+        for d in shape:
+            n *= d
+        n = n if count is None else count
+        data = [((i * 37) % 17 - 8) / 8.0 for i in range(max(n, 0))]
+    body = field(1, 2, b"".join(varint(d) for d in shape))
+    body += field(2, 2, struct.pack("<%df" % len(data), *data))
+    return body
+
+
+def request(model=b"", queries=None, keys=None, values=None, valid_lens=(), causal=False,
+            return_attention=False, head_mask=(), request_id=b""):
+    out = b""
+    if model:
+        out += field(1, 2, model)
+    for number, t in ((2, queries), (3, keys), (4, values)):
+        if t is not None:
+            out += field(number, 2, t)
+    if valid_lens:
+        out += field(5, 2, b"".join(varint(v) for v in valid_lens))
+    if causal:
+        out += field(6, 0, varint(1))
+    if return_attention:
+        out += field(7, 0, varint(1))
+    if head_mask:
+        out += field(8, 2, struct.pack("<%df" % len(head_mask), *head_mask))
+    if request_id:
+        out += field(9, 2, request_id)
+    return out
+
+
+def request_seeds():
+    # Models in request_fuzzer.cc: default (d 4, h 2), cross (p_o 6, h 3, d_q 3,
+    # d_k 5, d_v 2), tight (d 4, h 1, small limits).
+    return {
+        "self_attention": request(queries=tensor([2, 3, 4]), request_id=b"a"),
+        "self_valid_lens_causal": request(queries=tensor([2, 3, 4]), valid_lens=[3, 0],
+                                          causal=True, return_attention=True),
+        "per_query_lens_head_mask": request(queries=tensor([1, 3, 4]), valid_lens=[1, 2, 3],
+                                            head_mask=[1.0, 0.0]),
+        "cross": request(model=b"cross", queries=tensor([2, 2, 3]), keys=tensor([2, 4, 5]),
+                         values=tensor([2, 4, 2]), valid_lens=[4, 1], return_attention=True,
+                         head_mask=[1.0, 0.5, 0.0]),
+        "tight": request(model=b"tight", queries=tensor([2, 4, 4]), return_attention=True),
+        "unknown_model": request(model=b"nope", queries=tensor([1, 1, 4])),
+        "negative_dim": request(queries=tensor([1, -3, 4], data=[0.0] * 4)),
+        "overflow_shape": request(queries=tensor([1 << 40, 1 << 40, 4], data=[0.0] * 4)),
+        "nan": request(queries=tensor([1, 1, 4], data=[0.0, float("nan"), 1.0, 2.0])),
+        "short_data": request(queries=tensor([1, 2, 4], count=7)),
+    }
+
+
+def safetensors(tensors, metadata=None):
+    header, blob = {}, b""
+    if metadata:
+        header["__metadata__"] = metadata
+    for name, dtype, shape, raw in tensors:
+        header[name] = {"dtype": dtype, "shape": shape,
+                        "data_offsets": [len(blob), len(blob) + len(raw)]}
+        blob += raw
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + blob
+
+
+def f32(n, scale=0.1):
+    return struct.pack("<%df" % n, *[((i * 13) % 11 - 5) * scale for i in range(n)])
+
+
+def safetensors_seeds():
+    # Configurations in safetensors_fuzzer.cc: torch packed (p_o 4, bias), torch
+    # kdim/vdim (p_o 4, d_k 3, d_v 2), d2l (p_o 4, d_q 3, d_k 5, d_v 2, bias).
+    return {
+        "torch_packed": safetensors([
+            ("in_proj_weight", "F32", [12, 4], f32(48)), ("in_proj_bias", "F32", [12], f32(12)),
+            ("out_proj.weight", "F32", [4, 4], f32(16)), ("out_proj.bias", "F32", [4], f32(4))],
+            {"format": "pt"}),
+        "torch_kvdim": safetensors([
+            ("q_proj_weight", "F32", [4, 4], f32(16)), ("k_proj_weight", "F32", [4, 3], f32(12)),
+            ("v_proj_weight", "F32", [4, 2], f32(8)), ("out_proj.weight", "F32", [4, 4], f32(16))]),
+        "d2l_bias": safetensors([
+            ("W_q.weight", "F32", [4, 3], f32(12)), ("W_k.weight", "F32", [4, 5], f32(20)),
+            ("W_v.weight", "F32", [4, 2], f32(8)), ("W_o.weight", "F32", [4, 4], f32(16)),
+            ("W_q.bias", "F32", [4], f32(4)), ("W_k.bias", "F32", [4], f32(4)),
+            ("W_v.bias", "F32", [4], f32(4)), ("W_o.bias", "F32", [4], f32(4))]),
+        "dtypes": safetensors([
+            ("h", "F16", [2, 2], struct.pack("<4H", 0x3C00, 0xC000, 0x0001, 0x7C00)),
+            ("b", "BF16", [2], struct.pack("<2H", 0x3F80, 0xFF80)),
+            ("d", "F64", [1], struct.pack("<d", 2.5)), ("i", "I32", [1], struct.pack("<i", 7)),
+            ("empty", "F32", [0, 3], b"")]),
+    }
+
+
+def config_seeds():
+    return {
+        "toy": b'name: "fuzz"\nnum_hiddens: 8\nnum_heads: 2\nseeded { seed: 0 }\n',
+        "cross_bf16": b"num_hiddens: 6 num_heads: 3 query_size: 3 key_size: 5 value_size: 2\n"
+                      b'bias: true precision: "bf16" dropout: 0.1 seeded { seed: 7 }\n',
+        "limits_batching": b"num_hiddens: 768 num_heads: 12 bias: true\n"
+                           b"limits { max_batch_size: 64 max_sequence_length: 512 "
+                           b"max_request_bytes: 1048576 max_attention_elements: 4096 }\n"
+                           b"batching { max_batch_size: 32 max_queue_delay_us: 500 "
+                           b"max_queue_size: 128 }\n",
+        "file": b'num_hiddens: 16 num_heads: 4 file: "weights.safetensors"\n',
+        "bad_heads": b"num_hiddens: 100 num_heads: 7 seeded { seed: 0 }\n",
+    }
+
+
+def main():
+    for target, seeds in (("request", request_seeds()), ("safetensors", safetensors_seeds()),
+                          ("config", config_seeds())):
+        folder = os.path.join(HERE, "corpus", target)
+        os.makedirs(folder, exist_ok=True)
+        for name, data in seeds.items():
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(data)
+        print("%s: %d seeds" % (target, len(seeds)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+// libFuzzer target (a): raw bytes -> AttendRequest::ParseFromArray -> ValidateRequest
+// against a small model repository, as the server's handlers do. A request that
+// validates must satisfy the limits it was checked against, and when small enough
+// it is run through the core (RunForward) and must compute without an error.
+#include <stdlib.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+
+#include <google/protobuf/stubs/logging.h>
+
+#include "proto/attention.pb.h"
+#include "server/batcher.h"
+#include "server/model_repository.h"
+#include "server/validation.h"
+#include "tests/fuzz/fuzz_util.h"
+
+namespace {
+
+using mha::server::ModelRepository;
+
+// Three models: "default" self-attends with d = 4; "cross" has d_q, d_k, d_v all
+// different and biases; "tight" has small explicit limits.
+const ModelRepository& Repository() {
+  static const ModelRepository* repository = [] {
+    std::string dir = (std::filesystem::temp_directory_path() / "mha_request_fuzzer.XXXXXX");
+    MHA_FUZZ_CHECK(mkdtemp(dir.data()) != nullptr);
+    const std::pair<const char*, const char*> models[] = {
+        {"default", "num_hiddens: 4 num_heads: 2 seeded { seed: 1 }"},
+        {"cross",
+         "num_hiddens: 6 num_heads: 3 query_size: 3 key_size: 5 value_size: 2 bias: true "
+         "seeded { seed: 2 }"},
+        {"tight",
+         "num_hiddens: 4 num_heads: 1 seeded { seed: 3 } limits { max_batch_size: 2 "
+         "max_sequence_length: 8 max_request_bytes: 512 max_attention_elements: 32 }"},
+    };
+    for (const auto& [name, config] : models) {
+      std::filesystem::create_directories(std::filesystem::path(dir) / name);
+      std::ofstream(std::filesystem::path(dir) / name / "config.pbtxt") << config;
+    }
+    auto created = ModelRepository::Create({.path = dir, .num_threads = 1});
+    MHA_FUZZ_CHECK(created.ok(), "%s\n", created.status().ToString().c_str());
+    std::filesystem::remove_all(dir);
+    return created->release();
+  }();
+  return *repository;
+}
+
+// Forward passes above this much work are skipped: they would only slow the search.
+constexpr int64_t kMaxForwardWork = int64_t{1} << 16;
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
+  // Invalid UTF-8 in string fields is logged by protobuf on every such input.
+  google::protobuf::SetLogHandler([](google::protobuf::LogLevel, const char*, int,
+                                     const std::string&) {});
+  Repository();
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  attention::v1::AttendRequest request;
+  if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;  // gRPC refuses it
+  absl::StatusOr<mha::server::ValidatedRequest> validated =
+      mha::server::ValidateRequest(request, Repository());
+  if (!validated.ok()) {
+    MHA_FUZZ_CHECK(mha::fuzzing::IsInputError(validated.status()), "%s\n",
+                   validated.status().ToString().c_str());
+    return 0;
+  }
+  const mha::server::ValidatedRequest& v = *validated;
+  const mha::core::AttentionInputs& in = v.inputs;
+  const mha::server::ModelLimits& limits = v.model->limits;
+  const mha::core::ModelConfig& c = v.model->config;
+  MHA_FUZZ_CHECK(in.batch >= 1 && in.num_queries >= 1 && in.num_keys >= 1);
+  MHA_FUZZ_CHECK(in.batch <= limits.max_batch_size);
+  MHA_FUZZ_CHECK(in.num_queries <= limits.max_sequence_length &&
+                 in.num_keys <= limits.max_sequence_length);
+  MHA_FUZZ_CHECK(request.queries().data_size() == in.batch * in.num_queries * c.query_size);
+  MHA_FUZZ_CHECK(static_cast<int64_t>(request.ByteSizeLong()) <= limits.max_request_bytes);
+  if (v.return_attention) MHA_FUZZ_CHECK(v.attention_elements() <= limits.max_attention_elements);
+
+  const int64_t widest = std::max({c.num_hiddens, c.query_size, c.key_size, c.value_size});
+  const int64_t work = std::max(in.batch * c.num_heads * in.num_queries * in.num_keys,
+                                in.batch * (in.num_queries + in.num_keys) * widest);
+  if (work > kMaxForwardWork) return 0;
+  attention::v1::AttendResponse response;
+  const absl::Status status = mha::server::RunForward(v, &response);
+  MHA_FUZZ_CHECK(status.ok(), "%s\n", status.ToString().c_str());
+  MHA_FUZZ_CHECK(response.output().data_size() == v.output_elements());
+  MHA_FUZZ_CHECK(response.attention().data_size() ==
+                 (v.return_attention ? v.attention_elements() : 0));
+  return 0;
+}

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Runs every libFuzzer target for SECONDS each and prints its figures.
+# Usage: tests/fuzz/run_fuzzers.sh SECONDS [BUILD_DIR]   (BUILD_DIR: build/fuzz)
+#   cmake --preset fuzz && cmake --build --preset fuzz && tests/fuzz/run_fuzzers.sh 60
+# The committed seeds (tests/fuzz/corpus/<target>) are read, never written: new
+# inputs go to a scratch corpus, crash/leak/timeout inputs to $MHA_FUZZ_OUT
+# (default: a temporary directory), which is printed. Exit status 1 if any target
+# found a crash, a leak or a timeout.
+set -uo pipefail
+seconds="${1:?usage: run_fuzzers.sh SECONDS [BUILD_DIR]}"
+here="$(cd "$(dirname "$0")" && pwd)"
+build="${2:-$here/../../build/fuzz}"
+out="${MHA_FUZZ_OUT:-$(mktemp -d /tmp/mha_fuzz.XXXXXX)}"
+mkdir -p "$out"
+export OMP_NUM_THREADS=1
+# Our code checks its own invariants with abort(); UBSan must stop too.
+export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
+
+declare -A max_len=([request]=4096 [safetensors]=4096 [config]=2048)
+status=0
+printf '%-12s %8s %10s %8s %8s %8s  %s\n' target seconds execs exec/s cov ft result
+for target in request safetensors config; do
+  binary="$build/tests/fuzz/${target}_fuzzer"
+  if [[ ! -x "$binary" ]]; then
+    echo "missing $binary (cmake --preset fuzz && cmake --build --preset fuzz)" >&2
+    exit 2
+  fi
+  work="$out/$target.corpus"
+  mkdir -p "$work" "$out/$target.artifacts"
+  log="$out/$target.log"
+  "$binary" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
+    -max_len="${max_len[$target]}" -print_final_stats=1 \
+    -artifact_prefix="$out/$target.artifacts/" "$work" "$here/corpus/$target" >"$log" 2>&1
+  rc=$?
+  # The last status line: "#N  DONE|pulse|NEW ... cov: C ft: F ... exec/s: E ...".
+  line="$(grep -E '^#[0-9]+' "$log" | tail -1)"
+  execs="$(sed -nE 's/^stat::number_of_executed_units: *([0-9]+).*/\1/p' "$log" | tail -1)"
+  rate="$(sed -nE 's/^stat::average_exec_per_sec: *([0-9]+).*/\1/p' "$log" | tail -1)"
+  cov="$(sed -nE 's/.* cov: ([0-9]+).*/\1/p' <<<"$line")"
+  ft="$(sed -nE 's/.* ft: ([0-9]+).*/\1/p' <<<"$line")"
+  result=ok
+  if ((rc != 0)) || ls "$out/$target.artifacts/"* >/dev/null 2>&1; then
+    result="FAILED (exit $rc; see $log)"
+    status=1
+  fi
+  printf '%-12s %8s %10s %8s %8s %8s  %s\n' "$target" "$seconds" "${execs:-?}" \
+    "${rate:-?}" "${cov:-?}" "${ft:-?}" "$result"
+done
+echo "logs, scratch corpora and artefacts: $out"
+exit $status
