@@ -612,8 +612,7 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
     // Tiny problems run our loops on the calling thread: a fork/join costs more than
     // the work (measured on the "small" benchmark shape).
     const bool parallel_repack = B * (Q + 2 * kv_rows) * E * asz >= kParallelBytes;
-#pragma omp parallel for num_threads(threads) schedule(static) if (parallel_repack)
-    for (int64_t r = 0; r < B * rows_per_batch; ++r) {
+    auto repack = [&](int64_t r) {
       const int64_t b = r / rows_per_batch, i = r % rows_per_batch;
       if (i < Q) {
         const char* src = q_src + (b * Q + i) * q_ld * asz;
@@ -629,6 +628,15 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
           std::memcpy(vh + ((b * H + h) * kv_rows + i) * pb, vsrc + h * pb, pb);
         }
       }
+    };
+    // Serial work runs outside any OpenMP construct: a one-thread team between the
+    // full teams of oneDNN's regions makes libgomp re-dock its pool, and on a busy
+    // machine waking it again cost milliseconds per call (Rows/ benchmarks).
+    if (parallel_repack) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (int64_t r = 0; r < B * rows_per_batch; ++r) repack(r);
+    } else {
+      for (int64_t r = 0; r < B * rows_per_batch; ++r) repack(r);
     }
 
     // Attention: one task per (batch row, head, query block), key blocks inside.
@@ -641,23 +649,27 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
     if (ws->scratch.size() < static_cast<size_t>(team)) ws->scratch.resize(team);
     const HeadMajor hm{qh, kh, vh, kv_rows};
     FirstError error;
-#pragma omp parallel num_threads(team)
-    {
-      TaskScratch& scratch = ws->scratch[omp_get_thread_num()];
+    auto run_tasks = [&](TaskScratch& scratch, int64_t t) {
+      if (error.failed()) return;
       if (!scratch.stream) scratch.stream.emplace(CpuEngine());
-      dnnl::stream& task_stream = *scratch.stream;
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t t = 0; t < tasks; ++t) {
-        if (error.failed()) continue;
-        const int64_t b = t / (H * q_blocks), h = (t / q_blocks) % H, qb = t % q_blocks;
-        try {
-          AttendTask(b, h, qb, in, hm, limits, ctx, attention, task_stream, scratch);
-        } catch (const dnnl::error& e) {
-          error.Set(DnnlMessage(e));
-        } catch (const std::exception& e) {
-          error.Set(e.what());
-        }
+      const int64_t b = t / (H * q_blocks), h = (t / q_blocks) % H, qb = t % q_blocks;
+      try {
+        AttendTask(b, h, qb, in, hm, limits, ctx, attention, *scratch.stream, scratch);
+      } catch (const dnnl::error& e) {
+        error.Set(DnnlMessage(e));
+      } catch (const std::exception& e) {
+        error.Set(e.what());
       }
+    };
+    if (team > 1) {
+#pragma omp parallel num_threads(team)
+      {
+        TaskScratch& scratch = ws->scratch[omp_get_thread_num()];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; ++t) run_tasks(scratch, t);
+      }
+    } else {
+      for (int64_t t = 0; t < tasks; ++t) run_tasks(ws->scratch[0], t);
     }
     MHA_RETURN_IF_ERROR(error.status());
 

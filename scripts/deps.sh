@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages mha-serve needs, and only the ones missing.
-# Usage: bash scripts/deps.sh            (as root, or with sudo available)
+# Usage: bash scripts/deps.sh          everything: build, tests, benchmarks, deploy checks
+#        bash scripts/deps.sh build    only what building the binaries needs (the
+#                                      Dockerfile's build stage uses this)
+# As root, or with sudo available.
 set -euo pipefail
 
-packages=(
+build_packages=(
   # toolchain
   cmake ninja-build g++ pkg-config
-  # core
-  libdnnl-dev libabsl-dev nlohmann-json3-dev
+  # core; Debian's oneDNN CMake config requires OpenCL (its GPU runtime), which
+  # libdnnl-dev only recommends
+  libdnnl-dev ocl-icd-opencl-dev libabsl-dev nlohmann-json3-dev
   # proto and server
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc prometheus-cpp-dev
   # client: Cairo draws the attention heat maps (PNG out) with DejaVu for the labels
   libcairo2-dev fonts-dejavu-core
+)
+test_packages=(
   # tests and benchmarks: GoogleTest, Google Benchmark; openssl makes the TLS test
   # certificates; Python gRPC and PyTorch drive the example client, the export test
   # and the PyTorch comparison (with a real BLAS)
@@ -22,7 +28,15 @@ packages=(
   # and LLVM's OpenMP runtime for clang's -fopenmp
   clang libclang-rt-14-dev libomp-14-dev
   python3 python3-grpcio python3-grpc-tools python3-numpy python3-torch libopenblas0-pthread
+  # deploy checks: yamllint for the manifests (promtool comes with prometheus above)
+  yamllint python3-yaml
 )
+
+case "${1:-all}" in
+  build) packages=("${build_packages[@]}") ;;
+  all) packages=("${build_packages[@]}" "${test_packages[@]}") ;;
+  *) echo "usage: $0 [build|all]" >&2; exit 2 ;;
+esac
 
 missing=()
 for p in "${packages[@]}"; do

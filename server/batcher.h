@@ -23,9 +23,11 @@
 //
 // Scheduling: `num_workers` workers, each running one forward call at a time on
 // threads_per_worker OpenMP threads (the models are created with that count).
-// One worker using every core is the default: measured on 2 cores, it gave the
-// best throughput and latency for both small and BERT-sized requests (README,
-// "Batching").
+// The default is one worker on every core: the lowest latency for a single
+// large request, and with batching the same throughput at high concurrency as
+// one single-threaded worker per core (README, "Batching", measured both ways).
+// Several single-threaded workers (--compute_workers=N --compute_threads=N) win
+// when batching is off and requests are small.
 //
 //   auto batcher = Batcher::Create({.num_workers = 1}, *models, &metrics).value();
 //   absl::Status s = batcher->Submit(WorkItem{.request = validated, .response = &r,

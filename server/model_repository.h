@@ -44,7 +44,10 @@ struct ModelLimits {
 // config.pbtxt `batching { ... }` overrides them per model.
 struct BatchingPolicy {
   bool enabled = true;
-  absl::Duration max_queue_delay = absl::Microseconds(500);
+  // 0, as in Triton: measured here, waiting 500 us cost 4x the throughput at
+  // concurrency 1 and gained nothing at 64, where the queue fills while the
+  // previous batch computes (README, "Batching").
+  absl::Duration max_queue_delay = absl::ZeroDuration();
   int64_t max_batch_size = 64;      // rows per forward call (<= limits.max_batch_size)
   int64_t max_batch_tokens = 8192;  // rows x max(Q, K) per forward call
   int64_t max_queue_size = 1024;    // queued requests before RESOURCE_EXHAUSTED

@@ -9,7 +9,8 @@
 #   WORKERS=2 THREADS=1 tests/bench/batching_bench.sh # 2 workers x 1 thread
 #
 # Env: BUILD (build/release), WORKERS (1), THREADS (threads per worker; nproc /
-# WORKERS), DURATION per step (12s), OUT (a temp dir) for the JSON reports.
+# WORKERS), DURATION per step (12s), OUT (a temp dir) for the JSON reports,
+# BATCHING_FLAGS (extra flags for the batching server, e.g. --max_queue_delay_us=500).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build/release}
@@ -40,9 +41,11 @@ start_server() {  # $1: log file; rest: flags. Sets PID and PORT.
   return 1
 }
 
-echo "workers $WORKERS x threads $THREADS; reports in $OUT"
+echo "workers $WORKERS x threads $THREADS; batching flags: ${BATCHING_FLAGS:-none}; reports in $OUT"
 for batching in true false; do
-  start_server "$OUT/server_$batching" --batching=$batching
+  flags=(--batching=$batching)
+  [[ $batching == true ]] && flags+=(${BATCHING_FLAGS:-})
+  start_server "$OUT/server_$batching" "${flags[@]}"
   for model in toy bert_base; do
     echo "== $model, batching $batching"
     "$CLIENT" bench --target="127.0.0.1:$PORT" --model=$model --batch=1 --num_queries=32 \
