@@ -36,53 +36,12 @@ namespace {
 
 using nlohmann::json;
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  std::stringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
-
-struct ClientRun {
-  int exit_code = -1;  // -1: killed by a signal or timed out
-  std::string out, err;
-};
+using ClientRun = RunResult;
 
 // Runs attention_client with `args` to completion (killed after `timeout`).
 ClientRun RunClient(const std::vector<std::string>& args,
                     absl::Duration timeout = absl::Seconds(90)) {
-  TempDir dir;
-  const std::string out_path = dir.path() + "/stdout", err_path = dir.path() + "/stderr";
-  std::vector<std::string> argv_strings = {MHA_CLIENT_PATH};
-  argv_strings.insert(argv_strings.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (std::string& s : argv_strings) argv.push_back(s.data());
-  argv.push_back(nullptr);
-  const pid_t pid = fork();
-  if (pid == 0) {
-    const int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    const int err = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    dup2(out, STDOUT_FILENO);
-    dup2(err, STDERR_FILENO);
-    execv(argv[0], argv.data());
-    _exit(127);
-  }
-  ClientRun run;
-  int status = 0;
-  const absl::Time deadline = absl::Now() + timeout;
-  pid_t done = 0;
-  while ((done = waitpid(pid, &status, WNOHANG)) == 0 && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  if (done == 0) {
-    kill(pid, SIGKILL);
-    waitpid(pid, &status, 0);
-  } else if (WIFEXITED(status)) {
-    run.exit_code = WEXITSTATUS(status);
-  }
-  run.out = ReadFile(out_path);
-  run.err = ReadFile(err_path);
-  return run;
+  return RunProgram(MHA_CLIENT_PATH, args, timeout);
 }
 
 std::string Describe(const ClientRun& run) {
@@ -722,25 +681,11 @@ TEST(ClientHeadsTest, RanksAZeroedHeadLastAndMatchesTheCore) {
   EXPECT_TRUE((*server)->WaitForExit(absl::Seconds(15)).has_value());
 }
 
-// Certificates made by openssl for this test, as lifecycle_test's TlsTest makes them.
+// Certificates made by openssl for this test (MakeTestCertificates).
 TEST(ClientTlsTest, InferOverMutualTls) {
   TempDir certs;
-  certs.Write("make_certs.sh", R"(set -e
-EC="-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
-openssl req -x509 $EC -keyout ca.key -out ca.pem -days 2 -subj /CN=mha-test-ca
-openssl req $EC -keyout server.key -out server.csr -subj /CN=localhost
-printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\n' > server.ext
-openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
-  -out server.pem -days 2 -extfile server.ext
-openssl req $EC -keyout client.key -out client.csr -subj /CN=mha-test-client
-openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
-  -out client.pem -days 2
-)");
-  ASSERT_EQ(
-      std::system(
-          absl::StrCat("cd '", certs.path(), "' && sh make_certs.sh > openssl.log 2>&1").c_str()),
-      0)
-      << ReadFile(certs.path() + "/openssl.log");
+  const absl::Status made = MakeTestCertificates(certs.path());
+  ASSERT_TRUE(made.ok()) << made;
   auto file = [&](const char* name) { return certs.path() + "/" + name; };
   auto server = ServerProcess::Start({"--port=0", "--tls_cert=" + file("server.pem"),
                                       "--tls_key=" + file("server.key"),

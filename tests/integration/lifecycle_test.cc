@@ -24,13 +24,6 @@ using ::grpc::health::v1::Health;
 using ::grpc::health::v1::HealthCheckRequest;
 using ::grpc::health::v1::HealthCheckResponse;
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream file(path);
-  std::stringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
-
 TEST(StartupTest, HelpListsEveryFlagWithItsDefault) {
   const RunResult run = RunServer({"--help"});
   for (const char* flag :
@@ -163,21 +156,8 @@ class TlsTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new TempDir();
-    dir_->Write("make_certs.sh", R"(set -e
-EC="-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
-openssl req -x509 $EC -keyout ca.key -out ca.pem -days 2 -subj /CN=mha-test-ca
-openssl req $EC -keyout server.key -out server.csr -subj /CN=localhost
-printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\n' > server.ext
-openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
-  -out server.pem -days 2 -extfile server.ext
-openssl req $EC -keyout client.key -out client.csr -subj /CN=mha-test-client
-openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
-  -out client.pem -days 2
-)");
-    const std::string command = absl::StrCat("cd '", dir_->path(),
-                                             "' && sh make_certs.sh > openssl.log 2>&1");
-    if (std::system(command.c_str()) != 0) {
-      certs_error_ = new std::string(ReadFile(dir_->path() + "/openssl.log"));
+    if (const absl::Status made = MakeTestCertificates(dir_->path()); !made.ok()) {
+      certs_error_ = new std::string(made.ToString());
     }
   }
   // A failure in SetUpTestSuite would only skip the tests; fail each one instead.

@@ -11,7 +11,6 @@
 #include <cerrno>
 #include <cstdlib>
 #include <filesystem>
-#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -22,16 +21,10 @@
 namespace mha::testing {
 namespace {
 
-std::string ReadAll(const std::string& path) {
-  std::ifstream file(path);
-  std::stringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
-
-// fork + exec with stdout to `stdout_fd` and stderr to `stderr_path`.
-pid_t Spawn(const std::vector<std::string>& args, int stdout_fd, const std::string& stderr_path) {
-  std::vector<std::string> argv_strings = {ServerPath()};
+// fork + exec of `binary` with stdout to `stdout_fd` and stderr to `stderr_path`.
+pid_t Spawn(const std::string& binary, const std::vector<std::string>& args, int stdout_fd,
+            const std::string& stderr_path) {
+  std::vector<std::string> argv_strings = {binary};
   argv_strings.insert(argv_strings.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (std::string& s : argv_strings) argv.push_back(s.data());
@@ -96,7 +89,7 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
       })) {
     argv.push_back("--metrics_port=0");
   }
-  server->pid_ = Spawn(argv, out[1], server->dir_->path() + "/stderr.log");
+  server->pid_ = Spawn(ServerPath(), argv, out[1], server->dir_->path() + "/stderr.log");
   close(out[1]);
 
   // "metrics on HOST:PORT" (when metrics are on), then "listening on HOST:PORT".
@@ -154,13 +147,45 @@ std::optional<int> ServerProcess::WaitForExit(absl::Duration timeout) {
   return status;
 }
 
-std::string ServerProcess::log() const { return ReadAll(dir_->path() + "/stderr.log"); }
+std::string ServerProcess::log() const { return ReadFile(dir_->path() + "/stderr.log"); }
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+absl::Status MakeTestCertificates(const std::string& dir) {
+  std::ofstream(dir + "/make_certs.sh") << R"(set -e
+EC="-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
+openssl req -x509 $EC -keyout ca.key -out ca.pem -days 2 -subj /CN=mha-test-ca
+openssl req $EC -keyout server.key -out server.csr -subj /CN=localhost
+printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\n' > server.ext
+openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
+  -out server.pem -days 2 -extfile server.ext
+openssl req $EC -keyout client.key -out client.csr -subj /CN=mha-test-client
+openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
+  -out client.pem -days 2
+)";
+  const std::string command =
+      absl::StrCat("cd '", dir, "' && sh make_certs.sh > openssl.log 2>&1");
+  if (std::system(command.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("openssl failed: ", ReadFile(dir + "/openssl.log")));
+  }
+  return absl::OkStatus();
+}
 
 RunResult RunServer(const std::vector<std::string>& args, absl::Duration timeout) {
+  return RunProgram(ServerPath(), args, timeout);
+}
+
+RunResult RunProgram(const std::string& binary, const std::vector<std::string>& args,
+                     absl::Duration timeout) {
   TempDir dir;
   const std::string out_path = dir.path() + "/stdout.log";
   const int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  const pid_t pid = Spawn(args, out, dir.path() + "/stderr.log");
+  const pid_t pid = Spawn(binary, args, out, dir.path() + "/stderr.log");
   close(out);
   RunResult result;
   std::optional<int> status = WaitPid(pid, timeout);
@@ -170,8 +195,8 @@ RunResult RunServer(const std::vector<std::string>& args, absl::Duration timeout
   } else if (WIFEXITED(*status)) {
     result.exit_code = WEXITSTATUS(*status);
   }
-  result.out = ReadAll(out_path);
-  result.err = ReadAll(dir.path() + "/stderr.log");
+  result.out = ReadFile(out_path);
+  result.err = ReadFile(dir.path() + "/stderr.log");
   return result;
 }
 

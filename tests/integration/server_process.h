@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
@@ -65,13 +66,24 @@ class ServerProcess {
   std::unique_ptr<TempDir> dir_;
 };
 
-// Runs the server to completion (for start-up failures and --help).
+// Runs a program to completion (killed after `timeout`): the server for start-up
+// failures and --help, the client for its verbs.
 struct RunResult {
   int exit_code = -1;  // -1: killed by a signal or timed out
   std::string out, err;
 };
+RunResult RunProgram(const std::string& binary, const std::vector<std::string>& args,
+                     absl::Duration timeout);
 RunResult RunServer(const std::vector<std::string>& args,
                     absl::Duration timeout = absl::Seconds(30));
+
+// A file's whole contents ("" if it cannot be read).
+std::string ReadFile(const std::string& path);
+
+// Writes, with openssl, a CA (ca.pem), a server certificate for localhost and
+// 127.0.0.1 (server.pem, server.key) and a client certificate (client.pem,
+// client.key), all signed by the CA, into `dir`. INTERNAL with openssl's log.
+absl::Status MakeTestCertificates(const std::string& dir);
 
 }  // namespace mha::testing
 
