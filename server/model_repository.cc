@@ -189,9 +189,8 @@ absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(
     auto model = std::make_unique<Model>();
     model->name = kDefaultModelName;
     model->limits = options.default_limits;
-    model->batching = options.default_batching;
-    model->batching.max_batch_size =
-        std::min(model->batching.max_batch_size, model->limits.max_batch_size);
+    MHA_ASSIGN_OR_RETURN(model->batching,
+                         ResolveBatching({}, options.default_batching, model->limits));
     model->weights_source = absl::StrCat("seeded (seed ", kDefaultModelSeed, ")");
     MHA_ASSIGN_OR_RETURN(
         model->attention,
