@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -38,9 +39,19 @@ size_t SizeOf(Dt dt) { return dt == Dt::bf16 ? 2 : 4; }
 // repeat in serving (the batcher pads to few sizes), so this almost never fires.
 constexpr size_t kMaxCachedPrimitives = 1024;
 
-// Below these sizes a loop runs on the calling thread (see Forward).
+// Below this size the head-major repack runs on the calling thread (see Forward).
 constexpr int64_t kParallelBytes = 256 << 10;
-constexpr double kParallelFlops = 4e6;
+// A Forward call gets one OpenMP thread per this many FLOPs, up to Options::num_threads
+// (PyTorch's grain-size idea). Measured with mha_core_bench Rows/ on 2 cores: a toy
+// request (3 MFLOP) took 29 us on one thread and 47 us on two, the `small` shape (9
+// MFLOP) the same on both, 8 toy rows (24 MFLOP) about the same, 16 toy rows (48 MFLOP)
+// 463 us on one and 354 us on two.
+constexpr double kFlopsPerThread = 16e6;
+
+// The threads a primitive created here and now is planned for: oneDNN runs inline
+// inside a parallel region, else on this thread's omp_get_max_threads(). Part of every
+// primitive cache key, because a call's thread count follows its size (Forward).
+int64_t PlanThreads() { return omp_in_parallel() ? 1 : omp_get_max_threads(); }
 
 // A matmul with a caller-owned scratchpad. Debian's oneDNN is built with
 // DNNL_ENABLE_CONCURRENT_EXEC, where a library-managed scratchpad belongs to the
@@ -170,8 +181,9 @@ class Linear {
   void Run(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows, const void* src,
            int64_t src_ld, int64_t src_bs, void* dst, Dt dst_dt, int64_t dst_ld,
            int64_t dst_bs) const {
-    const std::array<int64_t, 7> key{batch, rows, src_ld, src_bs, dst_ld, dst_bs,
-                                     static_cast<int64_t>(dst_dt)};
+    const std::array<int64_t, 8> key{batch,  rows,   src_ld,
+                                     src_bs, dst_ld, dst_bs,
+                                     static_cast<int64_t>(dst_dt), PlanThreads()};
     const std::shared_ptr<const Entry> entry = Lookup(key);
     const Entry& e = *entry;
     args.Bind(DNNL_ARG_SRC, e.src_md, src);
@@ -193,12 +205,12 @@ class Linear {
   };
 
   // Entries are shared so that a cache reset never frees one a caller still runs.
-  std::shared_ptr<const Entry> Lookup(const std::array<int64_t, 7>& key) const {
+  std::shared_ptr<const Entry> Lookup(const std::array<int64_t, 8>& key) const {
     absl::MutexLock lock(&mu_);
     auto it = cache_.find(key);
     if (it != cache_.end()) return it->second;
     if (cache_.size() >= kMaxCachedPrimitives) cache_.clear();
-    const auto [batch, rows, src_ld, src_bs, dst_ld, dst_bs, dst_dt] = key;
+    const auto [batch, rows, src_ld, src_bs, dst_ld, dst_bs, dst_dt, threads] = key;
     auto e = std::make_shared<Entry>();
     const bool batched = batch > 1;
     const memory::dims w_dims = batched ? memory::dims{1, k_, n_} : memory::dims{k_, n_};
@@ -243,7 +255,7 @@ class Linear {
   std::vector<char> plain_;  // W (n, k) row-major in dt_
   std::vector<float> bias_;
   mutable absl::Mutex mu_;
-  mutable absl::flat_hash_map<std::array<int64_t, 7>, std::shared_ptr<const Entry>> cache_
+  mutable absl::flat_hash_map<std::array<int64_t, 8>, std::shared_ptr<const Entry>> cache_
       ABSL_GUARDED_BY(mu_);
   mutable std::vector<std::pair<memory::desc, memory>> packed_ ABSL_GUARDED_BY(mu_);
 };
@@ -306,8 +318,8 @@ class MultiHeadAttention::Impl {
   Matmul ScorePrimitive(int64_t mq, int64_t nk) const;
   // o (mq, p) f32 (+)= P (mq, nk) v (nk, p).
   Matmul ContextPrimitive(int64_t mq, int64_t nk, bool accumulate) const;
-  std::optional<Matmul> FindMatmul(const std::array<int64_t, 4>& key) const;
-  Matmul AddMatmul(const std::array<int64_t, 4>& key, const dnnl::matmul::desc& desc,
+  std::optional<Matmul> FindMatmul(const std::array<int64_t, 5>& key) const;
+  Matmul AddMatmul(const std::array<int64_t, 5>& key, const dnnl::matmul::desc& desc,
                    const dnnl::primitive_attr& attr) const;
 
   void AttendTask(int64_t b, int64_t h, int64_t qb, const AttentionInputs& in,
@@ -368,19 +380,19 @@ class MultiHeadAttention::Impl {
   const Dt act_;
   std::unique_ptr<Linear> q_, k_, v_, kv_, qkv_, o_lin_;
   mutable absl::Mutex mu_;
-  mutable absl::flat_hash_map<std::array<int64_t, 4>, Matmul> attn_cache_
+  mutable absl::flat_hash_map<std::array<int64_t, 5>, Matmul> attn_cache_
       ABSL_GUARDED_BY(mu_);
 };
 
 std::optional<Matmul> MultiHeadAttention::Impl::FindMatmul(
-    const std::array<int64_t, 4>& key) const {
+    const std::array<int64_t, 5>& key) const {
   absl::ReaderMutexLock lock(&mu_);
   auto it = attn_cache_.find(key);
   if (it == attn_cache_.end()) return std::nullopt;
   return it->second;
 }
 
-Matmul MultiHeadAttention::Impl::AddMatmul(const std::array<int64_t, 4>& key,
+Matmul MultiHeadAttention::Impl::AddMatmul(const std::array<int64_t, 5>& key,
                                            const dnnl::matmul::desc& desc,
                                            const dnnl::primitive_attr& attr) const {
   Matmul prim = Matmul::Make(desc, attr);
@@ -391,7 +403,7 @@ Matmul MultiHeadAttention::Impl::AddMatmul(const std::array<int64_t, 4>& key,
 
 Matmul MultiHeadAttention::Impl::ScorePrimitive(int64_t mq, int64_t nk) const {
   const int64_t p = c_.head_size();
-  const std::array<int64_t, 4> key{0, mq, nk, 0};
+  const std::array<int64_t, 5> key{0, mq, nk, 0, PlanThreads()};
   if (auto prim = FindMatmul(key)) return *prim;
   dnnl::primitive_attr attr;
   attr.set_output_scales(0, {1.0f / std::sqrt(static_cast<float>(p))});
@@ -404,7 +416,7 @@ Matmul MultiHeadAttention::Impl::ScorePrimitive(int64_t mq, int64_t nk) const {
 Matmul MultiHeadAttention::Impl::ContextPrimitive(int64_t mq, int64_t nk,
                                                         bool accumulate) const {
   const int64_t p = c_.head_size();
-  const std::array<int64_t, 4> key{1, mq, nk, accumulate};
+  const std::array<int64_t, 5> key{1, mq, nk, accumulate, PlanThreads()};
   if (auto prim = FindMatmul(key)) return *prim;
   dnnl::primitive_attr attr;
   if (accumulate) {
@@ -512,9 +524,20 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
   // oneDNN splits a primitive's work for the threads it asks OpenMP for and assumes
   // it gets them all: asking for more than OMP_THREAD_LIMIT silently skipped part of
   // the output (found when the sanitizer runs set OMP_THREAD_LIMIT=1).
-  const int threads = std::min(o_.num_threads > 0 ? o_.num_threads : omp_get_max_threads(),
-                               omp_get_thread_limit());
-  omp_set_num_threads(threads);  // this thread's ICV: bounds oneDNN's regions too
+  const int caller_threads = omp_get_max_threads();
+  const int max_threads = std::min(o_.num_threads > 0 ? o_.num_threads : caller_threads,
+                                   omp_get_thread_limit());
+  // Small calls run on fewer threads (kFlopsPerThread): a fork/join and a partition of
+  // a tiny GEMM cost more than they save, and the cores are left to other callers.
+  const double flops = 2.0 * B * Q * c_.query_size * E + 2.0 * B * Q * E * E +
+                       (in.self_attention() ? 4.0 * B * Q * c_.query_size * E
+                                            : 2.0 * B * K * (c_.key_size + c_.value_size) * E) +
+                       4.0 * B * Q * K * E;
+  const int threads = static_cast<int>(
+      std::clamp<double>(std::floor(flops / kFlopsPerThread), 1.0, max_threads));
+  // This thread's ICV bounds oneDNN's regions too; the caller gets its own back.
+  omp_set_num_threads(threads);
+  const absl::Cleanup restore_threads = [caller_threads] { omp_set_num_threads(caller_threads); };
 
   // Per-query key limit: valid_lens and causal folded into one number.
   std::vector<int32_t> limits(static_cast<size_t>(B * Q));
@@ -644,8 +667,9 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
     float* ctx = reinterpret_cast<float*>(ws->ctx.data());
     const int64_t q_blocks = (Q + o_.query_block - 1) / o_.query_block;
     const int64_t tasks = B * H * q_blocks;
-    const bool parallel_attention = 4.0 * B * Q * kv_rows * E >= kParallelFlops;
-    const int team = parallel_attention ? static_cast<int>(std::min<int64_t>(threads, tasks)) : 1;
+    // One thread runs every task itself. A team shares them out: run serially beside
+    // multi-threaded primitives, each tiny block GEMM would fork a team of its own.
+    const int team = static_cast<int>(std::min<int64_t>(threads, tasks));
     if (ws->scratch.size() < static_cast<size_t>(team)) ws->scratch.resize(team);
     const HeadMajor hm{qh, kh, vh, kv_rows};
     FirstError error;

@@ -30,8 +30,9 @@
 //
 // Thread safety: Create'd objects are immutable apart from internal caches that are
 // guarded; Forward may be called from several threads at once. Each call runs its
-// parallel regions on `Options::num_threads` OpenMP threads (0: the OpenMP default),
-// so callers that run calls concurrently should divide the cores between them.
+// parallel regions on at most `Options::num_threads` OpenMP threads (0: the OpenMP
+// default), fewer for small calls, so callers that run calls concurrently should
+// divide the cores between them.
 #ifndef MHA_CORE_ATTENTION_H_
 #define MHA_CORE_ATTENTION_H_
 
@@ -64,7 +65,9 @@ struct AttentionInputs {
 class MultiHeadAttention {
  public:
   struct Options {
-    int num_threads = 0;  // OpenMP threads per Forward; 0 = omp_get_max_threads()
+    // OpenMP threads per Forward at most; 0 = the caller's omp_get_max_threads().
+    // A call uses one thread per 16 MFLOP of work, up to this (core/attention.cc).
+    int num_threads = 0;
     // Query and key block sizes of the fused attention kernel. 128 x 512 was the
     // fastest of {32..256} x {128..1024} for L 2048 here (scores tile 256 KiB: L2).
     int64_t query_block = 128;
