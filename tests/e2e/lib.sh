@@ -4,8 +4,8 @@
 
 die() { echo "error: $*" >&2; exit 2; }
 
-# write_models DIR MAX_QUEUE_SIZE: a repository with bert_base (deploy/models' sizes and
-# batching) whose queue bound is MAX_QUEUE_SIZE, so that the bound is known here.
+# write_models DIR MAX_QUEUE_SIZE: a repository with bert_base (deploy/models' sizes, a
+# 500 us queue delay) whose queue bound is MAX_QUEUE_SIZE, so that the bound is known here.
 write_models() {
   mkdir -p "$1/bert_base"
   cat >"$1/bert_base/config.pbtxt" <<CONFIG
