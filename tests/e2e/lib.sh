@@ -21,12 +21,14 @@ CONFIG
 DEFAULT_BENCH_ARGS="--model=bert_base --batch=1 --num_queries=64 --num_keys=0 --valid_lens=none"
 
 # start_server ARGS...: sets SERVER_PID, SERVER_TARGET; the log goes to $WORK/server.log.
+# SERVER_ARGS (env) adds flags to every server these scripts start.
 start_server() {
   local server="$BUILD/server/attention_server"
   [[ -x "$server" ]] || die "missing $server (cmake --build --preset release)"
   local extra=()
   extra+=(--batching=true)  # the dynamic batcher (the default; stated for the record)
-  "$server" --port=0 --metrics_port=0 "${extra[@]}" "$@" >"$WORK/server.out" \
+  # shellcheck disable=SC2086
+  "$server" --port=0 --metrics_port=0 "${extra[@]}" ${SERVER_ARGS:-} "$@" >"$WORK/server.out" \
     2>"$WORK/server.log" &
   SERVER_PID=$!
   local i

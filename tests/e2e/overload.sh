@@ -9,7 +9,7 @@
 # the server exits 0 on SIGTERM. Prints every figure.
 #
 # Usage: tests/e2e/overload.sh [BUILD_DIR]   (default build/release)
-# Env: MODEL_ARGS (default: bert_base with max_queue_size MAX_QUEUE_SIZE), BENCH_ARGS (one
+# Env: SERVER_ARGS (extra server flags), MODEL_ARGS (default: bert_base with max_queue_size MAX_QUEUE_SIZE), BENCH_ARGS (one
 #      bert_base sequence of 64 tokens, see lib.sh), MAX_QUEUE_SIZE (64),
 #      CONCURRENCY (64), OMP_NUM_THREADS.
 set -euo pipefail

@@ -5,7 +5,7 @@
 # server's RSS and fd count every 10 s and prints them.
 #
 # Usage: tests/e2e/soak.sh [BUILD_DIR] [DURATION_S]   (build/release, 600)
-# Env: MODEL_ARGS, BENCH_ARGS (as overload.sh), CONCURRENCY (64), OMP_NUM_THREADS.
+# Env: SERVER_ARGS (extra server flags), MODEL_ARGS, BENCH_ARGS (as overload.sh), CONCURRENCY (64), OMP_NUM_THREADS.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 BUILD="${1:-$here/../../build/release}"
