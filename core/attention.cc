@@ -693,7 +693,10 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
         for (int64_t t = 0; t < tasks; ++t) run_tasks(scratch, t);
       }
     } else {
+      // Block GEMMs run inline here, as they do inside a team (one task on many threads).
+      omp_set_num_threads(1);
       for (int64_t t = 0; t < tasks; ++t) run_tasks(ws->scratch[0], t);
+      omp_set_num_threads(threads);
     }
     MHA_RETURN_IF_ERROR(error.status());
 
