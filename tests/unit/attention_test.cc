@@ -181,6 +181,23 @@ TEST(AttentionTest, EveryMaskCombinationMatchesReference) {
   }
 }
 
+// A call whose rows x max(Q, K) x p_o passes 2^20 elements runs as slices of batch rows
+// (core/attention.cc, kSliceElements): here 5 rows of 2900 keys x 128 run as 2 + 2 + 1.
+// Every input, mask kind and the returned weights must be sliced at the right offsets.
+TEST(AttentionTest, LargeBatchRunsAsSlicesAndMatchesReference) {
+  for (int mask_kind = 0; mask_kind < 3; ++mask_kind) {
+    Case c;
+    c.config = {.num_hiddens = 128, .num_heads = 4, .query_size = 32, .key_size = 24,
+                .value_size = 40, .bias = true};
+    c.batch = 5;
+    c.num_queries = 9;
+    c.num_keys = 2900;
+    c.mask_kind = mask_kind;
+    c.weights = mask_kind != 0;
+    CheckAgainstReference(c, 101 + mask_kind, kF32Tolerance);
+  }
+}
+
 // More threads asked for than OpenMP gives (OMP_THREAD_LIMIT; ctest also runs this
 // test with OMP_THREAD_LIMIT=1 as core_thread_limit_test): every output is computed.
 TEST(AttentionTest, MatchesReferenceWhenOpenMpGivesFewerThreads) {
