@@ -533,10 +533,7 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
                                    omp_get_thread_limit());
   // Small calls run on fewer threads (kFlopsPerThread): a fork/join and a partition of
   // a tiny GEMM cost more than they save, and the cores are left to other callers.
-  const double flops = 2.0 * B * Q * c_.query_size * E + 2.0 * B * Q * E * E +
-                       (in.self_attention() ? 4.0 * B * Q * c_.query_size * E
-                                            : 2.0 * B * K * (c_.key_size + c_.value_size) * E) +
-                       4.0 * B * Q * K * E;
+  const double flops = MultiHeadAttention::Flops(c_, B, Q, K);
   const int threads = static_cast<int>(
       std::clamp<double>(std::floor(flops / kFlopsPerThread), 1.0, max_threads));
   // This thread's ICV bounds oneDNN's regions too; the caller gets its own back.
