@@ -32,9 +32,17 @@ void ShortenOpenMpSpin(char** argv) {
   if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr) {
     return;
   }
-  setenv("GOMP_SPINCOUNT", "10000", 1);
-  execv("/proc/self/exe", argv);
-  // No /proc: carry on with libgomp's default.
+  // The binary's own path, not /proc/self/exe: the process name (ps, pgrep, pkill)
+  // comes from the path exec is given.
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n > 0) {
+    self[n] = '\0';
+    setenv("GOMP_SPINCOUNT", "10000", 1);
+    execv(self, argv);
+    unsetenv("GOMP_SPINCOUNT");
+  }
+  // No /proc, or exec refused: carry on with libgomp's default.
   std::fprintf(stderr, "note: could not re-run with GOMP_SPINCOUNT=10000; OpenMP spins long\n");
 }
 }  // namespace
