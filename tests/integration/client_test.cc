@@ -2,17 +2,12 @@
 // as the binary users run, and its results are checked against the in-process core
 // (same seeded or file weights), the PNG's pixels and the server's own counters.
 #include <cairo.h>
-#include <fcntl.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
