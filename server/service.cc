@@ -79,13 +79,17 @@ class AttendStreamReactor final
       Advance();
       return;
     }
-    auto owned = std::make_unique<Slot>(metrics_);
-    Slot* slot = owned.get();
+    std::unique_ptr<Slot> owned;
+    Slot* slot;
     {
       // Consecutive reads complete on different gRPC threads; the lock (held when
       // the next StartRead was issued) is what orders them for readers of the code
-      // and for ThreadSanitizer, which cannot see gRPC core's hand-off.
+      // and for ThreadSanitizer, which cannot see gRPC core's hand-off. The first
+      // read also reads members the constructor set on another thread, so nothing
+      // here is touched before the lock.
       absl::MutexLock lock(&mu_);
+      owned = std::make_unique<Slot>(metrics_);
+      slot = owned.get();
       slot->request.Swap(&incoming_);
       slot->index = next_index_++;
     }

@@ -274,7 +274,7 @@ json ReadJson(const std::string& path) {
 // AttendStream message the server answered.
 int64_t RequestsTotal(const ServerProcess& server) {
   const absl::StatusOr<std::string> text = ScrapeMetrics(server.metrics_port());
-  EXPECT_TRUE(text.ok()) << text.status();
+  EXPECT_TRUE(text.ok()) << text.status() << "\nserver stderr:\n" << server.log();
   if (!text.ok()) return -1;
   double total = 0;
   for (absl::string_view line : absl::StrSplit(*text, '\n')) {
