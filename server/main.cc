@@ -1,6 +1,5 @@
 // attention_server: serves attention.v1.AttentionService (docs/service.md).
 // Every flag lives here and fills ServerOptions.
-#include <malloc.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -92,28 +91,8 @@ ABSL_FLAG(std::string, tls_key, "", "PEM server private key.");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle; requires and verifies client certificates (mutual TLS).");
 
-namespace {
-
-// Every request and response is a fresh heap buffer the size of its tensors. glibc
-// serves blocks over 128 KiB with mmap and trims the heap top past twice that, so at
-// a few thousand 200 KB messages a second each one paid for new pages: page faults,
-// which are costly on a VM. Freed buffers now stay in the heap for the next message;
-// memory returns to the OS past 64 MiB free at the top. tests/e2e/overload.sh
-// (bert_base, 196 KB requests; attention_client does the same) before -> after:
-// capacity 670 -> 755 req/s, admitted p99 at 3x capacity 2.4 s -> 0.93 s, and the
-// load client's CPU at 2,000 req/s 0.82 -> 0.44 cores. GLIBC_TUNABLES, when set,
-// decides instead.
-void KeepMessageBuffersInTheHeap() {
-  if (std::getenv("GLIBC_TUNABLES") != nullptr) return;
-  mallopt(M_MMAP_THRESHOLD, 32 << 20);
-  mallopt(M_TRIM_THRESHOLD, 64 << 20);
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
   ShortenOpenMpSpin(argv);
-  KeepMessageBuffersInTheHeap();
   // --help lists this file's flags (absl's default looks for <program>.cc).
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view file) {
