@@ -43,6 +43,14 @@ constexpr size_t kMaxCachedPrimitives = 1024;
 // p_o activation elements (4 MiB of f32 per activation plane; MultiHeadAttention::Forward).
 constexpr int64_t kSliceElements = int64_t{1} << 20;
 
+// valid_lens entries per batch row: 0 (no mask), 1 (one per row) or Q (one per query).
+// CheckInputs has refused any other count.
+int64_t ValidLensPerRow(const AttentionInputs& in) {
+  if (in.valid_lens.empty()) return 0;
+  return in.valid_lens.size() == static_cast<size_t>(in.batch * in.num_queries) ? in.num_queries
+                                                                                 : 1;
+}
+
 // Below this size the head-major repack runs on the calling thread (see Forward).
 constexpr int64_t kParallelBytes = 256 << 10;
 // A Forward call gets one OpenMP thread per this many FLOPs, up to Options::num_threads
@@ -542,13 +550,14 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
 
   // Per-query key limit: valid_lens and causal folded into one number.
   std::vector<int32_t> limits(static_cast<size_t>(B * Q));
+  const int64_t lens_per_row = ValidLensPerRow(in);
   int64_t kv_rows = 0;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t i = 0; i < Q; ++i) {
       int64_t lim = K;
-      if (in.valid_lens.size() == static_cast<size_t>(B * Q)) {
+      if (lens_per_row == Q) {
         lim = in.valid_lens[b * Q + i];
-      } else if (!in.valid_lens.empty()) {
+      } else if (lens_per_row == 1) {
         lim = in.valid_lens[b];
       }
       if (in.causal) lim = std::min(lim, i + 1);
@@ -808,14 +817,12 @@ absl::Status MultiHeadAttention::Forward(const AttentionInputs& inputs, float* o
   // even slices of rows: 64 BERT-sized rows of 32 tokens took 45 ms in one call and
   // 2 x 14 ms as two (mha_core_bench Rows/).
   const int64_t B = inputs.batch, Q = inputs.num_queries, K = inputs.num_keys;
-  const int64_t row_elements = std::max(Q, K) * config_.num_hiddens;
-  const int64_t max_rows = std::max<int64_t>(1, kSliceElements / row_elements);
+  const int64_t h = config_.num_heads, E = config_.num_hiddens;
+  const int64_t max_rows = std::max<int64_t>(1, kSliceElements / (std::max(Q, K) * E));
   const int64_t slices = (B + max_rows - 1) / max_rows;
   if (slices == 1) return impl_->Forward(inputs, output, attention);
   const int64_t rows = (B + slices - 1) / slices;
-  const int64_t h = config_.num_heads, E = config_.num_hiddens;
-  // valid_lens has B entries or B * Q (one per query), as in Impl::Forward.
-  const int64_t lens_per_row = inputs.valid_lens.size() == static_cast<size_t>(B * Q) ? Q : 1;
+  const int64_t lens_per_row = ValidLensPerRow(inputs);
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     AttentionInputs slice = inputs;
     slice.batch = std::min(rows, B - b0);
@@ -824,7 +831,7 @@ absl::Status MultiHeadAttention::Forward(const AttentionInputs& inputs, float* o
       slice.keys = inputs.keys + b0 * K * config_.key_size;
       slice.values = inputs.values + b0 * K * config_.value_size;
     }
-    if (!inputs.valid_lens.empty()) {
+    if (lens_per_row > 0) {
       slice.valid_lens = inputs.valid_lens.subspan(b0 * lens_per_row, slice.batch * lens_per_row);
     }
     MHA_RETURN_IF_ERROR(impl_->Forward(slice, output + b0 * Q * E,
