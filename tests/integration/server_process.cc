@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -17,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
 
 namespace mha::testing {
 namespace {
@@ -132,10 +134,20 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
 }
 
 ServerProcess::~ServerProcess() {
-  if (pid_ > 0 && !exited_) {
-    kill(pid_, SIGKILL);
-    WaitPid(pid_, absl::Seconds(10));
+  if (pid_ <= 0 || exited_) return;
+  // A server that died under the test (a sanitizer report ends it with exit 66)
+  // shows up to the test only as UNAVAILABLE; its stderr names the cause.
+  int status = 0;
+  const bool died = waitpid(pid_, &status, WNOHANG) == pid_;
+  if (died || ::testing::Test::HasFailure()) {
+    std::fprintf(stderr, "--- attention_server (pid %d) %s; its stderr:\n%s--- end\n", pid_,
+                 died ? absl::StrCat("exited during the test, wait status ", status).c_str()
+                      : "was running when the test failed",
+                 log().c_str());
   }
+  if (died) return;
+  kill(pid_, SIGKILL);
+  WaitPid(pid_, absl::Seconds(10));
 }
 
 void ServerProcess::Signal(int signal) { kill(pid_, signal); }
