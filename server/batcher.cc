@@ -110,6 +110,18 @@ absl::Status Batcher::Submit(WorkItem item) {
         absl::StrCat("queue full for model ", queue.model->name, ": max_queue_size ", limit,
                      " requests waiting; retry later"));
   }
+  const absl::Duration max_wait = queue.model->batching.max_queue_wait;
+  if (max_wait > absl::ZeroDuration() && queue.seconds_per_token > 0) {
+    const absl::Duration wait = absl::Seconds(
+        static_cast<double>(queue.tokens + queue.computing_tokens) * queue.seconds_per_token /
+        options_.num_workers);
+    if (wait > max_wait) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "queue for model ", queue.model->name, " would take about ",
+          absl::ToInt64Microseconds(wait), " us to reach this request: over max_queue_wait_us ",
+          absl::ToInt64Microseconds(max_wait), "; retry later"));
+    }
+  }
   item.enqueued = absl::Now();
   queue.rows += Rows(item);
   queue.tokens += Rows(item) * Length(item);
@@ -184,6 +196,8 @@ Batcher::Batch Batcher::TakeBatch(ModelQueue& queue) {
     }
     if (rows >= policy.max_batch_size) closed = true;
   }
+  batch.tokens = rows * length;
+  queue.computing_tokens += batch.tokens;
   queue.items = std::move(kept);
   queue.rows = 0;
   queue.tokens = 0;
@@ -230,6 +244,16 @@ void Batcher::WorkerLoop() {
     if (batch.model == nullptr) return;
     Run(batch, staging);
   }
+}
+
+void Batcher::BatchDone(const Batch& batch, absl::Duration elapsed, bool computed) {
+  absl::MutexLock lock(&mu_);
+  ModelQueue& queue = queues_.at(batch.model);
+  queue.computing_tokens -= batch.tokens;
+  if (!computed || batch.tokens == 0) return;
+  const double sample = absl::ToDoubleSeconds(elapsed) / static_cast<double>(batch.tokens);
+  double& average = queue.seconds_per_token;
+  average = average == 0 ? sample : 0.75 * average + 0.25 * sample;
 }
 
 void Batcher::Run(Batch& batch, Staging& staging) {
@@ -336,6 +360,7 @@ void Batcher::Run(Batch& batch, Staging& staging) {
     }
   }
   const absl::Time end = absl::Now();
+  BatchDone(batch, end - start, status.ok());
   if (batch.metrics != nullptr) batch.metrics->Batch(rows, rows * queries, end - start);
   for (WorkItem& item : batch.items) {
     if (status.ok()) {

@@ -18,7 +18,12 @@
 //     exact; differences are float rounding, <= 1e-5 in the tests).
 //   - Expired and cancelled requests met while forming a batch are answered
 //     DEADLINE_EXCEEDED / CANCELLED and never computed.
-//   - A full queue (max_queue_size) answers RESOURCE_EXHAUSTED at Submit.
+//   - A full queue (max_queue_size) answers RESOURCE_EXHAUSTED at Submit, and so does
+//     a queue whose expected wait is over max_queue_wait (when set): the padded
+//     tokens queued for the model and in its forward calls in progress, times its
+//     compute time per token (a moving average over its recent calls), over the
+//     workers. An idle model admits any request; until it has computed once, only
+//     max_queue_size applies.
 //   - policy.enabled = false: one request per forward call, no waiting.
 //
 // Scheduling: `num_workers` workers, each running one forward call at a time on
@@ -85,8 +90,9 @@ class Batcher {
                                                          Metrics* metrics);
   ~Batcher();  // Shutdown()
 
-  // OK: queued, `done` will be called. RESOURCE_EXHAUSTED naming the model and its
-  // max_queue_size when full; UNAVAILABLE after Shutdown. Never blocks on compute.
+  // OK: queued, `done` will be called. RESOURCE_EXHAUSTED naming the model and
+  // max_queue_size or max_queue_wait when over either; UNAVAILABLE after Shutdown.
+  // Never blocks on compute.
   absl::Status Submit(WorkItem item);
 
   // Stops accepting, computes everything queued (batched, without waiting;
@@ -102,6 +108,10 @@ class Batcher {
     std::deque<WorkItem> items;
     int64_t rows = 0;    // sum of B over items
     int64_t tokens = 0;  // sum of B * max(Q, K) over items
+    // Compute time per padded token of this model's forward calls: an exponential
+    // moving average (weight 1/4 on the newest call); 0 until the first call.
+    double seconds_per_token = 0;
+    int64_t computing_tokens = 0;  // in forward calls taken from this queue, not done
   };
   struct Batch {
     const Model* model = nullptr;
@@ -109,6 +119,7 @@ class Batcher {
     std::vector<WorkItem> items;     // computed together
     std::vector<WorkItem> expired;   // answered DEADLINE_EXCEEDED
     std::vector<WorkItem> cancelled; // answered CANCELLED
+    int64_t tokens = 0;              // rows x padded length of the forward call
   };
   // A worker's reusable staging buffers for merged calls (grown, never shrunk,
   // so steady-state batches touch no new pages).
@@ -125,6 +136,9 @@ class Batcher {
   bool Full(const ModelQueue& queue) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Batch TakeBatch(ModelQueue& queue) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Run(Batch& batch, Staging& staging);
+  // The batch's forward call is over: its tokens leave computing_tokens and, if it
+  // computed, its time per token enters the model's average.
+  void BatchDone(const Batch& batch, absl::Duration elapsed, bool computed);
 
   const Options options_;
   mutable absl::Mutex mu_;

@@ -73,6 +73,9 @@ ABSL_FLAG(bool, batching, kDefaults.batching.enabled,
 ABSL_FLAG(int64_t, max_queue_delay_us, absl::ToInt64Microseconds(kDefaults.batching.max_queue_delay),
           "How long the oldest queued request waits for others to fill its batch; 0 merges "
           "only what is already queued.");
+ABSL_FLAG(int64_t, max_queue_wait_us, absl::ToInt64Microseconds(kDefaults.batching.max_queue_wait),
+          "Refuse (RESOURCE_EXHAUSTED) a request whose expected queue wait, the work queued "
+          "ahead of it at the model's recent compute speed, is longer; 0 = no bound in time.");
 ABSL_FLAG(int64_t, max_batch_tokens, kDefaults.batching.max_batch_tokens,
           "Limit on rows x padded sequence length of a merged forward call.");
 ABSL_FLAG(int64_t, max_batch_size, kLimits.max_batch_size,
@@ -116,6 +119,7 @@ int main(int argc, char** argv) {
   options.batching.enabled = absl::GetFlag(FLAGS_batching);
   options.batching.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
   options.batching.max_queue_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_queue_delay_us));
+  options.batching.max_queue_wait = absl::Microseconds(absl::GetFlag(FLAGS_max_queue_wait_us));
   options.batching.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   options.limits.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
   options.batching.max_batch_size = options.limits.max_batch_size;
@@ -139,10 +143,13 @@ int main(int argc, char** argv) {
     }
   }
 
-  if (options.batching.max_queue_delay < absl::ZeroDuration()) {
-    std::fprintf(stderr, "error: --max_queue_delay_us: expected >= 0, got %lld\n",
-                 static_cast<long long>(absl::GetFlag(FLAGS_max_queue_delay_us)));
-    return 2;
+  for (auto [name, value] : {std::pair{"max_queue_delay_us", options.batching.max_queue_delay},
+                             {"max_queue_wait_us", options.batching.max_queue_wait}}) {
+    if (value < absl::ZeroDuration()) {
+      std::fprintf(stderr, "error: --%s: expected >= 0, got %lld\n", name,
+                   static_cast<long long>(absl::ToInt64Microseconds(value)));
+      return 2;
+    }
   }
 
   // Signals are taken synchronously by sigwait below; block them before any

@@ -79,6 +79,14 @@ absl::StatusOr<BatchingPolicy> ResolveBatching(const attention::v1::BatchingConf
     }
     policy.max_queue_delay = absl::Microseconds(config.max_queue_delay_us());
   }
+  if (config.has_max_queue_wait_us()) {
+    if (config.max_queue_wait_us() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "batching.max_queue_wait_us: expected >= 0 (0 = no bound), got ",
+          config.max_queue_wait_us()));
+    }
+    policy.max_queue_wait = absl::Microseconds(config.max_queue_wait_us());
+  }
   policy.max_batch_size = std::min(policy.max_batch_size, limits.max_batch_size);
   return policy;
 }

@@ -51,6 +51,10 @@ struct BatchingPolicy {
   int64_t max_batch_size = 64;      // rows per forward call (<= limits.max_batch_size)
   int64_t max_batch_tokens = 8192;  // rows x max(Q, K) per forward call
   int64_t max_queue_size = 1024;    // queued requests before RESOURCE_EXHAUSTED
+  // Expected queue wait before RESOURCE_EXHAUSTED (server/batcher.h); 0 = no bound.
+  // A bound in requests holds latency only while compute runs at the speed it was
+  // sized for; this one follows compute as it slows (README, "Overload").
+  absl::Duration max_queue_wait = absl::ZeroDuration();
 };
 
 struct Model {

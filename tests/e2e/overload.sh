@@ -2,7 +2,8 @@
 # Overload: offered load at 3x the measured capacity for 30 s.
 #   1. capacity: closed loop at --concurrency=CONCURRENCY for 15 s -> C req/s
 #   2. unloaded p99: one request at a time for 10 s
-#   3. overload: open loop at --request_rate=3C for 30 s
+#   3. overload: open loop at --request_rate=3C for 30 s, on a new server whose queue
+#      is also bounded in expected wait (max_queue_size / C, see MAX_QUEUE_WAIT_MS)
 #   4. recovery: --request_rate=C/2 for 10 s
 # Pass: admitted p99 <= 2 x unloaded p99 + queue bound ((max_queue_size + max batch) / C),
 # refusals are RESOURCE_EXHAUSTED, nothing else fails, no error after the burst,
@@ -11,6 +12,8 @@
 # Usage: tests/e2e/overload.sh [BUILD_DIR]   (default build/release)
 # Env: SERVER_ARGS (extra server flags), MODEL_ARGS (default: bert_base with max_queue_size MAX_QUEUE_SIZE), BENCH_ARGS (one
 #      bert_base sequence of 64 tokens, see lib.sh), MAX_QUEUE_SIZE (64),
+#      MAX_QUEUE_WAIT_MS (the overload server's --max_queue_wait_us in ms; default
+#      "auto", max_queue_size / C; 0 = none, the queue bounded in requests only),
 #      CONCURRENCY (64), OMP_NUM_THREADS.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -18,24 +21,36 @@ BUILD="${1:-$here/../../build/release}"
 WORK="$(mktemp -d /tmp/mha_overload.XXXXXX)"
 source "$here/lib.sh"
 max_queue="${MAX_QUEUE_SIZE:-64}"
+wait_ms="${MAX_QUEUE_WAIT_MS:-auto}"
 concurrency="${CONCURRENCY:-64}"
 trap 'stop_server || true' EXIT
 write_models "$WORK/models" "$max_queue"
 
+# Capacity and unloaded latency on a server bounded in requests only: a bound in time
+# would refuse part of the closed loop at concurrency 64 and understate C.
 # shellcheck disable=SC2086
 start_server --max_queue_size="$max_queue" ${MODEL_ARGS:---model_repository=$WORK/models}
 echo "server $SERVER_TARGET (pid $SERVER_PID), max_queue_size $max_queue; work dir $WORK"
-rss_start="$(rss_kib)"
-
 bench capacity 15 --concurrency="$concurrency"
 capacity="$(metric capacity rps)"
 bench unloaded 10 --concurrency=1
 p99_unloaded="$(metric unloaded p99_ms)"
+stop_server
 # A request admitted at the tail of a full queue waits for the max_queue requests ahead
 # of it, then runs in a batch of up to max_batch (32, lib.sh's config): both at the
 # measured capacity C.
 queue_bound_ms="$(calc "1000 * ($max_queue + 32) / $capacity")"
 echo "capacity ${capacity} req/s (concurrency $concurrency); unloaded p50 $(metric unloaded p50_ms) ms, p99 ${p99_unloaded} ms; queue bound ${queue_bound_ms} ms"
+
+# The overload server also bounds the queue's expected wait (--max_queue_wait_us) at
+# what max_queue requests take at C: the same bound, held in time as compute slows.
+[[ "$wait_ms" == auto ]] && wait_ms="$(calc "1000 * $max_queue / $capacity")"
+wait_us="$(awk "BEGIN { printf \"%d\", 1000 * $wait_ms + 0.5 }")"
+# shellcheck disable=SC2086
+start_server --max_queue_size="$max_queue" --max_queue_wait_us="$wait_us" \
+  ${MODEL_ARGS:---model_repository=$WORK/models}
+echo "server $SERVER_TARGET (pid $SERVER_PID), max_queue_size $max_queue, max_queue_wait ${wait_ms} ms"
+rss_start="$(rss_kib)"
 
 offered="$(awk "BEGIN { printf \"%d\", 3 * $capacity + 0.5 }")"
 bench overload 30 --request_rate="$offered"

@@ -245,6 +245,50 @@ TEST_F(BatcherTest, FullQueueIsResourceExhaustedAndShutdownDrains) {
   EXPECT_FALSE(calls[3].done);
 }
 
+// max_queue_wait: request 0's forward call sets the model's time per token (t0 for
+// its tokens), then the worker is held, so request i (i >= 1) finds i - 1 equal
+// requests queued and an expected wait of (i - 1) x t0: exactly floor(W / t0) + 1 are
+// admitted, the rest refused at once. t0 is read back from request 0's timing
+// (whole microseconds, so the count is checked against both ends of t0's range).
+TEST_F(BatcherTest, ExpectedQueueWaitOverMaxQueueWaitIsResourceExhausted) {
+  const absl::Duration max_wait = absl::Milliseconds(50);
+  MakeRepository({.max_queue_delay = absl::ZeroDuration(),
+                  .max_queue_size = 1000,
+                  .max_queue_wait = max_wait});
+  std::vector<Call> calls(400);
+  for (Call& call : calls) call.request = Request(8, 64, 0);  // 512 tokens
+  // A model's first call of a shape creates its oneDNN primitives (tens of ms): make
+  // request 0's the steady-state time, as it is in a server that has been serving.
+  Alone(calls[0].request);
+  const std::vector<absl::Status> submitted = RunAll(calls);
+
+  const int64_t t0_us = calls[0].response.timing().compute_us();
+  ASSERT_GT(t0_us, 0);
+  const int64_t w_us = absl::ToInt64Microseconds(max_wait);
+  const int64_t most = w_us / t0_us + 1;         // t0 at its lower end
+  const int64_t least = w_us / (t0_us + 1) + 1;  // t0 just under t0_us + 1
+  ASSERT_LT(most, static_cast<int64_t>(calls.size())) << "t0 " << t0_us << " us";
+  int64_t admitted = 0;
+  while (admitted < static_cast<int64_t>(submitted.size()) && submitted[admitted].ok()) {
+    ++admitted;
+  }
+  EXPECT_GE(admitted - 1, least) << "t0 " << t0_us << " us";  // request 0 not counted
+  EXPECT_LE(admitted - 1, most) << "t0 " << t0_us << " us";
+  for (size_t i = admitted; i < submitted.size(); ++i) {
+    ASSERT_EQ(submitted[i].code(), absl::StatusCode::kResourceExhausted) << i;
+    ASSERT_NE(submitted[i].message().find("max_queue_wait_us 50000"), std::string::npos)
+        << submitted[i];
+    EXPECT_FALSE(calls[i].done);
+  }
+  for (int64_t i = 0; i < admitted; ++i) EXPECT_TRUE(calls[i].done && calls[i].status.ok());
+
+  // Without the bound in time, the same queue admits every request.
+  MakeRepository({.max_queue_delay = absl::ZeroDuration(), .max_queue_size = 1000});
+  std::vector<Call> unbounded(admitted + 10);
+  for (Call& call : unbounded) call.request = Request(8, 64, 0);
+  for (const absl::Status& s : RunAll(unbounded)) EXPECT_TRUE(s.ok()) << s;
+}
+
 TEST_F(BatcherTest, SubmitAfterShutdownIsUnavailable) {
   MakeRepository({});
   auto batcher = Batcher::Create({}, *models_, nullptr).value();

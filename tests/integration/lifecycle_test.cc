@@ -26,7 +26,7 @@ TEST(StartupTest, HelpListsEveryFlagWithItsDefault) {
   const RunResult run = RunServer({"--help"});
   for (const char* flag :
        {"--host", "--port", "--metrics_port", "--model_repository", "--compute_threads",
-        "--compute_workers", "--max_queue_size", "--max_batch_size", "--max_sequence_length",
+        "--compute_workers", "--max_queue_size", "--max_queue_wait_us", "--max_batch_size", "--max_sequence_length",
         "--max_request_bytes", "--max_attention_elements", "--drain_timeout", "--tls_cert",
         "--tls_key", "--tls_client_ca"}) {
     EXPECT_TRUE(absl::StrContains(run.out, flag)) << flag << "\n" << run.out;
@@ -45,6 +45,21 @@ TEST(StartupTest, BadModelFailsStartNamingModelAndFile) {
   EXPECT_FALSE(absl::StrContains(run.out, "listening on"));
   EXPECT_TRUE(absl::StrContains(run.err, "model bad (" + config + ")")) << run.err;
   EXPECT_TRUE(absl::StrContains(run.err, "num_heads")) << run.err;
+}
+
+TEST(StartupTest, NegativeMaxQueueWaitFailsStartNamingIt) {
+  TempDir repository;
+  repository.Write("m/config.pbtxt",
+                   "num_hiddens: 100 num_heads: 5 seeded { seed: 0 } "
+                   "batching { max_queue_wait_us: -1 }");
+  const RunResult config = RunServer({"--port=0", "--model_repository=" + repository.path()});
+  EXPECT_NE(config.exit_code, 0);
+  EXPECT_TRUE(absl::StrContains(config.err, "batching.max_queue_wait_us: expected >= 0"))
+      << config.err;
+  const RunResult flag = RunServer({"--port=0", "--max_queue_wait_us=-5"});
+  EXPECT_EQ(flag.exit_code, 2);
+  EXPECT_TRUE(absl::StrContains(flag.err, "--max_queue_wait_us: expected >= 0, got -5"))
+      << flag.err;
 }
 
 TEST(StartupTest, MissingWeightsFileFailsStartNamingIt) {
