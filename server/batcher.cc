@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 
 namespace mha::server {
 namespace {
@@ -96,14 +97,18 @@ absl::StatusOr<std::unique_ptr<Batcher>> Batcher::Create(const Options& options,
 
 Batcher::~Batcher() { Shutdown(); }
 
-absl::Status Batcher::Submit(WorkItem item) {
+absl::Status Batcher::Admit(const Model* model) const {
   absl::MutexLock lock(&mu_);
+  return AdmitLocked(model);
+}
+
+absl::Status Batcher::AdmitLocked(const Model* model) const {
   if (stopping_) return absl::UnavailableError("server is shutting down");
-  auto it = queues_.find(item.request.model);
+  auto it = queues_.find(model);
   if (it == queues_.end()) {
     return absl::InternalError("request for a model the batcher does not serve");
   }
-  ModelQueue& queue = it->second;
+  const ModelQueue& queue = it->second;
   const int64_t limit = queue.model->batching.max_queue_size;
   if (static_cast<int64_t>(queue.items.size()) >= limit) {
     return absl::ResourceExhaustedError(
@@ -122,6 +127,13 @@ absl::Status Batcher::Submit(WorkItem item) {
           absl::ToInt64Microseconds(max_wait), "; retry later"));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status Batcher::Submit(WorkItem item) {
+  absl::MutexLock lock(&mu_);
+  MHA_RETURN_IF_ERROR(AdmitLocked(item.request.model));
+  ModelQueue& queue = queues_.find(item.request.model)->second;
   item.enqueued = absl::Now();
   queue.rows += Rows(item);
   queue.tokens += Rows(item) * Length(item);

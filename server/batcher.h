@@ -95,6 +95,10 @@ class Batcher {
   // Never blocks on compute.
   absl::Status Submit(WorkItem item);
 
+  // What Submit would answer now for a request of `model`, without queueing: lets a
+  // caller refuse before it validates (reads) the request. Submit checks again.
+  absl::Status Admit(const Model* model) const;
+
   // Stops accepting, computes everything queued (batched, without waiting;
   // deadlines and cancellation still apply), then joins the workers. Idempotent.
   void Shutdown();
@@ -132,6 +136,7 @@ class Batcher {
   void WorkerLoop();
   // Blocks until a batch is due (or stopping with nothing left: empty batch).
   Batch NextBatch();
+  absl::Status AdmitLocked(const Model* model) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   ModelQueue* OldestQueue() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Full(const ModelQueue& queue) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Batch TakeBatch(ModelQueue& queue) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "core/config.h"
+#include "core/status_macros.h"
 #include "server/abbreviate.h"
 #include "server/grpc_status.h"
 #include "server/validation.h"
@@ -52,6 +53,20 @@ class Meter {
   int64_t tokens_ = 0;
 };
 
+// A request its model's queue would refuse now is refused before validation reads
+// its tensors: at 3x capacity most requests are refused, and the scan for NaNs was
+// a good part of what each refusal cost a gRPC thread. So a malformed request that
+// meets a full queue gets RESOURCE_EXHAUSTED (retry later, then INVALID_ARGUMENT);
+// an unknown model still gets NOT_FOUND. Submit checks the queue again.
+absl::StatusOr<ValidatedRequest> AdmitAndValidate(const AttendRequest& request,
+                                                  const ModelRepository& models,
+                                                  const Batcher& batcher) {
+  if (absl::StatusOr<const Model*> model = models.Find(request.model()); model.ok()) {
+    MHA_RETURN_IF_ERROR(batcher.Admit(*model));
+  }
+  return ValidateRequest(request, models);
+}
+
 absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
   const auto deadline = context->deadline();
   if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
@@ -94,7 +109,8 @@ class AttendStreamReactor final
       slot->index = next_index_++;
     }
     slot->response.set_request_id(slot->request.request_id());
-    absl::StatusOr<ValidatedRequest> validated = ValidateRequest(slot->request, *models_);
+    absl::StatusOr<ValidatedRequest> validated =
+        AdmitAndValidate(slot->request, *models_, *batcher_);
     {
       absl::MutexLock lock(&mu_);
       if (stop_ || finished_) {  // a late message on a stream that is ending
@@ -263,7 +279,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   response->set_request_id(request->request_id());
   auto meter = std::make_shared<Meter>(metrics_);
-  absl::StatusOr<ValidatedRequest> validated = ValidateRequest(*request, *models_);
+  absl::StatusOr<ValidatedRequest> validated = AdmitAndValidate(*request, *models_, *batcher_);
   if (!validated.ok()) {
     meter->Answered(validated.status(), *models_, request->model());
     reactor->Finish(ToGrpcStatus(validated.status()));

@@ -289,6 +289,49 @@ TEST_F(BatcherTest, ExpectedQueueWaitOverMaxQueueWaitIsResourceExhausted) {
   for (const absl::Status& s : RunAll(unbounded)) EXPECT_TRUE(s.ok()) << s;
 }
 
+// Admit answers what Submit would, without queueing: the service refuses with it
+// before validating a request.
+TEST_F(BatcherTest, AdmitAnswersAsSubmitWould) {
+  MakeRepository({.max_queue_delay = absl::ZeroDuration(), .max_queue_size = 1});
+  const Model* model = models_->Find("").value();
+  auto batcher = Batcher::Create({.num_workers = 1}, *models_, nullptr).value();
+  absl::Mutex mu;
+  bool running = false, release = false;
+  std::vector<AttendRequest> requests(3, ToyRequest());
+  std::vector<AttendResponse> responses(3);
+  auto submit = [&](int i) {
+    return batcher->Submit(WorkItem{
+        .request = ValidateRequest(requests[i], *models_).value(),
+        .response = &responses[i],
+        .done =
+            [&, i](absl::Status) {
+              if (i != 0) return;
+              absl::MutexLock lock(&mu);
+              running = true;
+              mu.Await(absl::Condition(&release));
+            },
+    });
+  };
+  ASSERT_TRUE(submit(0).ok());
+  {
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(&running));  // the worker is held, the queue empty
+  }
+  EXPECT_TRUE(batcher->Admit(model).ok());
+  ASSERT_TRUE(submit(1).ok());  // the queue is now full
+  const absl::Status admitted = batcher->Admit(model);
+  const absl::Status submitted = submit(2);
+  EXPECT_EQ(admitted.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(admitted, submitted);
+  EXPECT_EQ(batcher->queue_size(), 1);  // Admit queued nothing
+  {
+    absl::MutexLock lock(&mu);
+    release = true;
+  }
+  batcher->Shutdown();
+  EXPECT_EQ(batcher->Admit(model).code(), absl::StatusCode::kUnavailable);
+}
+
 TEST_F(BatcherTest, SubmitAfterShutdownIsUnavailable) {
   MakeRepository({});
   auto batcher = Batcher::Create({}, *models_, nullptr).value();
