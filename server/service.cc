@@ -54,10 +54,11 @@ class Meter {
 };
 
 // A request its model's queue would refuse now is refused before validation reads
-// its tensors: at 3x capacity most requests are refused, and the scan for NaNs was
-// a good part of what each refusal cost a gRPC thread. So a malformed request that
-// meets a full queue gets RESOURCE_EXHAUSTED (retry later, then INVALID_ARGUMENT);
-// an unknown model still gets NOT_FOUND. Submit checks the queue again.
+// its tensors: at 3x capacity most requests are refused, and the scan for NaNs, which
+// reads every value, was 3% of the server's CPU there (perf; README, "Overload"). So
+// a malformed request that meets a full queue gets RESOURCE_EXHAUSTED (retry later,
+// then INVALID_ARGUMENT); an unknown model still gets NOT_FOUND. Submit checks the
+// queue again.
 absl::StatusOr<ValidatedRequest> AdmitAndValidate(const AttendRequest& request,
                                                   const ModelRepository& models,
                                                   const Batcher& batcher) {
