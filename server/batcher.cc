@@ -99,16 +99,16 @@ Batcher::~Batcher() { Shutdown(); }
 
 absl::Status Batcher::Admit(const Model* model) const {
   absl::MutexLock lock(&mu_);
-  return AdmitLocked(model);
+  const auto it = queues_.find(model);
+  return AdmitLocked(it == queues_.end() ? nullptr : &it->second);
 }
 
-absl::Status Batcher::AdmitLocked(const Model* model) const {
+absl::Status Batcher::AdmitLocked(const ModelQueue* found) const {
   if (stopping_) return absl::UnavailableError("server is shutting down");
-  auto it = queues_.find(model);
-  if (it == queues_.end()) {
+  if (found == nullptr) {
     return absl::InternalError("request for a model the batcher does not serve");
   }
-  const ModelQueue& queue = it->second;
+  const ModelQueue& queue = *found;
   const int64_t limit = queue.model->batching.max_queue_size;
   if (static_cast<int64_t>(queue.items.size()) >= limit) {
     return absl::ResourceExhaustedError(
@@ -132,8 +132,9 @@ absl::Status Batcher::AdmitLocked(const Model* model) const {
 
 absl::Status Batcher::Submit(WorkItem item) {
   absl::MutexLock lock(&mu_);
-  MHA_RETURN_IF_ERROR(AdmitLocked(item.request.model));
-  ModelQueue& queue = queues_.find(item.request.model)->second;
+  const auto it = queues_.find(item.request.model);
+  MHA_RETURN_IF_ERROR(AdmitLocked(it == queues_.end() ? nullptr : &it->second));
+  ModelQueue& queue = it->second;
   item.enqueued = absl::Now();
   queue.rows += Rows(item);
   queue.tokens += Rows(item) * Length(item);

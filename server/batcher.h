@@ -136,7 +136,8 @@ class Batcher {
   void WorkerLoop();
   // Blocks until a batch is due (or stopping with nothing left: empty batch).
   Batch NextBatch();
-  absl::Status AdmitLocked(const Model* model) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Admit's and Submit's checks on the model's queue (nullptr: a model not served).
+  absl::Status AdmitLocked(const ModelQueue* queue) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   ModelQueue* OldestQueue() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Full(const ModelQueue& queue) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Batch TakeBatch(ModelQueue& queue) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
