@@ -43,23 +43,26 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/config.h"
+#include "core/valid_lens.h"
 #include "core/weights.h"
 
 namespace mha::core {
 
 // Non-owning views of one forward call's inputs.
 struct AttentionInputs {
-  int64_t batch = 0;        // B
-  int64_t num_queries = 0;  // Q
-  int64_t num_keys = 0;     // K; must equal Q for self-attention
-  const float* queries = nullptr;  // (B, Q, d_q)
-  const float* keys = nullptr;     // (B, K, d_k); nullptr: self-attention on queries
-  const float* values = nullptr;   // (B, K, d_v); nullptr iff keys is nullptr
+  int64_t batch = 0;                    // B
+  int64_t num_queries = 0;              // Q
+  int64_t num_keys = 0;                 // K; must equal Q for self-attention
+  const float* queries = nullptr;       // (B, Q, d_q)
+  const float* keys = nullptr;          // (B, K, d_k); nullptr: self-attention on queries
+  const float* values = nullptr;        // (B, K, d_v); nullptr iff keys is nullptr
   std::span<const int32_t> valid_lens;  // empty, B or B*Q entries
   bool causal = false;
   std::span<const float> head_mask;  // empty or h entries
 
   bool self_attention() const { return keys == nullptr; }
+  // valid_lens read through its layout (core/valid_lens.h).
+  ValidLens lens() const { return ValidLens(valid_lens, batch, num_queries, num_keys); }
 };
 
 class MultiHeadAttention {
@@ -68,16 +71,18 @@ class MultiHeadAttention {
     // OpenMP threads per Forward at most; 0 = the caller's omp_get_max_threads().
     // A call uses one thread per 16 MFLOP of work, up to this (core/attention.cc).
     int num_threads = 0;
-    // Query and key block sizes of the fused attention kernel. 128 x 512 was the
-    // fastest of {32..256} x {128..1024} for L 2048 here (scores tile 256 KiB: L2).
+    // Query and key block sizes of the fused attention kernel: query_block 1..256,
+    // key_block 1..65536. The defaults keep a block's f32 scores tile (128 x 512 x
+    // 4 bytes = 256 KiB) within L2.
     int64_t query_block = 128;
     int64_t key_block = 512;
   };
 
-  static absl::StatusOr<std::unique_ptr<MultiHeadAttention>> Create(
-      const ModelConfig& config, const Weights& weights);
-  static absl::StatusOr<std::unique_ptr<MultiHeadAttention>> Create(
-      const ModelConfig& config, const Weights& weights, const Options& options);
+  static absl::StatusOr<std::unique_ptr<MultiHeadAttention>> Create(const ModelConfig& config,
+                                                                    const Weights& weights);
+  static absl::StatusOr<std::unique_ptr<MultiHeadAttention>> Create(const ModelConfig& config,
+                                                                    const Weights& weights,
+                                                                    const Options& options);
   ~MultiHeadAttention();
 
   // Checks `inputs` against the model (one line per rule; INVALID_ARGUMENT names
@@ -100,8 +105,7 @@ class MultiHeadAttention {
 
  private:
   class Impl;
-  MultiHeadAttention(const ModelConfig& config, const Options& options,
-                     std::unique_ptr<Impl> impl);
+  MultiHeadAttention(const ModelConfig& config, const Options& options, std::unique_ptr<Impl> impl);
 
   ModelConfig config_;
   Options options_;

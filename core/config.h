@@ -1,13 +1,14 @@
-// The description of one multi-head attention layer (DESIGN.md, "The layer").
+// The description of one multi-head attention layer: its sizes, biases and the
+// precision of its matrix products.
 #ifndef MHA_CORE_CONFIG_H_
 #define MHA_CORE_CONFIG_H_
 
 #include <cstdint>
 #include <string>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace mha::core {
 
@@ -38,9 +39,7 @@ struct ModelConfig {
 
   int64_t head_size() const { return num_hiddens / num_heads; }
   // Self-attention (keys and values omitted) needs d_k == d_v == d_q.
-  bool SupportsSelfAttention() const {
-    return key_size == query_size && value_size == query_size;
-  }
+  bool SupportsSelfAttention() const { return key_size == query_size && value_size == query_size; }
   // INVALID_ARGUMENT naming the first field that is out of range.
   absl::Status Validate() const;
 };

@@ -10,20 +10,21 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace mha::core {
 namespace {
 
 constexpr std::pair<absl::string_view, DType> kDTypes[] = {
-    {"F64", DType::kF64}, {"F32", DType::kF32}, {"F16", DType::kF16},
-    {"BF16", DType::kBf16}, {"I64", DType::kI64}, {"I32", DType::kI32},
-    {"I16", DType::kI16}, {"I8", DType::kI8}, {"U8", DType::kU8},
-    {"BOOL", DType::kBool}};
+    {"F64", DType::kF64}, {"F32", DType::kF32},  {"F16", DType::kF16}, {"BF16", DType::kBf16},
+    {"I64", DType::kI64}, {"I32", DType::kI32},  {"I16", DType::kI16}, {"I8", DType::kI8},
+    {"U8", DType::kU8},   {"BOOL", DType::kBool}};
 
 // A header larger than this is not a weights file we should trust (the reference
 // implementation caps it at 100 MB too).
@@ -60,6 +61,132 @@ T LoadLE(const std::byte* p) {
 
 absl::Status Invalid(absl::string_view source, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(source, ": ", what));
+}
+
+// A file's JSON header and the data section after it.
+struct Header {
+  nlohmann::json json;
+  const std::byte* data;  // tensor offsets count from here
+  uint64_t data_size;
+};
+
+// The 8-byte little-endian header length, then that many bytes of JSON object.
+absl::StatusOr<Header> ReadHeader(absl::string_view source, const std::byte* bytes, size_t size) {
+  if (size < 8) {
+    return Invalid(source, absl::StrCat("truncated: ", size,
+                                        " bytes, a safetensors file starts with an 8-byte "
+                                        "header length"));
+  }
+  const uint64_t header_len = LoadLE<uint64_t>(bytes);
+  if (header_len > kMaxHeaderBytes || header_len > size - 8) {
+    return Invalid(
+        source, absl::StrCat("header length ", header_len, " exceeds the file (", size, " bytes)"));
+  }
+  const absl::string_view text(reinterpret_cast<const char*>(bytes + 8), header_len);
+  Header header{.json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false),
+                .data = bytes + 8 + header_len,
+                .data_size = size - 8 - header_len};
+  if (header.json.is_discarded() || !header.json.is_object()) {
+    return Invalid(source, "header is not a JSON object");
+  }
+  return header;
+}
+
+// The "__metadata__" entry: an object of strings.
+absl::Status ReadMetadata(absl::string_view source, const nlohmann::json& entry,
+                          std::map<std::string, std::string>& metadata) {
+  if (!entry.is_object()) return Invalid(source, "__metadata__ is not an object");
+  for (const auto& [k, v] : entry.items()) {
+    if (!v.is_string()) {
+      return Invalid(source, absl::StrCat("__metadata__ \"", k, "\" is not a string"));
+    }
+    metadata[k] = v.get<std::string>();
+  }
+  return absl::OkStatus();
+}
+
+std::optional<DType> DTypeFromName(absl::string_view name) {
+  for (const auto& [n, d] : kDTypes) {
+    if (n == name) return d;
+  }
+  return std::nullopt;
+}
+
+// Appends the dims of `shape` to `dims` and returns the element count, or nullopt
+// for a dim that is not an integer in 0..2^40. The count is checked against the
+// data section before it can grow past it: a count above data_size is returned as
+// data_size + 1, and the product never overflows.
+std::optional<uint64_t> ReadShape(const nlohmann::json& shape, uint64_t data_size,
+                                  std::vector<int64_t>& dims) {
+  uint64_t elements = 1;
+  for (const auto& d : shape) {
+    if (!d.is_number_unsigned() || d.get<uint64_t>() > (1ull << 40)) return std::nullopt;
+    const uint64_t dim = d.get<uint64_t>();
+    dims.push_back(static_cast<int64_t>(dim));
+    if (dim != 0 && elements > data_size / dim) {
+      elements = data_size + 1;
+    } else {
+      elements *= dim;
+    }
+  }
+  return elements;
+}
+
+// One tensor's entry {"dtype", "shape", "data_offsets"}, checked against the data
+// section: known dtype, offsets inside it, and a size that matches the shape.
+absl::StatusOr<TensorView> ReadTensor(absl::string_view source, absl::string_view name,
+                                      const nlohmann::json& entry, const Header& header) {
+  auto bad = [&](absl::string_view what) {
+    return Invalid(source, absl::StrCat("tensor \"", name, "\": ", what));
+  };
+  if (!entry.is_object()) return bad("entry is not an object");
+  const auto dtype_it = entry.find("dtype");
+  const auto shape_it = entry.find("shape");
+  const auto offsets_it = entry.find("data_offsets");
+  if (dtype_it == entry.end() || !dtype_it->is_string()) return bad("missing \"dtype\"");
+  if (shape_it == entry.end() || !shape_it->is_array()) return bad("missing \"shape\"");
+  if (offsets_it == entry.end() || !offsets_it->is_array() || offsets_it->size() != 2) {
+    return bad("\"data_offsets\" must be [begin, end]");
+  }
+  TensorView view{};
+  const std::string dtype_name = dtype_it->get<std::string>();
+  const std::optional<DType> dtype = DTypeFromName(dtype_name);
+  if (!dtype) return bad(absl::StrCat("unknown dtype \"", dtype_name, "\""));
+  view.dtype = *dtype;
+  const uint64_t data_size = header.data_size;
+  const std::optional<uint64_t> elements = ReadShape(*shape_it, data_size, view.shape);
+  if (!elements) return bad("shape entries must be non-negative integers below 2^40");
+  const auto& b = (*offsets_it)[0];
+  const auto& e = (*offsets_it)[1];
+  if (!b.is_number_unsigned() || !e.is_number_unsigned()) {
+    return bad("data_offsets must be non-negative integers");
+  }
+  const uint64_t begin = b.get<uint64_t>(), end = e.get<uint64_t>();
+  if (begin > end || end > data_size) {
+    return bad(absl::StrCat("data_offsets [", begin, ", ", end,
+                            "] out of range of the data section (", data_size, " bytes)"));
+  }
+  const size_t esize = DTypeSize(view.dtype);
+  if (*elements > data_size || *elements * esize != end - begin) {
+    return bad(absl::StrCat("shape [", absl::StrJoin(view.shape, ", "), "] of ", dtype_name,
+                            " needs ", *elements * esize, " bytes, data_offsets give ",
+                            end - begin));
+  }
+  view.data = header.data + begin;
+  view.num_bytes = end - begin;
+  return view;
+}
+
+// Tensors' [begin, end) byte ranges in the data section must not overlap.
+absl::Status CheckNoOverlap(absl::string_view source,
+                            std::vector<std::pair<uint64_t, uint64_t>> ranges) {
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    if (ranges[i].first < ranges[i - 1].second) {
+      return Invalid(source, "tensor data ranges overlap");
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -117,9 +244,9 @@ absl::StatusOr<std::vector<float>> TensorView::ToFloat(absl::string_view name) c
         out[i] = std::bit_cast<float>(static_cast<uint32_t>(LoadLE<uint16_t>(p)) << 16);
         break;
       default:
-        return absl::InvalidArgumentError(
-            absl::StrCat("tensor \"", name, "\": expected a float dtype (F32, F16, BF16, F64), got ",
-                         DTypeName(dtype)));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor \"", name, "\": expected a float dtype (F32, F16, BF16, F64), got ",
+            DTypeName(dtype)));
     }
   }
   return out;
@@ -181,101 +308,19 @@ absl::StatusOr<TensorView> SafetensorsFile::Get(absl::string_view name) const {
 }
 
 absl::Status SafetensorsFile::Parse() {
-  if (size_ < 8) {
-    return Invalid(source_, absl::StrCat("truncated: ", size_,
-                                         " bytes, a safetensors file starts with an 8-byte "
-                                         "header length"));
-  }
-  const uint64_t header_len = LoadLE<uint64_t>(bytes_);
-  if (header_len > kMaxHeaderBytes || header_len > size_ - 8) {
-    return Invalid(source_, absl::StrCat("header length ", header_len,
-                                         " exceeds the file (", size_, " bytes)"));
-  }
-  const absl::string_view header(reinterpret_cast<const char*>(bytes_ + 8), header_len);
-  nlohmann::json json = nlohmann::json::parse(header, nullptr, /*allow_exceptions=*/false);
-  if (json.is_discarded() || !json.is_object()) {
-    return Invalid(source_, "header is not a JSON object");
-  }
-  const std::byte* data = bytes_ + 8 + header_len;
-  const uint64_t data_size = size_ - 8 - header_len;
-
+  MHA_ASSIGN_OR_RETURN(const Header header, ReadHeader(source_, bytes_, size_));
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  for (const auto& item : json.items()) {
-    // Named, not a structured binding: clang 14 (the fuzz build) cannot capture those.
-    const std::string& name = item.key();
-    const nlohmann::json& entry = item.value();
+  for (const auto& [name, entry] : header.json.items()) {
     if (name == "__metadata__") {
-      if (!entry.is_object()) return Invalid(source_, "__metadata__ is not an object");
-      for (const auto& [k, v] : entry.items()) {
-        if (!v.is_string()) {
-          return Invalid(source_, absl::StrCat("__metadata__ \"", k, "\" is not a string"));
-        }
-        metadata_[k] = v.get<std::string>();
-      }
+      MHA_RETURN_IF_ERROR(ReadMetadata(source_, entry, metadata_));
       continue;
     }
-    auto bad = [&](absl::string_view what) {
-      return Invalid(source_, absl::StrCat("tensor \"", name, "\": ", what));
-    };
-    if (!entry.is_object()) return bad("entry is not an object");
-    const auto dtype_it = entry.find("dtype");
-    const auto shape_it = entry.find("shape");
-    const auto offsets_it = entry.find("data_offsets");
-    if (dtype_it == entry.end() || !dtype_it->is_string()) return bad("missing \"dtype\"");
-    if (shape_it == entry.end() || !shape_it->is_array()) return bad("missing \"shape\"");
-    if (offsets_it == entry.end() || !offsets_it->is_array() || offsets_it->size() != 2) {
-      return bad("\"data_offsets\" must be [begin, end]");
-    }
-    TensorView view{};
-    const std::string dtype_name = dtype_it->get<std::string>();
-    bool known = false;
-    for (const auto& [n, d] : kDTypes) {
-      if (n == dtype_name) {
-        view.dtype = d;
-        known = true;
-      }
-    }
-    if (!known) return bad(absl::StrCat("unknown dtype \"", dtype_name, "\""));
-    // Count elements with an overflow guard: each dim <= 2^40 and the product is
-    // checked against the data section before it can grow past it.
-    uint64_t elements = 1;
-    for (const auto& d : *shape_it) {
-      if (!d.is_number_unsigned() || d.get<uint64_t>() > (1ull << 40)) {
-        return bad("shape entries must be non-negative integers below 2^40");
-      }
-      const uint64_t dim = d.get<uint64_t>();
-      view.shape.push_back(static_cast<int64_t>(dim));
-      if (dim != 0 && elements > data_size / dim) elements = data_size + 1;
-      else elements *= dim;
-    }
-    const auto& b = (*offsets_it)[0];
-    const auto& e = (*offsets_it)[1];
-    if (!b.is_number_unsigned() || !e.is_number_unsigned()) {
-      return bad("data_offsets must be non-negative integers");
-    }
-    const uint64_t begin = b.get<uint64_t>(), end = e.get<uint64_t>();
-    if (begin > end || end > data_size) {
-      return bad(absl::StrCat("data_offsets [", begin, ", ", end,
-                              "] out of range of the data section (", data_size, " bytes)"));
-    }
-    const size_t esize = DTypeSize(view.dtype);
-    if (elements > data_size || elements * esize != end - begin) {
-      return bad(absl::StrCat("shape [", absl::StrJoin(view.shape, ", "), "] of ", dtype_name,
-                              " needs ", elements * esize, " bytes, data_offsets give ",
-                              end - begin));
-    }
-    view.data = data + begin;
-    view.num_bytes = end - begin;
-    ranges.emplace_back(begin, end);
+    MHA_ASSIGN_OR_RETURN(TensorView view, ReadTensor(source_, name, entry, header));
+    const auto begin = static_cast<uint64_t>(view.data - header.data);
+    ranges.emplace_back(begin, begin + view.num_bytes);
     tensors_.emplace(name, std::move(view));
   }
-  std::sort(ranges.begin(), ranges.end());
-  for (size_t i = 1; i < ranges.size(); ++i) {
-    if (ranges[i].first < ranges[i - 1].second) {
-      return Invalid(source_, "tensor data ranges overlap");
-    }
-  }
-  return absl::OkStatus();
+  return CheckNoOverlap(source_, std::move(ranges));
 }
 
 std::string SerializeSafetensors(const std::vector<NamedTensor>& tensors,

@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/safetensors.h"
-#include "core/status_macros.h"
+#include "base/status_macros.h"
 
 namespace mha::core {
 namespace {

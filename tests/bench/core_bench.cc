@@ -72,8 +72,8 @@ void BM_Forward(benchmark::State& state, Shape shape, Precision precision) {
 
 // The core alone on what the batcher hands it for the service benchmark: `rows`
 // requests of B 1, Q = K = 32 (self-attention) in one call. requests/s here is
-// the ceiling the service's batched throughput is compared with (README,
-// "Batching").
+// the ceiling the service's batched throughput is compared with
+// (docs/performance.md).
 void BM_Rows(benchmark::State& state, const char* model, int64_t hiddens, int64_t heads,
              bool bias) {
   const int64_t rows = state.range(0);

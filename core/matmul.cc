@@ -1,0 +1,170 @@
+#include "core/matmul.h"
+
+#include <omp.h>
+
+#include <cstring>
+
+#include "core/kernels.h"
+
+namespace mha::core::internal {
+namespace {
+
+using dnnl::memory;
+
+// Primitive caches are bounded: when one grows past this, it starts over. Shapes
+// repeat in serving (the batcher pads to few sizes), so this almost never fires.
+constexpr size_t kMaxCachedPrimitives = 1024;
+
+}  // namespace
+
+dnnl::engine& CpuEngine() {
+  static dnnl::engine* engine = new dnnl::engine(dnnl::engine::kind::cpu, 0);
+  return *engine;
+}
+
+int64_t PlanThreads() { return omp_in_parallel() ? 1 : omp_get_max_threads(); }
+
+Matmul Matmul::Make(const dnnl::matmul::desc& desc, dnnl::primitive_attr attr) {
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  dnnl::matmul::primitive_desc pd(desc, attr, CpuEngine());
+  return {dnnl::matmul(pd), pd.weights_desc(), pd.scratchpad_desc()};
+}
+
+std::optional<Matmul> MatmulCache::Find(const Key& key) const {
+  absl::ReaderMutexLock lock(&mu_);
+  auto it = cache_.find(key);
+  if (it == cache_.end()) return std::nullopt;
+  return it->second;
+}
+
+Matmul MatmulCache::Add(const Key& key, const dnnl::matmul::desc& desc,
+                        const dnnl::primitive_attr& attr) {
+  Matmul prim = Matmul::Make(desc, attr);
+  absl::MutexLock lock(&mu_);
+  if (cache_.size() >= kMaxCachedPrimitives) cache_.clear();
+  return cache_.try_emplace(key, prim).first->second;  // a handle: copies share it
+}
+
+void Bindings::Bind(int arg, int64_t rows, int64_t cols, int64_t ld, bool transposed, Dt dt,
+                    const void* ptr) {
+  const std::array<int64_t, 6> key{arg, rows, cols, ld, transposed, static_cast<int64_t>(dt)};
+  auto it = memories_.find(key);
+  if (it == memories_.end()) {
+    const memory::dims strides = transposed ? memory::dims{1, ld} : memory::dims{ld, 1};
+    it = memories_
+             .emplace(key, memory(memory::desc({rows, cols}, dt, strides), CpuEngine(),
+                                  const_cast<void*>(ptr)))
+             .first;
+  } else {
+    it->second.set_data_handle(const_cast<void*>(ptr));
+  }
+  args_[arg] = it->second;
+}
+
+void Bindings::Bind(int arg, const memory::desc& md, const void* ptr) {
+  for (auto& d : described_) {
+    if (d.arg == arg && d.md == md) {
+      d.mem.set_data_handle(const_cast<void*>(ptr));
+      args_[arg] = d.mem;
+      return;
+    }
+  }
+  described_.push_back({arg, md, memory(md, CpuEngine(), const_cast<void*>(ptr))});
+  args_[arg] = described_.back().mem;
+}
+
+void Bindings::Execute(const Matmul& m, dnnl::stream& stream) {
+  const size_t bytes = m.scratchpad.get_size();
+  if (bytes > 0) {
+    if (scratchpad_.size() < bytes) scratchpad_.resize(bytes);
+    const std::array<int64_t, 6> key{DNNL_ARG_SCRATCHPAD, static_cast<int64_t>(bytes)};
+    auto it = memories_.find(key);
+    if (it == memories_.end()) {
+      it = memories_.emplace(key, memory(m.scratchpad, CpuEngine(), scratchpad_.data())).first;
+    } else {
+      it->second.set_data_handle(scratchpad_.data());
+    }
+    args_[DNNL_ARG_SCRATCHPAD] = it->second;
+  }
+  m.prim.execute(stream, args_);
+}
+
+Linear::Linear(const float* w, const float* b, int64_t n, int64_t k, Dt dt)
+    : n_(n), k_(k), dt_(dt) {
+  const size_t count = static_cast<size_t>(n * k);
+  plain_.resize(count * SizeOf(dt));
+  if (dt == Dt::bf16) {
+    kernels::ToBf16(w, reinterpret_cast<uint16_t*>(plain_.data()), static_cast<int64_t>(count));
+  } else {
+    std::memcpy(plain_.data(), w, count * sizeof(float));
+  }
+  if (b != nullptr) bias_.assign(b, b + n);
+}
+
+void Linear::Run(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
+                 StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt) const {
+  const Key key{batch,
+                rows,
+                src.row_stride,
+                src.batch_stride,
+                dst.row_stride,
+                dst.batch_stride,
+                static_cast<int64_t>(dst_dt),
+                PlanThreads()};
+  const std::shared_ptr<const Entry> entry = Lookup(key);
+  const Entry& e = *entry;
+  args.Bind(DNNL_ARG_SRC, e.src_md, src.data);
+  args.Bind(DNNL_ARG_DST, e.dst_md, dst.data);
+  args.Set(DNNL_ARG_WEIGHTS, e.weights);
+  if (bias_.empty()) {
+    args.Erase(DNNL_ARG_BIAS);
+  } else {
+    args.Set(DNNL_ARG_BIAS, e.bias);
+  }
+  args.Execute(e.matmul, stream);
+}
+
+std::shared_ptr<const Linear::Entry> Linear::Lookup(const Key& key) const {
+  absl::MutexLock lock(&mu_);
+  auto it = cache_.find(key);
+  if (it != cache_.end()) return it->second;
+  if (cache_.size() >= kMaxCachedPrimitives) cache_.clear();
+  const auto [batch, rows, src_ld, src_bs, dst_ld, dst_bs, dst_dt, threads] = key;
+  auto e = std::make_shared<Entry>();
+  const bool batched = batch > 1;
+  const memory::dims w_dims = batched ? memory::dims{1, k_, n_} : memory::dims{k_, n_};
+  const memory::dims w_strides = batched ? memory::dims{n_ * k_, 1, k_} : memory::dims{1, k_};
+  if (batched) {
+    e->src_md = memory::desc({batch, rows, k_}, dt_, {src_bs, src_ld, 1});
+    e->dst_md = memory::desc({batch, rows, n_}, static_cast<Dt>(dst_dt), {dst_bs, dst_ld, 1});
+    if (!bias_.empty()) e->bias_md = memory::desc({1, 1, n_}, Dt::f32, {n_, n_, 1});
+  } else {
+    e->src_md = memory::desc({rows, k_}, dt_, {src_ld, 1});
+    e->dst_md = memory::desc({rows, n_}, static_cast<Dt>(dst_dt), {dst_ld, 1});
+    if (!bias_.empty()) e->bias_md = memory::desc({1, n_}, Dt::f32, {n_, 1});
+  }
+  const memory::desc w_any(w_dims, dt_, memory::format_tag::any);
+  e->matmul = Matmul::Make(dnnl::matmul::desc(e->src_md, w_any, e->bias_md, e->dst_md), {});
+  e->weights = PackedWeights(e->matmul.weights, memory::desc(w_dims, dt_, w_strides));
+  if (!bias_.empty()) {
+    e->bias = memory(e->bias_md, CpuEngine(), const_cast<float*>(bias_.data()));
+  }
+  cache_.emplace(key, e);
+  return e;
+}
+
+memory Linear::PackedWeights(const memory::desc& want, const memory::desc& plain) const {
+  for (const auto& [md, mem] : packed_) {
+    if (md == want) return mem;
+  }
+  const dnnl::engine& eng = CpuEngine();
+  memory src(plain, eng, const_cast<char*>(plain_.data()));
+  memory dst(want, eng);
+  dnnl::stream stream(eng);
+  dnnl::reorder(src, dst).execute(stream, src, dst);
+  stream.wait();
+  packed_.emplace_back(want, dst);
+  return dst;
+}
+
+}  // namespace mha::core::internal

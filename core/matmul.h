@@ -1,0 +1,164 @@
+// oneDNN matmul plumbing of the attention layer: the CPU engine, primitives with a
+// caller-owned scratchpad, a per-thread argument binder, cached primitives, and
+// Linear, a weight matrix applied with a cached matmul.
+//
+// Internal to core/: not part of the public API. Only core/*.cc include it; the
+// server and the client never see oneDNN types.
+//
+// Worked example, projecting 2 batch rows of the first 3 of 4 tokens each, d = 8
+// input features into p_o = 16 outputs, row-major f32:
+//   Linear w(w_data, /*b=*/nullptr, /*n=*/16, /*k=*/8, Dt::f32);
+//   Bindings args;                   // one per thread
+//   dnnl::stream stream(CpuEngine());
+//   w.Run(stream, args, /*batch=*/2, /*rows=*/3,
+//         {.data = x, .row_stride = 8, .batch_stride = 4 * 8},     // x (2, 4, 8)
+//         {.data = y, .row_stride = 16, .batch_stride = 4 * 16},   // y (2, 4, 16)
+//         Dt::f32);                  // y[b, r, :] = x[b, r, :] W^T for r < 3
+//   stream.wait();
+#ifndef MHA_CORE_MATMUL_H_
+#define MHA_CORE_MATMUL_H_
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace mha::core::internal {
+
+using Dt = dnnl::memory::data_type;
+
+// The process-wide CPU engine; created on first use, never destroyed.
+dnnl::engine& CpuEngine();
+
+// Bytes per element of the activation types used here: bf16 or f32.
+inline size_t SizeOf(Dt dt) { return dt == Dt::bf16 ? 2 : 4; }
+
+// The threads a primitive created here and now is planned for: oneDNN runs inline
+// inside a parallel region, else on this thread's omp_get_max_threads(). Part of every
+// primitive cache key, because a call's thread count follows its size.
+int64_t PlanThreads();
+
+// A matmul with a caller-owned scratchpad. Debian's oneDNN is built with
+// DNNL_ENABLE_CONCURRENT_EXEC, where a library-managed scratchpad belongs to the
+// primitive, so one primitive run from two threads at once would share it. With
+// scratchpad_mode::user every execution brings its own, and primitives are safe to
+// share between threads. Copies are handles to the same primitive.
+struct Matmul {
+  dnnl::matmul prim;
+  dnnl::memory::desc weights;  // the layout the primitive chose (for format_tag::any)
+  dnnl::memory::desc scratchpad;
+
+  static Matmul Make(const dnnl::matmul::desc& desc, dnnl::primitive_attr attr);
+};
+
+// Matmuls keyed by the caller's description of the shape. Bounded: when full it
+// starts over. Thread-safe.
+class MatmulCache {
+ public:
+  using Key = std::array<int64_t, 5>;
+
+  std::optional<Matmul> Find(const Key& key) const;
+  // Builds the primitive (outside the lock) and caches it; if another thread added
+  // the key meanwhile, returns that one.
+  Matmul Add(const Key& key, const dnnl::matmul::desc& desc, const dnnl::primitive_attr& attr);
+
+ private:
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<Key, Matmul> cache_ ABSL_GUARDED_BY(mu_);
+};
+
+// The arguments of one thread's GEMMs. A memory object is made once per (argument,
+// shape) and re-pointed with set_data_handle afterwards, so a GEMM costs no
+// allocation: with tiny blocks the allocations cost more than the math.
+// Not thread-safe: one per thread.
+class Bindings {
+ public:
+  // A 2-D plain operand (rows, cols) with row stride `ld` (or column-major when
+  // `transposed`), element type `dt`, at `ptr`.
+  void Bind(int arg, int64_t rows, int64_t cols, int64_t ld, bool transposed, Dt dt,
+            const void* ptr);
+  // Any operand, keyed by argument and descriptor (for the projections' 2-D and 3-D
+  // views). The argument is part of the key: src and dst often share a descriptor.
+  void Bind(int arg, const dnnl::memory::desc& md, const void* ptr);
+  void Set(int arg, const dnnl::memory& mem) { args_[arg] = mem; }
+  void Erase(int arg) {
+    if (args_.contains(arg)) args_.erase(arg);
+  }
+
+  // Runs `m` on the bound arguments and this binder's scratchpad.
+  void Execute(const Matmul& m, dnnl::stream& stream);
+
+ private:
+  struct Described {
+    int arg;
+    dnnl::memory::desc md;
+    dnnl::memory mem;
+  };
+
+  absl::flat_hash_map<std::array<int64_t, 6>, dnnl::memory> memories_;
+  std::vector<Described> described_;
+  std::unordered_map<int, dnnl::memory> args_;
+  std::vector<char> scratchpad_;
+};
+
+// One operand of a batched projection: `batch` row-major matrices, where row r of
+// matrix bi starts (bi * batch_stride + r * row_stride) elements after `data`.
+// T is `const void` or `const char` for what is read, `void` for what is written.
+template <typename T>
+struct StridedOperand {
+  T* data = nullptr;
+  int64_t row_stride = 0;    // elements from one row to the next
+  int64_t batch_stride = 0;  // elements from one matrix to the next
+};
+
+// A weight matrix W (n, k) applied as dst = src W^T (+ b) with a oneDNN matmul.
+// Primitives are built once per (rows, strides, dtype, threads) and cached; the
+// weights are reordered once into each blocked layout a primitive asks for.
+// Thread-safe.
+class Linear {
+ public:
+  // w: (n, k) row-major f32, b: (n) or nullptr; both copied. dt: the type the
+  // matmul reads src and W in (W is converted once).
+  Linear(const float* w, const float* b, int64_t n, int64_t k, Dt dt);
+
+  // dst[bi, r, :] = src[bi, r, :] W^T + b for bi < batch, r < rows. src is in the
+  // constructor's dt, dst in dst_dt. With batch == 1 the batch strides are unused
+  // but still part of the cache key.
+  void Run(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
+           StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt) const;
+
+ private:
+  using Key = std::array<int64_t, 8>;
+  struct Entry {
+    Matmul matmul;
+    dnnl::memory::desc src_md, dst_md, bias_md;
+    dnnl::memory weights, bias;  // read-only, shared by every call
+  };
+
+  // Entries are shared so that a cache reset never frees one a caller still runs.
+  std::shared_ptr<const Entry> Lookup(const Key& key) const;
+  // The weights reordered into `want`, made once per distinct layout.
+  dnnl::memory PackedWeights(const dnnl::memory::desc& want, const dnnl::memory::desc& plain) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const int64_t n_, k_;
+  const Dt dt_;
+  std::vector<char> plain_;  // W (n, k) row-major in dt_
+  std::vector<float> bias_;
+  mutable absl::Mutex mu_;
+  mutable absl::flat_hash_map<Key, std::shared_ptr<const Entry>> cache_ ABSL_GUARDED_BY(mu_);
+  mutable std::vector<std::pair<dnnl::memory::desc, dnnl::memory>> packed_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace mha::core::internal
+
+#endif  // MHA_CORE_MATMUL_H_
