@@ -1,98 +1,44 @@
 #include "server/batcher.h"
 
 #include <algorithm>
-#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "core/status_macros.h"
+#include "base/status_macros.h"
 
 namespace mha::server {
 namespace {
 
-using attention::v1::AttendResponse;
-
-int64_t Rows(const WorkItem& item) { return item.request.inputs.batch; }
-
-// The sequence length a request pads a batch to: max(Q, K).
-int64_t Length(const WorkItem& item) {
-  return std::max(item.request.inputs.num_queries, item.request.inputs.num_keys);
-}
-
-bool CanShare(const ValidatedRequest& a, const ValidatedRequest& b) {
-  if (a.return_attention || b.return_attention) return false;
-  const core::AttentionInputs& x = a.inputs;
-  const core::AttentionInputs& y = b.inputs;
-  return x.self_attention() == y.self_attention() && x.causal == y.causal &&
-         std::equal(x.head_mask.begin(), x.head_mask.end(), y.head_mask.begin(),
-                    y.head_mask.end());
-}
-
-// Sets the response's output shape (B, Q, p_o) and returns its data, sized.
-float* PrepareOutput(const ValidatedRequest& request, AttendResponse* response) {
-  const core::AttentionInputs& in = request.inputs;
-  attention::v1::Tensor* output = response->mutable_output();
-  output->clear_shape();
-  output->add_shape(in.batch);
-  output->add_shape(in.num_queries);
-  output->add_shape(request.model->config.num_hiddens);
-  output->mutable_data()->Resize(static_cast<int>(request.output_elements()), 0.0f);
-  return output->mutable_data()->mutable_data();
-}
-
-// Copies B rows of `length` x `width` floats into a batch buffer whose rows hold
-// `padded` x `width`, starting at batch row `row0`.
-void CopyIn(const float* source, int64_t batch, int64_t length, int64_t width, float* dest,
-            int64_t row0, int64_t padded) {
-  for (int64_t b = 0; b < batch; ++b) {
-    std::memcpy(dest + (row0 + b) * padded * width, source + b * length * width,
-                sizeof(float) * length * width);
-  }
+bool CanShare(const WorkItem& a, const WorkItem& b) {
+  if (a.attention != nullptr || b.attention != nullptr) return false;
+  return CanMerge(a.inputs, b.inputs);
 }
 
 }  // namespace
 
-absl::Status RunForward(const ValidatedRequest& request, AttendResponse* response) {
-  float* output = PrepareOutput(request, response);
-  float* attention = nullptr;
-  if (request.return_attention) {
-    const core::AttentionInputs& in = request.inputs;
-    attention::v1::Tensor* weights = response->mutable_attention();
-    weights->clear_shape();
-    for (int64_t d : {in.batch, request.model->config.num_heads, in.num_queries, in.num_keys}) {
-      weights->add_shape(d);
-    }
-    weights->mutable_data()->Resize(static_cast<int>(request.attention_elements()), 0.0f);
-    attention = weights->mutable_data()->mutable_data();
-  }
-  return request.model->attention->Forward(request.inputs, output, attention);
-}
-
-absl::StatusOr<std::unique_ptr<Batcher>> Batcher::Create(const Options& options,
-                                                         const ModelRepository& models,
-                                                         Metrics* metrics) {
+absl::StatusOr<std::unique_ptr<Batcher>> Batcher::Create(const Options& options, Metrics* metrics) {
   if (options.num_workers < 1) {
     return absl::InvalidArgumentError(
-        absl::StrCat("compute_workers: expected >= 1, got ", options.num_workers));
+        absl::StrCat("num_workers: expected >= 1, got ", options.num_workers));
   }
-  std::unique_ptr<Batcher> batcher(new Batcher(options));
-  {
-    absl::MutexLock lock(&batcher->mu_);
-    for (const Model* model : models.models()) {
-      if (model->batching.max_queue_size < 1) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "model ", model->name, ": max_queue_size: expected >= 1, got ",
-            model->batching.max_queue_size));
-      }
-      ModelQueue& queue = batcher->queues_[model];
-      queue.model = model;
-      queue.metrics = metrics != nullptr ? &metrics->ForModel(model->name) : nullptr;
-    }
-  }
+  std::unique_ptr<Batcher> batcher(new Batcher(options, metrics));
   for (int i = 0; i < options.num_workers; ++i) {
     batcher->workers_.emplace_back([b = batcher.get()] { b->WorkerLoop(); });
   }
   return batcher;
+}
+
+absl::Status Batcher::AddModel(const Model* model) {
+  if (model->batching.max_queue_size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("model ", model->name,
+                                                   ": max_queue_size: expected >= 1, got ",
+                                                   model->batching.max_queue_size));
+  }
+  absl::MutexLock lock(&mu_);
+  ModelQueue& queue = queues_[model];
+  queue.model = model;
+  queue.metrics = metrics_ != nullptr ? &metrics_->ForModel(model->name) : nullptr;
+  return absl::OkStatus();
 }
 
 Batcher::~Batcher() { Shutdown(); }
@@ -111,15 +57,15 @@ absl::Status Batcher::AdmitLocked(const ModelQueue* found) const {
   const ModelQueue& queue = *found;
   const int64_t limit = queue.model->batching.max_queue_size;
   if (static_cast<int64_t>(queue.items.size()) >= limit) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("queue full for model ", queue.model->name, ": max_queue_size ", limit,
-                     " requests waiting; retry later"));
+    return absl::ResourceExhaustedError(absl::StrCat("queue full for model ", queue.model->name,
+                                                     ": max_queue_size ", limit,
+                                                     " requests waiting; retry later"));
   }
   const absl::Duration max_wait = queue.model->batching.max_queue_wait;
   if (max_wait > absl::ZeroDuration() && queue.seconds_per_token > 0) {
-    const absl::Duration wait = absl::Seconds(
-        static_cast<double>(queue.tokens + queue.computing_tokens) * queue.seconds_per_token /
-        options_.num_workers);
+    const absl::Duration wait =
+        absl::Seconds(static_cast<double>(queue.tokens + queue.computing_tokens) *
+                      queue.seconds_per_token / options_.num_workers);
     if (wait > max_wait) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "queue for model ", queue.model->name, " would take about ",
@@ -132,12 +78,12 @@ absl::Status Batcher::AdmitLocked(const ModelQueue* found) const {
 
 absl::Status Batcher::Submit(WorkItem item) {
   absl::MutexLock lock(&mu_);
-  const auto it = queues_.find(item.request.model);
+  const auto it = queues_.find(item.model);
   MHA_RETURN_IF_ERROR(AdmitLocked(it == queues_.end() ? nullptr : &it->second));
   ModelQueue& queue = it->second;
   item.enqueued = absl::Now();
-  queue.rows += Rows(item);
-  queue.tokens += Rows(item) * Length(item);
+  queue.rows += item.rows();
+  queue.tokens += item.rows() * item.length();
   queue.items.push_back(std::move(item));
   ++queued_;
   if (queue.metrics != nullptr) {
@@ -193,16 +139,14 @@ Batcher::Batch Batcher::TakeBatch(ModelQueue& queue) {
     } else if (item.cancelled && item.cancelled()) {
       batch.cancelled.push_back(std::move(item));
     } else if (batch.items.empty()) {
-      rows = Rows(item);
-      length = Length(item);
-      closed = !policy.enabled || item.request.return_attention;
+      rows = item.rows();
+      length = item.length();
+      closed = !policy.enabled || item.attention != nullptr;
       batch.items.push_back(std::move(item));
-    } else if (CanShare(batch.items.front().request, item.request) &&
-               rows + Rows(item) <= policy.max_batch_size &&
-               (rows + Rows(item)) * std::max(length, Length(item)) <=
-                   policy.max_batch_tokens) {
-      rows += Rows(item);
-      length = std::max(length, Length(item));
+    } else if (CanShare(batch.items.front(), item) && rows + item.rows() <= policy.max_batch_size &&
+               (rows + item.rows()) * std::max(length, item.length()) <= policy.max_batch_tokens) {
+      rows += item.rows();
+      length = std::max(length, item.length());
       batch.items.push_back(std::move(item));
     } else {
       kept.push_back(std::move(item));
@@ -215,11 +159,11 @@ Batcher::Batch Batcher::TakeBatch(ModelQueue& queue) {
   queue.rows = 0;
   queue.tokens = 0;
   for (const WorkItem& item : queue.items) {
-    queue.rows += Rows(item);
-    queue.tokens += Rows(item) * Length(item);
+    queue.rows += item.rows();
+    queue.tokens += item.rows() * item.length();
   }
-  queued_ -= static_cast<int64_t>(batch.items.size() + batch.expired.size() +
-                                  batch.cancelled.size());
+  queued_ -=
+      static_cast<int64_t>(batch.items.size() + batch.expired.size() + batch.cancelled.size());
   if (queue.metrics != nullptr) {
     queue.metrics->queue_depth().Set(static_cast<double>(queue.items.size()));
   }
@@ -251,11 +195,11 @@ Batcher::Batch Batcher::NextBatch() {
 }
 
 void Batcher::WorkerLoop() {
-  Staging staging;
+  Worker worker;
   while (true) {
     Batch batch = NextBatch();
     if (batch.model == nullptr) return;
-    Run(batch, staging);
+    Run(batch, worker);
   }
 }
 
@@ -269,124 +213,58 @@ void Batcher::BatchDone(const Batch& batch, absl::Duration elapsed, bool compute
   average = average == 0 ? sample : 0.75 * average + 0.25 * sample;
 }
 
-void Batcher::Run(Batch& batch, Staging& staging) {
+void Batcher::Run(Batch& batch, Worker& worker) {
   const absl::Time start = absl::Now();
-  for (WorkItem& item : batch.expired) {
-    item.done(absl::DeadlineExceededError(
-        absl::StrCat("deadline passed while queued for ",
-                     absl::ToInt64Microseconds(start - item.enqueued), " us; not computed")));
-  }
-  for (WorkItem& item : batch.cancelled) {
-    item.done(absl::CancelledError("call cancelled by the client while queued; not computed"));
-  }
+  AnswerDropped(batch, start);
   if (batch.items.empty()) return;
 
-  const core::ModelConfig& config = batch.model->config;
   int64_t rows = 0;
   int64_t queries = 0;  // padded Q of the call
-  int64_t keys = 0;     // padded K
   for (const WorkItem& item : batch.items) {
-    rows += item.request.inputs.batch;
-    queries = std::max(queries, item.request.inputs.num_queries);
-    keys = std::max(keys, item.request.inputs.num_keys);
+    rows += item.rows();
+    queries = std::max(queries, item.inputs.num_queries);
   }
-
-  absl::Status status;
-  if (batch.items.size() == 1) {
-    status = RunForward(batch.items.front().request, batch.items.front().response);
-  } else {
-    // Merge: zero-padded copies, every padded key masked through valid_lens.
-    const core::AttentionInputs& first = batch.items.front().request.inputs;
-    const bool self = first.self_attention();
-    if (self) keys = queries;
-    bool per_query = false;  // any request with one valid_len per query
-    bool need_lens = false;
-    for (const WorkItem& item : batch.items) {
-      const core::AttentionInputs& in = item.request.inputs;
-      const int64_t n = static_cast<int64_t>(in.valid_lens.size());
-      if (n > 0) need_lens = true;
-      if (n > 0 && n != in.batch) per_query = true;
-      if (in.num_keys < keys) need_lens = true;
-    }
-    staging.queries.assign(rows * queries * config.query_size, 0.0f);
-    if (!self) {
-      staging.keys.assign(rows * keys * config.key_size, 0.0f);
-      staging.values.assign(rows * keys * config.value_size, 0.0f);
-    }
-    staging.valid_lens.assign(need_lens ? (per_query ? rows * queries : rows) : 0, 0);
-    int64_t row0 = 0;
-    for (const WorkItem& item : batch.items) {
-      const core::AttentionInputs& in = item.request.inputs;
-      CopyIn(in.queries, in.batch, in.num_queries, config.query_size, staging.queries.data(),
-             row0, queries);
-      if (!self) {
-        CopyIn(in.keys, in.batch, in.num_keys, config.key_size, staging.keys.data(), row0,
-               keys);
-        CopyIn(in.values, in.batch, in.num_keys, config.value_size, staging.values.data(),
-               row0, keys);
-      }
-      if (need_lens) {
-        const int64_t n = static_cast<int64_t>(in.valid_lens.size());
-        for (int64_t b = 0; b < in.batch; ++b) {
-          auto len = [&](int64_t q) -> int32_t {
-            if (n == 0) return static_cast<int32_t>(in.num_keys);
-            return n == in.batch ? in.valid_lens[b] : in.valid_lens[b * in.num_queries + q];
-          };
-          if (!per_query) {
-            staging.valid_lens[row0 + b] = len(0);
-            continue;
-          }
-          // Padded query rows keep valid_len 0: no work, and they are dropped.
-          for (int64_t q = 0; q < in.num_queries; ++q) {
-            staging.valid_lens[(row0 + b) * queries + q] = len(q);
-          }
-        }
-      }
-      row0 += in.batch;
-    }
-    staging.output.resize(rows * queries * config.num_hiddens);
-    const core::AttentionInputs merged{
-        .batch = rows,
-        .num_queries = queries,
-        .num_keys = keys,
-        .queries = staging.queries.data(),
-        .keys = self ? nullptr : staging.keys.data(),
-        .values = self ? nullptr : staging.values.data(),
-        .valid_lens = staging.valid_lens,
-        .causal = first.causal,
-        .head_mask = first.head_mask,
-    };
-    status = batch.model->attention->Forward(merged, staging.output.data());
-    if (status.ok()) {
-      row0 = 0;
-      for (const WorkItem& item : batch.items) {
-        const core::AttentionInputs& in = item.request.inputs;
-        float* output = PrepareOutput(item.request, item.response);
-        const int64_t width = in.num_queries * config.num_hiddens;
-        for (int64_t b = 0; b < in.batch; ++b) {
-          std::memcpy(output + b * width,
-                      staging.output.data() + (row0 + b) * queries * config.num_hiddens,
-                      sizeof(float) * width);
-        }
-        row0 += in.batch;
-      }
-    }
-  }
+  const absl::Status status = Compute(batch, worker);
   const absl::Time end = absl::Now();
   BatchDone(batch, end - start, status.ok());
   if (batch.metrics != nullptr) batch.metrics->Batch(rows, rows * queries, end - start);
   for (WorkItem& item : batch.items) {
-    if (status.ok()) {
-      attention::v1::Timing* timing = item.response->mutable_timing();
-      timing->set_queue_us(absl::ToInt64Microseconds(start - item.enqueued));
-      timing->set_compute_us(absl::ToInt64Microseconds(end - start));
-      timing->set_batch_rows(rows);
-    }
     if (batch.metrics != nullptr) {
       batch.metrics->queue_duration().Observe(absl::ToDoubleSeconds(start - item.enqueued));
     }
-    item.done(status);
+    item.done(
+        status,
+        ComputeTiming{.queue = start - item.enqueued, .compute = end - start, .batch_rows = rows});
   }
+}
+
+void Batcher::AnswerDropped(Batch& batch, absl::Time now) {
+  for (WorkItem& item : batch.expired) {
+    item.done(absl::DeadlineExceededError(absl::StrCat(
+                  "deadline passed while queued for ",
+                  absl::ToInt64Microseconds(now - item.enqueued), " us; not computed")),
+              {});
+  }
+  for (WorkItem& item : batch.cancelled) {
+    item.done(absl::CancelledError("call cancelled by the client while queued; not computed"), {});
+  }
+}
+
+absl::Status Batcher::Compute(const Batch& batch, Worker& worker) {
+  const core::MultiHeadAttention& attention = *batch.model->attention;
+  if (batch.items.size() == 1) {
+    const WorkItem& item = batch.items.front();
+    return attention.Forward(item.inputs, item.output, item.attention);
+  }
+  worker.parts.clear();
+  for (const WorkItem& item : batch.items) {
+    worker.parts.push_back(BatchPart{.inputs = &item.inputs, .output = item.output});
+  }
+  const core::ModelConfig& config = batch.model->config;
+  const core::AttentionInputs merged = worker.merger.Merge(worker.parts, config);
+  MHA_RETURN_IF_ERROR(attention.Forward(merged, worker.merger.output()));
+  worker.merger.Scatter(worker.parts, config);
+  return absl::OkStatus();
 }
 
 }  // namespace mha::server

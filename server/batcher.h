@@ -1,6 +1,7 @@
 // The dynamic batcher and compute scheduler: one queue per model and a fixed set
-// of compute workers. gRPC threads only Submit; everything that decides which
-// requests run together, and on which threads, is here.
+// of compute workers. Fronts only Submit work items (server/work_item.h); this
+// unit decides which items run together, and on which threads. It moves items,
+// never tensor bytes: merging and splitting are server/batch_merge.h's.
 //
 // Batching (per model, BatchingPolicy; shaped like Triton's dynamic batcher):
 //   - A worker takes the model whose oldest queued request is oldest. If that
@@ -10,12 +11,9 @@
 //   - It then forms one forward call from the oldest request and every later one
 //     that can share it, in arrival order, up to max_batch_size rows and
 //     max_batch_tokens = rows x max(Q, K) (the first request always fits).
-//     Requests share a call when they agree on self- vs cross-attention, causal
-//     and head_mask, and neither asks for attention weights (those run alone, as
-//     their (B, h, Q, K) output is per request). Q and K may differ: shorter
-//     requests are zero-padded and their keys masked through valid_lens, so each
-//     request's output equals its output when run alone (the mask makes padding
-//     exact; differences are float rounding, <= 1e-5 in the tests).
+//     Requests share a call when batch_merge's CanMerge allows it and neither
+//     asks for attention weights (those run alone, as their (B, h, Q, K) output
+//     is per request). Q and K may differ (batch_merge pads and masks).
 //   - Expired and cancelled requests met while forming a batch are answered
 //     DEADLINE_EXCEEDED / CANCELLED and never computed.
 //   - A full queue (max_queue_size) answers RESOURCE_EXHAUSTED at Submit, and so does
@@ -28,20 +26,18 @@
 //
 // Scheduling: `num_workers` workers, each running one forward call at a time on
 // threads_per_worker OpenMP threads (the models are created with that count).
-// The default is one worker on every core: the lowest latency for a single
-// large request, and with batching the same throughput at high concurrency as
-// one single-threaded worker per core (README, "Batching", measured both ways).
-// Several single-threaded workers (--compute_workers=N --compute_threads=N) win
-// when batching is off and requests are small.
+// One worker on every core gives the lowest latency for a single large request;
+// several single-threaded workers suit small requests without batching.
 //
-//   auto batcher = Batcher::Create({.num_workers = 1}, *models, &metrics).value();
-//   absl::Status s = batcher->Submit(WorkItem{.request = validated, .response = &r,
-//                                             .done = [&](absl::Status s) { ... }});
+//   auto batcher = Batcher::Create({.num_workers = 1}, &metrics).value();
+//   batcher->AddModel(model);  // every model, before the first Submit
+//   absl::Status s = batcher->Submit(WorkItem{
+//       .model = model, .inputs = views, .output = out,
+//       .done = [&](absl::Status s, const ComputeTiming& t) { ... }});
 //   // s not OK (queue full, shutting down): `done` will never be called.
 //
-// Each computed request's response gets output, attention (when asked) and
-// timing {queue_us, compute_us, batch_rows}. The request behind `request.inputs`
-// and `response` must stay alive until `done` is called.
+// A computed item's `output` (and `attention`, when set) is written before
+// `done` is called with OK and its timing.
 //
 // Thread safety: Submit and Shutdown are thread-safe. `done` runs on a worker
 // thread and must not block for long.
@@ -61,21 +57,12 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "proto/attention.pb.h"
+#include "server/batch_merge.h"
 #include "server/metrics.h"
-#include "server/model_repository.h"
-#include "server/validation.h"
+#include "server/model.h"
+#include "server/work_item.h"
 
 namespace mha::server {
-
-struct WorkItem {
-  ValidatedRequest request;
-  attention::v1::AttendResponse* response = nullptr;  // output, attention, timing
-  absl::Time deadline = absl::InfiniteFuture();
-  std::function<bool()> cancelled;         // optional; polled at batch formation
-  std::function<void(absl::Status)> done;  // called exactly once if Submit is OK
-  absl::Time enqueued;                     // set by Submit
-};
 
 class Batcher {
  public:
@@ -83,11 +70,12 @@ class Batcher {
     int num_workers = 1;
   };
 
-  // One queue per model of `models` (which must outlive the batcher), with the
-  // model's BatchingPolicy. `metrics` may be null.
-  static absl::StatusOr<std::unique_ptr<Batcher>> Create(const Options& options,
-                                                         const ModelRepository& models,
-                                                         Metrics* metrics);
+  // `metrics` may be null. INVALID_ARGUMENT naming num_workers when < 1.
+  static absl::StatusOr<std::unique_ptr<Batcher>> Create(const Options& options, Metrics* metrics);
+
+  // Adds a queue for `model` (which must outlive the batcher) with its
+  // BatchingPolicy. INVALID_ARGUMENT naming the model and max_queue_size when < 1.
+  absl::Status AddModel(const Model* model);
   ~Batcher();  // Shutdown()
 
   // OK: queued, `done` will be called. RESOURCE_EXHAUSTED naming the model and
@@ -120,19 +108,12 @@ class Batcher {
   struct Batch {
     const Model* model = nullptr;
     ModelMetrics* metrics = nullptr;
-    std::vector<WorkItem> items;     // computed together
-    std::vector<WorkItem> expired;   // answered DEADLINE_EXCEEDED
-    std::vector<WorkItem> cancelled; // answered CANCELLED
-    int64_t tokens = 0;              // rows x padded length of the forward call
+    std::vector<WorkItem> items;      // computed together
+    std::vector<WorkItem> expired;    // answered DEADLINE_EXCEEDED
+    std::vector<WorkItem> cancelled;  // answered CANCELLED
+    int64_t tokens = 0;               // rows x padded length of the forward call
   };
-  // A worker's reusable staging buffers for merged calls (grown, never shrunk,
-  // so steady-state batches touch no new pages).
-  struct Staging {
-    std::vector<float> queries, keys, values, output;
-    std::vector<int32_t> valid_lens;
-  };
-
-  explicit Batcher(const Options& options) : options_(options) {}
+  Batcher(const Options& options, Metrics* metrics) : options_(options), metrics_(metrics) {}
   void WorkerLoop();
   // Blocks until a batch is due (or stopping with nothing left: empty batch).
   Batch NextBatch();
@@ -141,22 +122,28 @@ class Batcher {
   ModelQueue* OldestQueue() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Full(const ModelQueue& queue) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Batch TakeBatch(ModelQueue& queue) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Run(Batch& batch, Staging& staging);
+  // A worker's reusable state for merged calls.
+  struct Worker {
+    BatchMerger merger;
+    std::vector<BatchPart> parts;
+  };
+  void Run(Batch& batch, Worker& worker);
+  // Answers the batch's expired and cancelled items; they are never computed.
+  void AnswerDropped(Batch& batch, absl::Time now);
+  // The batch's items as one forward call, merged when there are several.
+  absl::Status Compute(const Batch& batch, Worker& worker);
   // The batch's forward call is over: its tokens leave computing_tokens and, if it
   // computed, its time per token enters the model's average.
   void BatchDone(const Batch& batch, absl::Duration elapsed, bool computed);
 
   const Options options_;
+  Metrics* const metrics_;
   mutable absl::Mutex mu_;
   std::map<const Model*, ModelQueue> queues_ ABSL_GUARDED_BY(mu_);
   int64_t queued_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> workers_;
 };
-
-// One request's forward pass on the calling thread, straight into its response.
-absl::Status RunForward(const ValidatedRequest& request,
-                        attention::v1::AttendResponse* response);
 
 }  // namespace mha::server
 

@@ -21,7 +21,8 @@ int CgroupCpus() {
   if (std::ifstream f("/sys/fs/cgroup/cpu.max"); f) {
     std::string quota;
     double period = 0;
-    if (f >> quota >> period && quota != "max") return QuotaCpus(std::strtod(quota.c_str(), nullptr), period);
+    if (f >> quota >> period && quota != "max")
+      return QuotaCpus(std::strtod(quota.c_str(), nullptr), period);
     return 0;
   }
   std::ifstream q("/sys/fs/cgroup/cpu/cpu.cfs_quota_us");

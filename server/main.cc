@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -13,6 +14,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "core/config.h"
 #include "server/server.h"
@@ -22,11 +24,10 @@ const mha::server::ServerOptions kDefaults;
 const mha::server::ModelLimits kLimits;
 
 // libgomp lets a thread spin for 300000 iterations after a parallel region before it
-// sleeps. A server shares its cores with gRPC's threads, and that spin took them: at
-// concurrency 64 on 2 cores the toy model served 9.3k req/s with it and 11-12k with
-// GOMP_SPINCOUNT=10000, which costs the core alone under 5% (README, "Batching").
-// libgomp reads the variable when it loads, before main, so the server sets it and
-// runs itself again. An operator's OMP_WAIT_POLICY or GOMP_SPINCOUNT is left alone.
+// sleeps; a server shares its cores with gRPC's threads, so it spins for less
+// (docs/performance.md has the measurements). libgomp reads the variable when it
+// loads, before main, so the server sets it and runs itself again. An operator's
+// OMP_WAIT_POLICY or GOMP_SPINCOUNT is left alone.
 void ShortenOpenMpSpin(char** argv) {
   if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr) {
     return;
@@ -43,6 +44,29 @@ void ShortenOpenMpSpin(char** argv) {
   }
   // No /proc, or exec refused: carry on with libgomp's default.
   std::fprintf(stderr, "note: could not re-run with GOMP_SPINCOUNT=10000; OpenMP spins long\n");
+}
+// ServerOptions fields and the flags that fill them, where the names differ.
+constexpr std::pair<absl::string_view, absl::string_view> kFlagOfField[] = {
+    {"limits.max_batch_size", "max_batch_size"},
+    {"limits.max_sequence_length", "max_sequence_length"},
+    {"limits.max_request_bytes", "max_request_bytes"},
+    {"limits.max_attention_elements", "max_attention_elements"},
+    {"batching.max_batch_size", "max_batch_size"},
+    {"batching.max_batch_tokens", "max_batch_tokens"},
+    {"batching.max_queue_size", "max_queue_size"},
+    {"batching.max_queue_delay", "max_queue_delay_us"},
+    {"batching.max_queue_wait", "max_queue_wait_us"},
+};
+
+// "field: problem" from ServerOptions::Validate, as "--flag: problem".
+std::string NameTheFlag(absl::string_view message) {
+  const size_t colon = message.find(':');
+  if (colon == absl::string_view::npos) return std::string(message);
+  absl::string_view flag = message.substr(0, colon);
+  for (const auto& [field, name] : kFlagOfField) {
+    if (field == flag) flag = name;
+  }
+  return absl::StrCat("--", flag, message.substr(colon));
 }
 }  // namespace
 
@@ -70,7 +94,8 @@ ABSL_FLAG(int64_t, max_queue_size, kDefaults.batching.max_queue_size,
 ABSL_FLAG(bool, batching, kDefaults.batching.enabled,
           "Merge concurrent requests of a model into one forward call (dynamic batching); "
           "false runs each request on its own.");
-ABSL_FLAG(int64_t, max_queue_delay_us, absl::ToInt64Microseconds(kDefaults.batching.max_queue_delay),
+ABSL_FLAG(int64_t, max_queue_delay_us,
+          absl::ToInt64Microseconds(kDefaults.batching.max_queue_delay),
           "How long the oldest queued request waits for others to fill its batch; 0 merges "
           "only what is already queued.");
 ABSL_FLAG(int64_t, max_queue_wait_us, absl::ToInt64Microseconds(kDefaults.batching.max_queue_wait),
@@ -130,26 +155,9 @@ int main(int argc, char** argv) {
   options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
-  for (auto [name, value] : {std::pair{"max_batch_size", options.limits.max_batch_size},
-                             {"max_sequence_length", options.limits.max_sequence_length},
-                             {"max_request_bytes", options.limits.max_request_bytes},
-                             {"max_attention_elements", options.limits.max_attention_elements},
-                             {"max_queue_size", options.batching.max_queue_size},
-                             {"max_batch_tokens", options.batching.max_batch_tokens}}) {
-    if (value < 1) {
-      std::fprintf(stderr, "error: --%s: expected >= 1, got %lld\n", name,
-                   static_cast<long long>(value));
-      return 2;
-    }
-  }
-
-  for (auto [name, value] : {std::pair{"max_queue_delay_us", options.batching.max_queue_delay},
-                             {"max_queue_wait_us", options.batching.max_queue_wait}}) {
-    if (value < absl::ZeroDuration()) {
-      std::fprintf(stderr, "error: --%s: expected >= 0, got %lld\n", name,
-                   static_cast<long long>(absl::ToInt64Microseconds(value)));
-      return 2;
-    }
+  if (const absl::Status valid = options.Validate(); !valid.ok()) {
+    std::fprintf(stderr, "error: %s\n", NameTheFlag(valid.message()).c_str());
+    return 2;
   }
 
   // Signals are taken synchronously by sigwait below; block them before any
@@ -178,15 +186,15 @@ int main(int argc, char** argv) {
                  static_cast<long long>(model->limits.max_batch_size),
                  static_cast<long long>(model->limits.max_sequence_length));
   }
-  std::fprintf(stderr, "compute: %d worker(s) x %d thread(s); batching %s%s\n",
-               options.compute_workers, (*server)->threads_per_worker(),
-               options.batching.enabled
-                   ? absl::StrCat("on (max_queue_delay ",
-                                  absl::FormatDuration(options.batching.max_queue_delay), ")")
-                         .c_str()
-                   : "off",
-               options.tls_client_ca.empty() ? (options.tls_cert.empty() ? "" : ", TLS")
-                                             : ", mutual TLS");
+  std::fprintf(
+      stderr, "compute: %d worker(s) x %d thread(s); batching %s%s\n", options.compute_workers,
+      (*server)->threads_per_worker(),
+      options.batching.enabled
+          ? absl::StrCat("on (max_queue_delay ",
+                         absl::FormatDuration(options.batching.max_queue_delay), ")")
+                .c_str()
+          : "off",
+      options.tls_client_ca.empty() ? (options.tls_cert.empty() ? "" : ", TLS") : ", mutual TLS");
   if ((*server)->metrics_port() != 0) {
     std::printf("metrics on %s\n", (*server)->metrics_address().c_str());
   }

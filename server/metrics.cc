@@ -51,12 +51,10 @@ class ProcessCollector final : public prometheus::Collectable {
     std::string stat((std::istreambuf_iterator<char>(stat_file)), {});
     const size_t paren = stat.rfind(')');
     if (paren != std::string::npos && paren + 2 < stat.size()) {
-      std::vector<std::string> f =
-          absl::StrSplit(stat.substr(paren + 2), ' ', absl::SkipEmpty());
+      std::vector<std::string> f = absl::StrSplit(stat.substr(paren + 2), ' ', absl::SkipEmpty());
       if (f.size() > 21) {
         add("process_cpu_seconds_total", "User and system CPU time spent in seconds.",
-            prometheus::MetricType::Counter,
-            (std::stod(f[11]) + std::stod(f[12])) / ticks);
+            prometheus::MetricType::Counter, (std::stod(f[11]) + std::stod(f[12])) / ticks);
         add("process_threads", "Number of OS threads in the process.",
             prometheus::MetricType::Gauge, std::stod(f[17]));
         add("process_virtual_memory_bytes", "Virtual memory size in bytes.",
@@ -110,8 +108,7 @@ std::vector<double> DurationBuckets() {
 }
 
 ModelMetrics::ModelMetrics(const std::string& model, Family<Counter>& requests,
-                           Family<Histogram>& request_duration,
-                           Family<Histogram>& queue_duration,
+                           Family<Histogram>& request_duration, Family<Histogram>& queue_duration,
                            Family<Histogram>& compute_duration, Family<Histogram>& batch_size,
                            Family<Histogram>& batch_tokens, Family<Gauge>& queue_depth,
                            Family<Gauge>& inflight, Family<Counter>& tokens)
@@ -190,8 +187,8 @@ Metrics::Metrics(const std::vector<std::string>& model_names)
                      .Register(*registry_);
   auto make = [&](const std::string& name) {
     return std::make_unique<ModelMetrics>(name, requests, request_duration, queue_duration,
-                                          compute_duration, batch_size, batch_tokens,
-                                          queue_depth, inflight, tokens);
+                                          compute_duration, batch_size, batch_tokens, queue_depth,
+                                          inflight, tokens);
   };
   for (const std::string& name : model_names) models_.emplace(name, make(name));
   unknown_ = make(kUnknownModelLabel);

@@ -11,7 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/status_macros.h"
+#include "base/status_macros.h"
 #include "core/weights.h"
 #include "server/abbreviate.h"
 
@@ -40,14 +40,12 @@ absl::StatusOr<ModelLimits> ResolveLimits(const attention::v1::ModelLimitsConfig
       {"max_batch_size", {config.max_batch_size(), &limits.max_batch_size}},
       {"max_sequence_length", {config.max_sequence_length(), &limits.max_sequence_length}},
       {"max_request_bytes", {config.max_request_bytes(), &limits.max_request_bytes}},
-      {"max_attention_elements",
-       {config.max_attention_elements(), &limits.max_attention_elements}},
+      {"max_attention_elements", {config.max_attention_elements(), &limits.max_attention_elements}},
   };
   for (const auto& [name, value] : fields) {
     if (value.first < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("limits.", name, ": expected >= 0 (0 = the server default), got ",
-                       value.first));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "limits.", name, ": expected >= 0 (0 = the server default), got ", value.first));
     }
     if (value.first > 0) *value.second = value.first;
   }
@@ -66,9 +64,8 @@ absl::StatusOr<BatchingPolicy> ResolveBatching(const attention::v1::BatchingConf
   };
   for (const auto& [name, value] : fields) {
     if (value.first < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("batching.", name, ": expected >= 0 (0 = the server default), got ",
-                       value.first));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "batching.", name, ": expected >= 0 (0 = the server default), got ", value.first));
     }
     if (value.first > 0) *value.second = value.first;
   }
@@ -81,9 +78,9 @@ absl::StatusOr<BatchingPolicy> ResolveBatching(const attention::v1::BatchingConf
   }
   if (config.has_max_queue_wait_us()) {
     if (config.max_queue_wait_us() < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "batching.max_queue_wait_us: expected >= 0 (0 = no bound), got ",
-          config.max_queue_wait_us()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("batching.max_queue_wait_us: expected >= 0 (0 = no bound), got ",
+                       config.max_queue_wait_us()));
     }
     policy.max_queue_wait = absl::Microseconds(config.max_queue_wait_us());
   }
@@ -137,20 +134,19 @@ absl::StatusOr<ResolvedModelConfig> ResolveModelConfig(const attention::v1::Mode
                                                        absl::string_view name,
                                                        const ModelRepository::Options& options) {
   if (!proto.name().empty() && proto.name() != name) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "name \"", proto.name(), "\" differs from the directory name \"", name, "\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat("name \"", proto.name(), "\" differs from the directory name \"", name, "\""));
   }
   ResolvedModelConfig resolved;
   MHA_ASSIGN_OR_RETURN(resolved.config, ToCoreConfig(proto));
   MHA_ASSIGN_OR_RETURN(resolved.limits, ResolveLimits(proto.limits(), options.default_limits));
-  MHA_ASSIGN_OR_RETURN(resolved.batching, ResolveBatching(proto.batching(),
-                                                          options.default_batching,
-                                                          resolved.limits));
+  MHA_ASSIGN_OR_RETURN(
+      resolved.batching,
+      ResolveBatching(proto.batching(), options.default_batching, resolved.limits));
   return resolved;
 }
 
-absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir,
-                                                 const std::string& name,
+absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir, const std::string& name,
                                                  const ModelRepository::Options& options) {
   const std::string config_path = (fs::path(dir) / "config.pbtxt").string();
   const std::string context = absl::StrCat("model ", name, " (", config_path, ")");
@@ -161,8 +157,8 @@ absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir,
 
   auto model = std::make_unique<Model>();
   model->name = name;
-  MHA_ASSIGN_OR_RETURN(model->proto, ParseModelConfig(text.str(), context));
-  const attention::v1::ModelConfig& proto = model->proto;
+  MHA_ASSIGN_OR_RETURN(const attention::v1::ModelConfig proto,
+                       ParseModelConfig(text.str(), context));
   auto resolved = ResolveModelConfig(proto, name, options);
   if (!resolved.ok()) return WithContext(resolved.status(), context);
   model->config = resolved->config;
@@ -175,8 +171,7 @@ absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir,
     model->weights_source = absl::StrCat("seeded (seed ", proto.seeded().seed(), ")");
   } else {
     const std::string weights_path =
-        (fs::path(dir) / (proto.file().empty() ? "weights.safetensors" : proto.file()))
-            .string();
+        (fs::path(dir) / (proto.file().empty() ? "weights.safetensors" : proto.file())).string();
     auto loaded = core::LoadSafetensorsWeights(weights_path, model->config);
     if (!loaded.ok()) {
       return WithContext(loaded.status(), absl::StrCat("model ", name, " (", weights_path, ")"));
@@ -190,8 +185,7 @@ absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir,
   return model;
 }
 
-absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(
-    const Options& options) {
+absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(const Options& options) {
   std::unique_ptr<ModelRepository> repository(new ModelRepository());
   if (options.path.empty()) {
     auto model = std::make_unique<Model>();
@@ -242,13 +236,12 @@ absl::StatusOr<const Model*> ModelRepository::Find(absl::string_view name) const
   std::vector<std::string> names;
   for (const auto& [served, model] : models_) names.push_back(served);
   if (name.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "model: required, this server has several models and none named \"",
-        kDefaultModelName, "\" (", absl::StrJoin(names, ", "), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: required, this server has several models and none named \"",
+                     kDefaultModelName, "\" (", absl::StrJoin(names, ", "), ")"));
   }
   return absl::NotFoundError(absl::StrCat("model: unknown model \"", Abbreviate(name),
-                                          "\"; served: ",
-                                          absl::StrJoin(names, ", ")));
+                                          "\"; served: ", absl::StrJoin(names, ", ")));
 }
 
 std::vector<const Model*> ModelRepository::models() const {

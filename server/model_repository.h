@@ -1,6 +1,6 @@
 // The models a server serves, loaded once at start-up and immutable afterwards.
 //
-// Layout of a model repository (DESIGN.md, "The service"):
+// Layout of a model repository:
 //   <repo>/<name>/config.pbtxt        text-format attention.v1.ModelConfig
 //   <repo>/<name>/weights.safetensors unless config.pbtxt declares `seeded { seed }`
 //                                      or names another `file`
@@ -26,54 +26,17 @@
 #include "core/attention.h"
 #include "core/config.h"
 #include "proto/model_config.pb.h"
+#include "server/model.h"
 
 namespace mha::server {
-
-inline constexpr char kDefaultModelName[] = "default";
-inline constexpr uint64_t kDefaultModelSeed = 0;
-
-// Per-model request limits. A request over one is RESOURCE_EXHAUSTED naming it.
-struct ModelLimits {
-  int64_t max_batch_size = 64;                  // B
-  int64_t max_sequence_length = 4096;           // Q and K
-  int64_t max_request_bytes = int64_t{64} << 20;  // serialized AttendRequest
-  int64_t max_attention_elements = int64_t{1} << 24;  // B*h*Q*K, return_attention
-};
-
-// Per-model dynamic batching (server/batcher.h). Defaults are the server flags;
-// config.pbtxt `batching { ... }` overrides them per model.
-struct BatchingPolicy {
-  bool enabled = true;
-  // 0, as in Triton: measured here, waiting 500 us cost 4x the throughput at
-  // concurrency 1 and gained nothing at 64, where the queue fills while the
-  // previous batch computes (README, "Batching").
-  absl::Duration max_queue_delay = absl::ZeroDuration();
-  int64_t max_batch_size = 64;      // rows per forward call (<= limits.max_batch_size)
-  int64_t max_batch_tokens = 8192;  // rows x max(Q, K) per forward call
-  int64_t max_queue_size = 1024;    // queued requests before RESOURCE_EXHAUSTED
-  // Expected queue wait before RESOURCE_EXHAUSTED (server/batcher.h); 0 = no bound.
-  // A bound in requests holds latency only while compute runs at the speed it was
-  // sized for; this one follows compute as it slows (README, "Overload").
-  absl::Duration max_queue_wait = absl::ZeroDuration();
-};
-
-struct Model {
-  std::string name;
-  core::ModelConfig config;
-  ModelLimits limits;
-  BatchingPolicy batching;
-  attention::v1::ModelConfig proto;  // as parsed (defaults not filled in)
-  std::string weights_source;        // "seeded (seed 0)" or the weights path
-  std::unique_ptr<core::MultiHeadAttention> attention;
-};
 
 class ModelRepository {
  public:
   struct Options {
-    std::string path;            // "" = the embedded default model
-    ModelLimits default_limits;  // used for every limit a config leaves at 0
+    std::string path;                 // "" = the embedded default model
+    ModelLimits default_limits;       // used for every limit a config leaves at 0
     BatchingPolicy default_batching;  // likewise for `batching { ... }`
-    int num_threads = 0;         // OpenMP threads per forward call (0: OpenMP default)
+    int num_threads = 0;              // OpenMP threads per forward call (0: OpenMP default)
   };
 
   // INVALID_ARGUMENT / NOT_FOUND naming the model and the file on any fault.
@@ -111,8 +74,7 @@ absl::StatusOr<ResolvedModelConfig> ResolveModelConfig(const attention::v1::Mode
                                                        const ModelRepository::Options& options);
 
 // Loads <dir>/config.pbtxt and its weights as model `name` (the directory name).
-absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir,
-                                                 const std::string& name,
+absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir, const std::string& name,
                                                  const ModelRepository::Options& options);
 
 }  // namespace mha::server

@@ -10,7 +10,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "core/status_macros.h"
+#include "base/status_macros.h"
 #include "server/cpu.h"
 
 namespace mha::server {
@@ -24,17 +24,10 @@ absl::StatusOr<std::string> ReadFile(absl::string_view flag, const std::string& 
   return text.str();
 }
 
+// Options::Validate has checked the fields' combinations.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
     const ServerOptions& options) {
-  if (options.tls_cert.empty() && options.tls_key.empty()) {
-    if (!options.tls_client_ca.empty()) {
-      return absl::InvalidArgumentError("tls_client_ca: needs --tls_cert and --tls_key");
-    }
-    return grpc::InsecureServerCredentials();
-  }
-  if (options.tls_cert.empty() || options.tls_key.empty()) {
-    return absl::InvalidArgumentError("tls_cert, tls_key: give both or neither");
-  }
+  if (options.tls_cert.empty()) return grpc::InsecureServerCredentials();
   grpc::SslServerCredentialsOptions ssl;
   grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
   MHA_ASSIGN_OR_RETURN(pair.cert_chain, ReadFile("tls_cert", options.tls_cert));
@@ -47,6 +40,23 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
   return grpc::SslServerCredentials(ssl);
 }
 
+absl::Status AtLeast(absl::string_view field, int64_t value, int64_t least) {
+  if (value >= least) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, ": expected >= ", least, ", got ", value));
+}
+
+absl::Status NotNegative(absl::string_view field, absl::Duration value) {
+  if (value >= absl::ZeroDuration()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": expected >= 0, got ", absl::ToInt64Microseconds(value), " us"));
+}
+
+absl::Status PortInRange(absl::string_view field, int32_t port, int32_t least) {
+  if (port >= least && port <= 65535) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": expected ", least, " to 65535, got ", port));
+}
+
 std::string HostPort(const std::string& host, int port) {
   return absl::StrContains(host, ':') ? absl::StrCat("[", host, "]:", port)
                                       : absl::StrCat(host, ":", port);
@@ -54,14 +64,42 @@ std::string HostPort(const std::string& host, int port) {
 
 }  // namespace
 
+absl::Status ServerOptions::Validate() const {
+  MHA_RETURN_IF_ERROR(PortInRange("port", port, 0));
+  MHA_RETURN_IF_ERROR(PortInRange("metrics_port", metrics_port, -1));
+  MHA_RETURN_IF_ERROR(AtLeast("compute_threads", compute_threads, 0));
+  MHA_RETURN_IF_ERROR(AtLeast("compute_workers", compute_workers, 1));
+  for (auto [field, value] : {std::pair{"limits.max_batch_size", limits.max_batch_size},
+                              {"limits.max_sequence_length", limits.max_sequence_length},
+                              {"limits.max_request_bytes", limits.max_request_bytes},
+                              {"limits.max_attention_elements", limits.max_attention_elements},
+                              {"batching.max_batch_size", batching.max_batch_size},
+                              {"batching.max_batch_tokens", batching.max_batch_tokens},
+                              {"batching.max_queue_size", batching.max_queue_size}}) {
+    MHA_RETURN_IF_ERROR(AtLeast(field, value, 1));
+  }
+  MHA_RETURN_IF_ERROR(NotNegative("batching.max_queue_delay", batching.max_queue_delay));
+  MHA_RETURN_IF_ERROR(NotNegative("batching.max_queue_wait", batching.max_queue_wait));
+  MHA_RETURN_IF_ERROR(NotNegative("drain_timeout", drain_timeout));
+  if (tls_cert.empty() != tls_key.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(tls_cert.empty() ? "tls_cert" : "tls_key",
+                     ": tls_cert and tls_key go together; give both or neither"));
+  }
+  if (!tls_client_ca.empty() && tls_cert.empty()) {
+    return absl::InvalidArgumentError("tls_client_ca: needs tls_cert and tls_key");
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& options) {
+  MHA_RETURN_IF_ERROR(options.Validate());
   std::unique_ptr<Server> server(new Server());
   server->options_ = options;
+  // TLS files are read before anything is loaded or bound: a bad path fails fast.
+  MHA_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                       MakeCredentials(options));
   const int threads = options.compute_threads > 0 ? options.compute_threads : AvailableCpus();
-  if (options.compute_workers < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("compute_workers: expected >= 1, got ", options.compute_workers));
-  }
   server->threads_per_worker_ = std::max(1, threads / options.compute_workers);
 
   MHA_ASSIGN_OR_RETURN(server->models_,
@@ -77,11 +115,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
                          MetricsExposer::Start(HostPort(options.metrics_host, options.metrics_port),
                                                server->metrics_->registry()));
   }
-  MHA_ASSIGN_OR_RETURN(server->batcher_,
-                       Batcher::Create({.num_workers = options.compute_workers},
-                                       *server->models_, server->metrics_.get()));
-  MHA_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
-                       MakeCredentials(options));
+  MHA_ASSIGN_OR_RETURN(server->batcher_, Batcher::Create({.num_workers = options.compute_workers},
+                                                         server->metrics_.get()));
+  for (const Model* model : server->models_->models()) {
+    MHA_RETURN_IF_ERROR(server->batcher_->AddModel(model));
+  }
   server->service_ = std::make_unique<AttentionServiceImpl>(
       server->models_.get(), server->batcher_.get(), server->metrics_.get());
 
@@ -101,9 +139,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   builder.RegisterService(server->service_.get());
   server->grpc_server_ = builder.BuildAndStart();
   if (server->grpc_server_ == nullptr || server->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat(
-        "port: cannot listen on ", HostPort(options.host, options.port),
-        " (address in use, or a bad host or TLS key pair)"));
+    return absl::UnavailableError(absl::StrCat("port: cannot listen on ",
+                                               HostPort(options.host, options.port),
+                                               " (address in use, or a bad host or TLS key pair)"));
   }
   grpc::HealthCheckServiceInterface* health = server->grpc_server_->GetHealthCheckService();
   for (const Model* model : server->models_->models()) {

@@ -18,6 +18,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "server/batcher.h"
@@ -28,21 +29,26 @@
 namespace mha::server {
 
 struct ServerOptions {
-  std::string host = "127.0.0.1";  // loopback by default; "0.0.0.0" to serve the network
-  int32_t port = 50051;            // 0 = pick a free port (see Server::port())
-  std::string model_repository;    // "" = the embedded "default" model
-  int compute_threads = 0;         // total OpenMP threads for compute; 0 = AvailableCpus()
-  int compute_workers = 1;         // concurrent forward calls; each gets threads/workers
-  ModelLimits limits;              // defaults for limits a model config leaves at 0
-  BatchingPolicy batching;         // likewise for `batching { ... }`
+  std::string host = "127.0.0.1";          // loopback by default; "0.0.0.0" to serve the network
+  int32_t port = 50051;                    // 0 = pick a free port (see Server::port())
+  std::string model_repository;            // "" = the embedded "default" model
+  int compute_threads = 0;                 // total OpenMP threads for compute; 0 = AvailableCpus()
+  int compute_workers = 1;                 // concurrent forward calls; each gets threads/workers
+  ModelLimits limits;                      // defaults for limits a model config leaves at 0
+  BatchingPolicy batching;                 // likewise for `batching { ... }`
   std::string metrics_host = "127.0.0.1";  // /metrics: loopback unless asked
-  int32_t metrics_port = -1;       // -1 = no metrics endpoint; 0 = pick a free port
+  int32_t metrics_port = -1;               // -1 = no metrics endpoint; 0 = pick a free port
   absl::Duration drain_timeout = absl::Seconds(10);
   // TLS: PEM file paths. cert + key enable TLS; client_ca also requires and
   // verifies client certificates (mutual TLS). All empty: plaintext.
   std::string tls_cert;
   std::string tls_key;
   std::string tls_client_ca;
+
+  // Every field's range, and the TLS fields' combinations: INVALID_ARGUMENT whose
+  // message starts with the field's name as written here, e.g.
+  // "limits.max_batch_size: expected >= 1, got 0". Server::Create calls it.
+  absl::Status Validate() const;
 };
 
 class Server {

@@ -3,16 +3,17 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "base/status_macros.h"
 #include "core/config.h"
-#include "core/status_macros.h"
 #include "server/abbreviate.h"
+#include "server/codec.h"
 #include "server/grpc_status.h"
-#include "server/validation.h"
 
 namespace mha::server {
 namespace {
@@ -53,19 +54,16 @@ class Meter {
   int64_t tokens_ = 0;
 };
 
-// A request its model's queue would refuse now is refused before validation reads
-// its tensors: at 3x capacity most requests are refused, and the scan for NaNs, which
-// reads every value, was 3% of the server's CPU there (perf; README, "Overload"). So
-// a malformed request that meets a full queue gets RESOURCE_EXHAUSTED (retry later,
-// then INVALID_ARGUMENT); an unknown model still gets NOT_FOUND. Submit checks the
-// queue again.
+// Finds the model, then asks its queue before decoding: a request the queue would
+// refuse now is refused before its tensors are read (under overload most are). So a
+// malformed request that meets a full queue gets RESOURCE_EXHAUSTED (retry later,
+// then INVALID_ARGUMENT); an unknown model gets NOT_FOUND. Submit checks again.
 absl::StatusOr<ValidatedRequest> AdmitAndValidate(const AttendRequest& request,
                                                   const ModelRepository& models,
                                                   const Batcher& batcher) {
-  if (absl::StatusOr<const Model*> model = models.Find(request.model()); model.ok()) {
-    MHA_RETURN_IF_ERROR(batcher.Admit(*model));
-  }
-  return ValidateRequest(request, models);
+  MHA_ASSIGN_OR_RETURN(const Model* model, models.Find(request.model()));
+  MHA_RETURN_IF_ERROR(batcher.Admit(model));
+  return ValidateRequest(request, *model);
 }
 
 absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
@@ -74,10 +72,29 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
   return absl::FromChrono(deadline);
 }
 
+// The work item of a validated request answered into `response` (sized here).
+WorkItem MakeWorkItem(const ValidatedRequest& request, AttendResponse* response,
+                      grpc::CallbackServerContext* context,
+                      std::function<void(absl::Status)> answer) {
+  const OutputViews views = PrepareResponse(request, response);
+  return WorkItem{
+      .model = request.model,
+      .inputs = request.inputs,
+      .output = views.output,
+      .attention = views.attention,
+      .deadline = DeadlineOf(context),
+      .cancelled = [context] { return context->IsCancelled(); },
+      .done =
+          [response, answer = std::move(answer)](absl::Status status, const ComputeTiming& timing) {
+            if (status.ok()) EncodeTiming(timing, response);
+            answer(std::move(status));
+          },
+  };
+}
+
 // One AttendStream call. Owned by itself: deleted when gRPC is done with it
 // (OnDone) and no worker still holds a reference (every queued item holds one).
-class AttendStreamReactor final
-    : public grpc::ServerBidiReactor<AttendRequest, AttendResponse> {
+class AttendStreamReactor final : public grpc::ServerBidiReactor<AttendRequest, AttendResponse> {
  public:
   AttendStreamReactor(grpc::CallbackServerContext* context, const ModelRepository* models,
                       Batcher* batcher, Metrics* metrics)
@@ -126,13 +143,9 @@ class AttendStreamReactor final
     if (validated.ok()) {
       Ref();
       slot->meter.Accepted(*validated);
-      submitted = batcher_->Submit(WorkItem{
-          .request = *validated,
-          .response = &slot->response,
-          .deadline = DeadlineOf(context_),
-          .cancelled = [context = context_] { return context->IsCancelled(); },
-          .done = [this, slot](absl::Status status) { OnComputed(slot, std::move(status)); },
-      });
+      submitted = batcher_->Submit(
+          MakeWorkItem(*validated, &slot->response, context_,
+                       [this, slot](absl::Status status) { OnComputed(slot, std::move(status)); }));
       if (!submitted.ok()) Unref();
     }
     absl::MutexLock lock(&mu_);
@@ -181,10 +194,10 @@ class AttendStreamReactor final
     slot->done = true;
     slot->meter.Answered(status, *models_, slot->request.model());
     if (!status.ok()) {
-      slot->status = absl::Status(
-          status.code(), absl::StrCat("request ", slot->index, " (request_id \"",
-                                      Abbreviate(slot->request.request_id()), "\"): ",
-                                      status.message()));
+      slot->status =
+          absl::Status(status.code(), absl::StrCat("request ", slot->index, " (request_id \"",
+                                                   Abbreviate(slot->request.request_id()),
+                                                   "\"): ", status.message()));
     }
   }
 
@@ -220,8 +233,7 @@ class AttendStreamReactor final
       }
       return;
     }
-    if (!reading_ && !no_more_reads_ &&
-        static_cast<int>(slots_.size()) < kMaxStreamInFlight) {
+    if (!reading_ && !no_more_reads_ && static_cast<int>(slots_.size()) < kMaxStreamInFlight) {
       reading_ = true;
       StartRead(&incoming_);
     }
@@ -287,17 +299,11 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
     return reactor;
   }
   meter->Accepted(*validated);
-  absl::Status submitted = batcher_->Submit(WorkItem{
-      .request = *validated,
-      .response = response,
-      .deadline = DeadlineOf(context),
-      .cancelled = [context] { return context->IsCancelled(); },
-      .done =
-          [this, reactor, request, meter](absl::Status status) {
-            meter->Answered(status, *models_, request->model());
-            reactor->Finish(ToGrpcStatus(status));
-          },
-  });
+  absl::Status submitted = batcher_->Submit(
+      MakeWorkItem(*validated, response, context, [this, reactor, request, meter](absl::Status s) {
+        meter->Answered(s, *models_, request->model());
+        reactor->Finish(ToGrpcStatus(s));
+      }));
   if (!submitted.ok()) {
     meter->Answered(submitted, *models_, request->model());
     reactor->Finish(ToGrpcStatus(submitted));

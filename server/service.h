@@ -1,5 +1,5 @@
-// attention.v1.AttentionService on gRPC's callback API. Handlers decode, validate
-// (server/validation.h) and submit to the Batcher; they never block and never
+// attention.v1.AttentionService on gRPC's callback API. Handlers decode and
+// validate (server/codec.h) and submit to the Batcher; they never block and never
 // compute. Compute workers finish the reactors.
 //
 // Every Attend request, and every request on an AttendStream, is counted once when

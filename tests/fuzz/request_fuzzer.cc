@@ -2,6 +2,7 @@
 // against a small model repository, as the server's handlers do. A request that
 // validates must satisfy the limits it was checked against, and when small enough
 // it is run through the core (RunForward) and must compute without an error.
+#include <google/protobuf/stubs/logging.h>
 #include <stdlib.h>
 
 #include <cstddef>
@@ -11,12 +12,10 @@
 #include <memory>
 #include <string>
 
-#include <google/protobuf/stubs/logging.h>
-
 #include "proto/attention.pb.h"
 #include "server/batcher.h"
+#include "server/codec.h"
 #include "server/model_repository.h"
-#include "server/validation.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace {
@@ -57,8 +56,8 @@ constexpr int64_t kMaxForwardWork = int64_t{1} << 16;
 
 extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
   // Invalid UTF-8 in string fields is logged by protobuf on every such input.
-  google::protobuf::SetLogHandler([](google::protobuf::LogLevel, const char*, int,
-                                     const std::string&) {});
+  google::protobuf::SetLogHandler(
+      [](google::protobuf::LogLevel, const char*, int, const std::string&) {});
   Repository();
   return 0;
 }
@@ -66,8 +65,10 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   attention::v1::AttendRequest request;
   if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;  // gRPC refuses it
+  absl::StatusOr<const mha::server::Model*> model = Repository().Find(request.model());
   absl::StatusOr<mha::server::ValidatedRequest> validated =
-      mha::server::ValidateRequest(request, Repository());
+      model.ok() ? mha::server::ValidateRequest(request, **model)
+                 : absl::StatusOr<mha::server::ValidatedRequest>(model.status());
   if (!validated.ok()) {
     MHA_FUZZ_CHECK(mha::fuzzing::IsInputError(validated.status()), "%s\n",
                    validated.status().ToString().c_str());

@@ -16,6 +16,7 @@
 #include "core/weights.h"
 #include "proto/attention.grpc.pb.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
+#include "tests/temp_dir.h"
 
 namespace mha::testing {
 
@@ -120,6 +121,19 @@ inline CoreResult CoreForward(const core::ModelConfig& config, uint64_t seed,
       in, result.output.data(), request.return_attention() ? result.attention.data() : nullptr);
   if (!status.ok()) result.output.clear();
   return result;
+}
+
+// The validation tests' repository, in-process and over gRPC alike: "default" (the toy
+// sizes), "cross" (d_q 4, d_k 6, d_v 3, p_o 8, h 2) and "small_requests" (the toy sizes
+// with max_request_bytes 2000).
+inline void WriteValidationModels(const TempDir& dir) {
+  dir.Write("default/config.pbtxt", "num_hiddens: 100 num_heads: 5 seeded { seed: 0 }");
+  dir.Write("cross/config.pbtxt",
+            "num_hiddens: 8 num_heads: 2 query_size: 4 key_size: 6 value_size: 3 "
+            "seeded { seed: 3 }");
+  dir.Write("small_requests/config.pbtxt",
+            "num_hiddens: 100 num_heads: 5 seeded { seed: 0 } "
+            "limits { max_request_bytes: 2000 }");
 }
 
 template <typename A, typename B>

@@ -60,24 +60,6 @@ std::optional<int> WaitPid(pid_t pid, absl::Duration timeout) {
 
 std::string ServerPath() { return MHA_SERVER_PATH; }
 
-TempDir::TempDir() {
-  std::string pattern =
-      (std::filesystem::temp_directory_path() / "mha_server_test.XXXXXX").string();
-  path_ = mkdtemp(pattern.data());
-}
-
-TempDir::~TempDir() {
-  std::error_code ignored;
-  std::filesystem::remove_all(path_, ignored);
-}
-
-std::string TempDir::Write(const std::string& relative, const std::string& contents) const {
-  const std::filesystem::path path = std::filesystem::path(path_) / relative;
-  std::filesystem::create_directories(path.parent_path());
-  std::ofstream(path, std::ios::binary) << contents;
-  return path.string();
-}
-
 absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
     const std::vector<std::string>& args, absl::Duration timeout) {
   std::unique_ptr<ServerProcess> server(new ServerProcess());
@@ -124,10 +106,10 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
     if (n <= 0) {  // exited (EOF) or timed out
       close(out[0]);
       std::optional<int> status = server->WaitForExit(absl::Seconds(ready > 0 ? 10 : 0));
-      return absl::FailedPreconditionError(absl::StrCat(
-          "server did not start: ",
-          status ? absl::StrCat("exit status ", WEXITSTATUS(*status)) : "timed out",
-          "; stdout: ", stdout_text, "; stderr: ", server->log()));
+      return absl::FailedPreconditionError(
+          absl::StrCat("server did not start: ",
+                       status ? absl::StrCat("exit status ", WEXITSTATUS(*status)) : "timed out",
+                       "; stdout: ", stdout_text, "; stderr: ", server->log()));
     }
     stdout_text.append(buffer, static_cast<size_t>(n));
   }
@@ -180,8 +162,7 @@ openssl req $EC -keyout client.key -out client.csr -subj /CN=mha-test-client
 openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
   -out client.pem -days 2
 )";
-  const std::string command =
-      absl::StrCat("cd '", dir, "' && sh make_certs.sh > openssl.log 2>&1");
+  const std::string command = absl::StrCat("cd '", dir, "' && sh make_certs.sh > openssl.log 2>&1");
   if (std::system(command.c_str()) != 0) {
     return absl::InternalError(absl::StrCat("openssl failed: ", ReadFile(dir + "/openssl.log")));
   }

@@ -19,23 +19,12 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "tests/temp_dir.h"
 
 namespace mha::testing {
 
 // The binary under test, from the MHA_SERVER_PATH compile definition.
 std::string ServerPath();
-
-// A fresh temporary directory, removed by the destructor.
-class TempDir {
- public:
-  TempDir();
-  ~TempDir();
-  const std::string& path() const { return path_; }
-  std::string Write(const std::string& relative, const std::string& contents) const;
-
- private:
-  std::string path_;
-};
 
 class ServerProcess {
  public:

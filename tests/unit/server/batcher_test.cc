@@ -1,27 +1,30 @@
-// The batcher in-process, with the real toy model: merged requests give the
-// same output as requests run alone; requests that cannot share a call run
-// apart; limits, queue bound, deadlines and cancellation hold; Shutdown drains.
+// The batcher in-process, with the real toy model (requests decoded by the codec,
+// as the service does): merged requests give the same output as requests run alone; requests that
+// cannot share a call run apart; limits, queue bound, deadlines and cancellation hold; Shutdown
+// drains.
 //
 // To make merging deterministic, each test holds the single worker busy inside
 // the first request's `done` callback while it queues the rest.
 #include "server/batcher.h"
 
+#include <functional>
 #include <memory>
 #include <vector>
 
-#include "gtest/gtest.h"
 #include "absl/synchronization/mutex.h"
-#include "server/grpc_status.h"
+#include "gtest/gtest.h"
+#include "server/codec.h"
+#include "server/model_repository.h"
 #include "tests/integration/client_util.h"
 
 namespace mha::server {
 namespace {
 
+using attention::v1::AttendRequest;
+using attention::v1::AttendResponse;
 using ::mha::testing::MakeTensor;
 using ::mha::testing::MaxAbsDiff;
 using ::mha::testing::ToyRequest;
-using attention::v1::AttendRequest;
-using attention::v1::AttendResponse;
 
 // A request for the toy model (d = 100): self-attention when k == 0.
 AttendRequest Request(int64_t b, int64_t q, int64_t k, std::vector<int32_t> lens = {},
@@ -52,30 +55,48 @@ class BatcherTest : public ::testing::Test {
     models_ = ModelRepository::Create({.default_batching = policy}).value();
   }
 
+  const Model& model() const { return *models_->Find("").value(); }
+
+  std::unique_ptr<Batcher> MakeBatcher(int num_workers = 1) {
+    auto batcher = Batcher::Create({.num_workers = num_workers}, nullptr).value();
+    EXPECT_TRUE(batcher->AddModel(&model()).ok());
+    return batcher;
+  }
+
+  // `request` decoded, its response sized, answered through `done` (timing encoded).
+  WorkItem Item(const AttendRequest& request, AttendResponse* response,
+                std::function<void(absl::Status)> done) {
+    const ValidatedRequest validated = ValidateRequest(request, model()).value();
+    const OutputViews views = PrepareResponse(validated, response);
+    return WorkItem{.model = validated.model,
+                    .inputs = validated.inputs,
+                    .output = views.output,
+                    .attention = views.attention,
+                    .done = [response, done = std::move(done)](absl::Status status,
+                                                               const ComputeTiming& timing) {
+                      if (status.ok()) EncodeTiming(timing, response);
+                      done(std::move(status));
+                    }};
+  }
+
   // Submits every call (0 first, the rest while the worker is held) and waits
   // for all of them. Returns the Submit statuses.
-  std::vector<absl::Status> RunAll(std::vector<Call>& calls, absl::Time deadline_for_rest =
-                                                                 absl::InfiniteFuture()) {
-    auto batcher = Batcher::Create({.num_workers = 1}, *models_, nullptr).value();
+  std::vector<absl::Status> RunAll(std::vector<Call>& calls,
+                                   absl::Time deadline_for_rest = absl::InfiniteFuture()) {
+    auto batcher = MakeBatcher();
     absl::Mutex mu;
     bool release = false;
     std::vector<absl::Status> submitted;
     for (size_t i = 0; i < calls.size(); ++i) {
       Call& call = calls[i];
-      auto validated = ValidateRequest(call.request, *models_);
-      EXPECT_TRUE(validated.ok()) << validated.status();
-      submitted.push_back(batcher->Submit(WorkItem{
-          .request = *validated,
-          .response = &call.response,
-          .deadline = i == 0 ? absl::InfiniteFuture() : deadline_for_rest,
-          .done =
-              [&, i](absl::Status status) {
-                absl::MutexLock lock(&mu);
-                calls[i].status = std::move(status);
-                calls[i].done = true;
-                if (i == 0) mu.Await(absl::Condition(&release));
-              },
-      }));
+      WorkItem item = Item(call.request, &call.response, [&, i](absl::Status status) {
+        absl::MutexLock lock(&mu);
+        calls[i].status = std::move(status);
+        calls[i].done = true;
+        if (i == 0) mu.Await(absl::Condition(&release));
+      });
+      item.deadline = i == 0 ? absl::InfiniteFuture() : deadline_for_rest;
+      submitted.push_back(batcher->Submit(std::move(item)));
       if (i == 0) {  // wait until request 0 is running, not queued
         absl::MutexLock lock(&mu);
         mu.Await(absl::Condition(&calls[0].done));
@@ -92,7 +113,7 @@ class BatcherTest : public ::testing::Test {
   // The output of `request` computed on its own (RunForward, no batcher).
   std::vector<float> Alone(const AttendRequest& request) {
     AttendResponse response;
-    auto validated = ValidateRequest(request, *models_).value();
+    auto validated = ValidateRequest(request, model()).value();
     EXPECT_TRUE(RunForward(validated, &response).ok());
     return {response.output().data().begin(), response.output().data().end()};
   }
@@ -105,11 +126,11 @@ TEST_F(BatcherTest, MixedLengthsMergeIntoOneCallAndMatchRunningAlone) {
   std::vector<Call> calls(6);
   calls[0].request = Request(1, 8, 8);
   // Cross-attention, lengths and mask kinds all different: one merged call.
-  calls[1].request = Request(2, 4, 6, {3, 2}, 0.1f);               // the toy shape
-  calls[2].request = Request(1, 7, 13, {}, 0.2f);                  // no mask, longest K
-  calls[3].request = Request(1, 5, 9, {1, 2, 3, 9, 0}, 0.3f);      // one len per query
-  calls[4].request = Request(3, 1, 2, {2, 0, 1}, 0.4f);            // valid_len 0 row
-  calls[5].request = Request(1, 16, 4, {4}, 0.5f);                 // longest Q
+  calls[1].request = Request(2, 4, 6, {3, 2}, 0.1f);           // the toy shape
+  calls[2].request = Request(1, 7, 13, {}, 0.2f);              // no mask, longest K
+  calls[3].request = Request(1, 5, 9, {1, 2, 3, 9, 0}, 0.3f);  // one len per query
+  calls[4].request = Request(3, 1, 2, {2, 0, 1}, 0.4f);        // valid_len 0 row
+  calls[5].request = Request(1, 16, 4, {4}, 0.5f);             // longest Q
   for (const absl::Status& s : RunAll(calls)) ASSERT_TRUE(s.ok()) << s;
   for (size_t i = 1; i < calls.size(); ++i) {
     SCOPED_TRACE(i);
@@ -142,12 +163,12 @@ TEST_F(BatcherTest, RequestsThatCannotShareACallRunApart) {
   MakeRepository({.max_queue_delay = absl::ZeroDuration()});
   std::vector<Call> calls(6);
   calls[0].request = Request(1, 4, 6);
-  calls[1].request = Request(2, 4, 6);                       // cross
-  calls[2].request = Request(1, 4, 0);                       // self: not with cross
-  calls[3].request = Request(1, 4, 6);                       // joins 1
-  calls[3].request.set_causal(true);                         // ... no: causal
+  calls[1].request = Request(2, 4, 6);  // cross
+  calls[2].request = Request(1, 4, 0);  // self: not with cross
+  calls[3].request = Request(1, 4, 6);  // joins 1
+  calls[3].request.set_causal(true);    // ... no: causal
   calls[4].request = Request(1, 4, 6);
-  calls[4].request.set_return_attention(true);               // weights: alone
+  calls[4].request.set_return_attention(true);  // weights: alone
   calls[5].request = Request(1, 4, 6);
   for (float f : {1.0f, 0.0f, 1.0f, 1.0f, 1.0f}) calls[5].request.add_head_mask(f);
   for (const absl::Status& s : RunAll(calls)) ASSERT_TRUE(s.ok()) << s;
@@ -160,9 +181,8 @@ TEST_F(BatcherTest, RequestsThatCannotShareACallRunApart) {
 }
 
 TEST_F(BatcherTest, BatchesStopAtMaxBatchSizeAndMaxBatchTokens) {
-  MakeRepository({.max_queue_delay = absl::ZeroDuration(),
-                  .max_batch_size = 4,
-                  .max_batch_tokens = 4 * 16});
+  MakeRepository(
+      {.max_queue_delay = absl::ZeroDuration(), .max_batch_size = 4, .max_batch_tokens = 4 * 16});
   std::vector<Call> calls(7);
   calls[0].request = Request(1, 4, 4);
   calls[1].request = Request(2, 4, 4);
@@ -201,32 +221,40 @@ TEST_F(BatcherTest, OldestRequestWaitsForTheQueueDelay) {
 
 TEST_F(BatcherTest, ExpiredAndCancelledRequestsAreDroppedAtBatchFormation) {
   MakeRepository({.max_queue_delay = absl::ZeroDuration()});
-  auto batcher = Batcher::Create({}, *models_, nullptr).value();
+  auto batcher = MakeBatcher();
   AttendRequest request = ToyRequest();
-  const ValidatedRequest validated = ValidateRequest(request, *models_).value();
-  auto run = [&](WorkItem item) {
+  AttendResponse response;
+  auto run = [&](absl::Time deadline, std::function<bool()> cancelled) {
     absl::Mutex mu;
     bool done = false;
     absl::Status result;
-    item.request = validated;
-    item.done = [&](absl::Status status) {
+    response.Clear();
+    WorkItem item = Item(request, &response, [&](absl::Status status) {
       absl::MutexLock lock(&mu);
       result = std::move(status);
       done = true;
-    };
+    });
+    item.deadline = deadline;
+    item.cancelled = std::move(cancelled);
     EXPECT_TRUE(batcher->Submit(std::move(item)).ok());
     absl::MutexLock lock(&mu);
     mu.Await(absl::Condition(&done));
     return result;
   };
-  AttendResponse response;
-  EXPECT_EQ(run(WorkItem{.response = &response, .deadline = absl::Now()}).code(),
-            absl::StatusCode::kDeadlineExceeded);
-  EXPECT_EQ(run(WorkItem{.response = &response, .cancelled = [] { return true; }}).code(),
-            absl::StatusCode::kCancelled);
-  EXPECT_FALSE(response.has_output());  // compute never ran
-  EXPECT_TRUE(run(WorkItem{.response = &response}).ok());
+  // The output was sized and zeroed by the codec; compute never ran, so it stays 0.
+  auto untouched = [&] {
+    for (float x : response.output().data()) {
+      if (x != 0.0f) return false;
+    }
+    return !response.has_timing();
+  };
+  EXPECT_EQ(run(absl::Now(), nullptr).code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(untouched());
+  EXPECT_EQ(run(absl::InfiniteFuture(), [] { return true; }).code(), absl::StatusCode::kCancelled);
+  EXPECT_TRUE(untouched());
+  EXPECT_TRUE(run(absl::InfiniteFuture(), nullptr).ok());
   EXPECT_EQ(response.output().data_size(), 2 * 4 * 100);
+  EXPECT_FALSE(untouched());
 }
 
 TEST_F(BatcherTest, FullQueueIsResourceExhaustedAndShutdownDrains) {
@@ -293,24 +321,19 @@ TEST_F(BatcherTest, ExpectedQueueWaitOverMaxQueueWaitIsResourceExhausted) {
 // before validating a request.
 TEST_F(BatcherTest, AdmitAnswersAsSubmitWould) {
   MakeRepository({.max_queue_delay = absl::ZeroDuration(), .max_queue_size = 1});
-  const Model* model = models_->Find("").value();
-  auto batcher = Batcher::Create({.num_workers = 1}, *models_, nullptr).value();
+  const Model* model = &this->model();
+  auto batcher = MakeBatcher();
   absl::Mutex mu;
   bool running = false, release = false;
   std::vector<AttendRequest> requests(3, ToyRequest());
   std::vector<AttendResponse> responses(3);
   auto submit = [&](int i) {
-    return batcher->Submit(WorkItem{
-        .request = ValidateRequest(requests[i], *models_).value(),
-        .response = &responses[i],
-        .done =
-            [&, i](absl::Status) {
-              if (i != 0) return;
-              absl::MutexLock lock(&mu);
-              running = true;
-              mu.Await(absl::Condition(&release));
-            },
-    });
+    return batcher->Submit(Item(requests[i], &responses[i], [&, i](absl::Status) {
+      if (i != 0) return;
+      absl::MutexLock lock(&mu);
+      running = true;
+      mu.Await(absl::Condition(&release));
+    }));
   };
   ASSERT_TRUE(submit(0).ok());
   {
@@ -334,22 +357,29 @@ TEST_F(BatcherTest, AdmitAnswersAsSubmitWould) {
 
 TEST_F(BatcherTest, SubmitAfterShutdownIsUnavailable) {
   MakeRepository({});
-  auto batcher = Batcher::Create({}, *models_, nullptr).value();
+  auto batcher = MakeBatcher();
   batcher->Shutdown();
   AttendRequest request = ToyRequest();
   AttendResponse response;
-  const absl::Status s = batcher->Submit(WorkItem{
-      .request = ValidateRequest(request, *models_).value(),
-      .response = &response,
-      .done = [](absl::Status) { ADD_FAILURE() << "done after a refused Submit"; }});
+  const absl::Status s = batcher->Submit(Item(
+      request, &response, [](absl::Status) { ADD_FAILURE() << "done after a refused Submit"; }));
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
 }
 
-TEST(GrpcStatusTest, KeepsCodeAndMessage) {
-  const grpc::Status s = ToGrpcStatus(absl::ResourceExhaustedError("limit x"));
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_EQ(s.error_message(), "limit x");
-  EXPECT_TRUE(ToGrpcStatus(absl::OkStatus()).ok());
+TEST_F(BatcherTest, CreateAndAddModelNameTheBadField) {
+  const absl::Status workers = Batcher::Create({.num_workers = 0}, nullptr).status();
+  EXPECT_EQ(workers.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(workers.message().find("num_workers: expected >= 1, got 0"), std::string::npos)
+      << workers;
+  MakeRepository({});
+  Model bad;
+  bad.name = "bad";
+  bad.batching.max_queue_size = 0;
+  const absl::Status queue = MakeBatcher()->AddModel(&bad);
+  EXPECT_EQ(queue.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(queue.message().find("model bad: max_queue_size: expected >= 1, got 0"),
+            std::string::npos)
+      << queue;
 }
 
 }  // namespace

@@ -1,0 +1,52 @@
+// A served model: its core layer, its request limits and its batching policy.
+// Immutable once loaded (server/model_repository.h loads them). No protocol types.
+#ifndef MHA_SERVER_MODEL_H_
+#define MHA_SERVER_MODEL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/time/time.h"
+#include "core/attention.h"
+#include "core/config.h"
+
+namespace mha::server {
+
+inline constexpr char kDefaultModelName[] = "default";
+inline constexpr uint64_t kDefaultModelSeed = 0;
+
+// Per-model request limits. A request over one is RESOURCE_EXHAUSTED naming it.
+struct ModelLimits {
+  int64_t max_batch_size = 64;                        // B
+  int64_t max_sequence_length = 4096;                 // Q and K
+  int64_t max_request_bytes = int64_t{64} << 20;      // serialized AttendRequest
+  int64_t max_attention_elements = int64_t{1} << 24;  // B*h*Q*K, return_attention
+};
+
+// Per-model dynamic batching (server/batcher.h). Defaults are the server flags;
+// config.pbtxt `batching { ... }` overrides them per model.
+struct BatchingPolicy {
+  bool enabled = true;
+  // 0, as in Triton: merge only what queued while the previous call computed.
+  absl::Duration max_queue_delay = absl::ZeroDuration();
+  int64_t max_batch_size = 64;      // rows per forward call (<= limits.max_batch_size)
+  int64_t max_batch_tokens = 8192;  // rows x max(Q, K) per forward call
+  int64_t max_queue_size = 1024;    // queued requests before RESOURCE_EXHAUSTED
+  // Expected queue wait before RESOURCE_EXHAUSTED (server/batcher.h); 0 = no bound.
+  // Unlike max_queue_size, this bound follows compute as it slows.
+  absl::Duration max_queue_wait = absl::ZeroDuration();
+};
+
+struct Model {
+  std::string name;
+  core::ModelConfig config;
+  ModelLimits limits;
+  BatchingPolicy batching;
+  std::string weights_source;  // "seeded (seed 0)" or the weights path
+  std::unique_ptr<core::MultiHeadAttention> attention;
+};
+
+}  // namespace mha::server
+
+#endif  // MHA_SERVER_MODEL_H_

@@ -1,0 +1,46 @@
+// What a front (the attention.v1 service, tests, tools) hands the scheduler: one
+// request as core views, where its results go, and how to answer it. No protocol
+// types: fronts decode into a WorkItem and encode from it (server/codec.h).
+#ifndef MHA_SERVER_WORK_ITEM_H_
+#define MHA_SERVER_WORK_ITEM_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "core/attention.h"
+#include "server/model.h"
+
+namespace mha::server {
+
+// A computed request's timing.
+struct ComputeTiming {
+  absl::Duration queue;    // from Submit to the start of its forward call
+  absl::Duration compute;  // its forward call, merged with others or alone
+  int64_t batch_rows = 0;  // rows of that forward call
+};
+
+// One request. Everything the views point at (inputs, output, attention) is owned
+// by the front and must stay alive until `done` is called.
+struct WorkItem {
+  const Model* model = nullptr;
+  core::AttentionInputs inputs;  // (B, Q, d_q) queries etc., checked (server/codec.h)
+  float* output = nullptr;       // (B, Q, p_o), written by the forward call
+  float* attention = nullptr;    // (B, h, Q, K) weights, or nullptr when not asked for
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<bool()> cancelled;  // optional; polled at batch formation
+  // Called exactly once if Submit is OK, on a worker thread; `timing` is set when
+  // the status is OK. Must not block for long.
+  std::function<void(absl::Status, const ComputeTiming&)> done;
+  absl::Time enqueued;  // set by Submit
+
+  int64_t rows() const { return inputs.batch; }
+  // The sequence length the request pads a merged call to: max(Q, K).
+  int64_t length() const { return std::max(inputs.num_queries, inputs.num_keys); }
+};
+
+}  // namespace mha::server
+
+#endif  // MHA_SERVER_WORK_ITEM_H_

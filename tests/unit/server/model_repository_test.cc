@@ -1,0 +1,90 @@
+// ModelRepository and its config resolution in-process: the embedded default, a
+// repository directory, name resolution, and errors naming the model and file.
+#include "server/model_repository.h"
+
+#include <string>
+
+#include "absl/strings/match.h"
+#include "gtest/gtest.h"
+#include "tests/temp_dir.h"
+
+namespace mha::server {
+namespace {
+
+using ::mha::testing::TempDir;
+
+TEST(ModelRepositoryTest, NoPathServesTheEmbeddedToyModel) {
+  auto models = ModelRepository::Create({.default_limits = {.max_batch_size = 7}}).value();
+  ASSERT_EQ(models->models().size(), 1u);
+  const Model* model = models->Find("").value();
+  EXPECT_EQ(model->name, kDefaultModelName);
+  EXPECT_EQ(model->config.num_hiddens, 100);
+  EXPECT_EQ(model->config.num_heads, 5);
+  EXPECT_EQ(model->limits.max_batch_size, 7);
+  EXPECT_EQ(model->batching.max_batch_size, 7);  // clamped to the model's limit
+  EXPECT_EQ(model->weights_source, "seeded (seed 0)");
+  EXPECT_EQ(models->Find("default").value(), model);
+}
+
+TEST(ModelRepositoryTest, LoadsEveryDirectoryWithOverridesAndSortsByName) {
+  TempDir dir;
+  dir.Write("b/config.pbtxt",
+            "num_hiddens: 8 num_heads: 2 query_size: 4 seeded { seed: 1 } "
+            "limits { max_sequence_length: 32 } batching { max_queue_delay_us: 250 }");
+  dir.Write("a/config.pbtxt", "num_hiddens: 16 num_heads: 4 seeded { seed: 2 }");
+  dir.Write(".hidden/config.pbtxt", "not a config");
+  auto models = ModelRepository::Create({.path = dir.path()}).value();
+  ASSERT_EQ(models->models().size(), 2u);
+  EXPECT_EQ(models->models()[0]->name, "a");
+  const Model* b = models->Find("b").value();
+  EXPECT_EQ(b->config.query_size, 4);
+  EXPECT_EQ(b->config.key_size, 8);  // 0 means num_hiddens
+  EXPECT_EQ(b->limits.max_sequence_length, 32);
+  EXPECT_EQ(b->limits.max_batch_size, ModelLimits{}.max_batch_size);
+  EXPECT_EQ(b->batching.max_queue_delay, absl::Microseconds(250));
+  // Two models and none named "default": "" is ambiguous.
+  const absl::Status ambiguous = models->Find("").status();
+  EXPECT_EQ(ambiguous.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(ambiguous.message(), "model: required")) << ambiguous;
+  const absl::Status unknown = models->Find("c").status();
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(absl::StrContains(unknown.message(), "unknown model \"c\"; served: a, b")) << unknown;
+}
+
+TEST(ModelRepositoryTest, BadConfigNamesModelFileAndField) {
+  TempDir dir;
+  const std::string path =
+      dir.Write("bad/config.pbtxt", "num_hiddens: 100 num_heads: 7 seeded { seed: 0 }");
+  const absl::Status status = ModelRepository::Create({.path = dir.path()}).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(status.message(), "model bad (" + path + ")")) << status;
+  EXPECT_TRUE(absl::StrContains(status.message(), "num_heads")) << status;
+}
+
+TEST(ModelRepositoryTest, MissingWeightsAndEmptyRepositoryAreNotFound) {
+  TempDir dir;
+  dir.Write("real/config.pbtxt", "num_hiddens: 100 num_heads: 5");
+  const absl::Status weights = ModelRepository::Create({.path = dir.path()}).status();
+  EXPECT_EQ(weights.code(), absl::StatusCode::kNotFound) << weights;
+  EXPECT_TRUE(absl::StrContains(weights.message(), "/real/weights.safetensors")) << weights;
+  TempDir empty;
+  const absl::Status none = ModelRepository::Create({.path = empty.path()}).status();
+  EXPECT_EQ(none.code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(absl::StrContains(none.message(), "no model directories")) << none;
+}
+
+TEST(ModelRepositoryTest, ResolveNamesTheBatchingField) {
+  const auto config =
+      ParseModelConfig("num_hiddens: 100 num_heads: 5 batching { max_queue_wait_us: -1 }", "test")
+          .value();
+  const absl::Status status = ResolveModelConfig(config, "m", {}).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(status.message(), "batching.max_queue_wait_us: expected >= 0"))
+      << status;
+  const absl::Status parse = ParseModelConfig("num_hiddens: x", "f.pbtxt").status();
+  EXPECT_EQ(parse.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(parse.message(), "f.pbtxt: ")) << parse;
+}
+
+}  // namespace
+}  // namespace mha::server
