@@ -1,14 +1,14 @@
 #include "client/bench.h"
 
 #include <algorithm>
-#include <cmath>
-#include <thread>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "client/channel.h"
+#include "client/load.h"
+#include "client/report.h"
 #include "client/request.h"
 #include "client/status.h"
 #include "proto/attention.grpc.pb.h"
@@ -18,19 +18,6 @@ namespace mha::client {
 namespace {
 
 using attention::v1::AttendRequest;
-
-std::string LoadName(const StepReport& step) {
-  return step.concurrency > 0 ? absl::StrCat("concurrency ", step.concurrency)
-                              : absl::StrFormat("rate %g/s", step.request_rate);
-}
-
-std::string WindowLine(const StepReport& step, int window, const StepStats& stats) {
-  int64_t errors = 0;
-  for (const auto& [code, count] : stats.errors) errors += count;
-  return absl::StrFormat("[%s %s] window %d: %.1f req/s, p50 %.3f ms, p99 %.3f ms, errors %d",
-                         RpcName(step.rpc), LoadName(step), window, stats.requests_per_s,
-                         stats.latency.p50_us * 1e-3, stats.latency.p99_us * 1e-3, errors);
-}
 
 // One sync call of `rpc`, so a wrong model or shape fails fast with the server's
 // message instead of a table full of errors.
@@ -54,56 +41,72 @@ absl::Status PreflightCall(Rpc rpc, const std::shared_ptr<grpc::Channel>& channe
                       absl::StrCat("pre-flight ", RpcName(rpc), ": ", error.message()));
 }
 
-StepReport RunStep(const BenchOptions& options, const LoadTarget& target, int concurrency,
-                   double rate, uint64_t seed, std::ostream& progress, bool interactive) {
-  StepReport step;
-  step.rpc = target.rpc;
-  step.concurrency = concurrency;
-  step.request_rate = rate;
-  Recorder recorder;
-  const absl::Time start = absl::Now();
-  const absl::Time end = start + options.duration;
-  auto started = concurrency > 0 ? StartConcurrency(target, concurrency, &recorder)
-                                 : StartRate(target, rate, options.poisson, seed, &recorder);
-  if (!started.ok()) {  // options were checked before; keep the failure visible anyway
-    step.stats.errors[std::string(absl::StatusCodeToString(started.status().code()))] = 1;
-    return step;
-  }
-  std::unique_ptr<LoadGenerator> load = *std::move(started);
-  const absl::Duration tick = absl::Milliseconds(50);
-  // Sleeps until `until`, returning early once max_requests are sent.
-  auto wait_until = [&](absl::Time until) {
-    for (absl::Time now = absl::Now(); now < until && !load->exhausted(); now = absl::Now()) {
-      absl::SleepFor(std::min(tick, until - now));
-    }
-  };
+// Closed loop when `concurrency` > 0, else open loop at `rate`.
+absl::StatusOr<std::unique_ptr<LoadManager>> StartLoad(const BenchOptions& options,
+                                                       const LoadTarget& target, int concurrency,
+                                                       double rate, uint64_t seed,
+                                                       Recorder* recorder) {
+  if (concurrency > 0) return ConcurrencyManager::Create(target, concurrency, recorder);
+  return RequestRateManager::Create(target, rate, options.poisson, seed, recorder);
+}
 
-  if (options.warmup > absl::ZeroDuration()) {
-    wait_until(std::min(start + options.warmup, end));
-    recorder.Take();  // warm-up: sent and counted, not measured
+// Sleeps until `until`, returning early once max_requests are sent.
+void WaitUntil(absl::Time until, const LoadManager& load) {
+  const absl::Duration tick = absl::Milliseconds(50);
+  for (absl::Time now = absl::Now(); now < until && !load.exhausted(); now = absl::Now()) {
+    absl::SleepFor(std::min(tick, until - now));
   }
+}
+
+// Measures windows until the last stable_windows agree (then `step` is stable),
+// `end` passes, max_windows are measured or max_requests are sent.
+std::vector<Window> MeasureWindows(const BenchOptions& options, absl::Time end, LoadManager& load,
+                                   Recorder& recorder, StepReport& step, BenchProgress& progress) {
   std::vector<Window> windows;
   bool stopped = false;
   while (!stopped && absl::Now() < end && static_cast<int>(windows.size()) < options.max_windows) {
     const int64_t window_start = SteadyNowNs();
-    wait_until(std::min(absl::Now() + options.window, end));
-    if (load->exhausted()) {  // the last requests finish inside this window
-      load->Stop();
+    WaitUntil(std::min(absl::Now() + options.window, end), load);
+    if (load.exhausted()) {  // the last requests finish inside this window
+      load.Stop();
       stopped = true;
     }
     Window window;
     window.samples = recorder.Take();
     window.duration_ns = SteadyNowNs() - window_start;
     windows.push_back(std::move(window));
-    const StepStats stats = Summarize(LastWindows(windows, 1), 0);
-    progress << (interactive ? "\r\033[K" : "")
-             << WindowLine(step, static_cast<int>(windows.size()), stats)
-             << (interactive ? "" : "\n") << std::flush;
+    progress.WindowDone(step, static_cast<int>(windows.size()),
+                        Summarize(LastWindows(windows, 1), 0));
     if (IsStable(windows, options.stable_windows, options.stability)) {
       step.stable = true;
       break;
     }
   }
+  return windows;
+}
+
+// One step: warm-up, then windows until stable or a bound, summarised over the
+// last stable_windows windows.
+StepReport RunStep(const BenchOptions& options, const LoadTarget& target, int concurrency,
+                   double rate, uint64_t seed, BenchProgress& progress) {
+  StepReport step;
+  step.rpc = target.calls.rpc;
+  step.concurrency = concurrency;
+  step.request_rate = rate;
+  Recorder recorder;
+  const absl::Time start = absl::Now();
+  const absl::Time end = start + options.duration;
+  auto started = StartLoad(options, target, concurrency, rate, seed, &recorder);
+  if (!started.ok()) {  // options were checked before; keep the failure visible anyway
+    step.stats.errors[std::string(absl::StatusCodeToString(started.status().code()))] = 1;
+    return step;
+  }
+  std::unique_ptr<LoadManager> load = *std::move(started);
+  if (options.warmup > absl::ZeroDuration()) {
+    WaitUntil(std::min(start + options.warmup, end), *load);
+    recorder.Take();  // warm-up: sent and counted, not measured
+  }
+  const std::vector<Window> windows = MeasureWindows(options, end, *load, recorder, step, progress);
   step.end_reason = step.stable          ? "stable"
                     : load->exhausted()  ? "max_requests"
                     : absl::Now() >= end ? "duration"
@@ -112,14 +115,63 @@ StepReport RunStep(const BenchOptions& options, const LoadTarget& target, int co
   step.sent = load->sent();
   step.windows = static_cast<int>(windows.size());
   step.stats = Summarize(LastWindows(windows, options.stable_windows), 0);
-  if (interactive) progress << "\r\033[K" << std::flush;
   return step;
 }
 
-}  // namespace
+absl::Status CheckOptions(const BenchOptions& options,
+                          const std::vector<std::shared_ptr<grpc::Channel>>& channels) {
+  if (channels.empty()) return absl::InvalidArgumentError("bench: no channel");
+  if (options.rpc == Rpc::kHealth && options.mode == Mode::kStream) {
+    return absl::InvalidArgumentError(
+        "--rpc=health measures the unary Health/Check; use --mode=unary");
+  }
+  if (options.window <= absl::ZeroDuration() || options.duration <= absl::ZeroDuration() ||
+      options.max_windows < 1 || options.stable_windows < 1 || options.stability <= 0) {
+    return absl::InvalidArgumentError(
+        "--window and --duration must be > 0, --max_windows and --stable_windows >= 1, "
+        "--stability > 0");
+  }
+  return absl::OkStatus();
+}
 
-std::string RpcName(Rpc rpc) { return rpc == Rpc::kHealth ? "health" : "attend"; }
-std::string ModeName(Mode mode) { return mode == Mode::kStream ? "stream" : "unary"; }
+// Pre-flight calls, one per RPC measured; counted in `report` like the load's.
+absl::Status Preflight(const std::vector<Rpc>& rpcs, const std::shared_ptr<grpc::Channel>& channel,
+                       const AttendRequest& request, absl::Duration timeout, BenchReport& report) {
+  for (Rpc rpc : rpcs) {
+    const absl::Status status = PreflightCall(rpc, channel, request, timeout);
+    (rpc == Rpc::kHealth ? report.health_requests : report.attend_requests) += 1;
+    MHA_RETURN_IF_ERROR(status);
+  }
+  return absl::OkStatus();
+}
+
+// (concurrency, 0) per closed-loop step, or (0, rate) per open-loop step.
+std::vector<std::pair<int, double>> StepLoads(const BenchOptions& options) {
+  std::vector<std::pair<int, double>> loads;
+  if (!options.request_rates.empty()) {
+    for (double rate : options.request_rates) loads.emplace_back(0, rate);
+  } else {
+    for (int c : options.concurrency) loads.emplace_back(c, 0.0);
+  }
+  return loads;
+}
+
+LoadTarget StepTarget(Rpc rpc, const BenchOptions& options,
+                      const std::vector<std::shared_ptr<grpc::Channel>>& channels,
+                      const AttendRequest& request) {
+  LoadTarget target;
+  target.calls.channels = channels;
+  target.calls.request = &request;
+  target.calls.rpc = rpc;
+  target.calls.mode = rpc == Rpc::kHealth ? Mode::kUnary : options.mode;
+  target.calls.timeout = options.timeout;
+  target.calls.stream_deadline = options.duration + options.timeout;
+  target.max_requests = options.max_requests;
+  target.rate_streams = options.rate_streams;
+  return target;
+}
+
+}  // namespace
 
 absl::StatusOr<std::vector<double>> ParseSweep(absl::string_view text, absl::string_view flag) {
   auto bad = [&](absl::string_view why) {
@@ -155,17 +207,7 @@ absl::StatusOr<BenchReport> RunBench(const BenchOptions& options,
                                      const std::vector<std::shared_ptr<grpc::Channel>>& channels,
                                      const AttendRequest& request, std::ostream& progress,
                                      bool interactive) {
-  if (channels.empty()) return absl::InvalidArgumentError("bench: no channel");
-  if (options.rpc == Rpc::kHealth && options.mode == Mode::kStream) {
-    return absl::InvalidArgumentError(
-        "--rpc=health measures the unary Health/Check; use --mode=unary");
-  }
-  if (options.window <= absl::ZeroDuration() || options.duration <= absl::ZeroDuration() ||
-      options.max_windows < 1 || options.stable_windows < 1 || options.stability <= 0) {
-    return absl::InvalidArgumentError(
-        "--window and --duration must be > 0, --max_windows and --stable_windows >= 1, "
-        "--stability > 0");
-  }
+  MHA_RETURN_IF_ERROR(CheckOptions(options, channels));
   BenchReport report;
   report.options = options;
   const AttendRequest& q = request;
@@ -176,47 +218,20 @@ absl::StatusOr<BenchReport> RunBench(const BenchOptions& options,
 
   std::vector<Rpc> rpcs = {Rpc::kAttend};
   if (options.rpc == Rpc::kHealth) rpcs = {Rpc::kHealth, Rpc::kAttend};
-  for (Rpc rpc : rpcs) {
-    const absl::Status status = PreflightCall(rpc, channels[0], request, options.timeout);
-    (rpc == Rpc::kHealth ? report.health_requests : report.attend_requests) += 1;
-    if (!status.ok()) return status;
-  }
+  MHA_RETURN_IF_ERROR(Preflight(rpcs, channels[0], request, options.timeout, report));
 
-  std::vector<std::pair<int, double>> loads;
-  if (!options.request_rates.empty()) {
-    for (double rate : options.request_rates) loads.emplace_back(0, rate);
-  } else {
-    for (int c : options.concurrency) loads.emplace_back(c, 0.0);
-  }
+  BenchProgress bench_progress(progress, interactive);
   uint64_t seed = options.seed;
-  for (const auto& [concurrency, rate] : loads) {
+  for (const auto& [concurrency, rate] : StepLoads(options)) {
     for (Rpc rpc : rpcs) {
-      LoadTarget target;
-      target.channels = channels;
-      target.request = &request;
-      target.rpc = rpc;
-      target.mode = rpc == Rpc::kHealth ? Mode::kUnary : options.mode;
-      target.timeout = options.timeout;
-      target.stream_deadline = options.duration + options.timeout;
-      target.max_requests = options.max_requests;
-      target.rate_streams = options.rate_streams;
-      StepReport step = RunStep(options, target, concurrency, rate, seed++, progress, interactive);
+      StepReport step = RunStep(options, StepTarget(rpc, options, channels, request), concurrency,
+                                rate, seed++, bench_progress);
       (rpc == Rpc::kHealth ? report.health_requests : report.attend_requests) += step.sent;
       step.stats.tokens_per_s =
           rpc == Rpc::kAttend
               ? step.stats.requests_per_s * static_cast<double>(report.tokens_per_request)
               : 0;
-      const StepStats& s = step.stats;
-      int64_t errors = 0;
-      for (const auto& [code, count] : s.errors) errors += count;
-      progress << absl::StrFormat(
-                      "[%s %s] %s after %d window(s): %.1f req/s, p50 %.3f ms, p99 %.3f ms, "
-                      "errors %d\n",
-                      RpcName(rpc), LoadName(step),
-                      step.stable ? "stable" : absl::StrCat("NOT stable (", step.end_reason, ")"),
-                      step.windows, s.requests_per_s, s.latency.p50_us * 1e-3,
-                      s.latency.p99_us * 1e-3, errors)
-               << std::flush;
+      bench_progress.StepDone(step);
       report.steps.push_back(std::move(step));
     }
   }

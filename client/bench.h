@@ -23,7 +23,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "client/load.h"
+#include "client/calls.h"
 #include "client/stats.h"
 #include "proto/attention.pb.h"
 
@@ -84,9 +84,6 @@ absl::StatusOr<BenchReport> RunBench(const BenchOptions& options,
                                      const std::vector<std::shared_ptr<grpc::Channel>>& channels,
                                      const attention::v1::AttendRequest& request,
                                      std::ostream& progress, bool interactive);
-
-std::string RpcName(Rpc rpc);     // "attend" | "health"
-std::string ModeName(Mode mode);  // "unary" | "stream"
 
 }  // namespace mha::client
 

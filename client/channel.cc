@@ -36,11 +36,11 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> Credentials(
   }
   grpc::SslCredentialsOptions ssl;
   if (!options.tls_ca.empty()) {
-    MHA_CLIENT_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem(options.tls_ca, "tls_ca"));
+    MHA_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem(options.tls_ca, "tls_ca"));
   }
   if (!options.tls_cert.empty()) {
-    MHA_CLIENT_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadPem(options.tls_cert, "tls_cert"));
-    MHA_CLIENT_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadPem(options.tls_key, "tls_key"));
+    MHA_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadPem(options.tls_cert, "tls_cert"));
+    MHA_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadPem(options.tls_key, "tls_key"));
   }
   return grpc::SslCredentials(ssl);
 }
@@ -78,7 +78,7 @@ absl::StatusOr<std::string> RoundRobinTarget(const std::vector<std::string>& tar
   std::vector<std::string> addresses;
   int family = AF_UNSPEC;
   for (const std::string& entry : targets) {
-    MHA_CLIENT_ASSIGN_OR_RETURN(auto host_port, SplitHostPort(entry));
+    MHA_ASSIGN_OR_RETURN(auto host_port, SplitHostPort(entry));
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
@@ -111,7 +111,7 @@ absl::StatusOr<std::string> RoundRobinTarget(const std::vector<std::string>& tar
 
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ChannelOptions& options,
                                                            int index) {
-  MHA_CLIENT_ASSIGN_OR_RETURN(auto credentials, Credentials(options));
+  MHA_ASSIGN_OR_RETURN(auto credentials, Credentials(options));
   grpc::ChannelArguments args;
   const int max_bytes =
       options.max_message_bytes < 0
@@ -124,7 +124,7 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ChannelOptions&
   if (index > 0) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   std::string target = options.target;
   if (!options.targets.empty()) {
-    MHA_CLIENT_ASSIGN_OR_RETURN(target, RoundRobinTarget(options.targets));
+    MHA_ASSIGN_OR_RETURN(target, RoundRobinTarget(options.targets));
     args.SetServiceConfigJSON(R"({"loadBalancingConfig": [{"round_robin": {}}]})");
   }
   return grpc::CreateCustomChannel(target, credentials, args);

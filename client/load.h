@@ -1,47 +1,33 @@
-// Load generation for `bench`, shaped like Triton perf_analyzer's load managers: a
-// fixed number of requests in flight (concurrency) or a fixed rate of request starts
-// (constant or Poisson intervals), over unary Attend, AttendStream or
-// grpc.health.v1.Health/Check. Generators send and record samples; measurement
-// (windows, percentiles, stability) lives in stats.h, reporting in report.h.
+// Load modes for `bench`, shaped like Triton perf_analyzer's load managers: one
+// LoadManager interface, one class per mode. ConcurrencyManager keeps a fixed number
+// of requests in flight; RequestRateManager starts requests at a fixed rate
+// (constant or Poisson intervals) whatever is in flight. Managers decide when to
+// send; the calls themselves live in calls.h, measurement (windows, percentiles,
+// stability) in stats.h, reporting in report.h.
 //
 //   Recorder recorder;
-//   auto load = StartConcurrency(target, 8, &recorder).value();  // 8 calls in flight
+//   auto load = ConcurrencyManager::Create(target, 8, &recorder).value();  // 8 in flight
 //   absl::SleepFor(absl::Seconds(2));
 //   std::vector<Sample> window = recorder.Take();
 //   load->Stop();  // stop sending, wait for calls in flight
-//
-// Every call carries a deadline: unary calls LoadTarget::timeout, streams
-// LoadTarget::stream_deadline (each request on a stream is bounded by the stream).
 #ifndef MHA_CLIENT_LOAD_H_
 #define MHA_CLIENT_LOAD_H_
 
-#include <grpcpp/grpcpp.h>
-
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <random>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/time/time.h"
-#include "proto/attention.pb.h"
+#include "absl/types/span.h"
+#include "client/calls.h"
 
 namespace mha::client {
-
-enum class Rpc { kAttend, kHealth };
-enum class Mode { kUnary, kStream };
-
-// One finished request as the client saw it.
-struct Sample {
-  int64_t end_ns = 0;      // steady clock
-  int64_t latency_ns = 0;  // from the send (stream: queued for writing) to the response
-  grpc::StatusCode code = grpc::StatusCode::OK;
-  // AttendResponse.timing of a successful Attend; 0 otherwise.
-  int64_t queue_us = 0, compute_us = 0, batch_rows = 0;
-};
-
-int64_t SteadyNowNs();
 
 // Collects samples from gRPC's threads. Thread-safe.
 class Recorder {
@@ -57,50 +43,117 @@ class Recorder {
 };
 
 struct LoadTarget {
-  // Calls are spread over these channels (one HTTP/2 connection each, or a
-  // round_robin channel over several servers).
-  std::vector<std::shared_ptr<grpc::Channel>> channels;
-  const attention::v1::AttendRequest* request = nullptr;  // outlives the generator
-  Rpc rpc = Rpc::kAttend;
-  Mode mode = Mode::kUnary;                            // kStream only for kAttend
-  absl::Duration timeout = absl::Seconds(10);          // unary deadline
-  absl::Duration stream_deadline = absl::Seconds(60);  // a stream's whole life
+  CallTarget calls;          // what each request is, where it goes, its deadline
   int64_t max_requests = 0;  // stop sending after this many (0 = no limit)
   int rate_streams = 4;      // streams that carry a fixed-rate stream load
 };
 
-// Sends until Stop. Thread-safe.
-class LoadGenerator {
+// A load mode: sends from creation until Stop and records every finished request.
+// Thread-safe.
+class LoadManager : public CallObserver {
  public:
-  virtual ~LoadGenerator() = default;
+  ~LoadManager() override = default;
+  LoadManager(const LoadManager&) = delete;
+  LoadManager& operator=(const LoadManager&) = delete;
+
   // Stops sending and waits for every call in flight to finish (each is bounded by
-  // its deadline). Idempotent.
-  virtual void Stop() = 0;
+  // its deadline). Idempotent; every final manager calls it on destruction.
+  void Stop();
   int64_t sent() const { return sent_.load(); }
   // True once max_requests calls have been sent.
   bool exhausted() const { return max_requests_ > 0 && sent_.load() >= max_requests_; }
 
+  void OnSample(int slot, const Sample& sample) final;
+  void OnStreamDone(absl::Span<const Sample> unanswered) final;
+
  protected:
-  explicit LoadGenerator(int64_t max_requests) : max_requests_(max_requests) {}
-  // Counts one more request against max_requests; false when none is left.
-  bool Acquire();
-  void Release() { sent_.fetch_sub(1); }  // a request acquired but never sent
+  LoadManager(const LoadTarget& target, Recorder* recorder);
+
+  // Opens the calls, with `streams` streams for a stream load. Once, before sending.
+  void OpenCalls(int streams);
+  // Takes up to `count` requests to send at once; how many it took.
+  int AcquireNow(int count);
+  // Waits until `when`, then takes one request to send; false once stopping or
+  // max_requests are sent.
+  bool AcquireAt(std::chrono::steady_clock::time_point when);
+  // Sends a request taken by AcquireNow or AcquireAt (or a refill) on `slot`.
+  void Issue(int slot);
+
+  // True when a finished request is replaced at once on its slot (closed loop).
+  virtual bool RefillsFinishedSlots() const = 0;
+  // Stops the mode's own sending (a scheduler thread); Stop calls it first.
+  virtual void StopSending() {}
 
  private:
+  // Counts one more request in flight; false when stopping or max_requests are sent.
+  bool AcquireLocked();
+
+  Recorder* const recorder_;
+  const LoadTarget target_;
   const int64_t max_requests_;
   std::atomic<int64_t> sent_{0};
+  std::unique_ptr<CallSender> calls_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  int64_t in_flight_ = 0;
+  int open_streams_ = 0;
 };
 
-// `concurrency` requests in flight: each finished request starts the next.
-absl::StatusOr<std::unique_ptr<LoadGenerator>> StartConcurrency(const LoadTarget& target,
-                                                                int concurrency,
-                                                                Recorder* recorder);
+// Closed loop: `concurrency` requests in flight, each finished request starts the
+// next on its slot. A stream load opens one stream per slot.
+class ConcurrencyManager final : public LoadManager {
+ public:
+  // INVALID_ARGUMENT for concurrency < 1 or an incomplete target.
+  static absl::StatusOr<std::unique_ptr<ConcurrencyManager>> Create(const LoadTarget& target,
+                                                                    int concurrency,
+                                                                    Recorder* recorder);
+  ~ConcurrencyManager() override { Stop(); }
 
-// Requests start at `rate` per second, at constant intervals or with exponential
-// (Poisson process) intervals drawn from `seed`, whatever is in flight.
-absl::StatusOr<std::unique_ptr<LoadGenerator>> StartRate(const LoadTarget& target, double rate,
-                                                         bool poisson, uint64_t seed,
-                                                         Recorder* recorder);
+ private:
+  using LoadManager::LoadManager;
+  bool RefillsFinishedSlots() const override { return true; }
+};
+
+// When a fixed-rate load sends: intervals of exactly 1 / rate, or exponential ones
+// with mean 1 / rate (a Poisson process) drawn from `seed`, so a seed repeats its
+// schedule. Not thread-safe.
+//
+//   RequestSchedule schedule(4, /*poisson=*/false, 0);
+//   schedule.NextInterval();  // 250 ms, every time
+class RequestSchedule {
+ public:
+  RequestSchedule(double rate, bool poisson, uint64_t seed);
+  std::chrono::steady_clock::duration NextInterval();
+
+ private:
+  const double rate_;
+  const bool poisson_;
+  std::mt19937_64 engine_;
+  std::exponential_distribution<double> gap_;
+};
+
+// Open loop: requests start on a RequestSchedule from a thread of their own,
+// whatever is in flight. A stream load spreads them over `rate_streams` streams.
+class RequestRateManager final : public LoadManager {
+ public:
+  // INVALID_ARGUMENT for rate <= 0, a stream load with rate_streams < 1, or an
+  // incomplete target.
+  static absl::StatusOr<std::unique_ptr<RequestRateManager>> Create(const LoadTarget& target,
+                                                                    double rate, bool poisson,
+                                                                    uint64_t seed,
+                                                                    Recorder* recorder);
+  ~RequestRateManager() override { Stop(); }
+
+ private:
+  using LoadManager::LoadManager;
+  bool RefillsFinishedSlots() const override { return false; }
+  void StopSending() override;
+  void SendOnSchedule(RequestSchedule schedule);
+
+  std::thread scheduler_;
+};
 
 }  // namespace mha::client
 

@@ -166,12 +166,10 @@ absl::StatusOr<mha::client::BenchOptions> BenchFromFlags() {
   bench.mode = mode == "stream" ? Mode::kStream : Mode::kUnary;
   bench.poisson = distribution == "poisson";
   if (const std::string rates = absl::GetFlag(FLAGS_request_rate); !rates.empty()) {
-    MHA_CLIENT_ASSIGN_OR_RETURN(bench.request_rates,
-                                mha::client::ParseSweep(rates, "request_rate"));
+    MHA_ASSIGN_OR_RETURN(bench.request_rates, mha::client::ParseSweep(rates, "request_rate"));
   } else {
-    MHA_CLIENT_ASSIGN_OR_RETURN(
-        std::vector<double> levels,
-        mha::client::ParseSweep(absl::GetFlag(FLAGS_concurrency), "concurrency"));
+    MHA_ASSIGN_OR_RETURN(std::vector<double> levels,
+                         mha::client::ParseSweep(absl::GetFlag(FLAGS_concurrency), "concurrency"));
     bench.concurrency.clear();
     for (double level : levels) {
       if (level != static_cast<int>(level) || level > 100000) {
@@ -195,9 +193,8 @@ absl::StatusOr<mha::client::BenchOptions> BenchFromFlags() {
   return bench;
 }
 
-absl::Status Run(const std::string& verb) {
-  namespace client = mha::client;
-  client::ChannelOptions channel;
+mha::client::ChannelOptions ChannelFromFlags() {
+  mha::client::ChannelOptions channel;
   channel.target = absl::GetFlag(FLAGS_target);
   for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_targets), ',', absl::SkipEmpty())) {
     channel.targets.emplace_back(t);
@@ -209,33 +206,42 @@ absl::Status Run(const std::string& verb) {
   channel.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   channel.timeout = absl::GetFlag(FLAGS_timeout);
   channel.max_message_bytes = absl::GetFlag(FLAGS_max_message_size);
-  if (channel.timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("--timeout: expected > 0");
-  }
+  return channel;
+}
 
-  if (verb == "health") {
-    return client::Health(channel, {.service = absl::GetFlag(FLAGS_service)}, std::cout);
-  }
-
-  client::RequestOptions request;
+absl::StatusOr<mha::client::RequestOptions> RequestFromFlags() {
+  mha::client::RequestOptions request;
   request.model = absl::GetFlag(FLAGS_model);
   request.batch = absl::GetFlag(FLAGS_batch);
   request.num_queries = absl::GetFlag(FLAGS_num_queries);
   request.num_keys = absl::GetFlag(FLAGS_num_keys);
-  MHA_CLIENT_ASSIGN_OR_RETURN(request.valid_lens, ParseValidLens(absl::GetFlag(FLAGS_valid_lens)));
+  MHA_ASSIGN_OR_RETURN(request.valid_lens, ParseValidLens(absl::GetFlag(FLAGS_valid_lens)));
   request.causal = absl::GetFlag(FLAGS_causal);
   request.seed = absl::GetFlag(FLAGS_seed);
   request.return_attention = absl::GetFlag(FLAGS_return_attention);
   for (absl::string_view f : absl::StrSplit(absl::GetFlag(FLAGS_input), ',', absl::SkipEmpty())) {
     request.input_files.emplace_back(f);
   }
+  return request;
+}
+
+absl::Status Run(const std::string& verb) {
+  namespace client = mha::client;
+  const client::ChannelOptions channel = ChannelFromFlags();
+  if (channel.timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--timeout: expected > 0");
+  }
+  if (verb == "health") {
+    return client::Health(channel, {.service = absl::GetFlag(FLAGS_service)}, std::cout);
+  }
+  MHA_ASSIGN_OR_RETURN(const client::RequestOptions request, RequestFromFlags());
 
   if (verb == "infer") {
     return client::Infer(channel, request, {.output = absl::GetFlag(FLAGS_output)}, std::cout);
   }
   if (verb == "bench") {
     client::BenchCommandOptions options;
-    MHA_CLIENT_ASSIGN_OR_RETURN(options.bench, BenchFromFlags());
+    MHA_ASSIGN_OR_RETURN(options.bench, BenchFromFlags());
     options.json = absl::GetFlag(FLAGS_json);
     options.csv = absl::GetFlag(FLAGS_csv);
     options.interactive = isatty(STDERR_FILENO) != 0;
@@ -260,15 +266,12 @@ absl::Status Run(const std::string& verb) {
   return absl::InvalidArgumentError("unreachable");
 }
 
-// bench serializes a fresh buffer for every request. glibc serves blocks over 128 KiB
-// with mmap and trims the heap top past twice that, so each large request paid for
-// new pages (page faults, costly on a VM). Freed buffers now stay in the heap for the
-// next request; memory returns to the OS past 64 MiB free at the top. Measured with
-// tests/e2e/overload.sh's load (bert_base, 196 KB requests, 2,000 req/s): the
-// client's CPU 0.82 -> 0.44 cores, leaving the server it shares the machine with
-// more. (attention_server keeps glibc's defaults: with the same settings its RSS
-// stayed at the peak of a burst, +24% in a soak run, where the defaults return it.)
-// GLIBC_TUNABLES, when set, decides instead.
+// bench serializes a fresh buffer for every request. By default glibc serves blocks
+// over 128 KiB with mmap and trims the heap top past twice that, so every large
+// request would pay for new pages (page faults). With these thresholds freed buffers
+// stay in the heap for the next request, and memory returns to the OS past 64 MiB
+// free at the top. Only the client does this: a long-running server should give
+// memory back after a burst. GLIBC_TUNABLES, when set, decides instead.
 void KeepRequestBuffersInTheHeap() {
   if (std::getenv("GLIBC_TUNABLES") != nullptr) return;
   mallopt(M_MMAP_THRESHOLD, 32 << 20);

@@ -1,6 +1,8 @@
 #include "client/report.h"
 
 #include <fstream>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -28,21 +30,49 @@ std::string ErrorText(const StepStats& stats) {
   return absl::StrJoin(parts, ";");
 }
 
-// The Attend step measured at the same load right after `health`, if any.
-const StepReport* AttendPartner(const BenchReport& report, size_t health_index) {
-  if (health_index + 1 >= report.steps.size()) return nullptr;
-  const StepReport& next = report.steps[health_index + 1];
-  const StepReport& health = report.steps[health_index];
-  if (next.rpc != Rpc::kAttend || next.concurrency != health.concurrency ||
-      next.request_rate != health.request_rate) {
-    return nullptr;
+// (Health, Attend) step pairs: each Health step with the Attend step measured at
+// the same load right after it.
+std::vector<std::pair<const StepReport*, const StepReport*>> HealthPairs(
+    const BenchReport& report) {
+  std::vector<std::pair<const StepReport*, const StepReport*>> pairs;
+  for (size_t i = 0; i + 1 < report.steps.size(); ++i) {
+    const StepReport& health = report.steps[i];
+    const StepReport& next = report.steps[i + 1];
+    if (health.rpc == Rpc::kHealth && next.rpc == Rpc::kAttend &&
+        next.concurrency == health.concurrency && next.request_rate == health.request_rate) {
+      pairs.emplace_back(&health, &next);
+    }
   }
-  return &next;
+  return pairs;
 }
 
 double Ratio(double a, double b) { return b > 0 ? a / b : 0; }
 
+constexpr char kClearLine[] = "\r\033[K";
+
 }  // namespace
+
+void BenchProgress::WindowDone(const StepReport& step, int window, const StepStats& stats) {
+  out_ << (interactive_ ? kClearLine : "")
+       << absl::StrFormat("[%s %s] window %d: %.1f req/s, p50 %.3f ms, p99 %.3f ms, errors %d",
+                          RpcName(step.rpc), LoadLabel(step), window, stats.requests_per_s,
+                          stats.latency.p50_us * 1e-3, stats.latency.p99_us * 1e-3,
+                          ErrorCount(stats))
+       << (interactive_ ? "" : "\n") << std::flush;
+}
+
+void BenchProgress::StepDone(const StepReport& step) {
+  // A step that ran (it has an end reason) may have left a window line in place.
+  if (interactive_ && !step.end_reason.empty()) out_ << kClearLine << std::flush;
+  const StepStats& s = step.stats;
+  out_ << absl::StrFormat(
+              "[%s %s] %s after %d window(s): %.1f req/s, p50 %.3f ms, p99 %.3f ms, errors %d\n",
+              RpcName(step.rpc), LoadLabel(step),
+              step.stable ? "stable" : absl::StrCat("NOT stable (", step.end_reason, ")"),
+              step.windows, s.requests_per_s, s.latency.p50_us * 1e-3, s.latency.p99_us * 1e-3,
+              ErrorCount(s))
+       << std::flush;
+}
 
 void PrintTable(const BenchReport& report, std::ostream& out) {
   const BenchOptions& o = report.options;
@@ -70,11 +100,8 @@ void PrintTable(const BenchReport& report, std::ostream& out) {
         attend ? absl::StrFormat("%.0f", s.server_compute_us) : "-",
         step.stable ? "yes" : absl::StrFormat("no, %s", step.end_reason));
   }
-  for (size_t i = 0; i < report.steps.size(); ++i) {
-    if (report.steps[i].rpc != Rpc::kHealth) continue;
-    const StepReport* attend = AttendPartner(report, i);
-    if (attend == nullptr) continue;
-    const StepStats& h = report.steps[i].stats;
+  for (const auto& [health, attend] : HealthPairs(report)) {
+    const StepStats& h = health->stats;
     const StepStats& a = attend->stats;
     out << absl::StrFormat(
         "%s: Attend / Health p50 latency %.2fx, p99 %.2fx; Attend throughput %.2fx of Health's\n",
@@ -86,6 +113,51 @@ void PrintTable(const BenchReport& report, std::ostream& out) {
                              ? absl::StrFormat(", %d Health/Check", report.health_requests)
                              : "");
 }
+
+namespace {
+
+nlohmann::json StepJson(const StepReport& step) {
+  const StepStats& s = step.stats;
+  const LatencyStats& l = s.latency;
+  return {
+      {"rpc", RpcName(step.rpc)},
+      {"concurrency", step.concurrency},
+      {"request_rate", step.request_rate},
+      {"stable", step.stable},
+      {"end_reason", step.end_reason},
+      {"windows", step.windows},
+      {"sent", step.sent},
+      {"duration_s", s.duration_s},
+      {"requests", s.requests},
+      {"ok", s.ok},
+      {"requests_per_s", s.requests_per_s},
+      {"tokens_per_s", s.tokens_per_s},
+      {"latency_us",
+       {{"mean", l.mean_us},
+        {"p50", l.p50_us},
+        {"p90", l.p90_us},
+        {"p95", l.p95_us},
+        {"p99", l.p99_us},
+        {"max", l.max_us}}},
+      {"errors", s.errors},
+      {"server",
+       {{"batch_rows", s.server_batch_rows},
+        {"queue_us", s.server_queue_us},
+        {"compute_us", s.server_compute_us}}},
+  };
+}
+
+nlohmann::json HealthRatioJson(const StepReport& health, const StepReport& attend) {
+  const StepStats& h = health.stats;
+  const StepStats& a = attend.stats;
+  return {{"concurrency", attend.concurrency},
+          {"request_rate", attend.request_rate},
+          {"attend_over_health_p50", Ratio(a.latency.p50_us, h.latency.p50_us)},
+          {"attend_over_health_p99", Ratio(a.latency.p99_us, h.latency.p99_us)},
+          {"attend_over_health_throughput", Ratio(a.requests_per_s, h.requests_per_s)}};
+}
+
+}  // namespace
 
 std::string ToJson(const BenchReport& report) {
   using nlohmann::json;
@@ -115,48 +187,9 @@ std::string ToJson(const BenchReport& report) {
       {"steps", json::array()},
       {"health_ratios", json::array()},
   };
-  for (const StepReport& step : report.steps) {
-    const StepStats& s = step.stats;
-    const LatencyStats& l = s.latency;
-    root["steps"].push_back({
-        {"rpc", RpcName(step.rpc)},
-        {"concurrency", step.concurrency},
-        {"request_rate", step.request_rate},
-        {"stable", step.stable},
-        {"end_reason", step.end_reason},
-        {"windows", step.windows},
-        {"sent", step.sent},
-        {"duration_s", s.duration_s},
-        {"requests", s.requests},
-        {"ok", s.ok},
-        {"requests_per_s", s.requests_per_s},
-        {"tokens_per_s", s.tokens_per_s},
-        {"latency_us",
-         {{"mean", l.mean_us},
-          {"p50", l.p50_us},
-          {"p90", l.p90_us},
-          {"p95", l.p95_us},
-          {"p99", l.p99_us},
-          {"max", l.max_us}}},
-        {"errors", s.errors},
-        {"server",
-         {{"batch_rows", s.server_batch_rows},
-          {"queue_us", s.server_queue_us},
-          {"compute_us", s.server_compute_us}}},
-    });
-  }
-  for (size_t i = 0; i < report.steps.size(); ++i) {
-    const StepReport* attend =
-        report.steps[i].rpc == Rpc::kHealth ? AttendPartner(report, i) : nullptr;
-    if (attend == nullptr) continue;
-    const StepStats& h = report.steps[i].stats;
-    const StepStats& a = attend->stats;
-    root["health_ratios"].push_back(
-        {{"concurrency", attend->concurrency},
-         {"request_rate", attend->request_rate},
-         {"attend_over_health_p50", Ratio(a.latency.p50_us, h.latency.p50_us)},
-         {"attend_over_health_p99", Ratio(a.latency.p99_us, h.latency.p99_us)},
-         {"attend_over_health_throughput", Ratio(a.requests_per_s, h.requests_per_s)}});
+  for (const StepReport& step : report.steps) root["steps"].push_back(StepJson(step));
+  for (const auto& [health, attend] : HealthPairs(report)) {
+    root["health_ratios"].push_back(HealthRatioJson(*health, *attend));
   }
   return root.dump(2) + "\n";
 }

@@ -11,6 +11,27 @@
 
 namespace mha::client {
 
+// Progress of a bench run, for people watching it (stderr): a line per measurement
+// window and one per step.
+//
+//   [attend concurrency 4] window 2: 812.4 req/s, p50 4.812 ms, p99 6.020 ms, errors 0
+//   [attend concurrency 4] stable after 3 window(s): 809.9 req/s, p50 4.822 ms, ...
+//   [health rate 100/s] NOT stable (max_windows) after 10 window(s): ...
+//
+// When `interactive` (a terminal), window lines rewrite one line in place and the
+// step's line replaces it. Not thread-safe.
+class BenchProgress {
+ public:
+  BenchProgress(std::ostream& out, bool interactive) : out_(out), interactive_(interactive) {}
+  // `window` counts from 1; `stats` are that window's alone.
+  void WindowDone(const StepReport& step, int window, const StepStats& stats);
+  void StepDone(const StepReport& step);
+
+ private:
+  std::ostream& out_;
+  const bool interactive_;
+};
+
 // One row per step and RPC; with --rpc=health also the Attend/Health ratios.
 void PrintTable(const BenchReport& report, std::ostream& out);
 

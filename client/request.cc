@@ -42,7 +42,7 @@ absl::Status ToTensor(const Array& array, absl::string_view what, Tensor* tensor
 
 absl::Status ReadInputs(const std::vector<std::string>& files, AttendRequest* request) {
   if (files.size() == 1 && absl::EndsWith(files[0], ".safetensors")) {
-    MHA_CLIENT_ASSIGN_OR_RETURN(auto tensors, ReadSafetensors(files[0]));
+    MHA_ASSIGN_OR_RETURN(auto tensors, ReadSafetensors(files[0]));
     auto get = [&](const char* name) {
       auto it = tensors.find(name);
       return it == tensors.end() ? nullptr : &it->second;
@@ -51,7 +51,7 @@ absl::Status ReadInputs(const std::vector<std::string>& files, AttendRequest* re
     if (queries == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(files[0], ": no tensor named \"queries\""));
     }
-    MHA_CLIENT_RETURN_IF_ERROR(
+    MHA_RETURN_IF_ERROR(
         ToTensor(*queries, absl::StrCat(files[0], ": queries"), request->mutable_queries()));
     const Array* keys = get("keys");
     const Array* values = get("values");
@@ -60,9 +60,9 @@ absl::Status ReadInputs(const std::vector<std::string>& files, AttendRequest* re
           absl::StrCat(files[0], ": \"keys\" and \"values\" go together (or neither)"));
     }
     if (keys != nullptr) {
-      MHA_CLIENT_RETURN_IF_ERROR(
+      MHA_RETURN_IF_ERROR(
           ToTensor(*keys, absl::StrCat(files[0], ": keys"), request->mutable_keys()));
-      MHA_CLIENT_RETURN_IF_ERROR(
+      MHA_RETURN_IF_ERROR(
           ToTensor(*values, absl::StrCat(files[0], ": values"), request->mutable_values()));
     }
     if (const Array* lens = get("valid_lens")) {
@@ -79,9 +79,8 @@ absl::Status ReadInputs(const std::vector<std::string>& files, AttendRequest* re
                        request->mutable_values()};
   const char* names[] = {"queries", "keys", "values"};
   for (size_t i = 0; i < files.size(); ++i) {
-    MHA_CLIENT_ASSIGN_OR_RETURN(Array array, ReadNpy(files[i]));
-    MHA_CLIENT_RETURN_IF_ERROR(
-        ToTensor(array, absl::StrCat(files[i], " (", names[i], ")"), targets[i]));
+    MHA_ASSIGN_OR_RETURN(Array array, ReadNpy(files[i]));
+    MHA_RETURN_IF_ERROR(ToTensor(array, absl::StrCat(files[i], " (", names[i], ")"), targets[i]));
   }
   if (files.size() == 1) {
     request->clear_keys();
@@ -130,7 +129,7 @@ absl::StatusOr<AttendRequest> MakeRequest(const RequestOptions& options, const M
   for (int32_t len : options.valid_lens) request.add_valid_lens(len);
 
   if (!options.input_files.empty()) {
-    MHA_CLIENT_RETURN_IF_ERROR(ReadInputs(options.input_files, &request));
+    MHA_RETURN_IF_ERROR(ReadInputs(options.input_files, &request));
   } else {
     if (options.batch < 1 || options.num_queries < 1 || options.num_keys < 0) {
       return absl::InvalidArgumentError(
@@ -149,11 +148,10 @@ absl::StatusOr<AttendRequest> MakeRequest(const RequestOptions& options, const M
   }
 
   const Tensor& q = request.queries();
-  MHA_CLIENT_RETURN_IF_ERROR(CheckFeatures(q, "queries", model.query_size(), "d_q"));
+  MHA_RETURN_IF_ERROR(CheckFeatures(q, "queries", model.query_size(), "d_q"));
   if (request.has_keys()) {
-    MHA_CLIENT_RETURN_IF_ERROR(CheckFeatures(request.keys(), "keys", model.key_size(), "d_k"));
-    MHA_CLIENT_RETURN_IF_ERROR(
-        CheckFeatures(request.values(), "values", model.value_size(), "d_v"));
+    MHA_RETURN_IF_ERROR(CheckFeatures(request.keys(), "keys", model.key_size(), "d_k"));
+    MHA_RETURN_IF_ERROR(CheckFeatures(request.values(), "values", model.value_size(), "d_v"));
   } else if (!model.supports_self_attention()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "model ", model.name(), " has d_q ", model.query_size(), ", d_k ", model.key_size(),

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "absl/types/span.h"
-#include "client/load.h"
+#include "client/calls.h"
 
 namespace mha::client {
 

@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "base/status_macros.h"
 
 namespace mha::client {
 
@@ -22,24 +23,5 @@ std::string CodeName(grpc::StatusCode code);
 std::string OneLine(const absl::Status& status);
 
 }  // namespace mha::client
-
-// Abseil 20220623 has neither macro; the client keeps its own copy (it does not
-// depend on core/).
-#define MHA_CLIENT_RETURN_IF_ERROR(expr)       \
-  do {                                         \
-    const ::absl::Status mha_status_ = (expr); \
-    if (!mha_status_.ok()) return mha_status_; \
-  } while (false)
-
-#define MHA_CLIENT_CONCAT_INNER_(a, b) a##b
-#define MHA_CLIENT_CONCAT_(a, b) MHA_CLIENT_CONCAT_INNER_(a, b)
-
-// MHA_CLIENT_ASSIGN_OR_RETURN(auto x, MakeX());
-#define MHA_CLIENT_ASSIGN_OR_RETURN(lhs, expr) \
-  MHA_CLIENT_ASSIGN_OR_RETURN_IMPL_(MHA_CLIENT_CONCAT_(mha_client_statusor_, __LINE__), lhs, expr)
-#define MHA_CLIENT_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr) \
-  auto statusor = (expr);                                      \
-  if (!statusor.ok()) return std::move(statusor).status();     \
-  lhs = *std::move(statusor)
 
 #endif  // MHA_CLIENT_STATUS_H_

@@ -102,7 +102,7 @@ absl::StatusOr<std::string> NpyField(absl::string_view header, absl::string_view
 }  // namespace
 
 absl::StatusOr<Array> ReadNpy(const std::string& path) {
-  MHA_CLIENT_ASSIGN_OR_RETURN(const std::string bytes, ReadFile(path));
+  MHA_ASSIGN_OR_RETURN(const std::string bytes, ReadFile(path));
   if (bytes.size() < 10 || bytes.compare(0, 6, "\x93NUMPY") != 0) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": not a .npy file (bad magic)"));
   }
@@ -124,9 +124,9 @@ absl::StatusOr<Array> ReadNpy(const std::string& path) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": truncated .npy header"));
   }
   const absl::string_view header(bytes.data() + offset, header_len);
-  MHA_CLIENT_ASSIGN_OR_RETURN(std::string descr, NpyField(header, "descr", path));
-  MHA_CLIENT_ASSIGN_OR_RETURN(std::string fortran, NpyField(header, "fortran_order", path));
-  MHA_CLIENT_ASSIGN_OR_RETURN(std::string shape_text, NpyField(header, "shape", path));
+  MHA_ASSIGN_OR_RETURN(std::string descr, NpyField(header, "descr", path));
+  MHA_ASSIGN_OR_RETURN(std::string fortran, NpyField(header, "fortran_order", path));
+  MHA_ASSIGN_OR_RETURN(std::string shape_text, NpyField(header, "shape", path));
   descr = std::string(absl::StripSuffix(absl::StripPrefix(descr, "'"), "'"));
   const std::map<std::string, std::string> dtypes = {{"<f4", "F32"}, {"=f4", "F32"}, {"<f8", "F64"},
                                                      {"=f8", "F64"}, {"<i4", "I32"}, {"=i4", "I32"},
@@ -186,7 +186,7 @@ absl::Status WriteNpy(const std::string& path, const std::vector<int64_t>& shape
 }
 
 absl::StatusOr<std::map<std::string, Array>> ReadSafetensors(const std::string& path) {
-  MHA_CLIENT_ASSIGN_OR_RETURN(const std::string bytes, ReadFile(path));
+  MHA_ASSIGN_OR_RETURN(const std::string bytes, ReadFile(path));
   uint64_t header_len = 0;
   if (bytes.size() < 8) return absl::InvalidArgumentError(absl::StrCat(path, ": file too short"));
   std::memcpy(&header_len, bytes.data(), 8);

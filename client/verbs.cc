@@ -67,7 +67,7 @@ struct Session {
 
 absl::StatusOr<Session> Open(const ChannelOptions& options, const std::string& model) {
   Session session;
-  MHA_CLIENT_ASSIGN_OR_RETURN(session.channel, MakeChannel(options));
+  MHA_ASSIGN_OR_RETURN(session.channel, MakeChannel(options));
   session.stub = AttentionService::NewStub(session.channel);
   auto info = GetModel(*session.stub, model, options.timeout);
   if (!info.ok()) {
@@ -139,15 +139,37 @@ absl::Status WriteOutput(const std::string& path, const AttendRequest& request,
   return WriteSafetensors(path, entries);
 }
 
+// Where `png`'s maps and colour bar are, for scripts that read its pixels.
+nlohmann::json LayoutJson(const HeatmapLayout& layout, const std::string& png,
+                          int64_t batch_index) {
+  nlohmann::json json = {{"png", png},
+                         {"width", layout.width},
+                         {"height", layout.height},
+                         {"cell_size", layout.cell_size},
+                         {"rows", layout.rows},
+                         {"cols", layout.cols},
+                         {"batch_index", batch_index},
+                         {"max_weight", layout.max_weight},
+                         {"colour_bar",
+                          {{"x", layout.bar_x},
+                           {"y", layout.bar_y},
+                           {"width", layout.bar_width},
+                           {"height", layout.bar_height}}},
+                         {"heads", nlohmann::json::array()}};
+  for (const HeatmapLayout::Map& map : layout.heads) {
+    json["heads"].push_back({{"head", map.head}, {"x", map.x}, {"y", map.y}});
+  }
+  return json;
+}
+
 }  // namespace
 
 absl::Status Infer(const ChannelOptions& channel, const RequestOptions& request_options,
                    const InferOptions& options, std::ostream& out) {
-  MHA_CLIENT_ASSIGN_OR_RETURN(Session session, Open(channel, request_options.model));
-  MHA_CLIENT_ASSIGN_OR_RETURN(const AttendRequest request,
-                              MakeRequest(request_options, session.model));
+  MHA_ASSIGN_OR_RETURN(Session session, Open(channel, request_options.model));
+  MHA_ASSIGN_OR_RETURN(const AttendRequest request, MakeRequest(request_options, session.model));
   out << ModelLine(session.model) << "\n" << RequestLine(request) << "\n";
-  MHA_CLIENT_ASSIGN_OR_RETURN(const Timed timed, Attend(*session.stub, request, channel.timeout));
+  MHA_ASSIGN_OR_RETURN(const Timed timed, Attend(*session.stub, request, channel.timeout));
   const Tensor& output = timed.response.output();
   const auto& data = output.data();
   double sum = 0, min = INFINITY, max = -INFINITY;
@@ -174,7 +196,7 @@ absl::Status Infer(const ChannelOptions& channel, const RequestOptions& request_
       "time: %.3f ms round trip; server: queue %d us, compute %d us, batch rows %d\n",
       timed.round_trip_ms, t.queue_us(), t.compute_us(), t.batch_rows());
   if (!options.output.empty()) {
-    MHA_CLIENT_RETURN_IF_ERROR(WriteOutput(options.output, request, timed.response));
+    MHA_RETURN_IF_ERROR(WriteOutput(options.output, request, timed.response));
     out << "wrote " << options.output << "\n";
   }
   return absl::OkStatus();
@@ -182,27 +204,26 @@ absl::Status Infer(const ChannelOptions& channel, const RequestOptions& request_
 
 absl::Status Bench(const ChannelOptions& channel, const RequestOptions& request_options,
                    const BenchCommandOptions& options, std::ostream& out, std::ostream& progress) {
-  MHA_CLIENT_ASSIGN_OR_RETURN(Session session, Open(channel, request_options.model));
-  MHA_CLIENT_ASSIGN_OR_RETURN(const AttendRequest request,
-                              MakeRequest(request_options, session.model));
+  MHA_ASSIGN_OR_RETURN(Session session, Open(channel, request_options.model));
+  MHA_ASSIGN_OR_RETURN(const AttendRequest request, MakeRequest(request_options, session.model));
   std::vector<std::shared_ptr<grpc::Channel>> channels = {session.channel};
   for (int i = 1; i < options.bench.channels; ++i) {
-    MHA_CLIENT_ASSIGN_OR_RETURN(auto extra, MakeChannel(channel, i));
+    MHA_ASSIGN_OR_RETURN(auto extra, MakeChannel(channel, i));
     channels.push_back(std::move(extra));
   }
   BenchOptions bench = options.bench;
   bench.timeout = channel.timeout;
-  MHA_CLIENT_ASSIGN_OR_RETURN(BenchReport report,
-                              RunBench(bench, channels, request, progress, options.interactive));
+  MHA_ASSIGN_OR_RETURN(BenchReport report,
+                       RunBench(bench, channels, request, progress, options.interactive));
   report.target = channel.targets.empty() ? channel.target : absl::StrJoin(channel.targets, ",");
   report.model = session.model;
   PrintTable(report, out);
   if (!options.json.empty()) {
-    MHA_CLIENT_RETURN_IF_ERROR(WriteText(options.json, ToJson(report)));
+    MHA_RETURN_IF_ERROR(WriteText(options.json, ToJson(report)));
     out << "wrote " << options.json << "\n";
   }
   if (!options.csv.empty()) {
-    MHA_CLIENT_RETURN_IF_ERROR(WriteText(options.csv, ToCsv(report)));
+    MHA_RETURN_IF_ERROR(WriteText(options.csv, ToCsv(report)));
     out << "wrote " << options.csv << "\n";
   }
   return absl::OkStatus();
@@ -210,17 +231,16 @@ absl::Status Bench(const ChannelOptions& channel, const RequestOptions& request_
 
 absl::Status Heatmap(const ChannelOptions& channel, const RequestOptions& request_options,
                      const HeatmapOptions& options, std::ostream& out) {
-  MHA_CLIENT_ASSIGN_OR_RETURN(Session session, Open(channel, request_options.model));
+  MHA_ASSIGN_OR_RETURN(Session session, Open(channel, request_options.model));
   RequestOptions with_weights = request_options;
   with_weights.return_attention = true;
-  MHA_CLIENT_ASSIGN_OR_RETURN(const AttendRequest request,
-                              MakeRequest(with_weights, session.model));
+  MHA_ASSIGN_OR_RETURN(const AttendRequest request, MakeRequest(with_weights, session.model));
   const int64_t batch = request.queries().shape(0);
   if (options.batch_index < 0 || options.batch_index >= batch) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--batch_index: expected 0 <= index < B = ", batch, ", got ", options.batch_index));
   }
-  MHA_CLIENT_ASSIGN_OR_RETURN(const Timed timed, Attend(*session.stub, request, channel.timeout));
+  MHA_ASSIGN_OR_RETURN(const Timed timed, Attend(*session.stub, request, channel.timeout));
   const Tensor& weights = timed.response.attention();
   if (weights.shape_size() != 4) {
     return absl::InternalError(absl::StrCat("the server returned attention of shape ",
@@ -240,7 +260,7 @@ absl::Status Heatmap(const ChannelOptions& channel, const RequestOptions& reques
             ? absl::StrCat(", valid_len ", request.valid_lens(static_cast<int>(b)))
             : "");
   }
-  MHA_CLIENT_ASSIGN_OR_RETURN(
+  MHA_ASSIGN_OR_RETURN(
       const HeatmapLayout layout,
       RenderHeatmap(
           options.output, row, heads, rows, cols,
@@ -249,32 +269,16 @@ absl::Status Heatmap(const ChannelOptions& channel, const RequestOptions& reques
       "wrote %s (%d x %d pixels): %d heads, %d queries x %d keys, scale 0 .. %.4g\n",
       options.output, layout.width, layout.height, heads, rows, cols, layout.max_weight);
   if (!options.json.empty()) {
-    nlohmann::json json = {{"png", options.output},
-                           {"width", layout.width},
-                           {"height", layout.height},
-                           {"cell_size", layout.cell_size},
-                           {"rows", layout.rows},
-                           {"cols", layout.cols},
-                           {"batch_index", b},
-                           {"max_weight", layout.max_weight},
-                           {"colour_bar",
-                            {{"x", layout.bar_x},
-                             {"y", layout.bar_y},
-                             {"width", layout.bar_width},
-                             {"height", layout.bar_height}}},
-                           {"heads", nlohmann::json::array()}};
-    for (const HeatmapLayout::Map& map : layout.heads) {
-      json["heads"].push_back({{"head", map.head}, {"x", map.x}, {"y", map.y}});
-    }
-    MHA_CLIENT_RETURN_IF_ERROR(WriteText(options.json, json.dump(2) + "\n"));
+    MHA_RETURN_IF_ERROR(
+        WriteText(options.json, LayoutJson(layout, options.output, b).dump(2) + "\n"));
   }
   return absl::OkStatus();
 }
 
 absl::Status Heads(const ChannelOptions& channel, const RequestOptions& request_options,
                    const HeadsOptions& options, std::ostream& out) {
-  MHA_CLIENT_ASSIGN_OR_RETURN(Session session, Open(channel, request_options.model));
-  MHA_CLIENT_ASSIGN_OR_RETURN(AttendRequest request, MakeRequest(request_options, session.model));
+  MHA_ASSIGN_OR_RETURN(Session session, Open(channel, request_options.model));
+  MHA_ASSIGN_OR_RETURN(AttendRequest request, MakeRequest(request_options, session.model));
   const int64_t h = session.model.num_heads();
   if (options.prune < 0 || options.prune > h) {
     return absl::InvalidArgumentError(
@@ -282,7 +286,7 @@ absl::Status Heads(const ChannelOptions& channel, const RequestOptions& request_
   }
   out << ModelLine(session.model) << "\n" << RequestLine(request) << "\n";
   request.clear_head_mask();
-  MHA_CLIENT_ASSIGN_OR_RETURN(const Timed base, Attend(*session.stub, request, channel.timeout));
+  MHA_ASSIGN_OR_RETURN(const Timed base, Attend(*session.stub, request, channel.timeout));
   const auto& base_output = base.response.output().data();
 
   // Output with the heads in `dropped` masked to 0, relative to the full output.
@@ -290,12 +294,12 @@ absl::Status Heads(const ChannelOptions& channel, const RequestOptions& request_
     request.clear_head_mask();
     for (int64_t i = 0; i < h; ++i) request.add_head_mask(1.0f);
     for (int64_t i : dropped) request.set_head_mask(static_cast<int>(i), 0.0f);
-    MHA_CLIENT_ASSIGN_OR_RETURN(const Timed timed, Attend(*session.stub, request, channel.timeout));
+    MHA_ASSIGN_OR_RETURN(const Timed timed, Attend(*session.stub, request, channel.timeout));
     return RelativeChange(timed.response.output().data(), base_output);
   };
   std::vector<double> change(static_cast<size_t>(h));
   for (int64_t i = 0; i < h; ++i) {
-    MHA_CLIENT_ASSIGN_OR_RETURN(change[static_cast<size_t>(i)], change_without({i}));
+    MHA_ASSIGN_OR_RETURN(change[static_cast<size_t>(i)], change_without({i}));
   }
   std::vector<int64_t> ranking(static_cast<size_t>(h));
   std::iota(ranking.begin(), ranking.end(), 0);
@@ -318,20 +322,20 @@ absl::Status Heads(const ChannelOptions& channel, const RequestOptions& request_
   }
   if (options.prune > 0) {
     const std::vector<int64_t> dropped(ranking.end() - options.prune, ranking.end());
-    MHA_CLIENT_ASSIGN_OR_RETURN(const double pruned, change_without(dropped));
+    MHA_ASSIGN_OR_RETURN(const double pruned, change_without(dropped));
     out << absl::StrFormat("prune %d least important (heads %s): relative L2 change %.6g\n",
                            options.prune, absl::StrJoin(dropped, ", "), pruned);
     json["prune"] = {{"heads", dropped}, {"relative_change", pruned}};
   }
   if (!options.json.empty()) {
-    MHA_CLIENT_RETURN_IF_ERROR(WriteText(options.json, json.dump(2) + "\n"));
+    MHA_RETURN_IF_ERROR(WriteText(options.json, json.dump(2) + "\n"));
   }
   return absl::OkStatus();
 }
 
 absl::Status Health(const ChannelOptions& channel, const HealthOptions& options,
                     std::ostream& out) {
-  MHA_CLIENT_ASSIGN_OR_RETURN(auto grpc_channel, MakeChannel(channel));
+  MHA_ASSIGN_OR_RETURN(auto grpc_channel, MakeChannel(channel));
   std::vector<std::string> services = {options.service};
   if (options.service.empty()) {
     grpc::ClientContext context;
