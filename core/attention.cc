@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "base/status_macros.h"
@@ -175,6 +176,11 @@ class MultiHeadAttention::Impl {
       qkv_ = std::make_unique<Linear>(qkv_w.data(), c.bias ? qkv_b.data() : nullptr, 3 * e,
                                       c.query_size, act_);
     }
+    if (c.scoring == Scoring::kAdditive) {
+      score_q_ = ToActivation(w.score_w_q);
+      score_k_ = ToActivation(w.score_w_k);
+      score_v_ = w.score_w_v;
+    }
   }
 
   absl::Status Forward(const AttentionInputs& in, float* output, float* attention) const;
@@ -197,10 +203,17 @@ class MultiHeadAttention::Impl {
     const char* v;    // (B, h, kv_rows, p)
     int64_t kv_rows;  // key rows projected per batch row (the largest key limit)
   };
+  // Additive scoring's projections of every head's queries and keys, f32; both null
+  // for dot-product scoring.
+  struct ScoringProjections {
+    const float* qa = nullptr;  // (B, h, Q, p_a): A_q q
+    const float* kt = nullptr;  // (B, h, p_a, kv_rows): (A_k k)^T, key j in column j
+  };
   // What every attention task of one call reads and writes.
   struct TaskInputs {
     const AttentionInputs& in;
     const HeadMajor& heads;
+    const ScoringProjections& scoring;
     const std::vector<int32_t>& limits;  // KeyLimits::per_query
     float* ctx;                          // (B*Q, p_o) f32: the concatenated heads
     float* attention;                    // (B, h, Q, K), or nullptr
@@ -218,6 +231,12 @@ class MultiHeadAttention::Impl {
     float* attention;       // (mq, K) at row stride K, or nullptr
     int64_t num_keys;       // K
     float factor;           // head_mask[h], else 1
+    // Additive scoring only (else null): the block's A_q q (mq, p_a), the head's
+    // (A_k k)^T (p_a, kv_rows) and its w_v (p_a).
+    const float* qa;
+    const float* kt;
+    int64_t kv_rows;
+    const float* score_v;
   };
   // Online-softmax state of a task's query rows.
   struct RowStats {
@@ -240,6 +259,7 @@ class MultiHeadAttention::Impl {
     std::vector<char> proj, kv;        // projections, row-major
     std::vector<char> heads;           // Q, K, V head-major
     std::vector<char> ctx;             // concatenated heads, f32 (B*Q, p_o)
+    std::vector<float> qa, kt;         // additive scoring's projections
     std::vector<TaskScratch> scratch;  // one per OpenMP thread
     Bindings bindings;                 // oneDNN arguments of the projections
     std::optional<dnnl::stream> stream;
@@ -284,10 +304,17 @@ class MultiHeadAttention::Impl {
                            Workspace& ws) const;
   HeadMajor RepackHeadMajor(const AttentionInputs& in, const Projections& proj, int64_t kv_rows,
                             int threads, Workspace& ws) const;
+  // Additive scoring: A_q q and A_k k of every (batch row, head), once each.
+  absl::Status ProjectScoring(const AttentionInputs& in, const HeadMajor& heads, int threads,
+                              Workspace& ws, ScoringProjections& out) const;
   // Fills ws.ctx (and `attention`) with every head's context.
   absl::Status RunAttentionTasks(const AttentionInputs& in, const HeadMajor& heads,
-                                 const KeyLimits& limits, float* attention, int threads,
-                                 Workspace& ws) const;
+                                 const ScoringProjections& scoring, const KeyLimits& limits,
+                                 float* attention, int threads, Workspace& ws) const;
+  // Runs task(t, stream, scratch) for t < tasks, shared out over a team of up to
+  // `threads`, each thread with its own stream and scratch; the first failure.
+  absl::Status RunTasks(int64_t tasks, int threads, Workspace& ws,
+                        absl::FunctionRef<void(int64_t, dnnl::stream&, TaskScratch&)> task) const;
   // output = ws.ctx W_o^T (+ b_o).
   void ProjectOutput(const AttentionInputs& in, float* output, Workspace& ws) const;
 
@@ -298,6 +325,7 @@ class MultiHeadAttention::Impl {
   void AttendTask(const Task& task, dnnl::stream& stream, TaskScratch& scratch) const;
   void ScoreBlock(const Task& task, int64_t j0, int64_t nk, dnnl::stream& stream,
                   TaskScratch& scratch) const;
+  void AdditiveScoreBlock(const Task& task, int64_t j0, int64_t nk, TaskScratch& scratch) const;
   void SoftmaxBlock(const Task& task, int64_t j0, int64_t nk, RowStats& stats,
                     TaskScratch& scratch) const;
   void ContextBlock(const Task& task, int64_t j0, int64_t nk, dnnl::stream& stream,
@@ -308,7 +336,21 @@ class MultiHeadAttention::Impl {
   Matmul ScorePrimitive(int64_t mq, int64_t nk) const;
   // o (mq, p) f32 (+)= P (mq, nk) v (nk, p).
   Matmul ContextPrimitive(int64_t mq, int64_t nk, bool accumulate) const;
+  // Additive scoring's projections, (m, n) f32 = a (m, p) b^T for b (n, p), both
+  // dense in act_: A_q q is (Q, p_a) = q A_q^T, (A_k k)^T is (p_a, kv_rows) = A_k k^T.
+  Matmul ScoringPrimitive(int64_t m, int64_t n) const;
 
+  // A weight tensor in act_, converted once.
+  std::vector<char> ToActivation(const std::vector<float>& w) const {
+    std::vector<char> out(w.size() * SizeOf(act_));
+    if (act_ == Dt::f32) {
+      std::memcpy(out.data(), w.data(), out.size());
+    } else {
+      kernels::ToBf16(w.data(), reinterpret_cast<uint16_t*>(out.data()),
+                      static_cast<int64_t>(w.size()));
+    }
+    return out;
+  }
   // x (n floats) in act_: x itself for f32, else a bf16 copy in `tmp`.
   const void* AsActivation(const float* x, int64_t n, std::vector<char>& tmp) const;
   // Grows (never shrinks) a buffer; contents are not preserved.
@@ -324,6 +366,9 @@ class MultiHeadAttention::Impl {
   mutable WorkspacePool workspaces_;
   const Dt act_;
   std::unique_ptr<Linear> q_, k_, v_, kv_, qkv_, o_lin_;
+  // Additive scoring: A_q, A_k (h, p_a, p) in act_; w_v (h, p_a) f32.
+  std::vector<char> score_q_, score_k_;
+  std::vector<float> score_v_;
   mutable MatmulCache attn_cache_;  // the block GEMMs' primitives
 };
 
@@ -357,6 +402,17 @@ Matmul MultiHeadAttention::Impl::ContextPrimitive(int64_t mq, int64_t nk, bool a
       attr);
 }
 
+Matmul MultiHeadAttention::Impl::ScoringPrimitive(int64_t m, int64_t n) const {
+  const int64_t p = c_.head_size();
+  const MatmulCache::Key key{2, m, n, 0, PlanThreads()};
+  if (auto prim = attn_cache_.Find(key)) return *prim;
+  return attn_cache_.Add(
+      key,
+      dnnl::matmul::desc(memory::desc({m, p}, act_, {p, 1}), memory::desc({p, n}, act_, {1, p}),
+                         memory::desc({m, n}, Dt::f32, {n, 1})),
+      dnnl::primitive_attr());
+}
+
 MultiHeadAttention::Impl::Task MultiHeadAttention::Impl::TaskAt(const TaskInputs& inputs,
                                                                 int64_t t) const {
   const AttentionInputs& in = inputs.in;
@@ -368,6 +424,9 @@ MultiHeadAttention::Impl::Task MultiHeadAttention::Impl::TaskAt(const TaskInputs
   const int64_t i0 = qb * o_.query_block;
   const int64_t mq = std::min(o_.query_block, Q - i0);
   const int32_t* lim = &inputs.limits[b * Q + i0];
+  const ScoringProjections& sp = inputs.scoring;
+  const int64_t pa = c_.additive_hidden;
+  const bool additive = sp.qa != nullptr;
   return {
       .mq = mq,
       .limits = lim,
@@ -380,6 +439,10 @@ MultiHeadAttention::Impl::Task MultiHeadAttention::Impl::TaskAt(const TaskInputs
           inputs.attention == nullptr ? nullptr : inputs.attention + ((b * H + h) * Q + i0) * K,
       .num_keys = K,
       .factor = in.head_mask.empty() ? 1.0f : in.head_mask[h],
+      .qa = additive ? sp.qa + ((b * H + h) * Q + i0) * pa : nullptr,
+      .kt = additive ? sp.kt + (b * H + h) * pa * hm.kv_rows : nullptr,
+      .kv_rows = hm.kv_rows,
+      .score_v = additive ? score_v_.data() + h * pa : nullptr,
   };
 }
 
@@ -415,12 +478,24 @@ void MultiHeadAttention::Impl::AttendTask(const Task& task, dnnl::stream& stream
 // scratch.s (mq, nk) = the block's scores.
 void MultiHeadAttention::Impl::ScoreBlock(const Task& task, int64_t j0, int64_t nk,
                                           dnnl::stream& stream, TaskScratch& scratch) const {
+  if (task.qa != nullptr) return AdditiveScoreBlock(task, j0, nk, scratch);
   const int64_t p = c_.head_size();
   Bindings& args = scratch.bindings;
   args.Bind(DNNL_ARG_SRC, task.mq, p, p, false, act_, task.q);
   args.Bind(DNNL_ARG_WEIGHTS, p, nk, p, /*transposed=*/true, act_, task.k + j0 * p * SizeOf(act_));
   args.Bind(DNNL_ARG_DST, task.mq, nk, nk, false, Dt::f32, scratch.s.data());
   args.Execute(ScorePrimitive(task.mq, nk), stream);
+}
+
+// Only the keys a row sees are scored: padded and masked keys cost nothing.
+void MultiHeadAttention::Impl::AdditiveScoreBlock(const Task& task, int64_t j0, int64_t nk,
+                                                  TaskScratch& scratch) const {
+  const int64_t pa = c_.additive_hidden;
+  for (int64_t i = 0; i < task.mq; ++i) {
+    const int64_t n = std::clamp<int64_t>(task.limits[i] - j0, 0, nk);
+    kernels::AdditiveScores(task.qa + i * pa, task.kt + j0, task.kv_rows, task.score_v, pa,
+                            scratch.s.data() + i * nk, n);
+  }
 }
 
 // Scores become unnormalised probabilities (in scratch.s, and scratch.p for bf16),
@@ -634,20 +709,9 @@ MultiHeadAttention::Impl::HeadMajor MultiHeadAttention::Impl::RepackHeadMajor(
   return {qh, kh, vh, kv_rows};
 }
 
-// One task per (batch row, head, query block), key blocks inside.
-absl::Status MultiHeadAttention::Impl::RunAttentionTasks(const AttentionInputs& in,
-                                                         const HeadMajor& heads,
-                                                         const KeyLimits& limits, float* attention,
-                                                         int threads, Workspace& ws) const {
-  Grow(ws.ctx, in.batch * in.num_queries * c_.num_hiddens * sizeof(float));
-  const int64_t q_blocks = (in.num_queries + o_.query_block - 1) / o_.query_block;
-  const int64_t tasks = in.batch * c_.num_heads * q_blocks;
-  const TaskInputs inputs{.in = in,
-                          .heads = heads,
-                          .limits = limits.per_query,
-                          .ctx = reinterpret_cast<float*>(ws.ctx.data()),
-                          .attention = attention,
-                          .q_blocks = q_blocks};
+absl::Status MultiHeadAttention::Impl::RunTasks(
+    int64_t tasks, int threads, Workspace& ws,
+    absl::FunctionRef<void(int64_t, dnnl::stream&, TaskScratch&)> task) const {
   // One thread runs every task itself. A team shares them out: run serially beside
   // multi-threaded primitives, each tiny block GEMM would fork a team of its own.
   const int team = static_cast<int>(std::min<int64_t>(threads, tasks));
@@ -657,7 +721,7 @@ absl::Status MultiHeadAttention::Impl::RunAttentionTasks(const AttentionInputs& 
     if (error.failed()) return;
     if (!scratch.stream) scratch.stream.emplace(CpuEngine());
     try {
-      AttendTask(TaskAt(inputs, t), *scratch.stream, scratch);
+      task(t, *scratch.stream, scratch);
     } catch (const dnnl::error& e) {
       error.Set(DnnlMessage(e));
     } catch (const std::exception& e) {
@@ -678,6 +742,59 @@ absl::Status MultiHeadAttention::Impl::RunAttentionTasks(const AttentionInputs& 
     omp_set_num_threads(threads);
   }
   return error.status();
+}
+
+// One task per (batch row, head): its queries' and keys' scoring projections.
+absl::Status MultiHeadAttention::Impl::ProjectScoring(const AttentionInputs& in,
+                                                      const HeadMajor& heads, int threads,
+                                                      Workspace& ws,
+                                                      ScoringProjections& out) const {
+  const int64_t Q = in.num_queries, H = c_.num_heads, kv = heads.kv_rows;
+  const int64_t p = c_.head_size(), pa = c_.additive_hidden;
+  const size_t asz = SizeOf(act_);
+  if (ws.qa.size() < static_cast<size_t>(in.batch * H * Q * pa))
+    ws.qa.resize(in.batch * H * Q * pa);
+  if (ws.kt.size() < static_cast<size_t>(in.batch * H * pa * kv))
+    ws.kt.resize(in.batch * H * pa * kv);
+  out = {.qa = ws.qa.data(), .kt = ws.kt.data()};
+  return RunTasks(in.batch * H, threads, ws,
+                  [&](int64_t t, dnnl::stream& stream, TaskScratch& scratch) {
+                    const int64_t h = t % H;
+                    const char* a_q = score_q_.data() + h * pa * p * asz;
+                    const char* a_k = score_k_.data() + h * pa * p * asz;
+                    Bindings& args = scratch.bindings;
+                    args.Bind(DNNL_ARG_SRC, Q, p, p, false, act_, heads.q + t * Q * p * asz);
+                    args.Bind(DNNL_ARG_WEIGHTS, p, pa, p, /*transposed=*/true, act_, a_q);
+                    args.Bind(DNNL_ARG_DST, Q, pa, pa, false, Dt::f32, ws.qa.data() + t * Q * pa);
+                    args.Execute(ScoringPrimitive(Q, pa), stream);
+                    if (kv == 0) return;
+                    args.Bind(DNNL_ARG_SRC, pa, p, p, false, act_, a_k);
+                    args.Bind(DNNL_ARG_WEIGHTS, p, kv, p, /*transposed=*/true, act_,
+                              heads.k + t * kv * p * asz);
+                    args.Bind(DNNL_ARG_DST, pa, kv, kv, false, Dt::f32, ws.kt.data() + t * pa * kv);
+                    args.Execute(ScoringPrimitive(pa, kv), stream);
+                  });
+}
+
+// One task per (batch row, head, query block), key blocks inside.
+absl::Status MultiHeadAttention::Impl::RunAttentionTasks(const AttentionInputs& in,
+                                                         const HeadMajor& heads,
+                                                         const ScoringProjections& scoring,
+                                                         const KeyLimits& limits, float* attention,
+                                                         int threads, Workspace& ws) const {
+  Grow(ws.ctx, in.batch * in.num_queries * c_.num_hiddens * sizeof(float));
+  const int64_t q_blocks = (in.num_queries + o_.query_block - 1) / o_.query_block;
+  const TaskInputs inputs{.in = in,
+                          .heads = heads,
+                          .scoring = scoring,
+                          .limits = limits.per_query,
+                          .ctx = reinterpret_cast<float*>(ws.ctx.data()),
+                          .attention = attention,
+                          .q_blocks = q_blocks};
+  return RunTasks(in.batch * c_.num_heads * q_blocks, threads, ws,
+                  [&](int64_t t, dnnl::stream& stream, TaskScratch& scratch) {
+                    AttendTask(TaskAt(inputs, t), stream, scratch);
+                  });
 }
 
 void MultiHeadAttention::Impl::ProjectOutput(const AttentionInputs& in, float* output,
@@ -703,7 +820,11 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
     if (!ws.stream) ws.stream.emplace(CpuEngine());
     const Projections proj = Project(in, limits.kv_rows, ws);
     const HeadMajor heads = RepackHeadMajor(in, proj, limits.kv_rows, threads, ws);
-    MHA_RETURN_IF_ERROR(RunAttentionTasks(in, heads, limits, attention, threads, ws));
+    ScoringProjections scoring;
+    if (c_.scoring == Scoring::kAdditive) {
+      MHA_RETURN_IF_ERROR(ProjectScoring(in, heads, threads, ws, scoring));
+    }
+    MHA_RETURN_IF_ERROR(RunAttentionTasks(in, heads, scoring, limits, attention, threads, ws));
     ProjectOutput(in, output, ws);
     ws.stream->wait();
   } catch (const dnnl::error& e) {
@@ -786,8 +907,12 @@ double MultiHeadAttention::Flops(const ModelConfig& c, int64_t batch, int64_t nu
   const double b = batch, q = num_queries, k = num_keys, e = c.num_hiddens;
   const double projections =
       2 * b * e * (q * c.query_size + k * c.key_size + k * c.value_size + q * e);
-  const double attention = 2 * 2 * b * q * k * e;  // scores and context, all heads
-  return projections + attention;
+  const double context = 2 * b * q * k * e;  // all heads
+  if (c.scoring == Scoring::kDotProduct) return projections + 2 * b * q * k * e + context;
+  // Additive: A_q q and A_k k per head, then per (query, key, feature) an add, a
+  // tanh and a multiply-add, counted as 4.
+  const double pa = c.additive_hidden, h = c.num_heads;
+  return projections + 2 * b * (q + k) * e * pa + 4 * b * h * q * k * pa + context;
 }
 
 }  // namespace mha::core

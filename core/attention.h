@@ -2,7 +2,9 @@
 // "Multi-Head Attention") on oneDNN.
 //
 //   q_i = queries W_q^T (+ b_q), k_i, v_i likewise, each head i its slice of p columns
-//   scores_i = q_i k_i^T / sqrt(p); masked keys excluded; a_i = softmax over keys
+//   scores_i = q_i k_i^T / sqrt(p), or for ModelConfig::scoring kAdditive
+//     score_ij = w_v_i . tanh(A_q_i q_i + A_k_i k_ij) (core/config.h);
+//   masked keys excluded; a_i = softmax over keys
 //   head_i = a_i v_i (* head_mask[i]); output = concat(head_1..head_h) W_o^T (+ b_o)
 //
 // Shapes (row-major float32):
@@ -100,6 +102,8 @@ class MultiHeadAttention {
 
   // Floating-point operations of one call at full length, as benchmarks count
   // them: the four projections and the two attention products (2 per multiply-add).
+  // Additive scoring counts A_q q and A_k k (2 per multiply-add) and 4 per (head,
+  // query, key, feature) for its add, tanh and multiply-add instead of q k^T.
   static double Flops(const ModelConfig& config, int64_t batch, int64_t num_queries,
                       int64_t num_keys);
 

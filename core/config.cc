@@ -14,6 +14,16 @@ absl::string_view PrecisionName(Precision precision) {
   return "unknown";
 }
 
+absl::string_view ScoringName(Scoring scoring) {
+  switch (scoring) {
+    case Scoring::kDotProduct:
+      return "dot_product";
+    case Scoring::kAdditive:
+      return "additive";
+  }
+  return "unknown";
+}
+
 absl::StatusOr<Precision> ParsePrecision(absl::string_view name) {
   if (name == "f32" || name == "fp32" || name == "float32") return Precision::kF32;
   if (name == "bf16" || name == "bfloat16") return Precision::kBf16;
@@ -27,8 +37,8 @@ absl::Status ModelConfig::Validate() const {
   constexpr int64_t kMaxDim = 1 << 16;
   auto check_dim = [](absl::string_view name, int64_t v) -> absl::Status {
     if (v < 1 || v > kMaxDim) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, ": expected 1 <= ", name, " <= ", kMaxDim, ", got ", v));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": expected 1 <= ", name, " <= ", kMaxDim, ", got ", v));
     }
     return absl::OkStatus();
   };
@@ -40,9 +50,16 @@ absl::Status ModelConfig::Validate() const {
     if (absl::Status s = check_dim(name, v); !s.ok()) return s;
   }
   if (num_hiddens % num_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "num_hiddens: must be divisible by num_heads (", num_hiddens, " % ",
-        num_heads, " = ", num_hiddens % num_heads, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("num_hiddens: must be divisible by num_heads (",
+                                                   num_hiddens, " % ", num_heads, " = ",
+                                                   num_hiddens % num_heads, ")"));
+  }
+  if (scoring == Scoring::kAdditive) {
+    if (absl::Status s = check_dim("additive_hidden", additive_hidden); !s.ok()) return s;
+  } else if (additive_hidden != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("additive_hidden: only for scoring ADDITIVE, got ", additive_hidden, " with ",
+                     ScoringName(scoring), " scoring"));
   }
   if (!(dropout >= 0.0f && dropout < 1.0f)) {
     return absl::InvalidArgumentError(

@@ -20,6 +20,16 @@ enum class Precision { kF32, kBf16 };
 absl::string_view PrecisionName(Precision precision);
 absl::StatusOr<Precision> ParsePrecision(absl::string_view name);  // "f32" | "bf16"
 
+// The attention pooling of every head, for its projected query q (p), keys k_j and
+// values v_j (p = p_o / h each):
+//   kDotProduct  score_j = q . k_j / sqrt(p)
+//   kAdditive    score_j = w_v . tanh(A_q q + A_k k_j), A_q and A_k (p_a, p), w_v (p_a):
+//                Bahdanau's additive attention with p_a = additive_hidden, no scaling
+// Masks, softmax over keys and the context sum_j a_j v_j are the same for both.
+enum class Scoring { kDotProduct, kAdditive };
+
+absl::string_view ScoringName(Scoring scoring);  // "dot_product" | "additive"
+
 // Sizes follow the d2l seeds: num_hiddens is p_o, query/key/value_size are the
 // input feature sizes d_q, d_k, d_v (they may differ from p_o).
 //
@@ -35,7 +45,9 @@ struct ModelConfig {
   int64_t value_size = 100;   // d_v
   bool bias = false;          // biases on W_q, W_k, W_v and W_o (all or none)
   Precision precision = Precision::kF32;
-  float dropout = 0.0f;  // accepted for parity with training configs; identity here
+  Scoring scoring = Scoring::kDotProduct;
+  int64_t additive_hidden = 0;  // p_a: required (>= 1) with kAdditive, else 0
+  float dropout = 0.0f;         // accepted for parity with training configs; identity here
 
   int64_t head_size() const { return num_hiddens / num_heads; }
   // Self-attention (keys and values omitted) needs d_k == d_v == d_q.

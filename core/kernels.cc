@@ -1,5 +1,6 @@
 #include "core/kernels.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <limits>
@@ -42,6 +43,15 @@ inline float ExpNonPositive(float x) {
   return nan ? std::numeric_limits<float>::quiet_NaN() : p * std::bit_cast<float>(e);
 }
 
+// tanh |x| = (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1]; the sign is put back.
+// Large |x| flush e to ~2^-126, giving +-1.
+inline float Tanh(float x) {
+  const float ax = x < 0.0f ? -x : x;
+  const float e = ExpNonPositive(-2.0f * ax);
+  const float t = (1.0f - e) / (1.0f + e);
+  return x < 0.0f ? -t : t;
+}
+
 inline uint16_t Bf16Bits(float x) {
   uint32_t u = std::bit_cast<uint32_t>(x);
   u += 0x7fffu + ((u >> 16) & 1u);
@@ -74,6 +84,19 @@ float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n) {
   const float sum = ExpSubSum(s, m, s, n);
   ToBf16(s, p, n);
   return sum;
+}
+
+// Key by key across the row, one scoring feature a at a time: the loop over keys is
+// contiguous in kt and in s, so it vectorises without horizontal sums.
+MHA_MULTIVERSION void AdditiveScores(const float* qa, const float* kt, int64_t ld, const float* w,
+                                     int64_t pa, float* s, int64_t n) {
+  std::fill_n(s, n, 0.0f);
+  for (int64_t a = 0; a < pa; ++a) {
+    const float q = qa[a], wa = w[a];
+    const float* k = kt + a * ld;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) s[j] += wa * Tanh(q + k[j]);
+  }
 }
 
 MHA_MULTIVERSION void Scale(float* x, float factor, int64_t n) {

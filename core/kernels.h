@@ -1,5 +1,5 @@
-// Row kernels of the fused attention loop: online-softmax statistics, exp, and
-// float <-> bfloat16 conversion. Internal to core/; plain loops written so the
+// Row kernels of the fused attention loop: online-softmax statistics, exp, additive
+// scores, and float <-> bfloat16 conversion. Internal to core/; plain loops written so the
 // compiler vectorises them, with AVX-512 and AVX2 clones picked at load time.
 #ifndef MHA_CORE_KERNELS_H_
 #define MHA_CORE_KERNELS_H_
@@ -17,6 +17,13 @@ float ExpSubSum(const float* s, float m, float* p, int64_t n);
 // Same, writing bfloat16 (round to nearest even) to p; the sum is of the f32 values.
 // s is overwritten with the f32 exponentials.
 float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n);
+
+// Additive scores of one query against n keys, for one head:
+//   s[j] = sum_a w[a] tanh(qa[a] + kt[a * ld + j])   for j < n, a < pa
+// qa (pa): the query's projection A_q q; kt (pa, ld): the keys' projections A_k k_j
+// transposed, key j in column j; w (pa): w_v. tanh is accurate to ~1e-7 absolute.
+void AdditiveScores(const float* qa, const float* kt, int64_t ld, const float* w, int64_t pa,
+                    float* s, int64_t n);
 
 void Scale(float* x, float factor, int64_t n);  // x *= factor
 void ToBf16(const float* x, uint16_t* y, int64_t n);

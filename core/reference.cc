@@ -20,6 +20,32 @@ std::vector<double> Linear(const float* x, int64_t rows, int64_t in, const std::
   return y;
 }
 
+// Head h's projection A (p_a, p) of a head-size vector x: (A x)[a].
+std::vector<double> ApplyHead(const std::vector<float>& a, int64_t h, int64_t pa, int64_t p,
+                              const double* x) {
+  std::vector<double> y(static_cast<size_t>(pa), 0.0);
+  for (int64_t r = 0; r < pa; ++r) {
+    for (int64_t d = 0; d < p; ++d) y[r] += double{a[(h * pa + r) * p + d]} * x[d];
+  }
+  return y;
+}
+
+// The score of query row q against key row k of head h (each p values).
+double Score(const ModelConfig& c, const Weights& w, int64_t h, const double* q, const double* k) {
+  const int64_t p = c.head_size();
+  if (c.scoring == Scoring::kDotProduct) {
+    double s = 0;
+    for (int64_t d = 0; d < p; ++d) s += q[d] * k[d];
+    return s / std::sqrt(static_cast<double>(p));
+  }
+  const int64_t pa = c.additive_hidden;
+  const std::vector<double> aq = ApplyHead(w.score_w_q, h, pa, p, q);
+  const std::vector<double> ak = ApplyHead(w.score_w_k, h, pa, p, k);
+  double s = 0;
+  for (int64_t r = 0; r < pa; ++r) s += double{w.score_w_v[h * pa + r]} * std::tanh(aq[r] + ak[r]);
+  return s;
+}
+
 }  // namespace
 
 ReferenceResult ReferenceForward(const ModelConfig& c, const Weights& w,
@@ -39,7 +65,6 @@ ReferenceResult ReferenceForward(const ModelConfig& c, const Weights& w,
   r.attention.assign(static_cast<size_t>(B * H * Q * K), 0.0);
   std::vector<double> concat(static_cast<size_t>(B * Q * E), 0.0);
   std::vector<double> scores(static_cast<size_t>(K));
-  const double scale = 1.0 / std::sqrt(static_cast<double>(P));
 
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t i = 0; i < Q; ++i) {
@@ -52,11 +77,7 @@ ReferenceResult ReferenceForward(const ModelConfig& c, const Weights& w,
         if (limit > 0) {
           double max_score = -INFINITY;
           for (int64_t j = 0; j < limit; ++j) {
-            double s = 0;
-            for (int64_t d = 0; d < P; ++d) {
-              s += q[(b * Q + i) * E + h * P + d] * k[(b * K + j) * E + h * P + d];
-            }
-            scores[j] = s * scale;
+            scores[j] = Score(c, w, h, &q[(b * Q + i) * E + h * P], &k[(b * K + j) * E + h * P]);
             max_score = std::max(max_score, scores[j]);
           }
           double sum = 0;

@@ -1,7 +1,8 @@
 // A naive reference of the layer: plain loops, double accumulation, no oneDNN and no
 // shared code with attention.cc beyond the public structs. Used by tests only; it
 // is the independent check of the fast path. Same semantics and shapes as
-// MultiHeadAttention::Forward (see attention.h); the inputs must already be valid.
+// MultiHeadAttention::Forward (see attention.h), both scorings; the inputs must
+// already be valid.
 // It decodes valid_lens itself, not through ValidLens, so that the one reader of
 // that layout the fast path and the server share is checked as well.
 #ifndef MHA_CORE_REFERENCE_H_

@@ -2,12 +2,12 @@
 
 #include <cmath>
 #include <set>
-#include "absl/strings/string_view.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/safetensors.h"
+#include "absl/strings/string_view.h"
 #include "base/status_macros.h"
+#include "core/safetensors.h"
 
 namespace mha::core {
 namespace {
@@ -53,14 +53,14 @@ absl::StatusOr<std::vector<float>> Take(const SafetensorsFile& file, const std::
                                         std::set<std::string>& used) {
   auto it = file.tensors().find(name);
   if (it == file.tensors().end()) {
-    return absl::InvalidArgumentError(absl::StrCat(file.source(), ": missing tensor \"", name,
-                                                   "\" ", ShapeString(shape)));
+    return absl::InvalidArgumentError(
+        absl::StrCat(file.source(), ": missing tensor \"", name, "\" ", ShapeString(shape)));
   }
   used.insert(name);
   if (it->second.shape != shape) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(file.source(), ": tensor \"", name, "\": expected shape ",
-                     ShapeString(shape), ", got ", ShapeString(it->second.shape)));
+    return absl::InvalidArgumentError(absl::StrCat(file.source(), ": tensor \"", name,
+                                                   "\": expected shape ", ShapeString(shape),
+                                                   ", got ", ShapeString(it->second.shape)));
   }
   auto values = it->second.ToFloat(name);
   if (!values.ok()) {
@@ -83,10 +83,11 @@ absl::Status LoadTorchNaming(const SafetensorsFile& file, const ModelConfig& c, 
   }
   if (file.tensors().contains("in_proj_weight")) {
     if (c.key_size != e || c.value_size != e) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          file.source(), ": tensor \"in_proj_weight\" is packed, which needs key_size == "
-                         "value_size == num_hiddens; export q_proj_weight, k_proj_weight and "
-                         "v_proj_weight instead"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(file.source(),
+                       ": tensor \"in_proj_weight\" is packed, which needs key_size == "
+                       "value_size == num_hiddens; export q_proj_weight, k_proj_weight and "
+                       "v_proj_weight instead"));
     }
     MHA_ASSIGN_OR_RETURN(std::vector<float> packed, Take(file, "in_proj_weight", {3 * e, e}, used));
     w.w_q = Slice(packed, 0, e * e);
@@ -108,6 +109,41 @@ absl::Status LoadTorchNaming(const SafetensorsFile& file, const ModelConfig& c, 
   return absl::OkStatus();
 }
 
+// One additive scoring tensor: `per_head` (h, ...) as stored, or `shared`, whose
+// values every head repeats.
+absl::StatusOr<std::vector<float>> TakePerHead(const SafetensorsFile& file, const std::string& name,
+                                               const std::vector<int64_t>& shared,
+                                               const std::vector<int64_t>& per_head,
+                                               std::set<std::string>& used) {
+  const auto it = file.tensors().find(name);
+  if (it != file.tensors().end() && it->second.shape == per_head) {
+    return Take(file, name, per_head, used);
+  }
+  if (it != file.tensors().end() && it->second.shape != shared) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(file.source(), ": tensor \"", name, "\": expected shape ", ShapeString(shared),
+                     " (shared by every head) or ", ShapeString(per_head), " (one per head), got ",
+                     ShapeString(it->second.shape)));
+  }
+  MHA_ASSIGN_OR_RETURN(std::vector<float> one, Take(file, name, shared, used));
+  std::vector<float> stacked;
+  stacked.reserve(one.size() * per_head[0]);
+  for (int64_t h = 0; h < per_head[0]; ++h) stacked.insert(stacked.end(), one.begin(), one.end());
+  return stacked;
+}
+
+absl::Status LoadAdditiveScoring(const SafetensorsFile& file, const ModelConfig& c, Weights& w,
+                                 std::set<std::string>& used) {
+  const int64_t h = c.num_heads, p = c.head_size(), pa = c.additive_hidden;
+  MHA_ASSIGN_OR_RETURN(w.score_w_q,
+                       TakePerHead(file, "attention.W_q.weight", {pa, p}, {h, pa, p}, used));
+  MHA_ASSIGN_OR_RETURN(w.score_w_k,
+                       TakePerHead(file, "attention.W_k.weight", {pa, p}, {h, pa, p}, used));
+  MHA_ASSIGN_OR_RETURN(w.score_w_v,
+                       TakePerHead(file, "attention.w_v.weight", {1, pa}, {h, pa}, used));
+  return absl::OkStatus();
+}
+
 absl::Status LoadD2lNaming(const SafetensorsFile& file, const ModelConfig& c, Weights& w,
                            std::set<std::string>& used) {
   const int64_t p = c.num_hiddens;
@@ -121,6 +157,7 @@ absl::Status LoadD2lNaming(const SafetensorsFile& file, const ModelConfig& c, We
     MHA_ASSIGN_OR_RETURN(w.b_v, Take(file, "W_v.bias", {p}, used));
     MHA_ASSIGN_OR_RETURN(w.b_o, Take(file, "W_o.bias", {p}, used));
   }
+  if (c.scoring == Scoring::kAdditive) MHA_RETURN_IF_ERROR(LoadAdditiveScoring(file, c, w, used));
   return absl::OkStatus();
 }
 
@@ -133,12 +170,14 @@ absl::Status Weights::Validate(const ModelConfig& c) const {
     const std::vector<float>& v;
     int64_t n;
   };
-  const Expect expects[] = {{"W_q", w_q, p * c.query_size}, {"W_k", w_k, p * c.key_size},
-                            {"W_v", w_v, p * c.value_size}, {"W_o", w_o, p * p}};
+  const Expect expects[] = {{"W_q", w_q, p * c.query_size},
+                            {"W_k", w_k, p * c.key_size},
+                            {"W_v", w_v, p * c.value_size},
+                            {"W_o", w_o, p * p}};
   for (const Expect& e : expects) {
     if (static_cast<int64_t>(e.v.size()) != e.n) {
-      return absl::InvalidArgumentError(absl::StrCat("weights ", e.name, ": expected ", e.n,
-                                                     " values, got ", e.v.size()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("weights ", e.name, ": expected ", e.n, " values, got ", e.v.size()));
     }
   }
   const Expect biases[] = {{"b_q", b_q, p}, {"b_k", b_k, p}, {"b_v", b_v, p}, {"b_o", b_o, p}};
@@ -148,6 +187,19 @@ absl::Status Weights::Validate(const ModelConfig& c) const {
       return absl::InvalidArgumentError(absl::StrCat("weights ", e.name, ": expected ", want,
                                                      " values (bias=", c.bias, "), got ",
                                                      e.v.size()));
+    }
+  }
+  const bool additive = c.scoring == Scoring::kAdditive;
+  const int64_t h = c.num_heads, pa = c.additive_hidden;
+  const Expect scoring[] = {{"score_w_q", score_w_q, h * pa * c.head_size()},
+                            {"score_w_k", score_w_k, h * pa * c.head_size()},
+                            {"score_w_v", score_w_v, h * pa}};
+  for (const Expect& e : scoring) {
+    const int64_t want = additive ? e.n : 0;
+    if (static_cast<int64_t>(e.v.size()) != want) {
+      return absl::InvalidArgumentError(absl::StrCat("weights ", e.name, ": expected ", want,
+                                                     " values (scoring ", ScoringName(c.scoring),
+                                                     "), got ", e.v.size()));
     }
   }
   return absl::OkStatus();
@@ -166,6 +218,12 @@ Weights SeededWeights(const ModelConfig& c, uint64_t seed) {
     w.b_v = Uniform("W_v.bias", seed, p, c.value_size);
     w.b_o = Uniform("W_o.bias", seed, p, p);
   }
+  if (c.scoring == Scoring::kAdditive) {
+    const int64_t h = c.num_heads, pa = c.additive_hidden, hp = c.head_size();
+    w.score_w_q = Uniform("attention.W_q.weight", seed, h * pa * hp, hp);
+    w.score_w_k = Uniform("attention.W_k.weight", seed, h * pa * hp, hp);
+    w.score_w_v = Uniform("attention.w_v.weight", seed, h * pa, pa);
+  }
   return w;
 }
 
@@ -173,18 +231,27 @@ absl::StatusOr<Weights> WeightsFromSafetensors(const SafetensorsFile& file,
                                                const ModelConfig& config) {
   MHA_RETURN_IF_ERROR(config.Validate());
   const auto& t = file.tensors();
-  const bool torch = t.contains("in_proj_weight") || t.contains("q_proj_weight") ||
-                     t.contains("out_proj.weight");
+  const bool torch =
+      t.contains("in_proj_weight") || t.contains("q_proj_weight") || t.contains("out_proj.weight");
   const bool d2l = t.contains("W_q.weight") || t.contains("W_o.weight");
   if (torch && d2l) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        file.source(), ": mixes nn.MultiheadAttention names (in_proj_weight, out_proj.*) "
-                       "with d2l names (W_q.weight, ...); use one naming"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(file.source(),
+                     ": mixes nn.MultiheadAttention names (in_proj_weight, out_proj.*) "
+                     "with d2l names (W_q.weight, ...); use one naming"));
   }
   if (!torch && !d2l) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        file.source(), ": no known weight names; expected nn.MultiheadAttention "
-                       "(in_proj_weight, out_proj.weight, ...) or d2l (W_q.weight, ...)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(file.source(),
+                     ": no known weight names; expected nn.MultiheadAttention "
+                     "(in_proj_weight, out_proj.weight, ...) or d2l (W_q.weight, ...)"));
+  }
+  if (torch && config.scoring == Scoring::kAdditive) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(file.source(),
+                     ": additive scoring needs d2l names (W_q.weight, ..., "
+                     "attention.W_q.weight, attention.W_k.weight, attention.w_v.weight); "
+                     "nn.MultiheadAttention has no additive form"));
   }
   Weights w;
   std::set<std::string> used;
@@ -200,8 +267,7 @@ absl::StatusOr<Weights> WeightsFromSafetensors(const SafetensorsFile& file,
   return w;
 }
 
-absl::StatusOr<Weights> LoadSafetensorsWeights(const std::string& path,
-                                               const ModelConfig& config) {
+absl::StatusOr<Weights> LoadSafetensorsWeights(const std::string& path, const ModelConfig& config) {
   MHA_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::Open(path));
   return WeightsFromSafetensors(*file, config);
 }

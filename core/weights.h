@@ -2,6 +2,9 @@
 //   w_q (p_o, d_q), w_k (p_o, d_k), w_v (p_o, d_v), w_o (p_o, p_o)
 //   b_q, b_k, b_v, b_o (p_o) when ModelConfig::bias, else empty.
 // y = x W^T + b, as nn.Linear computes.
+// Additive scoring (ModelConfig::scoring kAdditive) adds, one set per head h:
+//   score_w_q (h, p_a, p), score_w_k (h, p_a, p), score_w_v (h, p_a)
+// with p = p_o / h and p_a = additive_hidden; empty for dot-product scoring.
 #ifndef MHA_CORE_WEIGHTS_H_
 #define MHA_CORE_WEIGHTS_H_
 
@@ -18,6 +21,7 @@ namespace mha::core {
 struct Weights {
   std::vector<float> w_q, w_k, w_v, w_o;
   std::vector<float> b_q, b_k, b_v, b_o;
+  std::vector<float> score_w_q, score_w_k, score_w_v;
 
   // INVALID_ARGUMENT naming the first tensor whose size disagrees with `config`.
   absl::Status Validate(const ModelConfig& config) const;
@@ -26,7 +30,7 @@ struct Weights {
 // Deterministic weights for demos and load tests: each matrix is uniform in
 // +-1/sqrt(fan_in) (nn.Linear's default range), biases likewise, drawn from a
 // 64-bit generator seeded by `seed` and the tensor's name. Same seed, same weights,
-// on every machine.
+// on every machine. Additive scoring parameters are drawn per head.
 Weights SeededWeights(const ModelConfig& config, uint64_t seed);
 
 // Loads weights for `config` from a .safetensors file, under either naming:
@@ -39,11 +43,15 @@ Weights SeededWeights(const ModelConfig& config, uint64_t seed);
 //  d2l MultiHeadAttention:
 //    W_q.weight (p_o, d_q), W_k.weight (p_o, d_k), W_v.weight (p_o, d_v),
 //    W_o.weight (p_o, p_o), and each ".bias" (p_o) when bias
+//    with additive scoring (d2l naming only), each in either layout:
+//      attention.W_q.weight  (p_a, p) shared by every head, or (h, p_a, p) per head
+//      attention.W_k.weight  (p_a, p)                       or (h, p_a, p)
+//      attention.w_v.weight  (1, p_a)                       or (h, p_a)
+//    "shared" is d2l's MultiHeadAttention holding one AdditiveAttention module.
 //
 // The naming is detected from the tensor names. A missing, extra, mis-shaped or
 // non-float tensor is INVALID_ARGUMENT naming it; F16/BF16/F64 are converted.
-absl::StatusOr<Weights> LoadSafetensorsWeights(const std::string& path,
-                                               const ModelConfig& config);
+absl::StatusOr<Weights> LoadSafetensorsWeights(const std::string& path, const ModelConfig& config);
 
 class SafetensorsFile;
 absl::StatusOr<Weights> WeightsFromSafetensors(const SafetensorsFile& file,

@@ -96,6 +96,9 @@ absl::StatusOr<core::ModelConfig> ToCoreConfig(const attention::v1::ModelConfig&
       .key_size = proto.key_size() != 0 ? proto.key_size() : proto.num_hiddens(),
       .value_size = proto.value_size() != 0 ? proto.value_size() : proto.num_hiddens(),
       .bias = proto.bias(),
+      .scoring = proto.scoring() == attention::v1::ADDITIVE ? core::Scoring::kAdditive
+                                                            : core::Scoring::kDotProduct,
+      .additive_hidden = proto.additive_hidden(),
       .dropout = proto.dropout(),
   };
   if (!proto.precision().empty()) {

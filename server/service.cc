@@ -278,6 +278,8 @@ attention::v1::ModelInfo ToModelInfo(const Model& model) {
   info.set_bias(c.bias);
   info.set_precision(std::string(core::PrecisionName(c.precision)));
   info.set_supports_self_attention(c.SupportsSelfAttention());
+  info.set_scoring(std::string(core::ScoringName(c.scoring)));
+  info.set_additive_hidden(c.additive_hidden);
   attention::v1::ModelLimits* limits = info.mutable_limits();
   limits->set_max_batch_size(model.limits.max_batch_size);
   limits->set_max_sequence_length(model.limits.max_sequence_length);

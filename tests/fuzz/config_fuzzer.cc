@@ -34,15 +34,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   MHA_FUZZ_CHECK(c.Validate().ok());
   MHA_FUZZ_CHECK(c.head_size() * c.num_heads == c.num_hiddens);
   const mha::server::ModelLimits& l = resolved->limits;
-  MHA_FUZZ_CHECK(l.max_batch_size >= 1 && l.max_sequence_length >= 1 &&
-                 l.max_request_bytes >= 1 && l.max_attention_elements >= 1);
+  MHA_FUZZ_CHECK(l.max_batch_size >= 1 && l.max_sequence_length >= 1 && l.max_request_bytes >= 1 &&
+                 l.max_attention_elements >= 1);
   const mha::server::BatchingPolicy& b = resolved->batching;
   MHA_FUZZ_CHECK(b.max_batch_size >= 1 && b.max_batch_size <= l.max_batch_size &&
                  b.max_queue_size >= 1 && b.max_batch_tokens >= 1 &&
                  b.max_queue_delay >= absl::ZeroDuration());
 
   const int64_t weights =
-      c.num_hiddens * (c.query_size + c.key_size + c.value_size + c.num_hiddens);
+      c.num_hiddens * (c.query_size + c.key_size + c.value_size + c.num_hiddens) +
+      (2 * c.num_hiddens + c.num_heads) * c.additive_hidden;
   if (!proto->has_seeded() || weights > kMaxBuiltWeights) return 0;
   mha::core::MultiHeadAttention::Options options;
   options.num_threads = 1;
@@ -54,10 +55,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<float> keys(batch * length * c.key_size, -0.5f);
   std::vector<float> values(batch * length * c.value_size, 1.0f);
   std::vector<float> output(batch * length * c.num_hiddens);
-  const absl::Status forward = (*layer)->Forward(
-      {.batch = batch, .num_queries = length, .num_keys = length, .queries = queries.data(),
-       .keys = keys.data(), .values = values.data()},
-      output.data());
+  const absl::Status forward = (*layer)->Forward({.batch = batch,
+                                                  .num_queries = length,
+                                                  .num_keys = length,
+                                                  .queries = queries.data(),
+                                                  .keys = keys.data(),
+                                                  .values = values.data()},
+                                                 output.data());
   MHA_FUZZ_CHECK(forward.ok(), "%s\n", forward.ToString().c_str());
   return 0;
 }

@@ -34,11 +34,26 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
   }
   static const ModelConfig kConfigs[] = {
-      {.num_hiddens = 4, .num_heads = 2, .query_size = 4, .key_size = 4, .value_size = 4,
+      {.num_hiddens = 4,
+       .num_heads = 2,
+       .query_size = 4,
+       .key_size = 4,
+       .value_size = 4,
        .bias = true},
       {.num_hiddens = 4, .num_heads = 2, .query_size = 4, .key_size = 3, .value_size = 2},
-      {.num_hiddens = 4, .num_heads = 1, .query_size = 3, .key_size = 5, .value_size = 2,
+      {.num_hiddens = 4,
+       .num_heads = 1,
+       .query_size = 3,
+       .key_size = 5,
+       .value_size = 2,
        .bias = true},
+      {.num_hiddens = 4,
+       .num_heads = 2,
+       .query_size = 4,
+       .key_size = 4,
+       .value_size = 4,
+       .scoring = mha::core::Scoring::kAdditive,
+       .additive_hidden = 3},
   };
   for (const ModelConfig& config : kConfigs) {
     auto weights = mha::core::WeightsFromSafetensors(**file, config);

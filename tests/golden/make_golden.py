@@ -148,10 +148,10 @@ def _torch_modules():
         """d2l.ai "Multi-Head Attention" (PyTorch), with explicit input sizes."""
 
         def __init__(self, query_size, key_size, value_size, num_hiddens, num_heads,
-                     dropout=0.0, bias=False):
+                     dropout=0.0, bias=False, attention=None):
             super().__init__()
             self.num_heads = num_heads
-            self.attention = DotProductAttention(dropout)
+            self.attention = attention if attention is not None else DotProductAttention(dropout)
             self.W_q = nn.Linear(query_size, num_hiddens, bias=bias)
             self.W_k = nn.Linear(key_size, num_hiddens, bias=bias)
             self.W_v = nn.Linear(value_size, num_hiddens, bias=bias)
@@ -176,15 +176,76 @@ def _torch_modules():
             output = self.attention(queries, keys, values, valid_lens)
             return self.W_o(self.transpose_output(output))
 
-    return torch, nn, D2LMultiHeadAttention
+    def zero_rows_without_keys(weights, valid_lens):
+        """mha-serve's rule: a query that sees no key gets a zero context (d2l's -1e6
+        fill would give it the uniform average over its masked keys)."""
+        if valid_lens is None:
+            return weights
+        vl = valid_lens if valid_lens.dim() == 2 else valid_lens[:, None].expand(weights.shape[:2])
+        return weights * (vl > 0).to(weights.dtype)[..., None]
+
+    class AdditiveAttention(nn.Module):
+        """d2l.ai "Attention Scoring Functions": additive attention, one module that
+        every head shares (d2l's MultiHeadAttention holds one)."""
+
+        def __init__(self, key_size, query_size, num_hiddens, dropout=0.0):
+            super().__init__()
+            self.W_k = nn.Linear(key_size, num_hiddens, bias=False)
+            self.W_q = nn.Linear(query_size, num_hiddens, bias=False)
+            self.w_v = nn.Linear(num_hiddens, 1, bias=False)
+            self.dropout = nn.Dropout(dropout)
+
+        def forward(self, queries, keys, values, valid_lens):
+            queries, keys = self.W_q(queries), self.W_k(keys)
+            features = torch.tanh(queries.unsqueeze(2) + keys.unsqueeze(1))
+            scores = self.w_v(features).squeeze(-1)
+            weights = zero_rows_without_keys(masked_softmax(scores, valid_lens), valid_lens)
+            self.attention_weights = weights
+            return torch.bmm(self.dropout(weights), values)
+
+    class Stacked(nn.Module):
+        """A parameter named `weight`, one slice per head."""
+
+        def __init__(self, *shape, fan_in):
+            super().__init__()
+            bound = 1.0 / math.sqrt(fan_in)
+            self.weight = nn.Parameter(torch.empty(*shape).uniform_(-bound, bound))
+
+    class PerHeadAdditiveAttention(nn.Module):
+        """Additive attention with its own W_q, W_k (p_a, p) and w_v (p_a) per head,
+        stacked: attention.W_q.weight (h, p_a, p) and so on."""
+
+        def __init__(self, num_heads, head_size, num_hiddens):
+            super().__init__()
+            self.num_heads = num_heads
+            self.W_q = Stacked(num_heads, num_hiddens, head_size, fan_in=head_size)
+            self.W_k = Stacked(num_heads, num_hiddens, head_size, fan_in=head_size)
+            self.w_v = Stacked(num_heads, num_hiddens, fan_in=num_hiddens)
+
+        def forward(self, queries, keys, values, valid_lens):
+            h = self.num_heads
+            q = queries.reshape(-1, h, *queries.shape[1:])  # (B, h, Q, p): d2l's head order
+            k = keys.reshape(-1, h, *keys.shape[1:])
+            qa = torch.einsum("bhqp,hap->bhqa", q, self.W_q.weight)
+            ka = torch.einsum("bhkp,hap->bhka", k, self.W_k.weight)
+            features = torch.tanh(qa.unsqueeze(3) + ka.unsqueeze(2))  # (B, h, Q, K, p_a)
+            scores = torch.einsum("bhqka,ha->bhqk", features, self.w_v.weight)
+            scores = scores.reshape(-1, *scores.shape[2:])
+            weights = zero_rows_without_keys(masked_softmax(scores, valid_lens), valid_lens)
+            return torch.bmm(weights, values)
+
+    return torch, nn, D2LMultiHeadAttention, AdditiveAttention, PerHeadAdditiveAttention
 
 
 def _f32(t):
     return t.detach().to("cpu").float().contiguous().numpy()
 
 
-def _meta(num_hiddens, num_heads, dq, dk, dv, bias, causal, naming, description):
-    return {
+def _meta(num_hiddens, num_heads, dq, dk, dv, bias, causal, naming, description,
+          additive_hidden=None):
+    extra = {} if additive_hidden is None else {"scoring": "additive",
+                                                "additive_hidden": str(additive_hidden)}
+    return extra | {
         "num_hiddens": str(num_hiddens),
         "num_heads": str(num_heads),
         "query_size": str(dq),
@@ -254,15 +315,22 @@ def make_torch_case(torch, nn, name, E, h, bias, B, Q, K=None, kdim=None, vdim=N
 
 
 def make_d2l_case(torch, D2L, name, p_o, h, dq, dk, dv, bias, B, Q, K, valid_lens,
-                  same_kv=False, description=""):
-    mod = D2L(dq, dk, dv, p_o, h, dropout=0.0, bias=bias)
+                  same_kv=False, description="", additive=None):
+    """d2l's MultiHeadAttention; additive = (attention_factory, p_a) gives it additive
+    pooling, attention_factory(p, p_a) building the module (whose rows with no valid
+    key get a zero context)."""
+    def build():
+        attention = additive[0](p_o // h, additive[1]) if additive else None
+        return D2L(dq, dk, dv, p_o, h, dropout=0.0, bias=bias, attention=attention)
+
+    mod = build()
     queries = torch.randn(B, Q, dq)
     keys = torch.randn(B, K, dk)
     values = keys if same_kv else torch.randn(B, K, dv)
     vl = torch.tensor(valid_lens, dtype=torch.int32)
-    assert int(vl.min()) >= 1, "d2l cases must not have all-masked rows"
+    assert additive or int(vl.min()) >= 1, "d2l cases must not have all-masked rows"
     sd = mod.state_dict()
-    m64 = D2L(dq, dk, dv, p_o, h, dropout=0.0, bias=bias).double()
+    m64 = build().double()
     m64.load_state_dict({k: v.double() for k, v in sd.items()})
     m64.eval()
     with torch.no_grad():
@@ -270,12 +338,13 @@ def make_d2l_case(torch, D2L, name, p_o, h, dq, dk, dv, bias, B, Q, K, valid_len
     weights = [(k, _f32(v)) for k, v in sd.items()]
     io = [("queries", _f32(queries)), ("keys", _f32(keys)), ("values", _f32(values)),
           ("valid_lens", vl.numpy().astype("<i4")), ("output", out.numpy().astype(np.float32))]
-    meta = _meta(p_o, h, dq, dk, dv, bias, False, "d2l", description)
+    meta = _meta(p_o, h, dq, dk, dv, bias, False, "d2l", description,
+                 additive_hidden=additive[1] if additive else None)
     return weights, io, meta
 
 
 def generate():
-    torch, nn, D2L = _torch_modules()
+    torch, nn, D2L, Additive, PerHeadAdditive = _torch_modules()
     torch.manual_seed(SEED)
     torch.set_num_threads(1)  # deterministic reduction order
     os.makedirs(DATA_DIR, exist_ok=True)
@@ -311,6 +380,22 @@ def generate():
         B=2, Q=5, K=8, valid_lens=vl_bq,
         description="d2l num_hiddens=60 h=3 d_q=40 d_k=24 d_v=32 bias, cross B=2 Q=5 K=8, "
                     "valid_lens(B,Q) in [1,8]")))
+    torch.manual_seed(SEED + 6)
+    g = torch.Generator().manual_seed(SEED + 60)
+    vl_bq = torch.randint(0, 8, (2, 5), generator=g).tolist()
+    vl_bq[1][2] = 0  # a query with no valid key: zero context
+    cases.append(("d2l_additive_shared", make_d2l_case(
+        torch, D2L, "d2l_additive_shared", p_o=32, h=4, dq=12, dk=10, dv=7, bias=True,
+        B=2, Q=5, K=7, valid_lens=vl_bq, additive=(lambda p, p_a: Additive(p, p, p_a), 6),
+        description="d2l MultiHeadAttention with one AdditiveAttention (p_a=6) shared by its "
+                    "4 heads, p_o=32 d_q=12 d_k=10 d_v=7 bias, cross B=2 Q=5 K=7, "
+                    "valid_lens(B,Q) in [0,7]")))
+    torch.manual_seed(SEED + 7)
+    cases.append(("d2l_additive_per_head", make_d2l_case(
+        torch, D2L, "d2l_additive_per_head", p_o=24, h=3, dq=24, dk=24, dv=24, bias=False,
+        B=3, Q=4, K=6, valid_lens=[6, 0, 3], additive=(lambda p, p_a: PerHeadAdditive(3, p, p_a), 5),
+        description="d2l MultiHeadAttention with additive scoring, one W_q/W_k/w_v per head "
+                    "(p_a=5), p_o=24 h=3 no bias, cross B=3 Q=4 K=6, valid_lens(B)=[6,0,3]")))
 
     total = 0
     for name, (weights, io, meta) in cases:
@@ -347,9 +432,18 @@ def _np_weights(w, meta):
         if bias:
             bq, bk, bv, bo = (w[f"W_{x}.bias"].astype(np.float64) for x in "qkvo")
         else:
-            assert not any(k.endswith(".bias") for k in w)
+            assert not any(k.endswith(".bias") for k in w if not k.startswith("attention."))
             bq = bk = bv = bo = np.zeros(E)
     return Wq, Wk, Wv, Wo, bq, bk, bv, bo
+
+
+def _np_scoring(w, h):
+    """Additive scoring parameters per head: A_q, A_k (h, p_a, p), w_v (h, p_a)."""
+    aq, ak, av = (w[f"attention.{n}.weight"].astype(np.float64) for n in ("W_q", "W_k", "w_v"))
+    if aq.ndim == 2:  # shared by every head
+        aq, ak, av = (np.broadcast_to(x, (h,) + x.shape[-2:]) for x in (aq, ak, av))
+        av = av[:, 0, :]
+    return aq, ak, av
 
 
 def numpy_reference(w, io, meta):
@@ -358,6 +452,9 @@ def numpy_reference(w, io, meta):
     p = E // h
     causal = meta["causal"] == "true"
     Wq, Wk, Wv, Wo, bq, bk, bv, bo = _np_weights(w, meta)
+    additive = meta.get("scoring") == "additive"
+    if additive:
+        aq, ak, av = _np_scoring(w, h)
     assert Wq.shape == (E, int(meta["query_size"]))
     assert Wk.shape == (E, int(meta["key_size"]))
     assert Wv.shape == (E, int(meta["value_size"]))
@@ -380,18 +477,24 @@ def numpy_reference(w, io, meta):
     heads = []
     for i in range(h):
         qi, ki, vi = (t[..., i * p:(i + 1) * p] for t in (q, k, v))
-        s = np.einsum("bqd,bkd->bqk", qi, ki) / math.sqrt(p)
+        if additive:
+            qa, ka = qi @ aq[i].T, ki @ ak[i].T  # (B, Q, p_a), (B, K, p_a)
+            s = np.tanh(qa[:, :, None, :] + ka[:, None, :, :]) @ av[i]
+        else:
+            s = np.einsum("bqd,bkd->bqk", qi, ki) / math.sqrt(p)
         s = np.where(mask, s, -np.inf)
         m = s.max(axis=-1, keepdims=True)
         with np.errstate(invalid="ignore"):
             e = np.exp(s - m)  # all-masked rows: -inf - -inf = NaN, as in PyTorch
             a = e / e.sum(axis=-1, keepdims=True)
+        if additive:
+            a = np.where(mask.any(axis=-1, keepdims=True), a, 0.0)  # zero-context rule
         heads.append(a @ vi)
     out = np.concatenate(heads, axis=-1) @ Wo.T + bo
     if meta["naming"] == "torch":
         # all-masked rows -> NaN (PyTorch's behaviour)
         out[~mask.any(axis=-1)] = np.nan
-    else:
+    elif not additive:
         assert mask.any(axis=-1).all(), "d2l fixtures must not contain all-masked rows"
     return out
 

@@ -3,12 +3,14 @@
 #include <sys/wait.h>
 
 #include <atomic>
+#include <cstring>
 #include <thread>
 
-#include "gtest/gtest.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "core/safetensors.h"
+#include "gtest/gtest.h"
 #include "server/model_repository.h"
 #include "tests/integration/client_util.h"
 #include "tests/integration/server_process.h"
@@ -50,8 +52,9 @@ TEST_F(ServerTest, ToyRequestMatchesCore) {
   const AttendRequest request = ToyRequest();
   AttendResponse response;
   ASSERT_TRUE(Attend(*stub_, request, &response).ok());
-  EXPECT_EQ(std::vector<int64_t>(response.output().shape().begin(), response.output().shape().end()),
-            (std::vector<int64_t>{2, 4, 100}));
+  EXPECT_EQ(
+      std::vector<int64_t>(response.output().shape().begin(), response.output().shape().end()),
+      (std::vector<int64_t>{2, 4, 100}));
   EXPECT_EQ(response.request_id(), "toy");
   EXPECT_EQ(response.timing().batch_rows(), 2);
   EXPECT_EQ(response.attention().data_size(), 0);
@@ -176,7 +179,8 @@ void ExpectStreamAnsweredInOrder(AttentionService::Stub& stub, int count) {
     ASSERT_EQ(responses[i].output().shape(0), 1 + i % 3);
   }
   for (int i : {0, count / 2 + 1, count - 1}) {
-    const CoreResult expected = CoreForward(core::ModelConfig{}, server::kDefaultModelSeed, requests[i]);
+    const CoreResult expected =
+        CoreForward(core::ModelConfig{}, server::kDefaultModelSeed, requests[i]);
     EXPECT_LE(MaxAbsDiff(responses[i].output().data(), expected.output), 1e-5f) << i;
   }
 }
@@ -257,6 +261,66 @@ TEST_F(ServerTest, HealthIsServingOverallAndPerModel) {
   HealthCheckResponse response;
   EXPECT_EQ(CheckHealth(server_->target(), "nope", &response).error_code(),
             grpc::StatusCode::NOT_FOUND);
+}
+
+// The two additive golden fixtures (tests/golden/make_golden.py: d2l's
+// MultiHeadAttention with additive pooling, shared by the heads or one per head)
+// served from their weight files: the server answers what PyTorch computed.
+TEST(AdditiveServingTest, GoldenModelsServeWhatPyTorchComputed) {
+  const std::string golden = std::string(MHA_SOURCE_DIR) + "/tests/golden/data/";
+  struct Golden {
+    std::string name, config;
+  };
+  const Golden cases[] = {
+      {"d2l_additive_shared",
+       "num_hiddens: 32 num_heads: 4 query_size: 12 key_size: 10 value_size: 7 bias: true "
+       "scoring: ADDITIVE additive_hidden: 6"},
+      {"d2l_additive_per_head",
+       "num_hiddens: 24 num_heads: 3 scoring: ADDITIVE additive_hidden: 5"},
+  };
+  TempDir repository;
+  for (const Golden& c : cases) {
+    repository.Write(c.name + "/config.pbtxt", c.config);
+    repository.Write(c.name + "/weights.safetensors",
+                     ReadFile(golden + c.name + ".weights.safetensors"));
+  }
+  auto server = ServerProcess::Start(
+      {"--port=0", "--compute_threads=2", "--model_repository=" + repository.path()});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = Connect((*server)->target());
+  for (const Golden& c : cases) {
+    SCOPED_TRACE(c.name);
+    auto io = core::SafetensorsFile::Open(golden + c.name + ".io.safetensors").value();
+    auto tensor = [&](const std::string& name) {
+      const core::TensorView view = io->Get(name).value();
+      Tensor t;
+      for (int64_t d : view.shape) t.add_shape(d);
+      const std::vector<float> values = view.ToFloat(name).value();
+      t.mutable_data()->Add(values.begin(), values.end());
+      return t;
+    };
+    AttendRequest request;
+    request.set_model(c.name);
+    *request.mutable_queries() = tensor("queries");
+    *request.mutable_keys() = tensor("keys");
+    *request.mutable_values() = tensor("values");
+    const core::TensorView lens = io->Get("valid_lens").value();
+    std::vector<int32_t> len(lens.num_elements());  // the mapping is unaligned
+    std::memcpy(len.data(), lens.data, len.size() * sizeof(int32_t));
+    request.mutable_valid_lens()->Add(len.begin(), len.end());
+    AttendResponse response;
+    const grpc::Status status = Attend(*stub, request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_LE(MaxAbsDiff(response.output().data(), tensor("output").data()), 1e-4f);
+
+    grpc::ClientContext context;
+    attention::v1::GetModelRequest get;
+    get.set_model(c.name);
+    attention::v1::ModelInfo info;
+    ASSERT_TRUE(stub->GetModel(&context, get, &info).ok());
+    EXPECT_EQ(info.scoring(), "additive");
+    EXPECT_EQ(info.additive_hidden(), c.name == "d2l_additive_shared" ? 6 : 5);
+  }
 }
 
 }  // namespace

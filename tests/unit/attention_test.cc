@@ -33,14 +33,18 @@ struct Case {
   bool causal = false;
   bool head_mask = false;
   bool weights = false;
+  // Additive scoring: every head gets head 0's scoring parameters, the layout of
+  // d2l's one shared AdditiveAttention module.
+  bool shared_scoring = false;
   std::string Describe() const {
     return absl::StrCat("B=", batch, " Q=", num_queries, " K=", num_keys,
                         " p_o=", config.num_hiddens, " h=", config.num_heads,
                         " d=", config.query_size, "/", config.key_size, "/", config.value_size,
                         " bias=", config.bias, " self=", self_attention, " mask=", mask_kind,
                         " causal=", causal, " head_mask=", head_mask, " weights=", weights,
-                        " blocks=", options.query_block, "x", options.key_block,
-                        " ", PrecisionName(config.precision));
+                        " blocks=", options.query_block, "x", options.key_block, " ",
+                        PrecisionName(config.precision), " ", ScoringName(config.scoring),
+                        " p_a=", config.additive_hidden, " shared=", shared_scoring);
   }
 };
 
@@ -49,8 +53,12 @@ struct Data {
   std::vector<int32_t> valid_lens;
   std::vector<float> head_mask;
   AttentionInputs Inputs(const Case& c) const {
-    AttentionInputs in{.batch = c.batch, .num_queries = c.num_queries, .num_keys = c.num_keys,
-                       .queries = queries.data(), .valid_lens = valid_lens, .causal = c.causal,
+    AttentionInputs in{.batch = c.batch,
+                       .num_queries = c.num_queries,
+                       .num_keys = c.num_keys,
+                       .queries = queries.data(),
+                       .valid_lens = valid_lens,
+                       .causal = c.causal,
                        .head_mask = head_mask};
     if (!c.self_attention) {
       in.keys = keys.data();
@@ -79,10 +87,21 @@ Data MakeData(const Case& c, std::mt19937_64& rng) {
   return d;
 }
 
+void ShareScoringAcrossHeads(const ModelConfig& c, Weights& w) {
+  const size_t matrix = c.additive_hidden * c.head_size();
+  for (int64_t h = 1; h < c.num_heads; ++h) {
+    std::copy_n(w.score_w_q.begin(), matrix, w.score_w_q.begin() + h * matrix);
+    std::copy_n(w.score_w_k.begin(), matrix, w.score_w_k.begin() + h * matrix);
+    std::copy_n(w.score_w_v.begin(), c.additive_hidden,
+                w.score_w_v.begin() + h * c.additive_hidden);
+  }
+}
+
 void CheckAgainstReference(const Case& c, uint64_t seed, double tolerance) {
   SCOPED_TRACE(c.Describe());
   std::mt19937_64 rng(seed);
-  const Weights weights = SeededWeights(c.config, seed);
+  Weights weights = SeededWeights(c.config, seed);
+  if (c.shared_scoring) ShareScoringAcrossHeads(c.config, weights);
   auto mha = MultiHeadAttention::Create(c.config, weights, c.options);
   ASSERT_TRUE(mha.ok()) << mha.status();
   const Data d = MakeData(c, rng);
@@ -104,7 +123,7 @@ void CheckAgainstReference(const Case& c, uint64_t seed, double tolerance) {
   }
 }
 
-Case RandomCase(std::mt19937_64& rng, Precision precision) {
+Case RandomCase(std::mt19937_64& rng, Precision precision, Scoring scoring = Scoring::kDotProduct) {
   auto pick = [&](std::initializer_list<int64_t> xs) {
     return *(xs.begin() + std::uniform_int_distribution<size_t>(0, xs.size() - 1)(rng));
   };
@@ -140,6 +159,21 @@ Case RandomCase(std::mt19937_64& rng, Precision precision) {
   c.weights = between(0, 2) == 0;
   c.options.query_block = pick({64, 16, 7});
   c.options.key_block = pick({256, 32, 5});
+  if (scoring == Scoring::kAdditive) {
+    c.config.scoring = scoring;
+    c.config.additive_hidden = pick({1, 3, 16, 64});
+    c.shared_scoring = between(0, 1) == 1;
+    // The reference projects every (query, key) pair's features again.
+    while (c.batch * c.num_queries * c.num_keys * c.config.num_hiddens * c.config.additive_hidden >
+               100'000'000 &&
+           c.num_queries > 1) {
+      c.batch = std::max<int64_t>(1, c.batch / 2);
+      if (c.batch == 1) {
+        c.num_queries = std::max<int64_t>(1, c.num_queries / 2);
+        if (c.self_attention) c.num_keys = c.num_queries;
+      }
+    }
+  }
   return c;
 }
 
@@ -157,24 +191,57 @@ TEST_P(RandomizedTest, Bf16MatchesReferenceWithinBound) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, RandomizedTest, ::testing::Range(0, 40));
 
+class AdditiveRandomizedTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(AdditiveRandomizedTest, F32MatchesReference) {
+  std::mt19937_64 rng(9000 + GetParam());
+  CheckAgainstReference(RandomCase(rng, Precision::kF32, Scoring::kAdditive), 9000 + GetParam(),
+                        kF32Tolerance);
+}
+
+TEST_P(AdditiveRandomizedTest, Bf16MatchesReferenceWithinBound) {
+  std::mt19937_64 rng(13000 + GetParam());
+  CheckAgainstReference(RandomCase(rng, Precision::kBf16, Scoring::kAdditive), 13000 + GetParam(),
+                        kBf16Tolerance);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AdditiveRandomizedTest, ::testing::Range(0, 24));
+
 // Every combination of mask kinds on one shape that spans several blocks.
+// Each scoring, additive in both layouts.
 TEST(AttentionTest, EveryMaskCombinationMatchesReference) {
-  for (int mask_kind = 0; mask_kind < 3; ++mask_kind) {
-    for (bool causal : {false, true}) {
-      for (bool head_mask : {false, true}) {
-        for (bool weights : {false, true}) {
-          Case c;
-          c.config = {.num_hiddens = 40, .num_heads = 5, .query_size = 24, .key_size = 12,
-                      .value_size = 20, .bias = true};
-          c.options = {.query_block = 8, .key_block = 16};
-          c.batch = 3;
-          c.num_queries = 37;
-          c.num_keys = 53;
-          c.mask_kind = mask_kind;
-          c.causal = causal;
-          c.head_mask = head_mask;
-          c.weights = weights;
-          CheckAgainstReference(c, 77, kF32Tolerance);
+  struct Scorer {
+    Scoring scoring;
+    int64_t additive_hidden;
+    bool shared;
+  };
+  for (const Scorer& scorer :
+       {Scorer{Scoring::kDotProduct, 0, false}, Scorer{Scoring::kAdditive, 6, false},
+        Scorer{Scoring::kAdditive, 6, true}}) {
+    for (int mask_kind = 0; mask_kind < 3; ++mask_kind) {
+      for (bool causal : {false, true}) {
+        for (bool head_mask : {false, true}) {
+          for (bool weights : {false, true}) {
+            Case c;
+            c.config = {.num_hiddens = 40,
+                        .num_heads = 5,
+                        .query_size = 24,
+                        .key_size = 12,
+                        .value_size = 20,
+                        .bias = true,
+                        .scoring = scorer.scoring,
+                        .additive_hidden = scorer.additive_hidden};
+            c.options = {.query_block = 8, .key_block = 16};
+            c.batch = 3;
+            c.num_queries = 37;
+            c.num_keys = 53;
+            c.mask_kind = mask_kind;
+            c.causal = causal;
+            c.head_mask = head_mask;
+            c.weights = weights;
+            c.shared_scoring = scorer.shared;
+            CheckAgainstReference(c, 77, kF32Tolerance);
+          }
         }
       }
     }
@@ -187,8 +254,12 @@ TEST(AttentionTest, EveryMaskCombinationMatchesReference) {
 TEST(AttentionTest, LargeBatchRunsAsSlicesAndMatchesReference) {
   for (int mask_kind = 0; mask_kind < 3; ++mask_kind) {
     Case c;
-    c.config = {.num_hiddens = 128, .num_heads = 4, .query_size = 32, .key_size = 24,
-                .value_size = 40, .bias = true};
+    c.config = {.num_hiddens = 128,
+                .num_heads = 4,
+                .query_size = 32,
+                .key_size = 24,
+                .value_size = 40,
+                .bias = true};
     c.batch = 5;
     c.num_queries = 9;
     c.num_keys = 2900;
@@ -203,8 +274,12 @@ TEST(AttentionTest, LargeBatchRunsAsSlicesAndMatchesReference) {
 TEST(AttentionTest, MatchesReferenceWhenOpenMpGivesFewerThreads) {
   for (const bool self_attention : {true, false}) {
     Case c;
-    c.config = ModelConfig{.num_hiddens = 64, .num_heads = 4, .query_size = 64,
-                           .key_size = 64, .value_size = 64, .bias = true};
+    c.config = ModelConfig{.num_hiddens = 64,
+                           .num_heads = 4,
+                           .query_size = 64,
+                           .key_size = 64,
+                           .value_size = 64,
+                           .bias = true};
     c.options.num_threads = 4;
     c.batch = 3;
     c.num_queries = 200;
@@ -236,16 +311,25 @@ TEST(AttentionTest, SeedsToyExample) {
 
 TEST(AttentionTest, ZeroValidLenGivesZeroContext) {
   for (bool bias : {false, true}) {
-    ModelConfig config{.num_hiddens = 16, .num_heads = 4, .query_size = 8, .key_size = 8,
-                       .value_size = 8, .bias = bias};
+    ModelConfig config{.num_hiddens = 16,
+                       .num_heads = 4,
+                       .query_size = 8,
+                       .key_size = 8,
+                       .value_size = 8,
+                       .bias = bias};
     const Weights w = SeededWeights(config, 3);
     auto mha = MultiHeadAttention::Create(config, w).value();
     std::mt19937_64 rng(1);
     const auto x = RandomVector(rng, 2 * 5 * 8);
     const std::vector<int32_t> lens = {0, 5};
     std::vector<float> out(2 * 5 * 16), attn(2 * 4 * 5 * 5, -1.0f);
-    AttentionInputs in{.batch = 2, .num_queries = 5, .num_keys = 5, .queries = x.data(),
-                       .keys = x.data(), .values = x.data(), .valid_lens = lens};
+    AttentionInputs in{.batch = 2,
+                       .num_queries = 5,
+                       .num_keys = 5,
+                       .queries = x.data(),
+                       .keys = x.data(),
+                       .values = x.data(),
+                       .valid_lens = lens};
     ASSERT_TRUE(mha->Forward(in, out.data(), attn.data()).ok());
     // Batch row 0 sees no key: context 0, so the output is exactly b_o (or 0).
     for (int64_t i = 0; i < 5; ++i) {
@@ -265,15 +349,19 @@ TEST(AttentionTest, ZeroValidLenGivesZeroContext) {
 }
 
 TEST(AttentionTest, SelfAttentionEqualsCrossAttentionOnSameInput) {
-  ModelConfig config{.num_hiddens = 24, .num_heads = 3, .query_size = 10, .key_size = 10,
-                     .value_size = 10, .bias = true};
+  ModelConfig config{.num_hiddens = 24,
+                     .num_heads = 3,
+                     .query_size = 10,
+                     .key_size = 10,
+                     .value_size = 10,
+                     .bias = true};
   auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 9)).value();
   std::mt19937_64 rng(2);
   const auto x = RandomVector(rng, 3 * 11 * 10);
   const std::vector<int32_t> lens = {11, 4, 7};
   std::vector<float> self(3 * 11 * 24), cross(3 * 11 * 24);
-  AttentionInputs in{.batch = 3, .num_queries = 11, .num_keys = 11, .queries = x.data(),
-                     .valid_lens = lens};
+  AttentionInputs in{
+      .batch = 3, .num_queries = 11, .num_keys = 11, .queries = x.data(), .valid_lens = lens};
   ASSERT_TRUE(mha->Forward(in, self.data()).ok());
   in.keys = in.values = x.data();
   ASSERT_TRUE(mha->Forward(in, cross.data()).ok());
@@ -281,16 +369,16 @@ TEST(AttentionTest, SelfAttentionEqualsCrossAttentionOnSameInput) {
 }
 
 TEST(AttentionTest, ConcurrentCallsAgree) {
-  ModelConfig config{.num_hiddens = 64, .num_heads = 8, .query_size = 64, .key_size = 64,
-                     .value_size = 64};
+  ModelConfig config{
+      .num_hiddens = 64, .num_heads = 8, .query_size = 64, .key_size = 64, .value_size = 64};
   auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 4),
                                         {.num_threads = 1, .query_block = 16, .key_block = 32})
                  .value();
   std::mt19937_64 rng(3);
   const auto x = RandomVector(rng, 2 * 70 * 64);
   const std::vector<int32_t> lens = {70, 33};
-  AttentionInputs in{.batch = 2, .num_queries = 70, .num_keys = 70, .queries = x.data(),
-                     .valid_lens = lens};
+  AttentionInputs in{
+      .batch = 2, .num_queries = 70, .num_keys = 70, .queries = x.data(), .valid_lens = lens};
   std::vector<float> expected(2 * 70 * 64);
   ASSERT_TRUE(mha->Forward(in, expected.data()).ok());
   std::vector<std::vector<float>> outs(4, std::vector<float>(expected.size()));
@@ -305,8 +393,8 @@ TEST(AttentionTest, ConcurrentCallsAgree) {
 }
 
 TEST(AttentionTest, RejectsBadInputsNamingTheField) {
-  ModelConfig config{.num_hiddens = 8, .num_heads = 2, .query_size = 4, .key_size = 4,
-                     .value_size = 4};
+  ModelConfig config{
+      .num_hiddens = 8, .num_heads = 2, .query_size = 4, .key_size = 4, .value_size = 4};
   auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 0)).value();
   std::vector<float> x(2 * 3 * 4), out(2 * 3 * 8);
   struct Bad {
@@ -320,30 +408,78 @@ TEST(AttentionTest, RejectsBadInputsNamingTheField) {
       {{-1, 1}, {}, false, "valid_lens[0]"},  // negative
       {{1, 1, 1}, {}, false, "valid_lens"},   // neither B nor B*Q entries
       {{}, {1, 1, 1}, false, "head_mask"},    // h = 2
-      {{}, {1, NAN}, false, "head_mask[1]"},
-      {{}, {}, true, "keys, values"},
+      {{}, {1, NAN}, false, "head_mask[1]"}, {{}, {}, true, "keys, values"},
   };
   for (const Bad& b : bad) {
-    AttentionInputs in{.batch = 2, .num_queries = 3, .num_keys = 3, .queries = x.data(),
-                       .keys = x.data(), .values = b.keys_only ? nullptr : x.data(),
-                       .valid_lens = b.lens, .head_mask = b.head_mask};
+    AttentionInputs in{.batch = 2,
+                       .num_queries = 3,
+                       .num_keys = 3,
+                       .queries = x.data(),
+                       .keys = x.data(),
+                       .values = b.keys_only ? nullptr : x.data(),
+                       .valid_lens = b.lens,
+                       .head_mask = b.head_mask};
     const absl::Status s = mha->Forward(in, out.data());
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << b.field;
     EXPECT_TRUE(absl::StartsWith(s.message(), b.field)) << s.message();
   }
-  ModelConfig cross{.num_hiddens = 8, .num_heads = 2, .query_size = 4, .key_size = 5,
-                    .value_size = 4};
+  ModelConfig cross{
+      .num_hiddens = 8, .num_heads = 2, .query_size = 4, .key_size = 5, .value_size = 4};
   auto cross_mha = MultiHeadAttention::Create(cross, SeededWeights(cross, 0)).value();
   AttentionInputs self{.batch = 2, .num_queries = 3, .num_keys = 3, .queries = x.data()};
   EXPECT_EQ(cross_mha->Forward(self, out.data()).code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(AttentionTest, FlopsCountsProjectionsAndBothProducts) {
-  ModelConfig c{.num_hiddens = 768, .num_heads = 12, .query_size = 768, .key_size = 768,
-                .value_size = 768};
+  ModelConfig c{
+      .num_hiddens = 768, .num_heads = 12, .query_size = 768, .key_size = 768, .value_size = 768};
   // BERT-base, B 8, L 128: 4 * 2*B*L*E*E + 2 * 2*B*L*L*E.
   const double b = 8, l = 128, e = 768;
-  EXPECT_DOUBLE_EQ(MultiHeadAttention::Flops(c, 8, 128, 128), 8 * b * l * e * e + 4 * b * l * l * e);
+  EXPECT_DOUBLE_EQ(MultiHeadAttention::Flops(c, 8, 128, 128),
+                   8 * b * l * e * e + 4 * b * l * l * e);
+}
+
+TEST(AttentionTest, FlopsCountsAdditiveScoring) {
+  ModelConfig c{.num_hiddens = 256,
+                .num_heads = 8,
+                .query_size = 256,
+                .key_size = 256,
+                .value_size = 256,
+                .scoring = Scoring::kAdditive,
+                .additive_hidden = 64};
+  // Four projections; A_q q and A_k k (2*B*(Q+K)*E*p_a); 4 per (head, query, key,
+  // feature); the context product.
+  const double b = 4, l = 128, e = 256, h = 8, pa = 64;
+  EXPECT_DOUBLE_EQ(
+      MultiHeadAttention::Flops(c, 4, 128, 128),
+      8 * b * l * e * e + 2 * b * 2 * l * e * pa + 4 * b * h * l * l * pa + 2 * b * l * l * e);
+}
+
+// A query with no valid key has a zero context under additive scoring too.
+TEST(AttentionTest, AdditiveZeroValidLenGivesZeroContext) {
+  ModelConfig c{.num_hiddens = 12,
+                .num_heads = 3,
+                .query_size = 5,
+                .key_size = 5,
+                .value_size = 5,
+                .scoring = Scoring::kAdditive,
+                .additive_hidden = 4};
+  auto mha = MultiHeadAttention::Create(c, SeededWeights(c, 3)).value();
+  std::mt19937_64 rng(3);
+  const std::vector<float> x = RandomVector(rng, 2 * 4 * 5);
+  const int32_t lens[] = {0, 2};
+  std::vector<float> out(2 * 4 * 12, -1.0f), attn(2 * 3 * 4 * 4, -1.0f);
+  AttentionInputs in{.batch = 2,
+                     .num_queries = 4,
+                     .num_keys = 4,
+                     .queries = x.data(),
+                     .keys = x.data(),
+                     .values = x.data(),
+                     .valid_lens = lens};
+  ASSERT_TRUE(mha->Forward(in, out.data(), attn.data()).ok());
+  for (int64_t i = 0; i < 4 * 12; ++i) EXPECT_EQ(out[i], 0.0f) << i;  // no bias: W_o 0 = 0
+  for (int64_t i = 0; i < 3 * 4 * 4; ++i) EXPECT_EQ(attn[i], 0.0f) << i;
+  EXPECT_NE(out[4 * 12], 0.0f);
 }
 
 }  // namespace

@@ -28,14 +28,10 @@ TEST(ConfigTest, EachDimensionIsRangeChecked) {
     ModelConfig config;
     const char* field;
   } cases[] = {
-      {{.num_hiddens = 0}, "num_hiddens"},
-      {{.num_heads = 0}, "num_heads"},
-      {{.num_heads = -5}, "num_heads"},
-      {{.query_size = 0}, "query_size"},
-      {{.key_size = -1}, "key_size"},
-      {{.value_size = 1 << 20}, "value_size"},
-      {{.dropout = 1.0f}, "dropout"},
-      {{.dropout = -0.1f}, "dropout"},
+      {{.num_hiddens = 0}, "num_hiddens"}, {{.num_heads = 0}, "num_heads"},
+      {{.num_heads = -5}, "num_heads"},    {{.query_size = 0}, "query_size"},
+      {{.key_size = -1}, "key_size"},      {{.value_size = 1 << 20}, "value_size"},
+      {{.dropout = 1.0f}, "dropout"},      {{.dropout = -0.1f}, "dropout"},
   };
   for (const auto& c : cases) {
     const absl::Status s = c.config.Validate();
@@ -50,6 +46,19 @@ TEST(ConfigTest, ParsesPrecisionNames) {
   EXPECT_EQ(ParsePrecision("bf16").value(), Precision::kBf16);
   EXPECT_EQ(PrecisionName(Precision::kBf16), "bf16");
   EXPECT_EQ(ParsePrecision("fp8").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ConfigTest, AdditiveScoringNeedsItsHiddenSizeAndOnlyIt) {
+  ModelConfig additive{.scoring = Scoring::kAdditive, .additive_hidden = 16};
+  EXPECT_TRUE(additive.Validate().ok());
+  additive.additive_hidden = 0;
+  EXPECT_TRUE(absl::StartsWith(additive.Validate().message(), "additive_hidden: expected 1 <="))
+      << additive.Validate();
+  const ModelConfig dot{.additive_hidden = 16};
+  EXPECT_EQ(dot.Validate().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(dot.Validate().message(), "only for scoring ADDITIVE"))
+      << dot.Validate();
+  EXPECT_EQ(ScoringName(Scoring::kAdditive), "additive");
 }
 
 }  // namespace

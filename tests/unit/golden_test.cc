@@ -1,5 +1,6 @@
 // Checks the core against outputs that PyTorch computed (tests/golden/make_golden.py):
-// nn.MultiheadAttention under its own weight naming, and a d2l-style module.
+// nn.MultiheadAttention under its own weight naming, and a d2l-style module with
+// dot-product or additive scoring (shared by the heads, or one set per head).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -43,9 +44,17 @@ class GoldenTest : public ::testing::TestWithParam<std::string> {};
 TEST_P(GoldenTest, MatchesPyTorch) {
   const std::string base = std::string(MHA_GOLDEN_DIR) + "/" + GetParam();
   auto io = SafetensorsFile::Open(base + ".io.safetensors").value();
-  ModelConfig c{.num_hiddens = Meta(*io, "num_hiddens"), .num_heads = Meta(*io, "num_heads"),
-                .query_size = Meta(*io, "query_size"), .key_size = Meta(*io, "key_size"),
-                .value_size = Meta(*io, "value_size"), .bias = io->metadata().at("bias") == "true"};
+  ModelConfig c{.num_hiddens = Meta(*io, "num_hiddens"),
+                .num_heads = Meta(*io, "num_heads"),
+                .query_size = Meta(*io, "query_size"),
+                .key_size = Meta(*io, "key_size"),
+                .value_size = Meta(*io, "value_size"),
+                .bias = io->metadata().at("bias") == "true"};
+  if (io->metadata().contains("scoring")) {
+    ASSERT_EQ(io->metadata().at("scoring"), "additive");
+    c.scoring = Scoring::kAdditive;
+    c.additive_hidden = Meta(*io, "additive_hidden");
+  }
   auto weights = LoadSafetensorsWeights(base + ".weights.safetensors", c);
   ASSERT_TRUE(weights.ok()) << weights.status();
   auto mha = MultiHeadAttention::Create(c, *weights).value();
@@ -53,8 +62,11 @@ TEST_P(GoldenTest, MatchesPyTorch) {
   const TensorView qv = io->Get("queries").value();
   const std::vector<float> queries = qv.ToFloat("queries").value();
   std::vector<float> keys, values;
-  AttentionInputs in{.batch = qv.shape[0], .num_queries = qv.shape[1], .num_keys = qv.shape[1],
-                     .queries = queries.data(), .causal = io->metadata().at("causal") == "true"};
+  AttentionInputs in{.batch = qv.shape[0],
+                     .num_queries = qv.shape[1],
+                     .num_keys = qv.shape[1],
+                     .queries = queries.data(),
+                     .causal = io->metadata().at("causal") == "true"};
   if (io->tensors().contains("keys")) {
     const TensorView kv = io->Get("keys").value();
     keys = kv.ToFloat("keys").value();
@@ -99,7 +111,7 @@ TEST_P(GoldenTest, MatchesPyTorch) {
 INSTANTIATE_TEST_SUITE_P(PyTorch, GoldenTest, ::testing::ValuesIn(Cases()),
                          [](const auto& info) { return info.param; });
 
-TEST(GoldenFilesTest, AllCasesPresent) { EXPECT_GE(Cases().size(), 5u); }
+TEST(GoldenFilesTest, AllCasesPresent) { EXPECT_GE(Cases().size(), 7u); }
 
 }  // namespace
 }  // namespace mha::core

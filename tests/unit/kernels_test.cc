@@ -39,5 +39,27 @@ TEST(KernelsTest, OverflowedScoresGiveNan) {
   EXPECT_TRUE(std::isnan(sum));
 }
 
+// s[j] = sum_a w[a] tanh(qa[a] + kt[a * ld + j]), against std::tanh in double, over
+// arguments from 0 (where 1 - exp(-2|x|) cancels) to past tanh's saturation.
+TEST(KernelsTest, AdditiveScoresMatchStdTanh) {
+  const int64_t pa = 3, ld = 11, n = 9;  // ld > n: a block of a longer key row
+  const std::vector<float> qa = {0.0f, -0.7f, 2.5f};
+  const std::vector<float> w = {1.0f, -0.5f, 0.25f};
+  std::vector<float> kt(pa * ld);
+  for (int64_t i = 0; i < pa * ld; ++i) kt[i] = 0.37f * static_cast<float>(i % 13 - 6) - 1e-4f;
+  kt[0] = 1e-6f;   // tanh of a tiny argument
+  kt[1] = 40.0f;   // saturated
+  kt[2] = -95.0f;  // past exp's flush to zero
+  std::vector<float> s(n, -1.0f);
+  AdditiveScores(qa.data(), kt.data(), ld, w.data(), pa, s.data(), n);
+  for (int64_t j = 0; j < n; ++j) {
+    double expected = 0;
+    for (int64_t a = 0; a < pa; ++a) {
+      expected += double{w[a]} * std::tanh(double{qa[a]} + double{kt[a * ld + j]});
+    }
+    EXPECT_NEAR(s[j], expected, 5e-7) << "key " << j;
+  }
+}
+
 }  // namespace
 }  // namespace mha::core::kernels

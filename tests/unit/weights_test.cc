@@ -34,8 +34,12 @@ void ExpectError(const absl::StatusOr<Weights>& w, const char* needle) {
 class WeightsTest : public ::testing::Test {
  protected:
   // p_o 8, h 2, d_q 8 (PyTorch needs d_q == p_o), d_k 5, d_v 3.
-  ModelConfig config_{.num_hiddens = 8, .num_heads = 2, .query_size = 8, .key_size = 5,
-                      .value_size = 3, .bias = true};
+  ModelConfig config_{.num_hiddens = 8,
+                      .num_heads = 2,
+                      .query_size = 8,
+                      .key_size = 5,
+                      .value_size = 3,
+                      .bias = true};
   std::mt19937_64 rng_{42};
   std::vector<float> wq_ = RandomVector(rng_, 8 * 8), wk_ = RandomVector(rng_, 8 * 5),
                      wv_ = RandomVector(rng_, 8 * 3), wo_ = RandomVector(rng_, 8 * 8),
@@ -49,10 +53,12 @@ class WeightsTest : public ::testing::Test {
             F32Tensor("W_v.bias", {8}, bv_),      F32Tensor("W_o.bias", {8}, bo_)};
   }
   std::vector<NamedTensor> TorchSeparate() const {
-    return {F32Tensor("q_proj_weight", {8, 8}, wq_), F32Tensor("k_proj_weight", {8, 5}, wk_),
+    return {F32Tensor("q_proj_weight", {8, 8}, wq_),
+            F32Tensor("k_proj_weight", {8, 5}, wk_),
             F32Tensor("v_proj_weight", {8, 3}, wv_),
             F32Tensor("in_proj_bias", {24}, Concat({bq_, bk_, bv_})),
-            F32Tensor("out_proj.weight", {8, 8}, wo_), F32Tensor("out_proj.bias", {8}, bo_)};
+            F32Tensor("out_proj.weight", {8, 8}, wo_),
+            F32Tensor("out_proj.bias", {8}, bo_)};
   }
   void ExpectLoaded(const Weights& w) const {
     EXPECT_EQ(w.w_q, wq_);
@@ -77,10 +83,10 @@ TEST_F(WeightsTest, LoadsTorchPackedInProjection) {
   c.key_size = c.value_size = 8;
   wk_ = RandomVector(rng_, 64);
   wv_ = RandomVector(rng_, 64);
-  const std::vector<NamedTensor> t = {
-      F32Tensor("in_proj_weight", {24, 8}, Concat({wq_, wk_, wv_})),
-      F32Tensor("in_proj_bias", {24}, Concat({bq_, bk_, bv_})),
-      F32Tensor("out_proj.weight", {8, 8}, wo_), F32Tensor("out_proj.bias", {8}, bo_)};
+  const std::vector<NamedTensor> t = {F32Tensor("in_proj_weight", {24, 8}, Concat({wq_, wk_, wv_})),
+                                      F32Tensor("in_proj_bias", {24}, Concat({bq_, bk_, bv_})),
+                                      F32Tensor("out_proj.weight", {8, 8}, wo_),
+                                      F32Tensor("out_proj.bias", {8}, bo_)};
   ExpectLoaded(Load(t, c).value());
   ExpectError(Load(t, config_), "in_proj_weight");  // packed needs d_k == d_v == p_o
 }
@@ -148,8 +154,12 @@ TEST_F(WeightsTest, TorchNamingNeedsQuerySizeEqualToHiddens) {
 }
 
 TEST(SeededWeightsTest, DeterministicBoundedAndSeedDependent) {
-  const ModelConfig c{.num_hiddens = 12, .num_heads = 3, .query_size = 7, .key_size = 5,
-                      .value_size = 9, .bias = true};
+  const ModelConfig c{.num_hiddens = 12,
+                      .num_heads = 3,
+                      .query_size = 7,
+                      .key_size = 5,
+                      .value_size = 9,
+                      .bias = true};
   const Weights a = SeededWeights(c, 1), b = SeededWeights(c, 1), other = SeededWeights(c, 2);
   EXPECT_TRUE(a.Validate(c).ok());
   EXPECT_EQ(a.w_q, b.w_q);
@@ -160,11 +170,84 @@ TEST(SeededWeightsTest, DeterministicBoundedAndSeedDependent) {
 }
 
 TEST(WeightsValidateTest, NamesTheWrongTensor) {
-  const ModelConfig c{.num_hiddens = 4, .num_heads = 2, .query_size = 4, .key_size = 4,
-                      .value_size = 4};
+  const ModelConfig c{
+      .num_hiddens = 4, .num_heads = 2, .query_size = 4, .key_size = 4, .value_size = 4};
   Weights w = SeededWeights(c, 0);
   w.w_v.pop_back();
   EXPECT_TRUE(absl::StrContains(w.Validate(c).message(), "W_v"));
+}
+
+// Additive scoring: p_o 8, h 2 (p 4), p_a 3; the d2l tensors plus attention.*.
+class AdditiveWeightsTest : public WeightsTest {
+ protected:
+  AdditiveWeightsTest() {
+    config_.scoring = Scoring::kAdditive;
+    config_.additive_hidden = 3;
+  }
+  std::vector<float> aq_ = RandomVector(rng_, 2 * 3 * 4), ak_ = RandomVector(rng_, 2 * 3 * 4),
+                     av_ = RandomVector(rng_, 2 * 3);
+
+  std::vector<NamedTensor> PerHead() const {
+    auto t = D2l();
+    t.push_back(F32Tensor("attention.W_q.weight", {2, 3, 4}, aq_));
+    t.push_back(F32Tensor("attention.W_k.weight", {2, 3, 4}, ak_));
+    t.push_back(F32Tensor("attention.w_v.weight", {2, 3}, av_));
+    return t;
+  }
+  // Head 0's parameters as d2l's one AdditiveAttention module stores them.
+  std::vector<NamedTensor> Shared() const {
+    auto t = D2l();
+    t.push_back(F32Tensor("attention.W_q.weight", {3, 4}, Head0(aq_, 12)));
+    t.push_back(F32Tensor("attention.W_k.weight", {3, 4}, Head0(ak_, 12)));
+    t.push_back(F32Tensor("attention.w_v.weight", {1, 3}, Head0(av_, 3)));
+    return t;
+  }
+  static std::vector<float> Head0(const std::vector<float>& v, size_t n) {
+    return std::vector<float>(v.begin(), v.begin() + n);
+  }
+};
+
+TEST_F(AdditiveWeightsTest, LoadsOneSetPerHead) {
+  const Weights w = Load(PerHead(), config_).value();
+  ExpectLoaded(w);
+  EXPECT_EQ(w.score_w_q, aq_);
+  EXPECT_EQ(w.score_w_k, ak_);
+  EXPECT_EQ(w.score_w_v, av_);
+  EXPECT_TRUE(w.Validate(config_).ok());
+}
+
+TEST_F(AdditiveWeightsTest, SharedParametersRepeatForEveryHead) {
+  const Weights w = Load(Shared(), config_).value();
+  EXPECT_EQ(w.score_w_q, Concat({Head0(aq_, 12), Head0(aq_, 12)}));
+  EXPECT_EQ(w.score_w_k, Concat({Head0(ak_, 12), Head0(ak_, 12)}));
+  EXPECT_EQ(w.score_w_v, Concat({Head0(av_, 3), Head0(av_, 3)}));
+}
+
+TEST_F(AdditiveWeightsTest, ErrorsNameTheScoringTensor) {
+  auto missing = PerHead();
+  missing.pop_back();
+  ExpectError(Load(missing, config_), "missing tensor \"attention.w_v.weight\" (1, 3)");
+  auto shaped = PerHead();
+  shaped[9] = F32Tensor("attention.W_k.weight", {4, 3}, Head0(ak_, 12));
+  ExpectError(Load(shaped, config_),
+              "\"attention.W_k.weight\": expected shape (3, 4) (shared by every head) or "
+              "(2, 3, 4) (one per head), got (4, 3)");
+  ModelConfig dot = config_;
+  dot.scoring = Scoring::kDotProduct;
+  dot.additive_hidden = 0;
+  ExpectError(Load(PerHead(), dot), "unexpected tensor \"attention.");
+  ExpectError(Load(TorchSeparate(), config_), "additive scoring needs d2l names");
+}
+
+TEST_F(AdditiveWeightsTest, SeededDrawsOneSetPerHead) {
+  const Weights w = SeededWeights(config_, 5);
+  ASSERT_TRUE(w.Validate(config_).ok());
+  EXPECT_NE(Head0(w.score_w_q, 12),
+            std::vector<float>(w.score_w_q.begin() + 12, w.score_w_q.end()));
+  Weights short_v = w;
+  short_v.score_w_v.pop_back();
+  EXPECT_TRUE(absl::StrContains(short_v.Validate(config_).message(), "score_w_v: expected 6"))
+      << short_v.Validate(config_);
 }
 
 }  // namespace

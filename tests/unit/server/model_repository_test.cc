@@ -2,6 +2,7 @@
 // repository directory, name resolution, and errors naming the model and file.
 #include "server/model_repository.h"
 
+#include <filesystem>
 #include <string>
 
 #include "absl/strings/match.h"
@@ -59,6 +60,25 @@ TEST(ModelRepositoryTest, BadConfigNamesModelFileAndField) {
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(status.message(), "model bad (" + path + ")")) << status;
   EXPECT_TRUE(absl::StrContains(status.message(), "num_heads")) << status;
+}
+
+TEST(ModelRepositoryTest, AdditiveScoringComesFromTheConfig) {
+  TempDir dir;
+  dir.Write("additive/config.pbtxt",
+            "num_hiddens: 16 num_heads: 4 scoring: ADDITIVE additive_hidden: 8 seeded { seed: 1 }");
+  const std::string bad =
+      dir.Write("no_hidden/config.pbtxt",
+                "num_hiddens: 16 num_heads: 4 scoring: ADDITIVE seeded { seed: 1 }");
+  const absl::Status status = ModelRepository::Create({.path = dir.path()}).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(status.message(), "model no_hidden (" + bad + ")")) << status;
+  EXPECT_TRUE(absl::StrContains(status.message(), "additive_hidden: expected 1 <=")) << status;
+  std::filesystem::remove_all(std::filesystem::path(bad).parent_path());
+  auto models = ModelRepository::Create({.path = dir.path()}).value();
+  const Model* model = models->Find("additive").value();
+  EXPECT_EQ(model->config.scoring, core::Scoring::kAdditive);
+  EXPECT_EQ(model->config.additive_hidden, 8);
+  EXPECT_EQ(model->attention->config().scoring, core::Scoring::kAdditive);
 }
 
 TEST(ModelRepositoryTest, MissingWeightsAndEmptyRepositoryAreNotFound) {
