@@ -11,6 +11,16 @@ Shapes (self-attention, batch_first, bias, eval, no_grad, need_weights=False, f3
   padded     as `long`, key_padding_mask masks keys >= L/2
 FLOPs per call (full length, also for padded): 4*2*B*L*E*E + 2*2*B*L*L*E.
 
+--additive compares additive scoring instead: d2l's MultiHeadAttention with d2l's
+AdditiveAttention pooling (shared by the heads, num_hiddens p_a = 64), which broadcasts
+a (B*h, Q, K, p_a) tensor through tanh, against our "Additive/<shape>/<precision>"
+entries, as times (ratio = torch ms / ours ms):
+  additive_128   B=4 L=128  E=256 h=8 p_a=64
+  additive_1024  B=1 L=1024 E=256 h=8 p_a=64
+Peak memory: run each under /usr/bin/time -v in its own process, e.g.
+  /usr/bin/time -v tests/bench/compare_torch.py --additive --shapes additive_1024
+  /usr/bin/time -v mha_core_bench --benchmark_filter=Additive/additive_1024/f32
+
 `--ours` is Google Benchmark `--benchmark_format=json` output with entries named
 "Forward/<shape>/<f32|bf16>/..." carrying a "GFLOPS" user counter.
 ratio = ours GFLOP/s / torch GFLOP/s (> 1: ours is faster).
@@ -36,6 +46,11 @@ SHAPES = [
     ("small", 1, 16, 256, 8, False),
     ("padded", 1, 2048, 512, 8, True),
 ]
+ADDITIVE_SHAPES = [
+    # name, B, L, E, h, p_a
+    ("additive_128", 4, 128, 256, 8, 64),
+    ("additive_1024", 1, 1024, 256, 8, 64),
+]
 PRECISIONS = ("f32", "bf16")
 _UNIT_TO_MS = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}
 
@@ -53,7 +68,11 @@ def parse_args():
                     help="seconds of timed repeats per shape (default 2)")
     ap.add_argument("--warmup", type=int, default=3, help="warm-up calls per shape")
     ap.add_argument("--json", dest="json_out", help="write the result table as JSON here")
-    ap.add_argument("--shapes", help="comma-separated subset of: " + ",".join(s[0] for s in SHAPES))
+    ap.add_argument("--shapes", help="comma-separated subset of: "
+                    + ",".join(s[0] for s in SHAPES + ADDITIVE_SHAPES))
+    ap.add_argument("--additive", action="store_true",
+                    help="additive scoring: d2l's broadcast AdditiveAttention vs our "
+                         "Additive/ entries")
     ap.add_argument("--torch_path", choices=("auto", "slow"), default="auto",
                     help="auto: eval mode, torch picks its native fast path when eligible "
                          "(default); slow: force F.multi_head_attention_forward (train mode "
@@ -192,6 +211,75 @@ def bench_torch(name, B, L, E, h, padded, min_time, warmup, torch_path="auto"):
             "fast_path": fast, "foreign_cpus": foreign}
 
 
+class D2LAdditiveMultiHeadAttention(nn.Module):
+    """d2l's MultiHeadAttention (bias) with d2l's AdditiveAttention as its pooling."""
+
+    def __init__(self, E, h, p_a):
+        super().__init__()
+        self.h = h
+        p = E // h
+        self.W_q, self.W_k, self.W_v, self.W_o = (nn.Linear(E, E) for _ in range(4))
+        self.score_q = nn.Linear(p, p_a, bias=False)
+        self.score_k = nn.Linear(p, p_a, bias=False)
+        self.score_v = nn.Linear(p_a, 1, bias=False)
+
+    def split(self, x):  # (B, L, E) -> (B*h, L, p)
+        B, L, _ = x.shape
+        return x.reshape(B, L, self.h, -1).permute(0, 2, 1, 3).reshape(B * self.h, L, -1)
+
+    def forward(self, x):
+        q, k, v = self.split(self.W_q(x)), self.split(self.W_k(x)), self.split(self.W_v(x))
+        features = torch.tanh(self.score_q(q).unsqueeze(2) + self.score_k(k).unsqueeze(1))
+        weights = nn.functional.softmax(self.score_v(features).squeeze(-1), dim=-1)
+        out = torch.bmm(weights, v)  # (B*h, L, p)
+        B = x.shape[0]
+        out = out.reshape(B, self.h, out.shape[1], -1).permute(0, 2, 1, 3).reshape(x.shape)
+        return self.W_o(out)
+
+
+def bench_torch_additive(B, L, E, h, p_a, min_time, warmup):
+    torch.manual_seed(0)
+    mod = D2LAdditiveMultiHeadAttention(E, h, p_a).eval()
+    x = torch.randn(B, L, E)
+    times = []
+    with torch.no_grad():
+        for _ in range(warmup):
+            mod(x)
+        start = time.perf_counter()
+        while True:
+            t0 = time.perf_counter()
+            mod(x)
+            t1 = time.perf_counter()
+            times.append(t1 - t0)
+            if t1 - start >= min_time and len(times) >= 3:
+                break
+    return {"ms": statistics.median(times) * 1e3, "reps": len(times)}
+
+
+def additive_main(args):
+    ours = {}
+    if args.ours and os.path.exists(args.ours):
+        with open(args.ours) as f:
+            for b in json.load(f).get("benchmarks", []):
+                parts = b.get("name", "").split("/")
+                if len(parts) >= 3 and parts[0] == "Additive" and "real_time" in b:
+                    ms = float(b["real_time"]) * _UNIT_TO_MS[b.get("time_unit", "ns")]
+                    ours[(parts[1], parts[2])] = ms
+    wanted = set(args.shapes.split(",")) if args.shapes else None
+    print(f"torch {torch.__version__}  threads={torch.get_num_threads()}  additive scoring")
+    print("shape | torch ms | ours f32 ms | torch/ours f32 | ours bf16 ms | torch/ours bf16")
+    for name, B, L, E, h, p_a in ADDITIVE_SHAPES:
+        if wanted and name not in wanted:
+            continue
+        t = bench_torch_additive(B, L, E, h, p_a, args.min_time, args.warmup)
+        cells = [name, f"{t['ms']:.2f}"]
+        for prec in PRECISIONS:
+            o = ours.get((name, prec))
+            cells += [fmt(o, ".2f"), fmt(t["ms"] / o if o else None, ".2f")]
+        print(" | ".join(cells), flush=True)
+    return 0
+
+
 # --------------------------------------------------------------------------------------
 # our Google Benchmark JSON
 # --------------------------------------------------------------------------------------
@@ -243,6 +331,8 @@ def fmt(v, spec):
 def main():
     args = ARGS
     torch.set_num_threads(args.threads)
+    if args.additive:
+        return additive_main(args)
 
     info = blas_info()
     print(f"torch {torch.__version__}  threads={torch.get_num_threads()} "

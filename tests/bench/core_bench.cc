@@ -5,6 +5,7 @@
 //   build/release/tests/bench/mha_core_bench --benchmark_filter='Forward/(bert|long|small|padded)'
 //   /usr/bin/time -v build/release/tests/bench/mha_core_bench --benchmark_filter=memory_16k
 //   build/release/tests/bench/mha_core_bench --benchmark_filter=Rows/   (service ceiling)
+//   build/release/tests/bench/mha_core_bench --benchmark_filter=Additive/ (additive scoring)
 //
 // Threads: OMP_NUM_THREADS, else every core. Compare with PyTorch on the same shapes:
 // tests/bench/compare_torch.py --ours FILE (FILE from --benchmark_out=FILE
@@ -22,8 +23,9 @@ namespace {
 struct Shape {
   const char* name;
   int64_t batch, length, hiddens, heads;
-  bool padded;  // valid_lens = length / 2 for every batch row
-  int64_t iterations = 0;  // 0: let the library decide
+  bool padded;                  // valid_lens = length / 2 for every batch row
+  int64_t iterations = 0;       // 0: let the library decide
+  int64_t additive_hidden = 0;  // p_a: additive scoring; 0: dot product
 };
 
 constexpr Shape kShapes[] = {
@@ -36,10 +38,24 @@ constexpr Shape kShapes[] = {
     {"memory_16k", 1, 16384, 512, 8, false, 1},
 };
 
+// Additive scoring (p_a 64), against d2l's broadcast AdditiveAttention in
+// compare_torch.py --additive.
+constexpr Shape kAdditiveShapes[] = {
+    {"additive_128", 4, 128, 256, 8, false, 0, 64},
+    {"additive_1024", 1, 1024, 256, 8, false, 0, 64},
+};
+
 void BM_Forward(benchmark::State& state, Shape shape, Precision precision) {
-  const ModelConfig config{.num_hiddens = shape.hiddens, .num_heads = shape.heads,
-                           .query_size = shape.hiddens, .key_size = shape.hiddens,
-                           .value_size = shape.hiddens, .bias = true, .precision = precision};
+  const ModelConfig config{
+      .num_hiddens = shape.hiddens,
+      .num_heads = shape.heads,
+      .query_size = shape.hiddens,
+      .key_size = shape.hiddens,
+      .value_size = shape.hiddens,
+      .bias = true,
+      .precision = precision,
+      .scoring = shape.additive_hidden > 0 ? Scoring::kAdditive : Scoring::kDotProduct,
+      .additive_hidden = shape.additive_hidden};
   auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 1));
   if (!mha.ok()) {
     state.SkipWithError(std::string(mha.status().message()).c_str());
@@ -52,8 +68,11 @@ void BM_Forward(benchmark::State& state, Shape shape, Precision precision) {
   std::vector<float> out(x.size());
   std::vector<int32_t> lens;
   if (shape.padded) lens.assign(shape.batch, static_cast<int32_t>(shape.length / 2));
-  const AttentionInputs in{.batch = shape.batch, .num_queries = shape.length,
-                           .num_keys = shape.length, .queries = x.data(), .valid_lens = lens};
+  const AttentionInputs in{.batch = shape.batch,
+                           .num_queries = shape.length,
+                           .num_keys = shape.length,
+                           .queries = x.data(),
+                           .valid_lens = lens};
   for (auto _ : state) {
     const absl::Status s = (*mha)->Forward(in, out.data());
     if (!s.ok()) {
@@ -78,8 +97,12 @@ void BM_Rows(benchmark::State& state, const char* model, int64_t hiddens, int64_
              bool bias) {
   const int64_t rows = state.range(0);
   constexpr int64_t kLength = 32;
-  const ModelConfig config{.num_hiddens = hiddens, .num_heads = heads, .query_size = hiddens,
-                           .key_size = hiddens, .value_size = hiddens, .bias = bias};
+  const ModelConfig config{.num_hiddens = hiddens,
+                           .num_heads = heads,
+                           .query_size = hiddens,
+                           .key_size = hiddens,
+                           .value_size = hiddens,
+                           .bias = bias};
   auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 1)).value();
   std::vector<float> x(rows * kLength * hiddens, 0.5f), out(x.size());
   const AttentionInputs in{
@@ -92,30 +115,39 @@ void BM_Rows(benchmark::State& state, const char* model, int64_t hiddens, int64_
     benchmark::DoNotOptimize(out.data());
   }
   state.SetLabel(model);
-  state.counters["requests/s"] = benchmark::Counter(static_cast<double>(rows),
-                                                    benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["requests/s"] =
+      benchmark::Counter(static_cast<double>(rows), benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK_CAPTURE(BM_Rows, toy, "toy", 100, 5, false)
-    ->Name("Rows/toy_q32")->RangeMultiplier(2)->Range(1, 64)->UseRealTime()
+    ->Name("Rows/toy_q32")
+    ->RangeMultiplier(2)
+    ->Range(1, 64)
+    ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK_CAPTURE(BM_Rows, bert_base, "bert_base", 768, 12, true)
-    ->Name("Rows/bert_base_q32")->RangeMultiplier(2)->Range(1, 64)->UseRealTime()
+    ->Name("Rows/bert_base_q32")
+    ->RangeMultiplier(2)
+    ->Range(1, 64)
+    ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
-[[maybe_unused]] const bool kRegistered = [] {
-  for (const Shape& shape : kShapes) {
-    for (Precision p : {Precision::kF32, Precision::kBf16}) {
-      auto* b = benchmark::RegisterBenchmark(
-          (std::string("Forward/") + shape.name + "/" + std::string(PrecisionName(p))).c_str(),
-          BM_Forward, shape, p);
-      b->Unit(benchmark::kMillisecond)->UseRealTime();
-      if (shape.iterations > 0) {
-        b->Iterations(shape.iterations);
-      } else {
-        b->MinTime(1.0);
-      }
+void Register(const char* group, const Shape& shape) {
+  for (Precision p : {Precision::kF32, Precision::kBf16}) {
+    auto* b = benchmark::RegisterBenchmark(
+        (std::string(group) + "/" + shape.name + "/" + std::string(PrecisionName(p))).c_str(),
+        BM_Forward, shape, p);
+    b->Unit(benchmark::kMillisecond)->UseRealTime();
+    if (shape.iterations > 0) {
+      b->Iterations(shape.iterations);
+    } else {
+      b->MinTime(1.0);
     }
   }
+}
+
+[[maybe_unused]] const bool kRegistered = [] {
+  for (const Shape& shape : kShapes) Register("Forward", shape);
+  for (const Shape& shape : kAdditiveShapes) Register("Additive", shape);
   return true;
 }();
 
