@@ -133,6 +133,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  // gRPC sets SO_REUSEPORT by default, which would let a second server bind a busy
+  // port and take half of its connections; a port in use fails start-up instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(HostPort(options.host, options.port), credentials, &server->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(max_receive, INT_MAX)));
   builder.SetMaxSendMessageSize(INT_MAX);

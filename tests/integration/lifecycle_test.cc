@@ -73,6 +73,28 @@ TEST(StartupTest, MissingWeightsFileFailsStartNamingIt) {
       << run.err;
 }
 
+// One server per port: a second server on the gRPC or the metrics port of a running
+// one exits non-zero naming the port, and the first keeps serving.
+TEST(StartupTest, BusyPortFailsStartNamingIt) {
+  auto first = ServerProcess::Start({"--port=0", "--metrics_port=0"});
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string grpc_port = std::to_string((*first)->port());
+  const std::string metrics_port = std::to_string((*first)->metrics_port());
+  const RunResult grpc = RunServer({"--port=" + grpc_port, "--metrics_port=-1"});
+  EXPECT_NE(grpc.exit_code, 0);
+  EXPECT_FALSE(absl::StrContains(grpc.out, "listening on"));
+  EXPECT_TRUE(absl::StrContains(grpc.err, "port: cannot listen on 127.0.0.1:" + grpc_port))
+      << grpc.err;
+  const RunResult metrics = RunServer({"--port=0", "--metrics_port=" + metrics_port});
+  EXPECT_NE(metrics.exit_code, 0);
+  EXPECT_TRUE(
+      absl::StrContains(metrics.err, "metrics_port: cannot listen on 127.0.0.1:" + metrics_port))
+      << metrics.err;
+  HealthCheckResponse health;
+  ASSERT_TRUE(CheckHealth((*first)->target(), "", &health).ok());
+  EXPECT_EQ(health.status(), HealthCheckResponse::SERVING);
+}
+
 TEST(StartupTest, ConfigSyntaxErrorNamesLine) {
   TempDir repository;
   repository.Write("typo/config.pbtxt", "num_hiddens: 100\nnum_head: 5\n");
