@@ -164,42 +164,34 @@ absl::Status LoadD2lNaming(const SafetensorsFile& file, const ModelConfig& c, We
 }  // namespace
 
 absl::Status Weights::Validate(const ModelConfig& c) const {
-  const int64_t p = c.num_hiddens;
+  const int64_t p = c.num_hiddens, h = c.num_heads, pa = c.additive_hidden;
+  const bool additive = c.scoring == Scoring::kAdditive;
+  // Optional tensors say which setting their expected size follows.
+  const std::string bias = absl::StrCat(" (bias=", c.bias, ")");
+  const std::string scoring = absl::StrCat(" (scoring ", ScoringName(c.scoring), ")");
   struct Expect {
     absl::string_view name;
     const std::vector<float>& v;
     int64_t n;
+    absl::string_view why;
   };
-  const Expect expects[] = {{"W_q", w_q, p * c.query_size},
-                            {"W_k", w_k, p * c.key_size},
-                            {"W_v", w_v, p * c.value_size},
-                            {"W_o", w_o, p * p}};
+  const Expect expects[] = {
+      {"W_q", w_q, p * c.query_size, ""},
+      {"W_k", w_k, p * c.key_size, ""},
+      {"W_v", w_v, p * c.value_size, ""},
+      {"W_o", w_o, p * p, ""},
+      {"b_q", b_q, c.bias ? p : 0, bias},
+      {"b_k", b_k, c.bias ? p : 0, bias},
+      {"b_v", b_v, c.bias ? p : 0, bias},
+      {"b_o", b_o, c.bias ? p : 0, bias},
+      {"score_w_q", score_w_q, additive ? h * pa * c.head_size() : 0, scoring},
+      {"score_w_k", score_w_k, additive ? h * pa * c.head_size() : 0, scoring},
+      {"score_w_v", score_w_v, additive ? h * pa : 0, scoring},
+  };
   for (const Expect& e : expects) {
     if (static_cast<int64_t>(e.v.size()) != e.n) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("weights ", e.name, ": expected ", e.n, " values, got ", e.v.size()));
-    }
-  }
-  const Expect biases[] = {{"b_q", b_q, p}, {"b_k", b_k, p}, {"b_v", b_v, p}, {"b_o", b_o, p}};
-  for (const Expect& e : biases) {
-    const int64_t want = c.bias ? e.n : 0;
-    if (static_cast<int64_t>(e.v.size()) != want) {
-      return absl::InvalidArgumentError(absl::StrCat("weights ", e.name, ": expected ", want,
-                                                     " values (bias=", c.bias, "), got ",
-                                                     e.v.size()));
-    }
-  }
-  const bool additive = c.scoring == Scoring::kAdditive;
-  const int64_t h = c.num_heads, pa = c.additive_hidden;
-  const Expect scoring[] = {{"score_w_q", score_w_q, h * pa * c.head_size()},
-                            {"score_w_k", score_w_k, h * pa * c.head_size()},
-                            {"score_w_v", score_w_v, h * pa}};
-  for (const Expect& e : scoring) {
-    const int64_t want = additive ? e.n : 0;
-    if (static_cast<int64_t>(e.v.size()) != want) {
-      return absl::InvalidArgumentError(absl::StrCat("weights ", e.name, ": expected ", want,
-                                                     " values (scoring ", ScoringName(c.scoring),
-                                                     "), got ", e.v.size()));
+      return absl::InvalidArgumentError(absl::StrCat("weights ", e.name, ": expected ", e.n,
+                                                     " values", e.why, ", got ", e.v.size()));
     }
   }
   return absl::OkStatus();
