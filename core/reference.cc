@@ -20,29 +20,34 @@ std::vector<double> Linear(const float* x, int64_t rows, int64_t in, const std::
   return y;
 }
 
-// Head h's projection A (p_a, p) of a head-size vector x: (A x)[a].
-std::vector<double> ApplyHead(const std::vector<float>& a, int64_t h, int64_t pa, int64_t p,
-                              const double* x) {
-  std::vector<double> y(static_cast<size_t>(pa), 0.0);
-  for (int64_t r = 0; r < pa; ++r) {
-    for (int64_t d = 0; d < p; ++d) y[r] += double{a[(h * pa + r) * p + d]} * x[d];
+// Additive scoring's projections of every row's head slices: y (rows, h, p_a) with
+// y[r, h] = A_h x[r, head h's p columns], for x (rows, p_o) and A (h, p_a, p).
+std::vector<double> ProjectHeads(const ModelConfig& c, const std::vector<float>& a,
+                                 const std::vector<double>& x, int64_t rows) {
+  const int64_t H = c.num_heads, P = c.head_size(), E = c.num_hiddens, pa = c.additive_hidden;
+  std::vector<double> y(static_cast<size_t>(rows * H * pa), 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t f = 0; f < pa; ++f) {
+        double& acc = y[(r * H + h) * pa + f];
+        for (int64_t d = 0; d < P; ++d)
+          acc += double{a[(h * pa + f) * P + d]} * x[r * E + h * P + d];
+      }
+    }
   }
   return y;
 }
 
-// The score of query row q against key row k of head h (each p values).
-double Score(const ModelConfig& c, const Weights& w, int64_t h, const double* q, const double* k) {
-  const int64_t p = c.head_size();
-  if (c.scoring == Scoring::kDotProduct) {
-    double s = 0;
-    for (int64_t d = 0; d < p; ++d) s += q[d] * k[d];
-    return s / std::sqrt(static_cast<double>(p));
-  }
-  const int64_t pa = c.additive_hidden;
-  const std::vector<double> aq = ApplyHead(w.score_w_q, h, pa, p, q);
-  const std::vector<double> ak = ApplyHead(w.score_w_k, h, pa, p, k);
+double DotScore(const double* q, const double* k, int64_t p) {
   double s = 0;
-  for (int64_t r = 0; r < pa; ++r) s += double{w.score_w_v[h * pa + r]} * std::tanh(aq[r] + ak[r]);
+  for (int64_t d = 0; d < p; ++d) s += q[d] * k[d];
+  return s / std::sqrt(static_cast<double>(p));
+}
+
+// w_v . tanh(aq + ak) for head h, aq and ak its projected query and key (p_a each).
+double AdditiveScore(const Weights& w, int64_t h, int64_t pa, const double* aq, const double* ak) {
+  double s = 0;
+  for (int64_t f = 0; f < pa; ++f) s += double{w.score_w_v[h * pa + f]} * std::tanh(aq[f] + ak[f]);
   return s;
 }
 
@@ -61,6 +66,13 @@ ReferenceResult ReferenceForward(const ModelConfig& c, const Weights& w,
   const std::vector<double> k = Linear(keys, B * K, dk, w.w_k, w.b_k, E);
   const std::vector<double> v = Linear(values, B * K, dv, w.w_v, w.b_v, E);
 
+  const bool additive = c.scoring == Scoring::kAdditive;
+  const int64_t pa = c.additive_hidden;
+  const std::vector<double> aq =
+      additive ? ProjectHeads(c, w.score_w_q, q, B * Q) : std::vector<double>();
+  const std::vector<double> ak =
+      additive ? ProjectHeads(c, w.score_w_k, k, B * K) : std::vector<double>();
+
   ReferenceResult r;
   r.attention.assign(static_cast<size_t>(B * H * Q * K), 0.0);
   std::vector<double> concat(static_cast<size_t>(B * Q * E), 0.0);
@@ -77,7 +89,10 @@ ReferenceResult ReferenceForward(const ModelConfig& c, const Weights& w,
         if (limit > 0) {
           double max_score = -INFINITY;
           for (int64_t j = 0; j < limit; ++j) {
-            scores[j] = Score(c, w, h, &q[(b * Q + i) * E + h * P], &k[(b * K + j) * E + h * P]);
+            scores[j] = additive
+                            ? AdditiveScore(w, h, pa, &aq[((b * Q + i) * H + h) * pa],
+                                            &ak[((b * K + j) * H + h) * pa])
+                            : DotScore(&q[(b * Q + i) * E + h * P], &k[(b * K + j) * E + h * P], P);
             max_score = std::max(max_score, scores[j]);
           }
           double sum = 0;

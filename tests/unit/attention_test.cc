@@ -163,7 +163,7 @@ Case RandomCase(std::mt19937_64& rng, Precision precision, Scoring scoring = Sco
     c.config.scoring = scoring;
     c.config.additive_hidden = pick({1, 3, 16, 64});
     c.shared_scoring = between(0, 1) == 1;
-    // The reference projects every (query, key) pair's features again.
+    // The reference evaluates a tanh per (query, key, head, feature) in double.
     while (c.batch * c.num_queries * c.num_keys * c.config.num_hiddens * c.config.additive_hidden >
                100'000'000 &&
            c.num_queries > 1) {
