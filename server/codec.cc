@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -17,41 +18,42 @@ using attention::v1::AttendRequest;
 using attention::v1::AttendResponse;
 using attention::v1::Tensor;
 
-std::string ShapeString(const Tensor& tensor) {
-  return absl::StrCat("(", absl::StrJoin(tensor.shape(), ", "), ")");
+std::string ShapeString(absl::Span<const int64_t> shape) {
+  return absl::StrCat("(", absl::StrJoin(shape, ", "), ")");
 }
 
 // Rank 3, every dimension >= 1, data length == prod(shape).
-absl::Status CheckDense(absl::string_view field, const Tensor& tensor, absl::string_view layout) {
-  if (tensor.shape_size() != 3) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": expected rank 3 ", layout, ", got shape ", ShapeString(tensor)));
+absl::Status CheckDense(absl::string_view field, const TensorView& tensor,
+                        absl::string_view layout) {
+  if (tensor.shape.size() != 3) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": expected rank 3 ", layout,
+                                                   ", got shape ", ShapeString(tensor.shape)));
   }
   int64_t elements = 1;
   bool overflow = false;
   for (int i = 0; i < 3; ++i) {
-    const int64_t dim = tensor.shape(i);
+    const int64_t dim = tensor.shape[i];
     if (dim < 1) {
       return absl::InvalidArgumentError(absl::StrCat(field, ": every dimension of ", layout,
                                                      " must be >= 1, got shape ",
-                                                     ShapeString(tensor)));
+                                                     ShapeString(tensor.shape)));
     }
     overflow = overflow || __builtin_mul_overflow(elements, dim, &elements);
   }
-  if (overflow || elements != tensor.data_size()) {
+  if (overflow || elements != tensor.size) {
     return absl::InvalidArgumentError(
-        absl::StrCat(field, ": shape ", ShapeString(tensor), " needs ",
+        absl::StrCat(field, ": shape ", ShapeString(tensor.shape), " needs ",
                      overflow ? std::string("more than 2^63") : absl::StrCat(elements),
-                     " values, data has ", tensor.data_size()));
+                     " values, data has ", tensor.size));
   }
   return absl::OkStatus();
 }
 
-absl::Status CheckShape(absl::string_view field, const Tensor& tensor, int64_t d0, int64_t d1,
+absl::Status CheckShape(absl::string_view field, const TensorView& tensor, int64_t d0, int64_t d1,
                         int64_t d2) {
-  if (tensor.shape(0) != d0 || tensor.shape(1) != d1 || tensor.shape(2) != d2) {
+  if (tensor.shape[0] != d0 || tensor.shape[1] != d1 || tensor.shape[2] != d2) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": expected shape (", d0, ", ", d1, ", ",
-                                                   d2, "), got ", ShapeString(tensor)));
+                                                   d2, "), got ", ShapeString(tensor.shape)));
   }
   return absl::OkStatus();
 }
@@ -67,13 +69,13 @@ bool AnyNonFinite(const float* data, int64_t n) {
   return any != 0;
 }
 
-absl::Status CheckFinite(absl::string_view field, const Tensor& tensor) {
-  const float* data = tensor.data().data();
-  const int64_t n = tensor.data_size();
+absl::Status CheckFinite(absl::string_view field, const TensorView& tensor) {
+  const float* data = tensor.data;
+  const int64_t n = tensor.size;
   if (!AnyNonFinite(data, n)) return absl::OkStatus();
   for (int64_t i = 0; i < n; ++i) {  // find the first one, for the message
     if (!std::isfinite(data[i])) {
-      const int64_t features = tensor.shape(2), positions = tensor.shape(1);
+      const int64_t features = tensor.shape[2], positions = tensor.shape[1];
       return absl::InvalidArgumentError(
           absl::StrCat(field, ": non-finite value ", data[i], " at index ", i, " (batch ",
                        i / (features * positions), ", position ", (i / features) % positions,
@@ -97,34 +99,35 @@ absl::Status OverLimit(absl::string_view what, int64_t value, absl::string_view 
 
 // Queries, and keys/values when given: rank, dims, data length, and (B, Q, d_q),
 // (B, K, d_k), (B, K, d_v) against the model.
-absl::StatusOr<Dims> DecodeShapes(const AttendRequest& request, const Model& model) {
+absl::StatusOr<Dims> DecodeShapes(const RequestView& request, const Model& model) {
   const core::ModelConfig& c = model.config;
-  if (!request.has_queries()) {
+  if (!request.queries.has_value()) {
     return absl::InvalidArgumentError(
         absl::StrCat("queries: required, shape (B, Q, d_q = ", c.query_size, ")"));
   }
-  const Tensor& queries = request.queries();
+  const TensorView& queries = *request.queries;
   MHA_RETURN_IF_ERROR(CheckDense("queries", queries, "(B, Q, d_q)"));
-  Dims dims{.batch = queries.shape(0), .queries = queries.shape(1), .keys = queries.shape(1)};
+  Dims dims{.batch = queries.shape[0], .queries = queries.shape[1], .keys = queries.shape[1]};
   MHA_RETURN_IF_ERROR(CheckShape("queries", queries, dims.batch, dims.queries, c.query_size));
-  if (request.has_keys() != request.has_values()) {
+  const bool has_keys = request.keys.has_value(), has_values = request.values.has_value();
+  if (has_keys != has_values) {
     return absl::InvalidArgumentError(
-        request.has_keys() ? "values: required when keys are given (cross-attention); omit "
-                             "both for self-attention"
-                           : "keys: required when values are given (cross-attention); omit "
-                             "both for self-attention");
+        has_keys ? "values: required when keys are given (cross-attention); omit "
+                   "both for self-attention"
+                 : "keys: required when values are given (cross-attention); omit "
+                   "both for self-attention");
   }
-  if (!request.has_keys()) {
+  if (!has_keys) {
     if (c.SupportsSelfAttention()) return dims;
     return absl::InvalidArgumentError(
         absl::StrCat("keys: required, model ", model.name, " has d_q = ", c.query_size,
                      ", d_k = ", c.key_size, ", d_v = ", c.value_size, " and cannot self-attend"));
   }
-  MHA_RETURN_IF_ERROR(CheckDense("keys", request.keys(), "(B, K, d_k)"));
-  dims.keys = request.keys().shape(1);
-  MHA_RETURN_IF_ERROR(CheckShape("keys", request.keys(), dims.batch, dims.keys, c.key_size));
-  MHA_RETURN_IF_ERROR(CheckDense("values", request.values(), "(B, K, d_v)"));
-  MHA_RETURN_IF_ERROR(CheckShape("values", request.values(), dims.batch, dims.keys, c.value_size));
+  MHA_RETURN_IF_ERROR(CheckDense("keys", *request.keys, "(B, K, d_k)"));
+  dims.keys = request.keys->shape[1];
+  MHA_RETURN_IF_ERROR(CheckShape("keys", *request.keys, dims.batch, dims.keys, c.key_size));
+  MHA_RETURN_IF_ERROR(CheckDense("values", *request.values, "(B, K, d_v)"));
+  MHA_RETURN_IF_ERROR(CheckShape("values", *request.values, dims.batch, dims.keys, c.value_size));
   return dims;
 }
 
@@ -164,19 +167,26 @@ absl::Status CheckLimits(const Dims& dims, bool cross, bool return_attention, co
   return absl::OkStatus();
 }
 
-core::AttentionInputs Views(const AttendRequest& request, const Dims& dims) {
-  const bool cross = request.has_keys();
+core::AttentionInputs Views(const RequestView& request, const Dims& dims) {
+  const bool cross = request.keys.has_value();
   return core::AttentionInputs{
       .batch = dims.batch,
       .num_queries = dims.queries,
       .num_keys = dims.keys,
-      .queries = request.queries().data().data(),
-      .keys = cross ? request.keys().data().data() : nullptr,
-      .values = cross ? request.values().data().data() : nullptr,
-      .valid_lens = {request.valid_lens().data(), static_cast<size_t>(request.valid_lens_size())},
-      .causal = request.causal(),
-      .head_mask = {request.head_mask().data(), static_cast<size_t>(request.head_mask_size())},
+      .queries = request.queries->data,
+      .keys = cross ? request.keys->data : nullptr,
+      .values = cross ? request.values->data : nullptr,
+      .valid_lens = {request.valid_lens.data(), request.valid_lens.size()},
+      .causal = request.causal,
+      .head_mask = {request.head_mask.data(), request.head_mask.size()},
   };
+}
+
+std::optional<TensorView> ViewOf(bool present, const Tensor& tensor) {
+  if (!present) return std::nullopt;
+  return TensorView{.shape = absl::MakeConstSpan(tensor.shape().data(), tensor.shape_size()),
+                    .data = tensor.data().data(),
+                    .size = tensor.data_size()};
 }
 
 void SetShape(std::initializer_list<int64_t> dims, Tensor* tensor) {
@@ -186,25 +196,39 @@ void SetShape(std::initializer_list<int64_t> dims, Tensor* tensor) {
 
 }  // namespace
 
-absl::StatusOr<ValidatedRequest> ValidateRequest(const AttendRequest& request, const Model& model) {
-  if (const int64_t bytes = static_cast<int64_t>(request.ByteSizeLong());
-      bytes > model.limits.max_request_bytes) {
-    return OverLimit("request: size in bytes", bytes, "max_request_bytes",
+absl::StatusOr<ValidatedRequest> Validate(const RequestView& request, const Model& model) {
+  if (request.bytes > model.limits.max_request_bytes) {
+    return OverLimit("request: size in bytes", request.bytes, "max_request_bytes",
                      model.limits.max_request_bytes, model);
   }
   MHA_ASSIGN_OR_RETURN(const Dims dims, DecodeShapes(request, model));
-  MHA_RETURN_IF_ERROR(CheckLimits(dims, request.has_keys(), request.return_attention(), model));
+  MHA_RETURN_IF_ERROR(CheckLimits(dims, request.keys.has_value(), request.return_attention, model));
   ValidatedRequest out{.model = &model,
                        .inputs = Views(request, dims),
-                       .return_attention = request.return_attention()};
-  MHA_RETURN_IF_ERROR(CheckFinite("queries", request.queries()));
-  if (request.has_keys()) {
-    MHA_RETURN_IF_ERROR(CheckFinite("keys", request.keys()));
-    MHA_RETURN_IF_ERROR(CheckFinite("values", request.values()));
+                       .return_attention = request.return_attention};
+  MHA_RETURN_IF_ERROR(CheckFinite("queries", *request.queries));
+  if (request.keys.has_value()) {
+    MHA_RETURN_IF_ERROR(CheckFinite("keys", *request.keys));
+    MHA_RETURN_IF_ERROR(CheckFinite("values", *request.values));
   }
   // valid_lens and head_mask (counts, ranges, finiteness): the core's rules.
   MHA_RETURN_IF_ERROR(model.attention->CheckInputs(out.inputs));
   return out;
+}
+
+absl::StatusOr<ValidatedRequest> ValidateRequest(const AttendRequest& request, const Model& model) {
+  return Validate(
+      RequestView{
+          .bytes = static_cast<int64_t>(request.ByteSizeLong()),
+          .queries = ViewOf(request.has_queries(), request.queries()),
+          .keys = ViewOf(request.has_keys(), request.keys()),
+          .values = ViewOf(request.has_values(), request.values()),
+          .valid_lens = absl::MakeConstSpan(request.valid_lens().data(), request.valid_lens_size()),
+          .causal = request.causal(),
+          .return_attention = request.return_attention(),
+          .head_mask = absl::MakeConstSpan(request.head_mask().data(), request.head_mask_size()),
+      },
+      model);
 }
 
 OutputViews PrepareResponse(const ValidatedRequest& request, AttendResponse* response) {

@@ -1,7 +1,7 @@
-// The attention.v1 codec: an AttendRequest decoded and checked against its model
-// into core views (ValidatedRequest), and the AttendResponse encoded from what the
-// core computed. The one place that reads or writes attention.v1 tensors; the
-// batcher and the core see only views.
+// The attention.v1 codec, and the validation every front shares: an AttendRequest decoded and
+// checked against its model into core views (ValidatedRequest), and the AttendResponse encoded from
+// what the core computed. The one place that reads or writes attention.v1 tensors; the batcher and
+// the core see only views.
 //
 // Decoding (ValidateRequest) checks, in this order (the first failure is returned):
 //   max_request_bytes    serialized size over the model's limit -> RESOURCE_EXHAUSTED
@@ -33,14 +33,36 @@
 #define MHA_SERVER_CODEC_H_
 
 #include <cstdint>
+#include <optional>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "core/attention.h"
 #include "proto/attention.pb.h"
 #include "server/model.h"
 #include "server/work_item.h"
 
 namespace mha::server {
+
+// A front's request before validation: views of its tensors, whatever protocol
+// carried them (attention.v1 here, the Open Inference Protocol in
+// server/inference_codec.h). The data stays owned by the front.
+struct TensorView {
+  absl::Span<const int64_t> shape;
+  const float* data = nullptr;
+  int64_t size = 0;  // floats at data
+};
+
+struct RequestView {
+  int64_t bytes = 0;                     // the request's size on the wire, for max_request_bytes
+  std::optional<TensorView> queries;     // (B, Q, d_q); required
+  std::optional<TensorView> keys;        // (B, K, d_k); absent for self-attention
+  std::optional<TensorView> values;      // (B, K, d_v); present iff keys is
+  absl::Span<const int32_t> valid_lens;  // empty, B or B*Q entries
+  bool causal = false;
+  bool return_attention = false;
+  absl::Span<const float> head_mask;  // empty or h entries
+};
 
 // A request that passed validation. `inputs` points into the AttendRequest it was
 // made from, which must outlive it.
@@ -56,6 +78,9 @@ struct ValidatedRequest {
     return inputs.batch * model->config.num_heads * inputs.num_queries * inputs.num_keys;
   }
 };
+
+// The checks above, for any front. The result points where `request` does.
+absl::StatusOr<ValidatedRequest> Validate(const RequestView& request, const Model& model);
 
 // Decodes `request` for `model` (found by the caller). The result points into
 // `request`, which must outlive it.

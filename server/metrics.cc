@@ -4,6 +4,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <exception>
 #include <fstream>
 #include <sstream>
@@ -107,6 +108,18 @@ std::vector<double> DurationBuckets() {
           50e-3, 100e-3, 250e-3, 500e-3, 1,    2.5,    5,    10};
 }
 
+const char* ProtocolLabel(Protocol protocol) {
+  switch (protocol) {
+    case Protocol::kAttentionV1:
+      return "attention_v1";
+    case Protocol::kKserveGrpc:
+      return "kserve_grpc";
+    case Protocol::kKserveHttp:
+      return "kserve_http";
+  }
+  return "unknown";
+}
+
 ModelMetrics::ModelMetrics(const std::string& model, Family<Counter>& requests,
                            Family<Histogram>& request_duration, Family<Histogram>& queue_duration,
                            Family<Histogram>& compute_duration, Family<Histogram>& batch_size,
@@ -114,7 +127,6 @@ ModelMetrics::ModelMetrics(const std::string& model, Family<Counter>& requests,
                            Family<Gauge>& inflight, Family<Counter>& tokens)
     : model_(model),
       requests_family_(requests),
-      request_duration_(request_duration.Add({{"model", model}}, DurationBuckets())),
       queue_duration_(queue_duration.Add({{"model", model}}, DurationBuckets())),
       compute_duration_(compute_duration.Add({{"model", model}}, DurationBuckets())),
       batch_size_(batch_size.Add({{"model", model}}, PowersOfTwo(1, 1024))),
@@ -122,36 +134,86 @@ ModelMetrics::ModelMetrics(const std::string& model, Family<Counter>& requests,
       queue_depth_(queue_depth.Add({{"model", model}})),
       inflight_(inflight.Add({{"model", model}})),
       tokens_(tokens.Add({{"model", model}})) {
-  // OK exists from the start so rate() and the dashboards see a series at once.
-  requests_[0] = &requests_family_.Add({{"model", model_}, {"code", "OK"}});
+  for (int p = 0; p < kNumProtocols; ++p) {
+    const std::string protocol = ProtocolLabel(static_cast<Protocol>(p));
+    request_duration_[p] =
+        &request_duration.Add({{"model", model}, {"protocol", protocol}}, DurationBuckets());
+    // OK exists from the start so rate() and the dashboards see a series at once.
+    requests_[p][0] =
+        &requests_family_.Add({{"model", model_}, {"code", "OK"}, {"protocol", protocol}});
+  }
 }
 
-void ModelMetrics::Answered(absl::StatusCode code, absl::Duration duration) {
-  const size_t index = static_cast<size_t>(code) < requests_.size()
+void ModelMetrics::Answered(Protocol protocol, absl::StatusCode code, absl::Duration duration,
+                            int64_t rows) {
+  const int p = static_cast<int>(protocol);
+  const size_t index = static_cast<size_t>(code) < requests_[p].size()
                            ? static_cast<size_t>(code)
                            : static_cast<size_t>(absl::StatusCode::kUnknown);
-  Counter* counter = requests_[index].load(std::memory_order_acquire);
+  Counter* counter = requests_[p][index].load(std::memory_order_acquire);
   if (counter == nullptr) {
     // Several threads may get here for one code; Add returns the same child.
     std::string name = absl::StatusCodeToString(static_cast<absl::StatusCode>(index));
-    counter = &requests_family_.Add({{"model", model_}, {"code", std::move(name)}});
-    requests_[index].store(counter, std::memory_order_release);
+    counter = &requests_family_.Add(
+        {{"model", model_}, {"code", std::move(name)}, {"protocol", ProtocolLabel(protocol)}});
+    requests_[p][index].store(counter, std::memory_order_release);
   }
   counter->Increment();
-  request_duration_.Observe(absl::ToDoubleSeconds(duration));
+  request_duration_[p]->Observe(absl::ToDoubleSeconds(duration));
+  Totals& totals = code == absl::StatusCode::kOk ? success_ : fail_;
+  totals.count.fetch_add(1, std::memory_order_relaxed);
+  totals.ns.fetch_add(static_cast<uint64_t>(absl::ToInt64Nanoseconds(duration)),
+                      std::memory_order_relaxed);
+  if (code == absl::StatusCode::kOk) {
+    inference_count_.fetch_add(static_cast<uint64_t>(rows), std::memory_order_relaxed);
+  }
+  last_inference_ms_.store(absl::ToUnixMillis(absl::Now()), std::memory_order_relaxed);
 }
 
 void ModelMetrics::Batch(int64_t rows, int64_t tokens, absl::Duration compute) {
   batch_size_.Observe(static_cast<double>(rows));
   batch_tokens_.Observe(static_cast<double>(tokens));
   compute_duration_.Observe(absl::ToDoubleSeconds(compute));
+  absl::MutexLock lock(&batches_mu_);
+  ModelStatisticsSnapshot::Duration& batch = batches_[rows];
+  ++batch.count;
+  batch.ns += static_cast<uint64_t>(absl::ToInt64Nanoseconds(compute));
+}
+
+namespace {
+
+// A histogram's count and sum (seconds) as a count and nanoseconds.
+ModelStatisticsSnapshot::Duration CountAndSum(const Histogram& histogram) {
+  const prometheus::ClientMetric metric = histogram.Collect();
+  return {.count = metric.histogram.sample_count,
+          .ns = static_cast<uint64_t>(std::llround(metric.histogram.sample_sum * 1e9))};
+}
+
+}  // namespace
+
+ModelStatisticsSnapshot ModelMetrics::Statistics() const {
+  ModelStatisticsSnapshot out;
+  out.success = {success_.count.load(std::memory_order_relaxed),
+                 success_.ns.load(std::memory_order_relaxed)};
+  out.fail = {fail_.count.load(std::memory_order_relaxed),
+              fail_.ns.load(std::memory_order_relaxed)};
+  out.queue = CountAndSum(queue_duration_);
+  out.compute = CountAndSum(compute_duration_);
+  out.execution_count = out.compute.count;
+  out.inference_count = inference_count_.load(std::memory_order_relaxed);
+  out.last_inference_ms = static_cast<uint64_t>(last_inference_ms_.load(std::memory_order_relaxed));
+  absl::MutexLock lock(&batches_mu_);
+  out.batches = batches_;
+  return out;
 }
 
 Metrics::Metrics(const std::vector<std::string>& model_names)
     : registry_(std::make_shared<prometheus::Registry>()) {
   auto& requests = prometheus::BuildCounter()
                        .Name("mha_requests_total")
-                       .Help("Attend requests answered, by model and gRPC status code.")
+                       .Help(
+                           "Requests answered, by model, canonical status code and "
+                           "protocol (attention_v1, kserve_grpc, kserve_http).")
                        .Register(*registry_);
   auto& request_duration = prometheus::BuildHistogram()
                                .Name("mha_request_duration_seconds")
@@ -197,6 +259,11 @@ Metrics::Metrics(const std::vector<std::string>& model_names)
 ModelMetrics& Metrics::ForModel(absl::string_view name) {
   auto it = models_.find(name);
   return it == models_.end() ? *unknown_ : *it->second;
+}
+
+const ModelMetrics* Metrics::Find(absl::string_view name) const {
+  auto it = models_.find(name);
+  return it == models_.end() ? nullptr : it->second.get();
 }
 
 absl::StatusOr<std::unique_ptr<MetricsExposer>> MetricsExposer::Start(

@@ -6,8 +6,8 @@
 // pointer dereference and an atomic add. Request counters by code are created on
 // first use of a code (prometheus::Family::Add is thread-safe and idempotent).
 //
-//   mha_requests_total{model,code}         counter, every answered request
-//   mha_request_duration_seconds{model}    histogram, handler entry to answer
+//   mha_requests_total{model,code,protocol}    counter, every answered request
+//   mha_request_duration_seconds{model,protocol} histogram, handler entry to answer
 //   mha_queue_duration_seconds{model}      histogram, enqueue to compute start
 //   mha_compute_duration_seconds{model}    histogram, the batch's forward pass
 //   mha_batch_size{model}                  histogram, rows (B) per forward call
@@ -17,6 +17,9 @@
 //   mha_tokens_total{model}                counter, query tokens (B*Q) answered OK
 //   process_*                              resident/virtual memory, CPU seconds,
 //                                          threads, open fds, start time (/proc)
+// `protocol` is the front a request came through: attention_v1, kserve_grpc or
+// kserve_http. The other families count forward calls and queues, which the
+// fronts share, so they carry no protocol.
 // A request whose model cannot be resolved is counted under model="_unknown", so
 // callers cannot grow the label set with made-up names.
 //
@@ -42,11 +45,34 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
 namespace mha::server {
 
 inline constexpr char kUnknownModelLabel[] = "_unknown";
+
+// The front a request came through (the `protocol` label).
+enum class Protocol { kAttentionV1 = 0, kKserveGrpc = 1, kKserveHttp = 2 };
+inline constexpr int kNumProtocols = 3;
+const char* ProtocolLabel(Protocol protocol);  // "attention_v1", "kserve_grpc", "kserve_http"
+
+// Cumulative figures of one model, as Triton's ModelStatistics reports them; read
+// from the same counters and histograms /metrics exposes, so the two agree.
+struct ModelStatisticsSnapshot {
+  struct Duration {
+    uint64_t count = 0;
+    uint64_t ns = 0;
+  };
+  Duration success;                     // requests answered OK: count, request duration
+  Duration fail;                        // every other answer
+  Duration queue;                       // computed requests: mha_queue_duration_seconds
+  Duration compute;                     // forward calls: mha_compute_duration_seconds
+  uint64_t inference_count = 0;         // batch rows (B) answered OK
+  uint64_t execution_count = 0;         // forward calls
+  uint64_t last_inference_ms = 0;       // Unix ms of the last answer; 0 = none yet
+  std::map<int64_t, Duration> batches;  // by rows per forward call: calls, compute
+};
 
 // One model's children of every family.
 class ModelMetrics {
@@ -61,8 +87,9 @@ class ModelMetrics {
                prometheus::Family<prometheus::Gauge>& inflight,
                prometheus::Family<prometheus::Counter>& tokens);
 
-  // An answered request: mha_requests_total{code} and mha_request_duration_seconds.
-  void Answered(absl::StatusCode code, absl::Duration duration);
+  // An answered request of `rows` batch rows: mha_requests_total{code,protocol},
+  // mha_request_duration_seconds{protocol} and the statistics.
+  void Answered(Protocol protocol, absl::StatusCode code, absl::Duration duration, int64_t rows);
   // A forward call of `rows` rows and `tokens` padded query tokens.
   void Batch(int64_t rows, int64_t tokens, absl::Duration compute);
 
@@ -71,11 +98,19 @@ class ModelMetrics {
   prometheus::Gauge& inflight() { return inflight_; }
   prometheus::Counter& tokens() { return tokens_; }
 
+  ModelStatisticsSnapshot Statistics() const;
+
  private:
+  struct Totals {
+    std::atomic<uint64_t> count{0};
+    std::atomic<uint64_t> ns{0};
+  };
+
   const std::string model_;
   prometheus::Family<prometheus::Counter>& requests_family_;
-  std::array<std::atomic<prometheus::Counter*>, 17> requests_{};  // by absl::StatusCode
-  prometheus::Histogram& request_duration_;
+  // By protocol, then absl::StatusCode.
+  std::array<std::array<std::atomic<prometheus::Counter*>, 17>, kNumProtocols> requests_{};
+  std::array<prometheus::Histogram*, kNumProtocols> request_duration_{};
   prometheus::Histogram& queue_duration_;
   prometheus::Histogram& compute_duration_;
   prometheus::Histogram& batch_size_;
@@ -83,6 +118,11 @@ class ModelMetrics {
   prometheus::Gauge& queue_depth_;
   prometheus::Gauge& inflight_;
   prometheus::Counter& tokens_;
+  Totals success_, fail_;
+  std::atomic<uint64_t> inference_count_{0};
+  std::atomic<int64_t> last_inference_ms_{0};
+  mutable absl::Mutex batches_mu_;
+  std::map<int64_t, ModelStatisticsSnapshot::Duration> batches_ ABSL_GUARDED_BY(batches_mu_);
 };
 
 class Metrics {
@@ -91,6 +131,8 @@ class Metrics {
 
   // The model's metrics; the "_unknown" ones for a name that is not served.
   ModelMetrics& ForModel(absl::string_view name);
+  // nullptr for a name that is not served.
+  const ModelMetrics* Find(absl::string_view name) const;
 
   const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
 

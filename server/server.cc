@@ -122,6 +122,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   }
   server->service_ = std::make_unique<AttentionServiceImpl>(
       server->models_.get(), server->batcher_.get(), server->metrics_.get());
+  server->inference_service_ = std::make_unique<InferenceServiceImpl>(
+      server->models_.get(), server->batcher_.get(), server->metrics_.get());
 
   // The transport refuses bigger messages itself; each model's own limit is
   // checked in validation, so the transport allows the largest of them.
@@ -140,6 +142,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(max_receive, INT_MAX)));
   builder.SetMaxSendMessageSize(INT_MAX);
   builder.RegisterService(server->service_.get());
+  builder.RegisterService(server->inference_service_.get());
   server->grpc_server_ = builder.BuildAndStart();
   if (server->grpc_server_ == nullptr || server->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("port: cannot listen on ",
@@ -159,6 +162,7 @@ Server::~Server() { Shutdown(); }
 void Server::Shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
+  if (inference_service_ != nullptr) inference_service_->SetNotReady();
   if (grpc_server_ != nullptr) {
     // Turns every status NOT_SERVING and ignores later updates.
     if (auto* health = grpc_server_->GetHealthCheckService()) health->Shutdown();

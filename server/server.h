@@ -1,5 +1,6 @@
-// The attention server: model repository + batcher + gRPC service, health and
-// reflection on one port, and Prometheus /metrics on another.
+// The attention server: model repository + batcher + gRPC services (attention.v1
+// and inference.GRPCInferenceService), health and reflection on one port, and Prometheus /metrics
+// on another.
 //
 //   ServerOptions options;            // defaults: 127.0.0.1:50051, embedded model
 //   options.port = 0;                 // pick a free port
@@ -22,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "server/batcher.h"
+#include "server/inference_service.h"
 #include "server/metrics.h"
 #include "server/model_repository.h"
 #include "server/service.h"
@@ -82,6 +84,7 @@ class Server {
   std::unique_ptr<MetricsExposer> exposer_;
   std::unique_ptr<Batcher> batcher_;
   std::unique_ptr<AttentionServiceImpl> service_;
+  std::unique_ptr<InferenceServiceImpl> inference_service_;
   std::unique_ptr<grpc::Server> grpc_server_;
   bool shut_down_ = false;
 };

@@ -6,8 +6,8 @@
 // it is answered: mha_requests_total{model,code}, mha_request_duration_seconds,
 // and mha_tokens_total when OK; mha_inflight_requests covers accepted requests.
 //
-// AttendStream answers in request order. It keeps up to kMaxStreamInFlight
-// requests of one stream in the queue (reads pause beyond that: flow control).
+// AttendStream answers in request order (server/stream_reactor.h). It keeps up to
+// kMaxStreamInFlight requests of one stream in the queue (reads pause beyond that).
 // The first request that fails ends the stream with its status, its message
 // prefixed with "request N (request_id \"...\"): "; the responses of the requests
 // before it are written first.
@@ -23,10 +23,9 @@
 #include "server/batcher.h"
 #include "server/metrics.h"
 #include "server/model_repository.h"
+#include "server/stream_reactor.h"
 
 namespace mha::server {
-
-inline constexpr int kMaxStreamInFlight = 32;
 
 // A model as GetModel and ListModels describe it.
 attention::v1::ModelInfo ToModelInfo(const Model& model);

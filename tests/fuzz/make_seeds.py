@@ -141,9 +141,55 @@ def config_seeds():
     }
 
 
+def http_body(body, header_length=None, mode=None):
+    # http_body_fuzzer.cc: mode byte (0 no Inference-Header-Content-Length, 1 the value
+    # modulo the body size + 1, 2 the value as int32), 4-byte value, then the body.
+    if isinstance(body, str):
+        body = body.encode()
+    if mode is None:
+        mode = 0 if header_length is None else 1
+    return bytes([mode]) + struct.pack("<i", header_length or 0) + body
+
+
+def http_body_seeds():
+    binary_json = json.dumps({
+        "id": "b1", "parameters": {"binary_data_output": True},
+        "inputs": [
+            {"name": "h", "datatype": "FP16", "shape": [1, 2],
+             "parameters": {"binary_data_size": 4}},
+            {"name": "n", "datatype": "INT64", "shape": [2], "data": [5, -6]},
+            {"name": "f", "datatype": "FP32", "shape": [3], "parameters": {"binary_data_size": 12}}],
+        "outputs": [{"name": "n", "parameters": {"binary_data": False}}, {"name": "f"}]}).encode()
+    binary_tail = struct.pack("<2H", 0x3C00, 0x7E00) + struct.pack("<3f", 0.1, -2.5, 1e-40)
+    return {
+        "json_flat": http_body(json.dumps({
+            "id": "r1",
+            "inputs": [{"name": "queries", "datatype": "FP32", "shape": [1, 2, 2],
+                        "data": [0.1, -2.5, 3, 1e-45]}],
+            "outputs": [{"name": "output"}]})),
+        "json_nested_types": http_body(json.dumps({"inputs": [
+            {"name": "b", "datatype": "BOOL", "shape": [2, 1], "data": [[True], [False]]},
+            {"name": "u8", "datatype": "UINT8", "shape": [1, 2], "data": [[0, 255]]},
+            {"name": "i16", "datatype": "INT16", "shape": [2], "data": [-32768, 32767]},
+            {"name": "u64", "datatype": "UINT64", "shape": [1], "data": [18446744073709551615]},
+            {"name": "d", "datatype": "FP64", "shape": [1, 1, 1], "data": [[[1e300]]]}]})),
+        "binary_mixed": http_body(binary_json + binary_tail, len(binary_json)),
+        "binary_leftover": http_body(binary_json + binary_tail + b"xx", len(binary_json)),
+        "parameters": http_body(json.dumps({
+            "parameters": {"b": True, "i": -5, "u": 18446744073709551615, "d": 1.5, "s": "x"},
+            "inputs": [{"name": "x", "datatype": "INT8", "shape": [0], "data": [],
+                        "parameters": {"k": "v"}}],
+            "outputs": [{"name": "y", "parameters": {"binary_data": True, "p": 2}}]})),
+        "huge_shape": http_body(json.dumps({"inputs": [
+            {"name": "x", "datatype": "FP32", "shape": [1 << 40, 3], "data": [[1, 2, 3]]}]})),
+        "deep": http_body(b'{"inputs": [], "x": ' + b"[" * 40 + b"]" * 40 + b"}"),
+        "bad_header_length": http_body(b'{"inputs": []}', -3, mode=2),
+    }
+
+
 def main():
     for target, seeds in (("request", request_seeds()), ("safetensors", safetensors_seeds()),
-                          ("config", config_seeds())):
+                          ("config", config_seeds()), ("http_body", http_body_seeds())):
         folder = os.path.join(HERE, "corpus", target)
         os.makedirs(folder, exist_ok=True)
         for name, data in seeds.items():

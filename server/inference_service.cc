@@ -1,0 +1,308 @@
+#include "server/inference_service.h"
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "core/config.h"
+#include "server/grpc_status.h"
+#include "server/stream_reactor.h"
+
+namespace mha::server {
+namespace {
+
+using inference::ModelInferRequest;
+using inference::ModelInferResponse;
+using inference::ModelStreamInferResponse;
+
+// ModelStreamInfer: a failed request is answered with error_message; the stream
+// goes on.
+struct InferStreamFront {
+  using Request = ModelInferRequest;
+  using Response = ModelStreamInferResponse;
+  using Decoded = InferDecoded;
+  static constexpr Protocol kProtocol = Protocol::kKserveGrpc;
+  static constexpr bool kEndStreamOnError = false;
+
+  static const std::string& ModelName(const Request& request) { return request.model_name(); }
+  static const std::string& RequestId(const Request& request) { return request.id(); }
+  static absl::StatusOr<Admitted> Admit(const Request& request, const ModelRepository& models,
+                                        const Batcher& batcher, Decoded* decoded,
+                                        Response* response) {
+    return AdmitInfer(request, models, batcher, decoded, response->mutable_infer_response());
+  }
+  static void Computed(const ComputeTiming& /*timing*/, Response* /*response*/) {}
+  static void Failed(const absl::Status& status, Response* response) {
+    ModelInferResponse* infer = response->mutable_infer_response();
+    infer->clear_outputs();
+    infer->clear_raw_output_contents();
+    response->set_error_message(
+        absl::StrCat(absl::StatusCodeToString(status.code()), ": ", status.message()));
+  }
+};
+
+grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+void AddTensor(
+    const char* name, const char* datatype, std::initializer_list<int64_t> shape,
+    google::protobuf::RepeatedPtrField<inference::ModelMetadataResponse::TensorMetadata>* tensors) {
+  inference::ModelMetadataResponse::TensorMetadata* tensor = tensors->Add();
+  tensor->set_name(name);
+  tensor->set_datatype(datatype);
+  for (int64_t d : shape) tensor->add_shape(d);
+}
+
+inference::ModelInput* AddInput(inference::ModelConfig* config, const char* name,
+                                inference::DataType type, std::initializer_list<int64_t> dims,
+                                bool optional) {
+  inference::ModelInput* input = config->add_input();
+  input->set_name(name);
+  input->set_data_type(type);
+  for (int64_t d : dims) input->add_dims(d);
+  input->set_optional(optional);
+  return input;
+}
+
+void AddOutput(inference::ModelConfig* config, const char* name,
+               std::initializer_list<int64_t> dims) {
+  inference::ModelOutput* output = config->add_output();
+  output->set_name(name);
+  output->set_data_type(inference::TYPE_FP32);
+  for (int64_t d : dims) output->add_dims(d);
+}
+
+void SetDuration(const ModelStatisticsSnapshot::Duration& from, inference::StatisticDuration* to) {
+  to->set_count(from.count);
+  to->set_ns(from.ns);
+}
+
+}  // namespace
+
+absl::StatusOr<Admitted> AdmitInfer(const ModelInferRequest& request, const ModelRepository& models,
+                                    const Batcher& batcher, InferDecoded* decoded,
+                                    ModelInferResponse* response) {
+  response->set_id(request.id());
+  MHA_ASSIGN_OR_RETURN(const Model* model,
+                       FindInferModel(models, request.model_name(), request.model_version()));
+  MHA_RETURN_IF_ERROR(batcher.Admit(model));
+  MHA_ASSIGN_OR_RETURN(ValidatedRequest validated, DecodeInferRequest(request, *model, decoded));
+  const OutputViews outputs = PrepareInferResponse(request, validated, *decoded, response);
+  return Admitted{
+      .request = validated, .outputs = outputs, .deadline = absl::Now() + decoded->timeout};
+}
+
+inference::ModelConfig ToTritonConfig(const Model& model) {
+  const core::ModelConfig& c = model.config;
+  inference::ModelConfig config;
+  config.set_name(model.name);
+  config.set_platform("mha_attention");
+  config.set_backend(kServerName);
+  config.set_max_batch_size(static_cast<int32_t>(model.limits.max_batch_size));
+  config.mutable_version_policy()->mutable_latest()->set_num_versions(1);
+  // Dims without the batch dimension; -1 = any length.
+  AddInput(&config, "queries", inference::TYPE_FP32, {-1, c.query_size}, false);
+  AddInput(&config, "keys", inference::TYPE_FP32, {-1, c.key_size}, c.SupportsSelfAttention());
+  AddInput(&config, "values", inference::TYPE_FP32, {-1, c.value_size}, c.SupportsSelfAttention());
+  AddInput(&config, "valid_lens", inference::TYPE_INT32, {-1}, true);
+  AddInput(&config, "head_mask", inference::TYPE_FP32, {c.num_heads}, true);
+  AddOutput(&config, "output", {-1, c.num_hiddens});
+  AddOutput(&config, "attention", {c.num_heads, -1, -1});
+  inference::ModelInstanceGroup* group = config.add_instance_group();
+  group->set_name(model.name);
+  group->set_kind(inference::ModelInstanceGroup::KIND_CPU);
+  group->set_count(1);
+  if (model.batching.enabled) {
+    config.mutable_dynamic_batching()->set_max_queue_delay_microseconds(
+        static_cast<uint64_t>(absl::ToInt64Microseconds(model.batching.max_queue_delay)));
+  }
+  auto& parameters = *config.mutable_parameters();
+  parameters["num_heads"].set_string_value(absl::StrCat(c.num_heads));
+  parameters["num_hiddens"].set_string_value(absl::StrCat(c.num_hiddens));
+  parameters["precision"].set_string_value(std::string(core::PrecisionName(c.precision)));
+  parameters["scoring"].set_string_value(std::string(core::ScoringName(c.scoring)));
+  return config;
+}
+
+inference::ModelMetadataResponse ToModelMetadata(const Model& model) {
+  const core::ModelConfig& c = model.config;
+  inference::ModelMetadataResponse metadata;
+  metadata.set_name(model.name);
+  metadata.add_versions(std::string(kModelVersion));
+  metadata.set_platform("mha_attention");
+  AddTensor("queries", "FP32", {-1, -1, c.query_size}, metadata.mutable_inputs());
+  AddTensor("keys", "FP32", {-1, -1, c.key_size}, metadata.mutable_inputs());
+  AddTensor("values", "FP32", {-1, -1, c.value_size}, metadata.mutable_inputs());
+  AddTensor("valid_lens", "INT32", {-1}, metadata.mutable_inputs());
+  AddTensor("head_mask", "FP32", {c.num_heads}, metadata.mutable_inputs());
+  AddTensor("output", "FP32", {-1, -1, c.num_hiddens}, metadata.mutable_outputs());
+  AddTensor("attention", "FP32", {-1, c.num_heads, -1, -1}, metadata.mutable_outputs());
+  return metadata;
+}
+
+inference::ServerMetadataResponse ToServerMetadata() {
+  inference::ServerMetadataResponse metadata;
+  metadata.set_name(kServerName);
+  metadata.set_version(MHA_VERSION);
+  for (const char* extension : {"binary_tensor_data", "model_configuration", "model_repository",
+                                "parameters", "statistics"}) {
+    metadata.add_extensions(extension);
+  }
+  return metadata;
+}
+
+absl::StatusOr<inference::ModelStatisticsResponse> CollectStatistics(const ModelRepository& models,
+                                                                     const Metrics& metrics,
+                                                                     absl::string_view name,
+                                                                     absl::string_view version) {
+  std::vector<const Model*> chosen;
+  if (name.empty()) {
+    if (!version.empty()) {
+      return absl::InvalidArgumentError("version: needs a model name");
+    }
+    chosen = models.models();
+  } else {
+    MHA_ASSIGN_OR_RETURN(const Model* model, FindInferModel(models, name, version));
+    chosen.push_back(model);
+  }
+  inference::ModelStatisticsResponse response;
+  for (const Model* model : chosen) {
+    const ModelMetrics* model_metrics = metrics.Find(model->name);
+    if (model_metrics == nullptr) continue;
+    const ModelStatisticsSnapshot s = model_metrics->Statistics();
+    inference::ModelStatistics* out = response.add_model_stats();
+    out->set_name(model->name);
+    out->set_version(kModelVersion);
+    out->set_last_inference(s.last_inference_ms);
+    out->set_inference_count(s.inference_count);
+    out->set_execution_count(s.execution_count);
+    inference::InferStatistics* stats = out->mutable_inference_stats();
+    SetDuration(s.success, stats->mutable_success());
+    SetDuration(s.fail, stats->mutable_fail());
+    SetDuration(s.queue, stats->mutable_queue());
+    SetDuration(s.compute, stats->mutable_compute_infer());
+    for (const auto& [rows, batch] : s.batches) {
+      inference::InferBatchStatistics* b = out->add_batch_stats();
+      b->set_batch_size(static_cast<uint64_t>(rows));
+      SetDuration(batch, b->mutable_compute_infer());
+    }
+  }
+  return response;
+}
+
+inference::RepositoryIndexResponse ToRepositoryIndex(const ModelRepository& models, bool ready) {
+  inference::RepositoryIndexResponse index;
+  for (const Model* model : models.models()) {
+    auto* entry = index.add_models();
+    entry->set_name(model->name);
+    entry->set_version(kModelVersion);
+    entry->set_state(ready ? "READY" : "UNAVAILABLE");
+    if (!ready) entry->set_reason("the server is shutting down");
+  }
+  return index;
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ServerLive(
+    grpc::CallbackServerContext* context, const inference::ServerLiveRequest* /*request*/,
+    inference::ServerLiveResponse* response) {
+  response->set_live(true);
+  return Answer(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ServerReady(
+    grpc::CallbackServerContext* context, const inference::ServerReadyRequest* /*request*/,
+    inference::ServerReadyResponse* response) {
+  response->set_ready(ready());
+  return Answer(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ModelReady(
+    grpc::CallbackServerContext* context, const inference::ModelReadyRequest* request,
+    inference::ModelReadyResponse* response) {
+  absl::StatusOr<const Model*> model =
+      FindInferModel(*models_, request->name(), request->version());
+  response->set_ready(model.ok() && ready());
+  return Answer(context, model.status());
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ServerMetadata(
+    grpc::CallbackServerContext* context, const inference::ServerMetadataRequest* /*request*/,
+    inference::ServerMetadataResponse* response) {
+  *response = ToServerMetadata();
+  return Answer(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ModelMetadata(
+    grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
+    inference::ModelMetadataResponse* response) {
+  absl::StatusOr<const Model*> model =
+      FindInferModel(*models_, request->name(), request->version());
+  if (model.ok()) *response = ToModelMetadata(**model);
+  return Answer(context, model.status());
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerContext* context,
+                                                           const ModelInferRequest* request,
+                                                           ModelInferResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  struct Call {
+    Call(Metrics* metrics) : meter(metrics, Protocol::kKserveGrpc) {}
+    Meter meter;
+    InferDecoded decoded;  // the converted inputs live until the answer
+  };
+  auto call = std::make_shared<Call>(metrics_);
+  auto answer = [this, reactor, request, call](const absl::Status& status) {
+    call->meter.Answered(status, *models_, request->model_name());
+    reactor->Finish(ToGrpcStatus(status));
+  };
+  absl::StatusOr<Admitted> admitted =
+      AdmitInfer(*request, *models_, *batcher_, &call->decoded, response);
+  if (!admitted.ok()) {
+    answer(admitted.status());
+    return reactor;
+  }
+  call->meter.Accepted(admitted->request);
+  absl::Status submitted = batcher_->Submit(MakeWorkItem(
+      *admitted, DeadlineOf(context), [context] { return context->IsCancelled(); },
+      [answer](absl::Status status, const ComputeTiming& /*timing*/) { answer(status); }));
+  if (!submitted.ok()) answer(submitted);
+  return reactor;
+}
+
+grpc::ServerBidiReactor<ModelInferRequest, ModelStreamInferResponse>*
+InferenceServiceImpl::ModelStreamInfer(grpc::CallbackServerContext* context) {
+  return new OrderedStreamReactor<InferStreamFront>(context, models_, batcher_, metrics_);
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ModelConfig(
+    grpc::CallbackServerContext* context, const inference::ModelConfigRequest* request,
+    inference::ModelConfigResponse* response) {
+  absl::StatusOr<const Model*> model =
+      FindInferModel(*models_, request->name(), request->version());
+  if (model.ok()) *response->mutable_config() = ToTritonConfig(**model);
+  return Answer(context, model.status());
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ModelStatistics(
+    grpc::CallbackServerContext* context, const inference::ModelStatisticsRequest* request,
+    inference::ModelStatisticsResponse* response) {
+  absl::StatusOr<inference::ModelStatisticsResponse> stats =
+      CollectStatistics(*models_, *metrics_, request->name(), request->version());
+  if (stats.ok()) *response = *std::move(stats);
+  return Answer(context, stats.status());
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryIndex(
+    grpc::CallbackServerContext* context, const inference::RepositoryIndexRequest* request,
+    inference::RepositoryIndexResponse* response) {
+  *response = ToRepositoryIndex(*models_, ready());
+  if (request->ready() && !ready()) response->clear_models();
+  return Answer(context, absl::OkStatus());
+}
+
+}  // namespace mha::server
