@@ -60,11 +60,11 @@ LABEL org.opencontainers.image.title="mha-serve" \
 # Numeric, so that Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
 USER 10001:10001
 WORKDIR /
-# gRPC, Prometheus /metrics.
-EXPOSE 50051 9464
+# gRPC, KServe v2 HTTP/REST, Prometheus /metrics.
+EXPOSE 50051 8000 9464
 VOLUME ["/models"]
 STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
   CMD ["attention_client", "health", "--target=127.0.0.1:50051"]
 ENTRYPOINT ["attention_server", "--host=0.0.0.0", "--metrics_host=0.0.0.0"]
-CMD ["--port=50051", "--metrics_port=9464", "--model_repository=/models", "--drain_timeout=10s"]
+CMD ["--port=50051", "--http_port=8000", "--metrics_port=9464", "--model_repository=/models", "--drain_timeout=10s"]

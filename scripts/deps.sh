@@ -14,6 +14,8 @@ build_packages=(
   libdnnl-dev ocl-icd-opencl-dev libabsl-dev nlohmann-json3-dev
   # proto and server
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc prometheus-cpp-dev
+  # the KServe v2 HTTP front and the client's --protocol=http (with HTTPS)
+  libcpp-httplib-dev libssl-dev
   # client: Cairo draws the attention heat maps (PNG out) with DejaVu for the labels
   libcairo2-dev fonts-dejavu-core
 )
@@ -22,6 +24,8 @@ test_packages=(
   # certificates; Python gRPC and PyTorch drive the example client, the export test
   # and the PyTorch comparison (with a real BLAS)
   libgtest-dev libgmock-dev libbenchmark-dev openssl
+  # the HTTP front's examples (docs/service.md) are run with curl
+  curl
   # the e2e test: a real Prometheus server (and promtool) scraping ours
   prometheus
   # fuzzing (cmake --preset fuzz): clang with libFuzzer and its sanitizer runtimes,

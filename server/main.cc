@@ -78,6 +78,11 @@ ABSL_FLAG(int32_t, port, kDefaults.port,
 ABSL_FLAG(int32_t, metrics_port, 9464,
           "Prometheus /metrics port; 0 picks a free one, -1 turns metrics off. The bound "
           "address is printed as 'metrics on HOST:PORT'.");
+ABSL_FLAG(int32_t, http_port, 8000,
+          "KServe v2 HTTP/REST port (same host and TLS flags as gRPC); 0 picks a free one, "
+          "-1 turns HTTP off. The bound address is printed as 'http on HOST:PORT'.");
+ABSL_FLAG(int32_t, http_threads, kDefaults.http_threads,
+          "HTTP connections served at once (one thread each, keep-alive included).");
 ABSL_FLAG(std::string, metrics_host, kDefaults.metrics_host,
           "Address /metrics listens on; loopback by default, 0.0.0.0 for all.");
 ABSL_FLAG(std::string, model_repository, kDefaults.model_repository,
@@ -141,6 +146,8 @@ int main(int argc, char** argv) {
   options.compute_workers = absl::GetFlag(FLAGS_compute_workers);
   options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  options.http_port = absl::GetFlag(FLAGS_http_port);
+  options.http_threads = absl::GetFlag(FLAGS_http_threads);
   options.batching.enabled = absl::GetFlag(FLAGS_batching);
   options.batching.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
   options.batching.max_queue_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_queue_delay_us));
@@ -197,6 +204,9 @@ int main(int argc, char** argv) {
       options.tls_client_ca.empty() ? (options.tls_cert.empty() ? "" : ", TLS") : ", mutual TLS");
   if ((*server)->metrics_port() != 0) {
     std::printf("metrics on %s\n", (*server)->metrics_address().c_str());
+  }
+  if ((*server)->http_port() != 0) {
+    std::printf("http on %s\n", (*server)->http_address().c_str());
   }
   std::printf("listening on %s\n", (*server)->address().c_str());
   std::fflush(stdout);

@@ -67,6 +67,8 @@ std::string HostPort(const std::string& host, int port) {
 absl::Status ServerOptions::Validate() const {
   MHA_RETURN_IF_ERROR(PortInRange("port", port, 0));
   MHA_RETURN_IF_ERROR(PortInRange("metrics_port", metrics_port, -1));
+  MHA_RETURN_IF_ERROR(PortInRange("http_port", http_port, -1));
+  MHA_RETURN_IF_ERROR(AtLeast("http_threads", http_threads, 1));
   MHA_RETURN_IF_ERROR(AtLeast("compute_threads", compute_threads, 0));
   MHA_RETURN_IF_ERROR(AtLeast("compute_workers", compute_workers, 1));
   for (auto [field, value] : {std::pair{"limits.max_batch_size", limits.max_batch_size},
@@ -149,6 +151,20 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
                                                HostPort(options.host, options.port),
                                                " (address in use, or a bad host or TLS key pair)"));
   }
+  if (options.http_port >= 0) {
+    MHA_ASSIGN_OR_RETURN(server->http_,
+                         HttpFront::Start({.host = options.host,
+                                           .port = options.http_port,
+                                           .threads = options.http_threads,
+                                           .max_body_bytes = max_receive,
+                                           .tls_cert = options.tls_cert,
+                                           .tls_key = options.tls_key,
+                                           .tls_client_ca = options.tls_client_ca},
+                                          {.models = server->models_.get(),
+                                           .batcher = server->batcher_.get(),
+                                           .metrics = server->metrics_.get(),
+                                           .inference = server->inference_service_.get()}));
+  }
   grpc::HealthCheckServiceInterface* health = server->grpc_server_->GetHealthCheckService();
   for (const Model* model : server->models_->models()) {
     health->SetServingStatus(model->name, true);
@@ -163,6 +179,7 @@ void Server::Shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
   if (inference_service_ != nullptr) inference_service_->SetNotReady();
+  if (http_ != nullptr) http_->Stop();
   if (grpc_server_ != nullptr) {
     // Turns every status NOT_SERVING and ignores later updates.
     if (auto* health = grpc_server_->GetHealthCheckService()) health->Shutdown();
@@ -173,6 +190,8 @@ void Server::Shutdown() {
 }
 
 std::string Server::address() const { return HostPort(options_.host, port_); }
+
+std::string Server::http_address() const { return HostPort(options_.host, http_port()); }
 
 std::string Server::metrics_address() const {
   return HostPort(options_.metrics_host, metrics_port());

@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "server/batcher.h"
+#include "server/http_front.h"
 #include "server/inference_service.h"
 #include "server/metrics.h"
 #include "server/model_repository.h"
@@ -40,6 +41,9 @@ struct ServerOptions {
   BatchingPolicy batching;                 // likewise for `batching { ... }`
   std::string metrics_host = "127.0.0.1";  // /metrics: loopback unless asked
   int32_t metrics_port = -1;               // -1 = no metrics endpoint; 0 = pick a free port
+  // KServe v2 HTTP/REST (server/http_front.h) on `host`, with the TLS below.
+  int32_t http_port = -1;  // -1 = off; 0 = pick a free port
+  int http_threads = 16;   // connections served at once
   absl::Duration drain_timeout = absl::Seconds(10);
   // TLS: PEM file paths. cert + key enable TLS; client_ca also requires and
   // verifies client certificates (mutual TLS). All empty: plaintext.
@@ -60,16 +64,19 @@ class Server {
   static absl::StatusOr<std::unique_ptr<Server>> Create(const ServerOptions& options);
   ~Server();  // Shutdown()
 
-  // Health NOT_SERVING, stop accepting calls, let in-flight calls finish for up to
-  // drain_timeout (then cancel the rest), run what is queued, stop the workers.
-  // /metrics stays up until the server is destroyed.
+  // Health NOT_SERVING, stop accepting calls (HTTP first: its requests being
+  // served finish, idle keep-alive connections close within 5 s), let in-flight calls finish for up
+  // to drain_timeout (then cancel the rest), run what is queued, stop the workers. /metrics stays
+  // up until the server is destroyed.
   void Shutdown();
 
   int port() const { return port_; }
   std::string address() const;  // "host:port"
   // The bound /metrics port; 0 when metrics_port was -1.
   int metrics_port() const { return exposer_ != nullptr ? exposer_->port() : 0; }
-  std::string metrics_address() const;  // "host:port"
+  std::string metrics_address() const;                                    // "host:port"
+  int http_port() const { return http_ != nullptr ? http_->port() : 0; }  // 0: HTTP off
+  std::string http_address() const;                                       // "host:port"
   const ModelRepository& models() const { return *models_; }
   int threads_per_worker() const { return threads_per_worker_; }
 
@@ -86,6 +93,7 @@ class Server {
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<InferenceServiceImpl> inference_service_;
   std::unique_ptr<grpc::Server> grpc_server_;
+  std::unique_ptr<HttpFront> http_;
   bool shut_down_ = false;
 };
 

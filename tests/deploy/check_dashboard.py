@@ -121,7 +121,7 @@ def scrape_server(binary, source):
     """Starts a server (free ports), sends toy requests, returns the sample names on
     its /metrics."""
     listening, metrics_on = r"^listening on \S+:(\d+)", r"^metrics on \S+:(\d+)"
-    proc = subprocess.Popen([binary, "--port=0", "--metrics_port=0"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([binary, "--port=0", "--metrics_port=0", "--http_port=-1"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     try:
         found = read_lines(proc, [listening, metrics_on], timeout=30)

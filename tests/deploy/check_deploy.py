@@ -445,8 +445,8 @@ def cmd_configmap(source, binary):
             os.symlink(os.path.join("..data", top), os.path.join(mount, top))
         # The Deployment's flags, on loopback with free ports; the mount moved here.
         args = [a for a in c["args"] if not a.startswith(("--port=", "--metrics_port=",
-                                                          "--model_repository="))]
-        args += ["--port=0", "--metrics_port=-1", f"--model_repository={mount}"]
+                                                          "--http_port=", "--model_repository="))]
+        args += ["--port=0", "--metrics_port=-1", "--http_port=-1", f"--model_repository={mount}"]
         proc = subprocess.Popen([binary, *args], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         try:

@@ -25,7 +25,7 @@ MIN_TOTAL = 150
 
 
 def start(binary):
-    proc = subprocess.Popen([binary, "--port=0", "--metrics_port=0", "--compute_threads=1"],
+    proc = subprocess.Popen([binary, "--port=0", "--metrics_port=0", "--http_port=-1", "--compute_threads=1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     target = metrics = None
     deadline = time.monotonic() + 30

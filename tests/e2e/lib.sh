@@ -28,7 +28,7 @@ start_server() {
   local extra=()
   extra+=(--batching=true)  # the dynamic batcher (the default; stated for the record)
   # shellcheck disable=SC2086
-  "$server" --port=0 --metrics_port=0 "${extra[@]}" ${SERVER_ARGS:-} "$@" >"$WORK/server.out" \
+  "$server" --port=0 --metrics_port=0 --http_port=-1 "${extra[@]}" ${SERVER_ARGS:-} "$@" >"$WORK/server.out" \
     2>"$WORK/server.log" &
   SERVER_PID=$!
   local i

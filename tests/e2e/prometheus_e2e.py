@@ -96,7 +96,7 @@ def main():
                 raise RuntimeError("prometheus exited: " +
                                    open(os.path.join(work, "prometheus.log")).read())
             try:
-                result = query(address, 'mha_requests_total{job="mha-serve",model="default"}')
+                result = query(address, 'sum by (code) (mha_requests_total{job="mha-serve",model="default"})')
                 seen = {dict(k)["code"]: v for k, v in result.items()}
                 if all(seen.get(code) == n for code, n in expected.items()):
                     up = query(address, 'up{job="mha-serve"}')

@@ -187,9 +187,47 @@ def http_body_seeds():
     }
 
 
+def infer_input(name, datatype, shape, contents=b""):
+    # ModelInferRequest.InferInputTensor: name 1, datatype 2, shape 3 (packed), contents 5
+    body = field(1, 2, name) + field(2, 2, datatype)
+    body += field(3, 2, b"".join(varint(d) for d in shape))
+    return body + (field(5, 2, contents) if contents else b"")
+
+
+def infer_request(model, inputs, raw=(), outputs=(), causal=None):
+    # ModelInferRequest: model_name 1, id 3, parameters 4, inputs 5, outputs 6, raw 7
+    body = field(1, 2, model) + field(3, 2, b"seed")
+    if causal is not None:  # map entry: key 1, value 2 = InferParameter{bool_param 1}
+        body += field(4, 2, field(1, 2, b"causal") + field(2, 2, field(1, 0, varint(causal))))
+    body += b"".join(field(5, 2, i) for i in inputs)
+    body += b"".join(field(6, 2, field(1, 2, o)) for o in outputs)
+    return body + b"".join(field(7, 2, r) for r in raw)
+
+
+def inference_request_seeds():
+    q = struct.pack("<16f", *[((i * 37) % 17 - 8) / 8.0 for i in range(16)])
+    half = bytes(range(32))
+    return {
+        "raw_fp32": infer_request(b"default", [infer_input(b"queries", b"FP32", [2, 2, 4])], [q]),
+        "typed_fp32_causal": infer_request(
+            b"default", [infer_input(b"queries", b"FP32", [1, 4, 4], field(6, 2, q))],
+            causal=1),
+        "bf16_fp16": infer_request(
+            b"default", [infer_input(b"queries", b"BF16", [1, 4, 4]),
+                         infer_input(b"head_mask", b"FP16", [2])], [half, b"\x00\x3c\x00\x00"]),
+        "cross_lens_attention": infer_request(
+            b"cross", [infer_input(b"queries", b"FP32", [1, 2, 3]),
+                       infer_input(b"keys", b"FP32", [1, 2, 5]),
+                       infer_input(b"values", b"FP32", [1, 2, 2]),
+                       infer_input(b"valid_lens", b"INT64", [1, 2])],
+            [q[:24], q[:40], q[:16], struct.pack("<2q", 1, 2)], outputs=[b"attention", b"output"]),
+    }
+
+
 def main():
     for target, seeds in (("request", request_seeds()), ("safetensors", safetensors_seeds()),
-                          ("config", config_seeds()), ("http_body", http_body_seeds())):
+                          ("config", config_seeds()), ("http_body", http_body_seeds()),
+                          ("inference_request", inference_request_seeds())):
         folder = os.path.join(HERE, "corpus", target)
         os.makedirs(folder, exist_ok=True)
         for name, data in seeds.items():

@@ -7,47 +7,16 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <filesystem>
-#include <fstream>
-#include <memory>
 #include <string>
 
 #include "proto/attention.pb.h"
 #include "server/batcher.h"
 #include "server/codec.h"
 #include "server/model_repository.h"
+#include "tests/fuzz/fuzz_models.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace {
-
-using mha::server::ModelRepository;
-
-// Three models: "default" self-attends with d = 4; "cross" has d_q, d_k, d_v all
-// different and biases; "tight" has small explicit limits.
-const ModelRepository& Repository() {
-  static const ModelRepository* repository = [] {
-    std::string dir = (std::filesystem::temp_directory_path() / "mha_request_fuzzer.XXXXXX");
-    MHA_FUZZ_CHECK(mkdtemp(dir.data()) != nullptr);
-    const std::pair<const char*, const char*> models[] = {
-        {"default", "num_hiddens: 4 num_heads: 2 seeded { seed: 1 }"},
-        {"cross",
-         "num_hiddens: 6 num_heads: 3 query_size: 3 key_size: 5 value_size: 2 bias: true "
-         "seeded { seed: 2 }"},
-        {"tight",
-         "num_hiddens: 4 num_heads: 1 seeded { seed: 3 } limits { max_batch_size: 2 "
-         "max_sequence_length: 8 max_request_bytes: 512 max_attention_elements: 32 }"},
-    };
-    for (const auto& [name, config] : models) {
-      std::filesystem::create_directories(std::filesystem::path(dir) / name);
-      std::ofstream(std::filesystem::path(dir) / name / "config.pbtxt") << config;
-    }
-    auto created = ModelRepository::Create({.path = dir, .num_threads = 1});
-    MHA_FUZZ_CHECK(created.ok(), "%s\n", created.status().ToString().c_str());
-    std::filesystem::remove_all(dir);
-    return created->release();
-  }();
-  return *repository;
-}
 
 // Forward passes above this much work are skipped: they would only slow the search.
 constexpr int64_t kMaxForwardWork = int64_t{1} << 16;
@@ -58,14 +27,15 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
   // Invalid UTF-8 in string fields is logged by protobuf on every such input.
   google::protobuf::SetLogHandler(
       [](google::protobuf::LogLevel, const char*, int, const std::string&) {});
-  Repository();
+  mha::fuzzing::Repository();
   return 0;
 }
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   attention::v1::AttendRequest request;
   if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;  // gRPC refuses it
-  absl::StatusOr<const mha::server::Model*> model = Repository().Find(request.model());
+  absl::StatusOr<const mha::server::Model*> model =
+      mha::fuzzing::Repository().Find(request.model());
   absl::StatusOr<mha::server::ValidatedRequest> validated =
       model.ok() ? mha::server::ValidateRequest(request, **model)
                  : absl::StatusOr<mha::server::ValidatedRequest>(model.status());

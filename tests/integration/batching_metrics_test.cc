@@ -8,9 +8,9 @@
 #include <thread>
 #include <vector>
 
-#include "gtest/gtest.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "gtest/gtest.h"
 #include "tests/integration/client_util.h"
 #include "tests/integration/metrics_scrape.h"
 #include "tests/integration/server_process.h"
@@ -26,8 +26,9 @@ std::vector<AttendRequest> MixedRequests() {
     std::vector<int32_t> lens;
   };
   const std::vector<Shape> shapes = {
-      {2, 4, 6, {3, 2}}, {1, 7, 13, {}},  {1, 5, 9, {1, 2, 3, 9, 0}}, {3, 1, 2, {2, 0, 1}},
-      {1, 16, 4, {4}},   {2, 9, 9, {9, 1}}, {1, 3, 30, {}},          {1, 12, 5, {5}},
+      {2, 4, 6, {3, 2}},    {1, 7, 13, {}},  {1, 5, 9, {1, 2, 3, 9, 0}},
+      {3, 1, 2, {2, 0, 1}}, {1, 16, 4, {4}}, {2, 9, 9, {9, 1}},
+      {1, 3, 30, {}},       {1, 12, 5, {5}},
   };
   std::vector<AttendRequest> requests;
   for (size_t i = 0; i < shapes.size(); ++i) {
@@ -50,8 +51,8 @@ std::vector<AttendResponse> SendConcurrently(const std::string& target,
   std::vector<std::thread> threads;
   for (size_t i = 0; i < requests.size(); ++i) {
     threads.emplace_back([&, i] {
-      auto stub = AttentionService::NewStub(Channel(target, grpc::InsecureChannelCredentials(),
-                                                    "", /*own_connection=*/true));
+      auto stub = AttentionService::NewStub(
+          Channel(target, grpc::InsecureChannelCredentials(), "", /*own_connection=*/true));
       const grpc::Status status = Attend(*stub, requests[i], &responses[i]);
       EXPECT_TRUE(status.ok()) << i << ": " << status.error_message();
     });
@@ -64,9 +65,9 @@ TEST(BatchingTest, ConcurrentMixedLengthRequestsGetTheSameAnswerBatchedOrNot) {
   const std::vector<AttendRequest> requests = MixedRequests();
   // Batched: a batch is due when all 12 rows are queued (max_batch_size 12), or
   // after 5 s; so the 8 concurrent requests become one forward call.
-  auto batched = ServerProcess::Start(
-                     {"--port=0", "--max_batch_size=12", "--max_queue_delay_us=5000000"})
-                     .value();
+  auto batched =
+      ServerProcess::Start({"--port=0", "--max_batch_size=12", "--max_queue_delay_us=5000000"})
+          .value();
   auto unbatched = ServerProcess::Start({"--port=0", "--batching=false"}).value();
   const std::vector<AttendResponse> merged = SendConcurrently(batched->target(), requests);
   const std::vector<AttendResponse> alone = SendConcurrently(unbatched->target(), requests);
@@ -86,9 +87,9 @@ TEST(BatchingTest, ConcurrentMixedLengthRequestsGetTheSameAnswerBatchedOrNot) {
 
 TEST(BatchingTest, FullQueueAndExpiredDeadlineAnswerWithTheirCodes) {
   // Queued requests wait up to 3 s for company; the queue holds 2.
-  auto server = ServerProcess::Start({"--port=0", "--max_queue_delay_us=3000000",
-                                      "--max_queue_size=2"})
-                    .value();
+  auto server =
+      ServerProcess::Start({"--port=0", "--max_queue_delay_us=3000000", "--max_queue_size=2"})
+          .value();
   auto stub = Connect(server->target());
   const AttendRequest request = ToyRequest();
   AttendResponse first_response;
@@ -101,9 +102,8 @@ TEST(BatchingTest, FullQueueAndExpiredDeadlineAnswerWithTheirCodes) {
   });
   // Both are queued once the queue depth says so.
   const absl::Time give_up = absl::Now() + absl::Seconds(2);
-  while (absl::Now() < give_up &&
-         MetricValue(ScrapeMetrics(server->metrics_port()).value(),
-                     R"(mha_queue_depth{model="default"})") < 2) {
+  while (absl::Now() < give_up && MetricValue(ScrapeMetrics(server->metrics_port()).value(),
+                                              R"(mha_queue_depth{model="default"})") < 2) {
     absl::SleepFor(absl::Milliseconds(5));
   }
   AttendResponse response;
@@ -120,11 +120,19 @@ TEST(BatchingTest, FullQueueAndExpiredDeadlineAnswerWithTheirCodes) {
 
   // The expired request was dropped when the batch formed: counted, not computed.
   const std::string text = ScrapeMetrics(server->metrics_port()).value();
-  EXPECT_EQ(MetricValue(text, R"(mha_requests_total{code="OK",model="default"})"), 1);
-  EXPECT_EQ(MetricValue(text, R"(mha_requests_total{code="RESOURCE_EXHAUSTED",model="default"})"),
-            1);
-  EXPECT_EQ(MetricValue(text, R"(mha_requests_total{code="DEADLINE_EXCEEDED",model="default"})"),
-            1);
+  EXPECT_EQ(
+      MetricValue(text, R"(mha_requests_total{code="OK",model="default",protocol="attention_v1"})"),
+      1);
+  EXPECT_EQ(
+      MetricValue(
+          text,
+          R"(mha_requests_total{code="RESOURCE_EXHAUSTED",model="default",protocol="attention_v1"})"),
+      1);
+  EXPECT_EQ(
+      MetricValue(
+          text,
+          R"(mha_requests_total{code="DEADLINE_EXCEEDED",model="default",protocol="attention_v1"})"),
+      1);
   EXPECT_EQ(MetricValue(text, R"(mha_compute_duration_seconds_count{model="default"})"), 1);
   EXPECT_EQ(MetricValue(text, R"(mha_batch_size_sum{model="default"})"), 2);
   EXPECT_EQ(MetricValue(text, R"(mha_queue_depth{model="default"})"), 0);
@@ -167,13 +175,23 @@ TEST(MetricsTest, CountersAndHistogramsMatchWhatWasSent) {
 
   const std::string text = ScrapeMetrics(server->metrics_port()).value();
   auto value = [&](const std::string& series) { return MetricValue(text, series); };
-  EXPECT_EQ(value(R"(mha_requests_total{code="OK",model="default"})"), ok);
-  EXPECT_EQ(value(R"(mha_requests_total{code="INVALID_ARGUMENT",model="default"})"), invalid);
-  EXPECT_EQ(value(R"(mha_requests_total{code="NOT_FOUND",model="_unknown"})"), unknown);
-  EXPECT_EQ(value(R"(mha_request_duration_seconds_count{model="default"})"), ok + invalid);
-  EXPECT_EQ(value(R"(mha_request_duration_seconds_bucket{model="default",le="+Inf"})"),
+  EXPECT_EQ(value(R"(mha_requests_total{code="OK",model="default",protocol="attention_v1"})"), ok);
+  EXPECT_EQ(
+      value(
+          R"(mha_requests_total{code="INVALID_ARGUMENT",model="default",protocol="attention_v1"})"),
+      invalid);
+  EXPECT_EQ(
+      value(R"(mha_requests_total{code="NOT_FOUND",model="_unknown",protocol="attention_v1"})"),
+      unknown);
+  EXPECT_EQ(value(R"(mha_request_duration_seconds_count{model="default",protocol="attention_v1"})"),
             ok + invalid);
-  EXPECT_EQ(value(R"(mha_request_duration_seconds_count{model="_unknown"})"), unknown);
+  EXPECT_EQ(
+      value(
+          R"(mha_request_duration_seconds_bucket{model="default",protocol="attention_v1",le="+Inf"})"),
+      ok + invalid);
+  EXPECT_EQ(
+      value(R"(mha_request_duration_seconds_count{model="_unknown",protocol="attention_v1"})"),
+      unknown);
   EXPECT_EQ(value(R"(mha_queue_duration_seconds_count{model="default"})"), ok);
   // Every computed row and token is in exactly one forward call (the stream's
   // requests may share calls).
@@ -187,10 +205,15 @@ TEST(MetricsTest, CountersAndHistogramsMatchWhatWasSent) {
   EXPECT_EQ(value(R"(mha_inflight_requests{model="default"})"), 0);
   EXPECT_EQ(value(R"(mha_queue_depth{model="default"})"), 0);
   // Histogram buckets are cumulative and end at the count.
-  EXPECT_LE(value(R"(mha_request_duration_seconds_bucket{model="default",le="0.001"})"),
-            value(R"(mha_request_duration_seconds_bucket{model="default",le="10"})"));
-  EXPECT_EQ(value(R"(mha_request_duration_seconds_bucket{model="default",le="10"})"),
-            ok + invalid);
+  EXPECT_LE(
+      value(
+          R"(mha_request_duration_seconds_bucket{model="default",protocol="attention_v1",le="0.001"})"),
+      value(
+          R"(mha_request_duration_seconds_bucket{model="default",protocol="attention_v1",le="10"})"));
+  EXPECT_EQ(
+      value(
+          R"(mha_request_duration_seconds_bucket{model="default",protocol="attention_v1",le="10"})"),
+      ok + invalid);
   // process_* from /proc.
   EXPECT_GT(value("process_resident_memory_bytes"), 1 << 20);
   EXPECT_GE(value("process_threads"), 2);

@@ -6,11 +6,11 @@
 #include <cstdlib>
 #include <thread>
 
-#include "gtest/gtest.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "core/safetensors.h"
+#include "gtest/gtest.h"
 #include "server/model_repository.h"
 #include "tests/integration/client_util.h"
 #include "tests/integration/server_process.h"
@@ -68,15 +68,15 @@ TEST(StartupTest, MissingWeightsFileFailsStartNamingIt) {
   const RunResult run = RunServer({"--port=0", "--model_repository=" + repository.path()});
   EXPECT_NE(run.exit_code, 0);
   EXPECT_FALSE(absl::StrContains(run.out, "listening on"));
-  EXPECT_TRUE(absl::StrContains(run.err, "model real (" + repository.path() +
-                                             "/real/weights.safetensors)"))
+  EXPECT_TRUE(
+      absl::StrContains(run.err, "model real (" + repository.path() + "/real/weights.safetensors)"))
       << run.err;
 }
 
-// One server per port: a second server on the gRPC or the metrics port of a running
-// one exits non-zero naming the port, and the first keeps serving.
+// One server per port: a second server on the gRPC, HTTP or metrics port of a
+// running one exits non-zero naming the port, and the first keeps serving.
 TEST(StartupTest, BusyPortFailsStartNamingIt) {
-  auto first = ServerProcess::Start({"--port=0", "--metrics_port=0"});
+  auto first = ServerProcess::Start({"--port=0", "--metrics_port=0", "--http_port=0"});
   ASSERT_TRUE(first.ok()) << first.status();
   const std::string grpc_port = std::to_string((*first)->port());
   const std::string metrics_port = std::to_string((*first)->metrics_port());
@@ -90,6 +90,13 @@ TEST(StartupTest, BusyPortFailsStartNamingIt) {
   EXPECT_TRUE(
       absl::StrContains(metrics.err, "metrics_port: cannot listen on 127.0.0.1:" + metrics_port))
       << metrics.err;
+  // cpp-httplib would set SO_REUSEPORT and share the port; the server turns it off.
+  const std::string http_port = std::to_string((*first)->http_port());
+  const RunResult http = RunServer({"--port=0", "--metrics_port=-1", "--http_port=" + http_port});
+  EXPECT_NE(http.exit_code, 0);
+  EXPECT_FALSE(absl::StrContains(http.out, "listening on"));
+  EXPECT_TRUE(absl::StrContains(http.err, "http_port: cannot listen on 127.0.0.1:" + http_port))
+      << http.err;
   HealthCheckResponse health;
   ASSERT_TRUE(CheckHealth((*first)->target(), "", &health).ok());
   EXPECT_EQ(health.status(), HealthCheckResponse::SERVING);
@@ -106,8 +113,12 @@ TEST(StartupTest, ConfigSyntaxErrorNamesLine) {
 
 TEST(StartupTest, SafetensorsWeightsAreServed) {
   // A d2l-named export with biases and d_k != d_q, written by the core's writer.
-  const core::ModelConfig config{.num_hiddens = 16, .num_heads = 4, .query_size = 8,
-                                 .key_size = 12, .value_size = 6, .bias = true};
+  const core::ModelConfig config{.num_hiddens = 16,
+                                 .num_heads = 4,
+                                 .query_size = 8,
+                                 .key_size = 12,
+                                 .value_size = 6,
+                                 .bias = true};
   const core::Weights w = core::SeededWeights(config, 42);
   TempDir repository;
   repository.Write("export/config.pbtxt",
@@ -115,14 +126,13 @@ TEST(StartupTest, SafetensorsWeightsAreServed) {
                    "bias: true");
   repository.Write(
       "export/weights.safetensors",
-      core::SerializeSafetensors({core::F32Tensor("W_q.weight", {16, 8}, w.w_q),
-                                  core::F32Tensor("W_k.weight", {16, 12}, w.w_k),
-                                  core::F32Tensor("W_v.weight", {16, 6}, w.w_v),
-                                  core::F32Tensor("W_o.weight", {16, 16}, w.w_o),
-                                  core::F32Tensor("W_q.bias", {16}, w.b_q),
-                                  core::F32Tensor("W_k.bias", {16}, w.b_k),
-                                  core::F32Tensor("W_v.bias", {16}, w.b_v),
-                                  core::F32Tensor("W_o.bias", {16}, w.b_o)}));
+      core::SerializeSafetensors(
+          {core::F32Tensor("W_q.weight", {16, 8}, w.w_q),
+           core::F32Tensor("W_k.weight", {16, 12}, w.w_k),
+           core::F32Tensor("W_v.weight", {16, 6}, w.w_v),
+           core::F32Tensor("W_o.weight", {16, 16}, w.w_o), core::F32Tensor("W_q.bias", {16}, w.b_q),
+           core::F32Tensor("W_k.bias", {16}, w.b_k), core::F32Tensor("W_v.bias", {16}, w.b_v),
+           core::F32Tensor("W_o.bias", {16}, w.b_o)}));
   auto server = ServerProcess::Start({"--port=0", "--model_repository=" + repository.path()});
   ASSERT_TRUE(server.ok()) << server.status();
   AttendRequest request;
@@ -133,8 +143,7 @@ TEST(StartupTest, SafetensorsWeightsAreServed) {
   auto stub = Connect((*server)->target());
   const grpc::Status status = Attend(*stub, request, &response);  // "" = the only model
   ASSERT_TRUE(status.ok()) << status.error_message();
-  EXPECT_LE(MaxAbsDiff(response.output().data(), CoreForward(config, 42, request).output),
-            1e-5f);
+  EXPECT_LE(MaxAbsDiff(response.output().data(), CoreForward(config, 42, request).output), 1e-5f);
 }
 
 TEST(DeployModelsTest, ServesToyAndBertBase) {
@@ -157,8 +166,7 @@ TEST(DeployModelsTest, ServesToyAndBertBase) {
   toy.set_model("toy");
   AttendResponse response;
   ASSERT_TRUE(Attend(*stub, toy, &response).ok());
-  EXPECT_LE(MaxAbsDiff(response.output().data(),
-                       CoreForward(core::ModelConfig{}, 0, toy).output),
+  EXPECT_LE(MaxAbsDiff(response.output().data(), CoreForward(core::ModelConfig{}, 0, toy).output),
             1e-5f);
 
   AttendRequest bert;
@@ -168,15 +176,19 @@ TEST(DeployModelsTest, ServesToyAndBertBase) {
   bert.add_valid_lens(9);
   ASSERT_TRUE(Attend(*stub, bert, &response).ok());
   EXPECT_EQ(response.output().data_size(), 2 * 16 * 768);
-  const core::ModelConfig bert_config{.num_hiddens = 768, .num_heads = 12, .query_size = 768,
-                                      .key_size = 768, .value_size = 768, .bias = true};
-  EXPECT_LE(MaxAbsDiff(response.output().data(), CoreForward(bert_config, 1, bert).output),
-            1e-4f);
+  const core::ModelConfig bert_config{.num_hiddens = 768,
+                                      .num_heads = 12,
+                                      .query_size = 768,
+                                      .key_size = 768,
+                                      .value_size = 768,
+                                      .bias = true};
+  EXPECT_LE(MaxAbsDiff(response.output().data(), CoreForward(bert_config, 1, bert).output), 1e-4f);
 
   AttendRequest unnamed = ToyRequest();  // two models, neither "default"
   const grpc::Status status = Attend(*stub, unnamed, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_TRUE(absl::StrContains(status.error_message(), "model: required")) << status.error_message();
+  EXPECT_TRUE(absl::StrContains(status.error_message(), "model: required"))
+      << status.error_message();
 
   for (const char* name : {"", "toy", "bert_base"}) {
     HealthCheckResponse reply;
@@ -226,8 +238,8 @@ TempDir* TlsTest::dir_ = nullptr;
 std::string* TlsTest::certs_error_ = nullptr;
 
 TEST_F(TlsTest, TlsServerAcceptsTlsClientsAndRefusesPlaintext) {
-  auto server = ServerProcess::Start({"--port=0", "--tls_cert=" + File("server.pem"),
-                                      "--tls_key=" + File("server.key")});
+  auto server = ServerProcess::Start(
+      {"--port=0", "--tls_cert=" + File("server.pem"), "--tls_key=" + File("server.key")});
   ASSERT_TRUE(server.ok()) << server.status();
   const grpc::Status tls = Call((*server)->target(), TlsCredentials(false));
   EXPECT_TRUE(tls.ok()) << tls.error_message();
@@ -249,8 +261,8 @@ TEST_F(TlsTest, MutualTlsRefusesClientsWithoutCertificate) {
 }
 
 TEST_F(TlsTest, MissingKeyFileFailsStart) {
-  const RunResult run = RunServer({"--port=0", "--tls_cert=" + File("server.pem"),
-                                   "--tls_key=" + File("absent.key")});
+  const RunResult run = RunServer(
+      {"--port=0", "--tls_cert=" + File("server.pem"), "--tls_key=" + File("absent.key")});
   EXPECT_NE(run.exit_code, 0);
   EXPECT_TRUE(absl::StrContains(run.err, "tls_key: cannot read")) << run.err;
 }
@@ -312,14 +324,17 @@ TEST(ShutdownTest, SigtermDrainsInFlightWorkAndExitsZero) {
                    status.error_code() == grpc::StatusCode::CANCELLED) {
           ++refused;
         } else {
-          unexpected.push_back(absl::StrCat("code ", status.error_code(), " message \"", status.error_message(), "\" details \"", status.error_details(), "\""));
+          unexpected.push_back(absl::StrCat("code ", status.error_code(), " message \"",
+                                            status.error_message(), "\" details \"",
+                                            status.error_details(), "\""));
         }
       }
     });
   }
   {
     absl::MutexLock lock(&mu);
-    mu.Await(absl::Condition(+[](int* n) { return *n >= 50; }, &ok));
+    mu.Await(absl::Condition(
+        +[](int* n) { return *n >= 50; }, &ok));
   }
   constexpr int kStreamRequests = 10;
   for (int i = 0; i < kStreamRequests; ++i) {

@@ -8,15 +8,20 @@ import time
 
 
 def start_server(binary, args=(), timeout=30.0):
-    """Starts `binary --port=0 --metrics_port=0 args`; returns (process,
-    "127.0.0.1:PORT") once it prints its 'listening on' line (the process's
-    `metrics_port` attribute holds the /metrics port). Raises RuntimeError with
+    """Starts `binary --port=0 --metrics_port=0 --http_port=-1 args` (the HTTP
+    front off unless `args` sets --http_port); returns (process,
+    "127.0.0.1:PORT") once it prints its 'listening on' line. The process's
+    `metrics_port` and `http_port` attributes hold the ports of the /metrics and
+    HTTP fronts it printed before that line (0 = off). Raises RuntimeError with
     its stderr if it exits first or stays silent past `timeout`."""
     if not any(a.startswith("--metrics_port") for a in args):
         args = [*args, "--metrics_port=0"]
+    if not any(a.startswith("--http_port") for a in args):
+        args = [*args, "--http_port=-1"]
     proc = subprocess.Popen([binary, "--port=0", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     proc.metrics_port = 0
+    proc.http_port = 0
     selector = selectors.DefaultSelector()
     selector.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout
@@ -28,6 +33,8 @@ def start_server(binary, args=(), timeout=30.0):
             line = line.decode()
             if line.startswith("metrics on "):
                 proc.metrics_port = int(line.rsplit(":", 1)[1])
+            if line.startswith("http on "):
+                proc.http_port = int(line.rsplit(":", 1)[1])
             if line.startswith("listening on "):
                 return proc, "127.0.0.1:" + line.strip().rsplit(":", 1)[1]
         left = deadline - time.monotonic()

@@ -73,10 +73,21 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
       })) {
     argv.push_back("--metrics_port=0");
   }
+  // The HTTP front off unless asked for: servers of parallel tests share no port.
+  if (std::none_of(args.begin(), args.end(),
+                   [](const std::string& arg) { return absl::StartsWith(arg, "--http_port"); })) {
+    argv.push_back("--http_port=-1");
+  }
+  const bool wants_http = std::any_of(args.begin(), args.end(), [](const std::string& arg) {
+    int port = -1;
+    return absl::StartsWith(arg, "--http_port=") &&
+           absl::SimpleAtoi(arg.substr(arg.find('=') + 1), &port) && port >= 0;
+  });
   server->pid_ = Spawn(ServerPath(), argv, out[1], server->dir_->path() + "/stderr.log");
   close(out[1]);
 
-  // "metrics on HOST:PORT" (when metrics are on), then "listening on HOST:PORT".
+  // "metrics on HOST:PORT" (when metrics are on), "listening on HOST:PORT" and
+  // "http on HOST:PORT" (when asked for), in any order.
   const absl::Time deadline = absl::Now() + timeout;
   std::string stdout_text;
   while (true) {
@@ -85,13 +96,14 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
       const std::string line = stdout_text.substr(0, line_end);
       stdout_text.erase(0, line_end + 1);
       const bool listening = absl::StartsWith(line, "listening on ");
-      if (!listening && !absl::StartsWith(line, "metrics on ")) continue;
-      int* port = listening ? &server->port_ : &server->metrics_port_;
+      const bool http = absl::StartsWith(line, "http on ");
+      if (!listening && !http && !absl::StartsWith(line, "metrics on ")) continue;
+      int* port = listening ? &server->port_ : http ? &server->http_port_ : &server->metrics_port_;
       if (!absl::SimpleAtoi(line.substr(line.rfind(':') + 1), port)) {
         close(out[0]);
         return absl::InternalError(absl::StrCat("bad address line: ", line));
       }
-      if (listening) {
+      if (server->port_ > 0 && (!wants_http || server->http_port_ > 0)) {
         close(out[0]);
         return server;
       }
@@ -170,7 +182,13 @@ openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
 }
 
 RunResult RunServer(const std::vector<std::string>& args, absl::Duration timeout) {
-  return RunProgram(ServerPath(), args, timeout);
+  std::vector<std::string> argv = args;
+  // The HTTP front off unless asked for: no test relies on port 8000 being free.
+  if (std::none_of(args.begin(), args.end(),
+                   [](const std::string& arg) { return absl::StartsWith(arg, "--http_port"); })) {
+    argv.push_back("--http_port=-1");
+  }
+  return RunProgram(ServerPath(), argv, timeout);
 }
 
 RunResult RunProgram(const std::string& binary, const std::vector<std::string>& args,

@@ -28,10 +28,10 @@ std::string ServerPath();
 
 class ServerProcess {
  public:
-  // Starts the server with `args` (plus --metrics_port=0 unless `args` set it)
-  // and waits (up to `timeout`) for the "listening on HOST:PORT" line on its
-  // stdout. If the process exits first,
-  // FAILED_PRECONDITION carrying the exit status and the server's stderr.
+  // Starts the server with `args` (plus --metrics_port=0 and --http_port=-1
+  // unless `args` set them) and waits (up to `timeout`) for the "listening on HOST:PORT" line on
+  // its stdout, and for "http on HOST:PORT" too when `args` set --http_port >= 0. If the process
+  // exits first, FAILED_PRECONDITION carrying the exit status and the server's stderr.
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(
       const std::vector<std::string>& args, absl::Duration timeout = absl::Seconds(30));
   ~ServerProcess();  // SIGKILL and reap if still running
@@ -39,6 +39,8 @@ class ServerProcess {
   int port() const { return port_; }
   std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
   int metrics_port() const { return metrics_port_; }  // 0 when metrics are off
+  int http_port() const { return http_port_; }        // 0 without --http_port
+  std::string http_target() const { return "127.0.0.1:" + std::to_string(http_port_); }
   pid_t pid() const { return pid_; }
 
   void Signal(int signal);
@@ -51,6 +53,7 @@ class ServerProcess {
   pid_t pid_ = -1;
   int port_ = 0;
   int metrics_port_ = 0;
+  int http_port_ = 0;
   bool exited_ = false;
   std::unique_ptr<TempDir> dir_;
 };

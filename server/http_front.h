@@ -1,0 +1,89 @@
+// The Open Inference Protocol over HTTP/REST (KServe v2, with Triton's binary
+// tensor data extension), on its own port, through the same admission, validation,
+// batcher and metrics as the gRPC fronts (protocol label "kserve_http").
+//
+//   GET  /v2/health/live                 200 while the process serves
+//   GET  /v2/health/ready                200, or 503 once shutdown starts
+//   GET  /v2                             server metadata
+//   GET  /v2/models/{m}[/versions/{v}]   model metadata
+//   GET  /v2/models/{m}[/versions/{v}]/ready    200, 503 while not ready
+//   GET  /v2/models/{m}[/versions/{v}]/config   Triton ModelConfig (protobuf JSON)
+//   GET  /v2/models/{m}[/versions/{v}]/stats    Triton ModelStatistics (protobuf JSON)
+//   POST /v2/models/{m}[/versions/{v}]/infer    JSON or JSON + binary (server/http_codec.h)
+//   POST /v2/repository/index            [{"name", "version", "state", "reason"}]
+// Errors: {"error": "..."} with the status of the canonical code (HttpStatusOf).
+// Bodies over max_body_bytes get 413 before they are read.
+//
+// Served by cpp-httplib: a pool of `threads` threads, one per connection being
+// served (keep-alive connections hold theirs between requests, up to 5 s idle).
+// An infer request waits on its thread for the batcher's answer; compute runs on
+// the compute workers as for gRPC.
+//
+// Thread safety: Start and Stop from one thread; the repository, batcher, metrics
+// and the inference service (readiness) must outlive the front.
+#ifndef MHA_SERVER_HTTP_FRONT_H_
+#define MHA_SERVER_HTTP_FRONT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "server/batcher.h"
+#include "server/inference_service.h"
+#include "server/metrics.h"
+#include "server/model_repository.h"
+
+namespace httplib {
+class Server;
+}
+
+namespace mha::server {
+
+// The HTTP status of a canonical code: INVALID_ARGUMENT 400, NOT_FOUND 404,
+// RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504, UNIMPLEMENTED 501,
+// OK 200, anything else 500.
+int HttpStatusOf(absl::StatusCode code);
+
+class HttpFront {
+ public:
+  struct Options {
+    std::string host = "127.0.0.1";
+    int32_t port = 8000;  // 0 = pick a free port
+    int threads = 16;
+    int64_t max_body_bytes = int64_t{64} << 20;
+    // PEM paths: cert + key serve HTTPS; client_ca also requires client certificates.
+    std::string tls_cert, tls_key, tls_client_ca;
+  };
+  struct Services {
+    const ModelRepository* models;
+    Batcher* batcher;
+    Metrics* metrics;
+    const InferenceServiceImpl* inference;  // readiness
+  };
+
+  // Binds (UNAVAILABLE naming the address when the port is in use) and serves.
+  static absl::StatusOr<std::unique_ptr<HttpFront>> Start(const Options& options,
+                                                          const Services& services);
+  ~HttpFront();  // Stop()
+
+  // Stops accepting, finishes the requests being served, joins the threads.
+  void Stop();
+
+  int port() const { return port_; }
+
+ private:
+  HttpFront() = default;
+  void Route();
+
+  Services services_{};
+  std::unique_ptr<httplib::Server> server_;
+  std::thread thread_;
+  int port_ = 0;
+};
+
+}  // namespace mha::server
+
+#endif  // MHA_SERVER_HTTP_FRONT_H_
