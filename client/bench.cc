@@ -7,39 +7,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/channel.h"
+#include "client/kserve.h"
 #include "client/load.h"
 #include "client/report.h"
 #include "client/request.h"
 #include "client/status.h"
-#include "proto/attention.grpc.pb.h"
-#include "proto/grpc/health/v1/health.grpc.pb.h"
 
 namespace mha::client {
 namespace {
 
 using attention::v1::AttendRequest;
-
-// One sync call of `rpc`, so a wrong model or shape fails fast with the server's
-// message instead of a table full of errors.
-absl::Status PreflightCall(Rpc rpc, const std::shared_ptr<grpc::Channel>& channel,
-                           const AttendRequest& request, absl::Duration timeout) {
-  grpc::ClientContext context;
-  SetTimeout(&context, timeout);
-  grpc::Status status;
-  if (rpc == Rpc::kHealth) {
-    grpc::health::v1::HealthCheckResponse response;
-    status = grpc::health::v1::Health::NewStub(channel)->Check(
-        &context, grpc::health::v1::HealthCheckRequest(), &response);
-  } else {
-    attention::v1::AttendResponse response;
-    status =
-        attention::v1::AttentionService::NewStub(channel)->Attend(&context, request, &response);
-  }
-  if (status.ok()) return absl::OkStatus();
-  const absl::Status error = FromGrpcStatus(status);
-  return absl::Status(error.code(),
-                      absl::StrCat("pre-flight ", RpcName(rpc), ": ", error.message()));
-}
 
 // Closed loop when `concurrency` > 0, else open loop at `rate`.
 absl::StatusOr<std::unique_ptr<LoadManager>> StartLoad(const BenchOptions& options,
@@ -118,9 +95,15 @@ StepReport RunStep(const BenchOptions& options, const LoadTarget& target, int co
   return step;
 }
 
-absl::Status CheckOptions(const BenchOptions& options,
+absl::Status CheckOptions(const BenchOptions& options, Protocol protocol,
                           const std::vector<std::shared_ptr<grpc::Channel>>& channels) {
-  if (channels.empty()) return absl::InvalidArgumentError("bench: no channel");
+  if (protocol != Protocol::kHttp && channels.empty()) {
+    return absl::InvalidArgumentError("bench: no channel");
+  }
+  if (protocol == Protocol::kHttp && options.mode == Mode::kStream) {
+    return absl::InvalidArgumentError(
+        "--mode=stream: HTTP has no streams; use --protocol=kserve (ModelStreamInfer)");
+  }
   if (options.rpc == Rpc::kHealth && options.mode == Mode::kStream) {
     return absl::InvalidArgumentError(
         "--rpc=health measures the unary Health/Check; use --mode=unary");
@@ -134,16 +117,28 @@ absl::Status CheckOptions(const BenchOptions& options,
   return absl::OkStatus();
 }
 
-// Pre-flight calls, one per RPC measured; counted in `report` like the load's.
-absl::Status Preflight(const std::vector<Rpc>& rpcs, const std::shared_ptr<grpc::Channel>& channel,
-                       const AttendRequest& request, absl::Duration timeout, BenchReport& report) {
+// Pre-flight calls, one per RPC measured, so that a wrong model or shape fails
+// fast with the server's message instead of a table full of errors; counted in
+// `report` like the load's.
+absl::Status Preflight(const std::vector<Rpc>& rpcs, Connection& connection,
+                       const AttendRequest& request, BenchReport& report) {
   for (Rpc rpc : rpcs) {
-    const absl::Status status = PreflightCall(rpc, channel, request, timeout);
+    const absl::Status status =
+        rpc == Rpc::kHealth ? connection.Ready() : connection.Attend(request).status();
     (rpc == Rpc::kHealth ? report.health_requests : report.attend_requests) += 1;
-    MHA_RETURN_IF_ERROR(status);
+    if (!status.ok()) {
+      return absl::Status(status.code(), absl::StrCat("pre-flight ", status.message()));
+    }
   }
   return absl::OkStatus();
 }
+
+// What every call of a run sends, in each protocol's form.
+struct Payloads {
+  const AttendRequest* attend = nullptr;
+  inference::ModelInferRequest infer;
+  HttpRequest http;
+};
 
 // (concurrency, 0) per closed-loop step, or (0, rate) per open-loop step.
 std::vector<std::pair<int, double>> StepLoads(const BenchOptions& options) {
@@ -156,12 +151,16 @@ std::vector<std::pair<int, double>> StepLoads(const BenchOptions& options) {
   return loads;
 }
 
-LoadTarget StepTarget(Rpc rpc, const BenchOptions& options,
+LoadTarget StepTarget(Rpc rpc, const BenchOptions& options, const Connection& connection,
                       const std::vector<std::shared_ptr<grpc::Channel>>& channels,
-                      const AttendRequest& request) {
+                      const Payloads& payloads) {
   LoadTarget target;
   target.calls.channels = channels;
-  target.calls.request = &request;
+  target.calls.protocol = connection.protocol();
+  target.calls.http = connection.http();
+  target.calls.request = payloads.attend;
+  target.calls.infer_request = &payloads.infer;
+  target.calls.http_request = &payloads.http;
   target.calls.rpc = rpc;
   target.calls.mode = rpc == Rpc::kHealth ? Mode::kUnary : options.mode;
   target.calls.timeout = options.timeout;
@@ -203,13 +202,14 @@ absl::StatusOr<std::vector<double>> ParseSweep(absl::string_view text, absl::str
   return values;
 }
 
-absl::StatusOr<BenchReport> RunBench(const BenchOptions& options,
+absl::StatusOr<BenchReport> RunBench(const BenchOptions& options, Connection& connection,
                                      const std::vector<std::shared_ptr<grpc::Channel>>& channels,
                                      const AttendRequest& request, std::ostream& progress,
                                      bool interactive) {
-  MHA_RETURN_IF_ERROR(CheckOptions(options, channels));
+  MHA_RETURN_IF_ERROR(CheckOptions(options, connection.protocol(), channels));
   BenchReport report;
   report.options = options;
+  report.protocol = connection.protocol();
   const AttendRequest& q = request;
   report.batch = q.queries().shape(0);
   report.num_queries = q.queries().shape(1);
@@ -218,14 +218,19 @@ absl::StatusOr<BenchReport> RunBench(const BenchOptions& options,
 
   std::vector<Rpc> rpcs = {Rpc::kAttend};
   if (options.rpc == Rpc::kHealth) rpcs = {Rpc::kHealth, Rpc::kAttend};
-  MHA_RETURN_IF_ERROR(Preflight(rpcs, channels[0], request, options.timeout, report));
+  MHA_RETURN_IF_ERROR(Preflight(rpcs, connection, request, report));
+  Payloads payloads{.attend = &request};
+  if (connection.protocol() != Protocol::kAttention) {
+    payloads.infer = ToModelInferRequest(request);
+    if (connection.protocol() == Protocol::kHttp) payloads.http = ToHttpRequest(payloads.infer);
+  }
 
   BenchProgress bench_progress(progress, interactive);
   uint64_t seed = options.seed;
   for (const auto& [concurrency, rate] : StepLoads(options)) {
     for (Rpc rpc : rpcs) {
-      StepReport step = RunStep(options, StepTarget(rpc, options, channels, request), concurrency,
-                                rate, seed++, bench_progress);
+      StepReport step = RunStep(options, StepTarget(rpc, options, connection, channels, payloads),
+                                concurrency, rate, seed++, bench_progress);
       (rpc == Rpc::kHealth ? report.health_requests : report.attend_requests) += step.sent;
       step.stats.tokens_per_s =
           rpc == Rpc::kAttend

@@ -6,10 +6,14 @@
 //
 //   BenchOptions options;
 //   options.concurrency = ParseIntSweep("1:64:x2").value();  // 1, 2, 4, ..., 64
-//   BenchReport report = RunBench(options, channels, request, ...).value();
+//   auto connection = Connection::Open(channel_options).value();
+//   BenchReport report =
+//       RunBench(options, *connection, {connection->channel()}, request, ...).value();
 //   PrintTable(report, std::cout);                           // report.h
 //
-// Every step is bounded by `duration` (warm-up included) and `max_requests`.
+// Every step is bounded by `duration` (warm-up included) and `max_requests`. The
+// protocol is the connection's: the request is translated once (client/kserve.h)
+// and the same load runs over attention.v1, the Open Inference Protocol or HTTP.
 #ifndef MHA_CLIENT_BENCH_H_
 #define MHA_CLIENT_BENCH_H_
 
@@ -24,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "client/calls.h"
+#include "client/connection.h"
 #include "client/stats.h"
 #include "proto/attention.pb.h"
 
@@ -64,6 +69,7 @@ struct StepReport {
 
 struct BenchReport {
   BenchOptions options;
+  Protocol protocol = Protocol::kAttention;
   std::string target;  // as given
   attention::v1::ModelInfo model;
   int64_t batch = 0, num_queries = 0, num_keys = 0, tokens_per_request = 0;
@@ -77,10 +83,13 @@ struct BenchReport {
 // {10, 20, 30, 40}. INVALID_ARGUMENT naming `flag` on bad syntax or an empty range.
 absl::StatusOr<std::vector<double>> ParseSweep(absl::string_view text, absl::string_view flag);
 
-// Runs every step. `progress` gets one line per window (or a line rewritten in
-// place when `interactive`). Fails only when the pre-flight call fails (with its
-// gRPC status) or the options are invalid; errors under load are reported.
-absl::StatusOr<BenchReport> RunBench(const BenchOptions& options,
+// Runs every step in `connection`'s protocol: over gRPC the load is spread over
+// `channels` (the connection's channel first), over HTTP it opens connections of
+// its own to connection.http(). `progress` gets one line per window (or a line
+// rewritten in place when `interactive`). Fails only when the pre-flight call
+// (on `connection`) fails, with its status, or the options are invalid; errors
+// under load are reported.
+absl::StatusOr<BenchReport> RunBench(const BenchOptions& options, Connection& connection,
                                      const std::vector<std::shared_ptr<grpc::Channel>>& channels,
                                      const attention::v1::AttendRequest& request,
                                      std::ostream& progress, bool interactive);

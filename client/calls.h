@@ -1,14 +1,18 @@
-// The calls a load sends, as gRPC callback reactors: unary Attend, unary
-// grpc.health.v1.Health/Check, or AttendStream streams that carry many requests
-// each. Every finished request becomes a Sample handed to a CallObserver (the load
-// manager, load.h), which decides what is sent next.
+// The calls a load sends: unary Attend, unary grpc.health.v1.Health/Check, or
+// AttendStream streams that carry many requests each (gRPC callback reactors); the
+// same over the Open Inference Protocol (ModelInfer, ServerReady,
+// ModelStreamInfer); or KServe v2 REST requests over HTTP, each concurrent slot on
+// a keep-alive connection and a thread of its own. Every finished request becomes
+// a Sample handed to a CallObserver (the load manager, load.h), which decides what
+// is sent next; the managers never see the protocol.
 //
 //   CallTarget target{.channels = {channel}, .request = &request};
-//   CallSender sender(target, /*streams=*/0, &observer);  // unary Attend
+//   CallSender sender(target, /*lanes=*/0, &observer);  // unary Attend
 //   sender.Send(3);  // on channel 3 % channels; later observer.OnSample(3, sample)
 //
 // gRPC may run a reaction inline, inside the call that started the operation: an
-// observer can be called back from within Send on the sending thread.
+// observer can be called back from within Send on the sending thread. HTTP calls
+// report from their connection's thread.
 #ifndef MHA_CLIENT_CALLS_H_
 #define MHA_CLIENT_CALLS_H_
 
@@ -21,8 +25,11 @@
 
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "proto/attention.grpc.pb.h"
-#include "proto/grpc/health/v1/health.grpc.pb.h"
+#include "client/channel.h"
+#include "client/http.h"
+#include "client/kserve.h"
+#include "proto/attention.pb.h"
+#include "proto/inference/grpc_service.pb.h"
 
 namespace mha::client {
 
@@ -34,10 +41,15 @@ std::string ModeName(Mode mode);  // "unary" | "stream"
 
 // One finished request as the client saw it.
 struct Sample {
-  int64_t end_ns = 0;      // steady clock
-  int64_t latency_ns = 0;  // from the send (stream: queued for writing) to the response
+  int64_t end_ns = 0;  // steady clock
+  // From the send (stream: queued for writing; HTTP: queued for its connection) to
+  // the response.
+  int64_t latency_ns = 0;
+  // A kserve stream's request answered with an error_message counts as UNKNOWN
+  // (the message carries no code); HTTP statuses map as CodeFromHttpStatus.
   grpc::StatusCode code = grpc::StatusCode::OK;
-  // AttendResponse.timing of a successful Attend; 0 otherwise.
+  // The server's timing of a successful Attend (AttendResponse.timing, or TimingOf
+  // an Open Inference Protocol response); 0 otherwise.
   int64_t queue_us = 0, compute_us = 0, batch_rows = 0;
 };
 
@@ -46,19 +58,27 @@ int64_t SteadyNowNs();
 
 // What every call of a load sends, and where. Every call carries a deadline: a
 // unary call `timeout`, a stream `stream_deadline` (each request on a stream is
-// bounded by the stream).
+// bounded by the stream); an HTTP call `timeout` per connect, read or write.
+//
+// kAttend sends, per protocol, `request` (attention), `infer_request` (kserve) or
+// `http_request` (http); kHealth sends Health/Check of "", ServerReady or
+// GET /v2/health/ready. Whatever is sent outlives the calls.
 struct CallTarget {
-  // Calls are spread over these channels (one HTTP/2 connection each, or a
-  // round_robin channel over several servers).
+  // gRPC protocols: calls are spread over these channels (one HTTP/2 connection
+  // each, or a round_robin channel over several servers).
   std::vector<std::shared_ptr<grpc::Channel>> channels;
-  const attention::v1::AttendRequest* request = nullptr;  // outlives the calls
+  const attention::v1::AttendRequest* request = nullptr;
   Rpc rpc = Rpc::kAttend;
-  Mode mode = Mode::kUnary;                            // kStream only for kAttend
+  Mode mode = Mode::kUnary;                            // kStream only for kAttend over gRPC
   absl::Duration timeout = absl::Seconds(10);          // unary deadline
   absl::Duration stream_deadline = absl::Seconds(60);  // a stream's whole life
+  Protocol protocol = Protocol::kAttention;
+  const inference::ModelInferRequest* infer_request = nullptr;
+  const HttpRequest* http_request = nullptr;
+  HttpEndpoint http;  // the HTTP server
 };
 
-// True when `target`'s requests travel on AttendStream streams.
+// True when `target`'s requests travel on streams (AttendStream or ModelStreamInfer).
 bool SendsOnStreams(const CallTarget& target);
 
 // Where calls report. Called from gRPC's threads (or inline from Send): an
@@ -74,17 +94,19 @@ class CallObserver {
   virtual void OnStreamDone(absl::Span<const Sample> unanswered) = 0;
 };
 
-class StreamCall;
-
-// Sends the requests of one load: each on a unary call of its own, or, when
-// SendsOnStreams(target), on one of `streams` streams opened by the constructor.
-// Request `slot` goes to channel slot % channels (unary) or stream slot % streams.
-// Thread-safe; `observer` outlives the sender, and a sender with streams is
-// destroyed only after CloseStreams and every OnStreamDone.
+// Sends the requests of one load: over gRPC each on a unary call of its own, or,
+// when SendsOnStreams(target), on one of `lanes` streams opened by the
+// constructor; over HTTP on one of `lanes` connections (at least one), each with a
+// thread that sends its requests in turn. Request `slot` goes to channel
+// slot % channels (gRPC unary), or stream or connection slot % lanes. Thread-safe;
+// `observer` outlives the sender, and a sender with streams is destroyed only after
+// CloseStreams and every OnStreamDone. An HTTP sender's destructor waits for the
+// request in progress on each connection and reports those still queued as
+// CANCELLED.
 class CallSender {
  public:
   // Each stream opened here ends with exactly one observer->OnStreamDone.
-  CallSender(const CallTarget& target, int streams, CallObserver* observer);
+  CallSender(const CallTarget& target, int lanes, CallObserver* observer);
   ~CallSender();
   CallSender(const CallSender&) = delete;
   CallSender& operator=(const CallSender&) = delete;
@@ -96,15 +118,11 @@ class CallSender {
   // Half-closes every stream as soon as its requests are answered. Idempotent.
   void CloseStreams();
 
- private:
-  void SendUnary(int slot);
+  // One way of sending (calls.cc): gRPC unary calls, streams, or HTTP connections.
+  class Impl;
 
-  const CallTarget target_;
-  CallObserver* const observer_;
-  std::vector<std::unique_ptr<attention::v1::AttentionService::Stub>> attend_stubs_;
-  std::vector<std::unique_ptr<grpc::health::v1::Health::Stub>> health_stubs_;
-  const grpc::health::v1::HealthCheckRequest health_request_;  // service "": the server
-  std::vector<std::unique_ptr<StreamCall>> streams_;           // fixed once constructed
+ private:
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace mha::client

@@ -73,6 +73,25 @@ absl::StatusOr<std::pair<std::string, std::string>> SplitHostPort(const std::str
 
 }  // namespace
 
+std::string ProtocolName(Protocol protocol) {
+  switch (protocol) {
+    case Protocol::kKServe:
+      return "kserve";
+    case Protocol::kHttp:
+      return "http";
+    default:
+      return "attention";
+  }
+}
+
+absl::StatusOr<Protocol> ParseProtocol(absl::string_view name) {
+  for (Protocol p : {Protocol::kAttention, Protocol::kKServe, Protocol::kHttp}) {
+    if (name == ProtocolName(p)) return p;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--protocol: expected attention, kserve or http, got \"", name, "\""));
+}
+
 absl::StatusOr<std::string> RoundRobinTarget(const std::vector<std::string>& targets) {
   if (targets.empty()) return absl::InvalidArgumentError("--targets: empty");
   std::vector<std::string> addresses;

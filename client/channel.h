@@ -1,5 +1,6 @@
 // Channels to attention_server: plaintext or TLS, gRPC's message-size limits
-// raised, and several servers behind one channel with gRPC's round_robin policy.
+// raised, and several servers behind one channel with gRPC's round_robin policy;
+// and the protocol a verb speaks over them (or over HTTP).
 //
 //   ChannelOptions options{.target = "127.0.0.1:50051"};
 //   auto channel = MakeChannel(options);                  // one server, pick_first
@@ -16,12 +17,25 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
 namespace mha::client {
 
+// How infer and bench reach the model: attention.v1 over gRPC, the Open Inference
+// Protocol over gRPC (inference.GRPCInferenceService, same port), or its KServe v2
+// REST form over plain HTTP/1.1 (the server's --http_port). client/kserve.h
+// translates requests and responses for the last two.
+enum class Protocol { kAttention, kKServe, kHttp };
+
+std::string ProtocolName(Protocol protocol);  // "attention" | "kserve" | "http"
+// INVALID_ARGUMENT naming --protocol for anything but those three names.
+absl::StatusOr<Protocol> ParseProtocol(absl::string_view name);
+
 struct ChannelOptions {
-  std::string target = "127.0.0.1:50051";  // any gRPC target (host:port, dns:, ipv4:...)
+  Protocol protocol = Protocol::kAttention;
+  // gRPC: any gRPC target; http: HOST[:PORT] of the HTTP server (port 8000 when omitted).
+  std::string target = "127.0.0.1:50051";
   // When not empty, replaces `target`: "host:port" entries spread with round_robin.
   std::vector<std::string> targets;
   bool tls = false;      // TLS with the system roots, or tls_ca

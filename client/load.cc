@@ -10,12 +10,19 @@ namespace {
 
 absl::Status CheckTarget(const LoadTarget& target) {
   const CallTarget& calls = target.calls;
-  if (calls.channels.empty()) return absl::InvalidArgumentError("load: no channel");
-  if (calls.rpc == Rpc::kAttend && calls.request == nullptr) {
+  const bool http = calls.protocol == Protocol::kHttp;
+  if (!http && calls.channels.empty()) return absl::InvalidArgumentError("load: no channel");
+  const bool has_request = calls.protocol == Protocol::kKServe ? calls.infer_request != nullptr
+                           : http                              ? calls.http_request != nullptr
+                                                               : calls.request != nullptr;
+  if (calls.rpc == Rpc::kAttend && !has_request) {
     return absl::InvalidArgumentError("load: no request");
   }
   if (calls.rpc == Rpc::kHealth && calls.mode == Mode::kStream) {
     return absl::InvalidArgumentError("--rpc=health is unary only (Health/Check)");
+  }
+  if (http && calls.mode == Mode::kStream) {
+    return absl::InvalidArgumentError("--mode=stream needs a gRPC protocol (not --protocol=http)");
   }
   return absl::OkStatus();
 }
@@ -41,13 +48,13 @@ int64_t Recorder::completed() const {
 LoadManager::LoadManager(const LoadTarget& target, Recorder* recorder)
     : recorder_(recorder), target_(target), max_requests_(target.max_requests) {}
 
-void LoadManager::OpenCalls(int streams) {
-  if (!SendsOnStreams(target_.calls)) streams = 0;
+void LoadManager::OpenCalls(int lanes) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    open_streams_ = streams;  // before opening: a stream may end at once
+    // Before opening: a stream may end at once.
+    open_streams_ = SendsOnStreams(target_.calls) ? lanes : 0;
   }
-  calls_ = std::make_unique<CallSender>(target_.calls, streams, this);
+  calls_ = std::make_unique<CallSender>(target_.calls, lanes, this);
 }
 
 void LoadManager::Stop() {
@@ -150,7 +157,8 @@ absl::StatusOr<std::unique_ptr<RequestRateManager>> RequestRateManager::Create(
   if (!(rate > 0)) {
     return absl::InvalidArgumentError(absl::StrCat("request rate: expected > 0, got ", rate));
   }
-  if (target.calls.mode == Mode::kStream && target.rate_streams < 1) {
+  if ((target.calls.mode == Mode::kStream || target.calls.protocol == Protocol::kHttp) &&
+      target.rate_streams < 1) {
     return absl::InvalidArgumentError("--streams: expected >= 1");
   }
   std::unique_ptr<RequestRateManager> manager(new RequestRateManager(target, recorder));

@@ -45,7 +45,9 @@ class Recorder {
 struct LoadTarget {
   CallTarget calls;          // what each request is, where it goes, its deadline
   int64_t max_requests = 0;  // stop sending after this many (0 = no limit)
-  int rate_streams = 4;      // streams that carry a fixed-rate stream load
+  // Streams that carry a fixed-rate stream load, or HTTP connections that carry a
+  // fixed-rate HTTP load.
+  int rate_streams = 4;
 };
 
 // A load mode: sends from creation until Stop and records every finished request.
@@ -69,8 +71,9 @@ class LoadManager : public CallObserver {
  protected:
   LoadManager(const LoadTarget& target, Recorder* recorder);
 
-  // Opens the calls, with `streams` streams for a stream load. Once, before sending.
-  void OpenCalls(int streams);
+  // Opens the calls, with `lanes` streams for a stream load or connections for an
+  // HTTP load (CallSender). Once, before sending.
+  void OpenCalls(int lanes);
   // Takes up to `count` requests to send at once; how many it took.
   int AcquireNow(int count);
   // Waits until `when`, then takes one request to send; false once stopping or
@@ -102,7 +105,8 @@ class LoadManager : public CallObserver {
 };
 
 // Closed loop: `concurrency` requests in flight, each finished request starts the
-// next on its slot. A stream load opens one stream per slot.
+// next on its slot. A stream load opens one stream per slot, an HTTP load one
+// connection per slot.
 class ConcurrencyManager final : public LoadManager {
  public:
   // INVALID_ARGUMENT for concurrency < 1 or an incomplete target.
@@ -135,11 +139,13 @@ class RequestSchedule {
 };
 
 // Open loop: requests start on a RequestSchedule from a thread of their own,
-// whatever is in flight. A stream load spreads them over `rate_streams` streams.
+// whatever is in flight. A stream load spreads them over `rate_streams` streams, an
+// HTTP load over `rate_streams` connections (a request waits for its connection,
+// and its latency counts from its scheduled start).
 class RequestRateManager final : public LoadManager {
  public:
-  // INVALID_ARGUMENT for rate <= 0, a stream load with rate_streams < 1, or an
-  // incomplete target.
+  // INVALID_ARGUMENT for rate <= 0, a stream or HTTP load with rate_streams < 1, or
+  // an incomplete target.
   static absl::StatusOr<std::unique_ptr<RequestRateManager>> Create(const LoadTarget& target,
                                                                     double rate, bool poisson,
                                                                     uint64_t seed,

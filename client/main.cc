@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "client/http.h"
 #include "client/status.h"
 #include "client/verbs.h"
 
@@ -30,7 +31,15 @@ const mha::client::HeatmapOptions kHeatmap;
 }  // namespace
 
 // Connection (every verb).
-ABSL_FLAG(std::string, target, kChannel.target, "Server address, HOST:PORT (any gRPC target).");
+ABSL_FLAG(std::string, protocol, "attention",
+          "infer, bench: attention (attention.v1 over gRPC), kserve (the Open Inference "
+          "Protocol over gRPC on the same --target: ModelInfer, ModelStreamInfer) or http "
+          "(KServe v2 REST with binary tensors on the server's --http_port; plain HTTP, no "
+          "TLS; --target is the HTTP HOST[:PORT], port 8000 when omitted, 127.0.0.1:8000 when "
+          "--target keeps its default; one keep-alive connection per concurrency slot). Other "
+          "verbs: attention only.");
+ABSL_FLAG(std::string, target, kChannel.target,
+          "Server address, HOST:PORT (any gRPC target; with --protocol=http the HTTP server's).");
 ABSL_FLAG(std::string, targets, "",
           "Comma-separated HOST:PORT list; replaces --target and spreads calls over the "
           "servers with gRPC's round_robin policy.");
@@ -77,12 +86,15 @@ ABSL_FLAG(std::string, request_rate, "",
 ABSL_FLAG(std::string, request_distribution, "constant",
           "bench: intervals at a fixed rate: constant or poisson.");
 ABSL_FLAG(std::string, mode, "unary",
-          "bench: unary (Attend) or stream (AttendStream; one stream per concurrency slot).");
+          "bench: unary (Attend, ModelInfer) or stream (AttendStream, ModelStreamInfer; one "
+          "stream per concurrency slot; not with --protocol=http).");
 ABSL_FLAG(int32_t, streams, kBench.rate_streams,
-          "bench: streams carrying a --request_rate load in --mode=stream.");
+          "bench: streams carrying a --request_rate load in --mode=stream (--protocol=http: "
+          "connections carrying it).");
 ABSL_FLAG(std::string, rpc, "attend",
           "bench: attend, or health (measures grpc.health.v1 Check, then Attend at the "
-          "same load, and prints their ratio).");
+          "same load, and prints their ratio; kserve: ServerReady; http: GET "
+          "/v2/health/ready).");
 ABSL_FLAG(int32_t, channels, kBench.channels,
           "bench: gRPC channels (HTTP/2 connections per server) the load is spread over.");
 ABSL_FLAG(absl::Duration, warmup, kBench.warmup, "bench: warm-up per step, not measured.");
@@ -121,7 +133,8 @@ namespace {
 
 constexpr char kUsage[] =
     "A client for attention_server (attention.v1.AttentionService) and a load tester.\n"
-    "Usage: attention_client VERB [--target=HOST:PORT] [flags]\n"
+    "Usage: attention_client VERB [--target=HOST:PORT] [--protocol=attention|kserve|http] "
+    "[flags]\n"
     "Verbs:\n"
     "  infer    one request (random from --seed, or --input files); prints the output's\n"
     "           shape, a summary and timing; --output=FILE.npy|.safetensors\n"
@@ -130,6 +143,7 @@ constexpr char kUsage[] =
     "  heatmap  attention weights of one batch row as a PNG, one map per head\n"
     "  heads    head importance: drop each head (head_mask), rank by output change\n"
     "  health   grpc.health.v1 Check of the server and every model\n"
+    "infer and bench speak --protocol (attention, kserve or http); the others attention.\n"
     "Errors print one line, 'error: CODE: message', and exit 1 (usage errors: 2).";
 
 absl::StatusOr<std::vector<int32_t>> ParseValidLens(const std::string& text) {
@@ -193,9 +207,13 @@ absl::StatusOr<mha::client::BenchOptions> BenchFromFlags() {
   return bench;
 }
 
-mha::client::ChannelOptions ChannelFromFlags() {
+mha::client::ChannelOptions ChannelFromFlags(mha::client::Protocol protocol) {
   mha::client::ChannelOptions channel;
+  channel.protocol = protocol;
   channel.target = absl::GetFlag(FLAGS_target);
+  if (protocol == mha::client::Protocol::kHttp && channel.target == kChannel.target) {
+    channel.target = absl::StrCat("127.0.0.1:", mha::client::kDefaultHttpPort);
+  }
   for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_targets), ',', absl::SkipEmpty())) {
     channel.targets.emplace_back(t);
   }
@@ -225,9 +243,42 @@ absl::StatusOr<mha::client::RequestOptions> RequestFromFlags() {
   return request;
 }
 
-absl::Status Run(const std::string& verb) {
+// Flags that contradict --protocol: usage errors, like an unknown verb.
+absl::StatusOr<mha::client::Protocol> ProtocolFromFlags(const std::string& verb) {
+  using mha::client::Protocol;
+  MHA_ASSIGN_OR_RETURN(const Protocol protocol,
+                       mha::client::ParseProtocol(absl::GetFlag(FLAGS_protocol)));
+  if (protocol == Protocol::kAttention) return protocol;
+  const std::string flag = absl::StrCat("--protocol=", mha::client::ProtocolName(protocol));
+  if (verb != "infer" && verb != "bench") {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": ", verb, " speaks attention.v1 only; use --protocol=attention"));
+  }
+  if (protocol != Protocol::kHttp) return protocol;
+  if (!absl::GetFlag(FLAGS_targets).empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": --targets spreads gRPC calls; give one HTTP server in --target"));
+  }
+  if (absl::GetFlag(FLAGS_tls) || !absl::GetFlag(FLAGS_tls_ca).empty() ||
+      !absl::GetFlag(FLAGS_tls_cert).empty() || !absl::GetFlag(FLAGS_tls_key).empty() ||
+      !absl::GetFlag(FLAGS_tls_server_name).empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, " is plain HTTP: the --tls flags apply to gRPC only"));
+  }
+  if (verb == "bench" && absl::GetFlag(FLAGS_mode) == "stream") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag, ": --mode=stream needs a gRPC stream; use --protocol=kserve (ModelStreamInfer)"));
+  }
+  if (verb == "bench" && absl::GetFlag(FLAGS_channels) != kBench.channels) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag, ": --channels counts gRPC connections; HTTP opens one per concurrency slot"));
+  }
+  return protocol;
+}
+
+absl::Status Run(const std::string& verb, mha::client::Protocol protocol) {
   namespace client = mha::client;
-  const client::ChannelOptions channel = ChannelFromFlags();
+  const client::ChannelOptions channel = ChannelFromFlags(protocol);
   if (channel.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--timeout: expected > 0");
   }
@@ -298,7 +349,12 @@ int main(int argc, char** argv) {
                  args.size() > 1 ? absl::StrCat(", got '", args[1], "'").c_str() : "", kUsage);
     return 2;
   }
-  const absl::Status status = Run(args[1]);
+  const absl::StatusOr<mha::client::Protocol> protocol = ProtocolFromFlags(args[1]);
+  if (!protocol.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(protocol.status().message()).c_str());
+    return 2;
+  }
+  const absl::Status status = Run(args[1], *protocol);
   if (!status.ok()) {
     std::fflush(stdout);
     std::fprintf(stderr, "error: %s\n", mha::client::OneLine(status).c_str());

@@ -48,6 +48,27 @@ std::vector<std::pair<const StepReport*, const StepReport*>> HealthPairs(
 
 double Ratio(double a, double b) { return b > 0 ? a / b : 0; }
 
+// The call that carries each request, e.g. "ModelStreamInfer".
+std::string CallName(Protocol protocol, Mode mode) {
+  const bool stream = mode == Mode::kStream;
+  switch (protocol) {
+    case Protocol::kKServe:
+      return stream ? "ModelStreamInfer" : "ModelInfer";
+    case Protocol::kHttp:
+      return "POST /v2/models/{model}/infer, binary tensors";
+    default:
+      return stream ? "AttendStream" : "Attend";
+  }
+}
+
+// "p_o 100, h 5, f32"; metadata-derived models (kserve, http) may lack h and precision.
+std::string ModelSizes(const attention::v1::ModelInfo& m) {
+  std::string sizes = absl::StrFormat("p_o %d, h %s", m.num_hiddens(),
+                                      m.num_heads() > 0 ? absl::StrCat(m.num_heads()) : "?");
+  if (!m.precision().empty()) absl::StrAppend(&sizes, ", ", m.precision());
+  return sizes;
+}
+
 constexpr char kClearLine[] = "\r\033[K";
 
 }  // namespace
@@ -77,9 +98,9 @@ void BenchProgress::StepDone(const StepReport& step) {
 void PrintTable(const BenchReport& report, std::ostream& out) {
   const BenchOptions& o = report.options;
   out << absl::StrFormat(
-      "model %s (p_o %d, h %d, %s); request B %d, Q %d, K %d (%d tokens); %s; %s\n",
-      report.model.name(), report.model.num_hiddens(), report.model.num_heads(),
-      report.model.precision(), report.batch, report.num_queries, report.num_keys,
+      "protocol %s (%s); model %s (%s); request B %d, Q %d, K %d (%d tokens); %s; %s\n",
+      ProtocolName(report.protocol), CallName(report.protocol, o.mode), report.model.name(),
+      ModelSizes(report.model), report.batch, report.num_queries, report.num_keys,
       report.tokens_per_request, ModeName(o.mode),
       o.request_rates.empty() ? "fixed concurrency"
                               : (o.poisson ? "fixed rate, Poisson" : "fixed rate, constant"));
@@ -89,15 +110,19 @@ void PrintTable(const BenchReport& report, std::ostream& out) {
   for (const StepReport& step : report.steps) {
     const StepStats& s = step.stats;
     const bool attend = step.rpc == Rpc::kAttend;
+    // Open Inference Protocol responses carry the server's timing only as optional
+    // parameters: "-" when none did.
+    const bool timing =
+        attend && (report.protocol == Protocol::kAttention || s.server_batch_rows > 0);
     out << absl::StrFormat(
         "%-17s %-6s %10.1f %11s %8.3f %8.3f %8.3f %8.3f %8.3f %8s %6s %9s %10s %s\n",
         LoadLabel(step), RpcName(step.rpc), s.requests_per_s,
         attend ? absl::StrFormat("%.0f", s.tokens_per_s) : "-", s.latency.p50_us * 1e-3,
         s.latency.p90_us * 1e-3, s.latency.p95_us * 1e-3, s.latency.p99_us * 1e-3,
         s.latency.max_us * 1e-3, ErrorText(s),
-        attend ? absl::StrFormat("%.2f", s.server_batch_rows) : "-",
-        attend ? absl::StrFormat("%.0f", s.server_queue_us) : "-",
-        attend ? absl::StrFormat("%.0f", s.server_compute_us) : "-",
+        timing ? absl::StrFormat("%.2f", s.server_batch_rows) : "-",
+        timing ? absl::StrFormat("%.0f", s.server_queue_us) : "-",
+        timing ? absl::StrFormat("%.0f", s.server_compute_us) : "-",
         step.stable ? "yes" : absl::StrFormat("no, %s", step.end_reason));
   }
   for (const auto& [health, attend] : HealthPairs(report)) {
@@ -164,6 +189,7 @@ std::string ToJson(const BenchReport& report) {
   const BenchOptions& o = report.options;
   const attention::v1::ModelInfo& m = report.model;
   json root = {
+      {"protocol", ProtocolName(report.protocol)},
       {"target", report.target},
       {"model",
        {{"name", m.name()},
@@ -198,21 +224,21 @@ std::string ToCsv(const BenchReport& report) {
   std::string csv =
       "rpc,mode,concurrency,request_rate,requests_per_s,tokens_per_s,p50_us,p90_us,p95_us,"
       "p99_us,max_us,mean_us,requests,ok,errors,errors_by_code,server_batch_rows,"
-      "server_queue_us,server_compute_us,stable,end_reason,windows,sent\n";
+      "server_queue_us,server_compute_us,stable,end_reason,windows,sent,protocol\n";
   for (const StepReport& step : report.steps) {
     const StepStats& s = step.stats;
     const LatencyStats& l = s.latency;
     absl::StrAppend(
-        &csv,
-        absl::StrFormat("%s,%s,%d,%g,%.3f,%.3f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%d,%d,%d,%s,%.3f,"
-                        "%.1f,%.1f,%s,%s,%d,%d\n",
-                        RpcName(step.rpc),
-                        ModeName(step.rpc == Rpc::kHealth ? Mode::kUnary : report.options.mode),
-                        step.concurrency, step.request_rate, s.requests_per_s, s.tokens_per_s,
-                        l.p50_us, l.p90_us, l.p95_us, l.p99_us, l.max_us, l.mean_us, s.requests,
-                        s.ok, ErrorCount(s), s.errors.empty() ? "" : ErrorText(s),
-                        s.server_batch_rows, s.server_queue_us, s.server_compute_us,
-                        step.stable ? "true" : "false", step.end_reason, step.windows, step.sent));
+        &csv, absl::StrFormat(
+                  "%s,%s,%d,%g,%.3f,%.3f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%d,%d,%d,%s,%.3f,"
+                  "%.1f,%.1f,%s,%s,%d,%d,%s\n",
+                  RpcName(step.rpc),
+                  ModeName(step.rpc == Rpc::kHealth ? Mode::kUnary : report.options.mode),
+                  step.concurrency, step.request_rate, s.requests_per_s, s.tokens_per_s, l.p50_us,
+                  l.p90_us, l.p95_us, l.p99_us, l.max_us, l.mean_us, s.requests, s.ok,
+                  ErrorCount(s), s.errors.empty() ? "" : ErrorText(s), s.server_batch_rows,
+                  s.server_queue_us, s.server_compute_us, step.stable ? "true" : "false",
+                  step.end_reason, step.windows, step.sent, ProtocolName(report.protocol)));
   }
   return csv;
 }

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "client/connection.h"
 #include "client/report.h"
 #include "client/status.h"
 #include "client/tensor_io.h"
@@ -25,62 +26,44 @@ using attention::v1::AttentionService;
 using attention::v1::ModelInfo;
 using attention::v1::Tensor;
 
-absl::StatusOr<ModelInfo> GetModel(AttentionService::Stub& stub, const std::string& model,
-                                   absl::Duration timeout) {
-  grpc::ClientContext context;
-  SetTimeout(&context, timeout);
-  attention::v1::GetModelRequest request;
-  request.set_model(model);
-  ModelInfo info;
-  const grpc::Status status = stub.GetModel(&context, request, &info);
-  if (!status.ok()) return FromGrpcStatus(status);
-  return info;
-}
-
 struct Timed {
   AttendResponse response;
   double round_trip_ms = 0;
 };
 
-absl::StatusOr<Timed> Attend(AttentionService::Stub& stub, const AttendRequest& request,
-                             absl::Duration timeout) {
-  grpc::ClientContext context;
-  SetTimeout(&context, timeout);
+absl::StatusOr<Timed> Attend(Connection& connection, const AttendRequest& request) {
   Timed timed;
   const auto start = std::chrono::steady_clock::now();
-  const grpc::Status status = stub.Attend(&context, request, &timed.response);
+  MHA_ASSIGN_OR_RETURN(timed.response, connection.Attend(request));
   timed.round_trip_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-  if (!status.ok()) {
-    const absl::Status error = FromGrpcStatus(status);
-    return absl::Status(error.code(), absl::StrCat("Attend: ", error.message()));
-  }
   return timed;
 }
 
-// A connection and the model's sizes: what every verb that sends Attend needs first.
+// A connection and the model's sizes: what every verb that sends requests needs first.
 struct Session {
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<AttentionService::Stub> stub;
+  std::unique_ptr<Connection> connection;
   ModelInfo model;
 };
 
 absl::StatusOr<Session> Open(const ChannelOptions& options, const std::string& model) {
   Session session;
-  MHA_ASSIGN_OR_RETURN(session.channel, MakeChannel(options));
-  session.stub = AttentionService::NewStub(session.channel);
-  auto info = GetModel(*session.stub, model, options.timeout);
-  if (!info.ok()) {
-    return absl::Status(info.status().code(), absl::StrCat("GetModel: ", info.status().message()));
-  }
-  session.model = *std::move(info);
+  MHA_ASSIGN_OR_RETURN(session.connection, Connection::Open(options));
+  MHA_ASSIGN_OR_RETURN(session.model, session.connection->GetModel(model));
   return session;
 }
 
+// Models described by Open Inference Protocol metadata have no bias or precision
+// (and h only when the metadata gives it).
 std::string ModelLine(const ModelInfo& m) {
-  return absl::StrFormat("model %s: p_o %d, h %d, d_q %d, d_k %d, d_v %d, bias %s, %s", m.name(),
-                         m.num_hiddens(), m.num_heads(), m.query_size(), m.key_size(),
-                         m.value_size(), m.bias() ? "on" : "off", m.precision());
+  std::string line =
+      absl::StrFormat("model %s: p_o %d, h %s, d_q %d, d_k %d, d_v %d", m.name(), m.num_hiddens(),
+                      m.num_heads() > 0 ? absl::StrCat(m.num_heads()) : "?", m.query_size(),
+                      m.key_size(), m.value_size());
+  if (!m.precision().empty()) {
+    absl::StrAppend(&line, ", bias ", m.bias() ? "on" : "off", ", ", m.precision());
+  }
+  return line;
 }
 
 std::string RequestLine(const AttendRequest& r) {
@@ -169,7 +152,7 @@ absl::Status Infer(const ChannelOptions& channel, const RequestOptions& request_
   MHA_ASSIGN_OR_RETURN(Session session, Open(channel, request_options.model));
   MHA_ASSIGN_OR_RETURN(const AttendRequest request, MakeRequest(request_options, session.model));
   out << ModelLine(session.model) << "\n" << RequestLine(request) << "\n";
-  MHA_ASSIGN_OR_RETURN(const Timed timed, Attend(*session.stub, request, channel.timeout));
+  MHA_ASSIGN_OR_RETURN(const Timed timed, Attend(*session.connection, request));
   const Tensor& output = timed.response.output();
   const auto& data = output.data();
   double sum = 0, min = INFINITY, max = -INFINITY;
@@ -191,10 +174,13 @@ absl::Status Infer(const ChannelOptions& channel, const RequestOptions& request_
   if (timed.response.attention().shape_size() > 0) {
     out << "attention shape: " << ShapeString(timed.response.attention()) << "\n";
   }
-  const attention::v1::Timing& t = timed.response.timing();
-  out << absl::StrFormat(
-      "time: %.3f ms round trip; server: queue %d us, compute %d us, batch rows %d\n",
-      timed.round_trip_ms, t.queue_us(), t.compute_us(), t.batch_rows());
+  out << absl::StrFormat("time: %.3f ms round trip", timed.round_trip_ms);
+  if (timed.response.has_timing()) {
+    const attention::v1::Timing& t = timed.response.timing();
+    out << absl::StrFormat("; server: queue %d us, compute %d us, batch rows %d", t.queue_us(),
+                           t.compute_us(), t.batch_rows());
+  }
+  out << "\n";
   if (!options.output.empty()) {
     MHA_RETURN_IF_ERROR(WriteOutput(options.output, request, timed.response));
     out << "wrote " << options.output << "\n";
@@ -206,15 +192,16 @@ absl::Status Bench(const ChannelOptions& channel, const RequestOptions& request_
                    const BenchCommandOptions& options, std::ostream& out, std::ostream& progress) {
   MHA_ASSIGN_OR_RETURN(Session session, Open(channel, request_options.model));
   MHA_ASSIGN_OR_RETURN(const AttendRequest request, MakeRequest(request_options, session.model));
-  std::vector<std::shared_ptr<grpc::Channel>> channels = {session.channel};
-  for (int i = 1; i < options.bench.channels; ++i) {
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  if (session.connection->channel() != nullptr) channels.push_back(session.connection->channel());
+  for (int i = 1; i < options.bench.channels && !channels.empty(); ++i) {
     MHA_ASSIGN_OR_RETURN(auto extra, MakeChannel(channel, i));
     channels.push_back(std::move(extra));
   }
   BenchOptions bench = options.bench;
   bench.timeout = channel.timeout;
-  MHA_ASSIGN_OR_RETURN(BenchReport report,
-                       RunBench(bench, channels, request, progress, options.interactive));
+  MHA_ASSIGN_OR_RETURN(BenchReport report, RunBench(bench, *session.connection, channels, request,
+                                                    progress, options.interactive));
   report.target = channel.targets.empty() ? channel.target : absl::StrJoin(channel.targets, ",");
   report.model = session.model;
   PrintTable(report, out);
@@ -240,7 +227,7 @@ absl::Status Heatmap(const ChannelOptions& channel, const RequestOptions& reques
     return absl::InvalidArgumentError(absl::StrCat(
         "--batch_index: expected 0 <= index < B = ", batch, ", got ", options.batch_index));
   }
-  MHA_ASSIGN_OR_RETURN(const Timed timed, Attend(*session.stub, request, channel.timeout));
+  MHA_ASSIGN_OR_RETURN(const Timed timed, Attend(*session.connection, request));
   const Tensor& weights = timed.response.attention();
   if (weights.shape_size() != 4) {
     return absl::InternalError(absl::StrCat("the server returned attention of shape ",
@@ -286,7 +273,7 @@ absl::Status Heads(const ChannelOptions& channel, const RequestOptions& request_
   }
   out << ModelLine(session.model) << "\n" << RequestLine(request) << "\n";
   request.clear_head_mask();
-  MHA_ASSIGN_OR_RETURN(const Timed base, Attend(*session.stub, request, channel.timeout));
+  MHA_ASSIGN_OR_RETURN(const Timed base, Attend(*session.connection, request));
   const auto& base_output = base.response.output().data();
 
   // Output with the heads in `dropped` masked to 0, relative to the full output.
@@ -294,7 +281,7 @@ absl::Status Heads(const ChannelOptions& channel, const RequestOptions& request_
     request.clear_head_mask();
     for (int64_t i = 0; i < h; ++i) request.add_head_mask(1.0f);
     for (int64_t i : dropped) request.set_head_mask(static_cast<int>(i), 0.0f);
-    MHA_ASSIGN_OR_RETURN(const Timed timed, Attend(*session.stub, request, channel.timeout));
+    MHA_ASSIGN_OR_RETURN(const Timed timed, Attend(*session.connection, request));
     return RelativeChange(timed.response.output().data(), base_output);
   };
   std::vector<double> change(static_cast<size_t>(h));

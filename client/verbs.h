@@ -1,6 +1,8 @@
 // The verbs of attention_client. Each takes option structs (filled from flags in
 // main.cc), writes its result to `out` and returns the first error, whose one-line
-// form (OneLine in status.h) carries the gRPC code name.
+// form (OneLine in status.h) carries the gRPC code name. infer and bench speak
+// ChannelOptions::protocol (connection.h); main.cc lets the others run with
+// --protocol=attention only.
 //
 //   infer    one request; prints the output's shape, a summary and timing
 //   bench    load test (bench.h), table on `out`, progress on `progress`

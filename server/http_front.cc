@@ -114,15 +114,23 @@ absl::StatusOr<std::unique_ptr<HttpFront>> HttpFront::Start(const Options& optio
   }
   httplib::Server& server = *front->server_;
   // cpp-httplib sets SO_REUSEPORT by default, which would let a second server share
-  // a busy port; only SO_REUSEADDR here, so a port in use fails start-up.
-  server.set_socket_options([](socket_t sock) {
+  // a busy port; only SO_REUSEADDR here, so a port in use fails start-up. Its listen
+  // backlog is 5: the socket is kept to listen again with a full one once bound.
+  int* listener = &front->listener_;
+  server.set_socket_options([listener](socket_t sock) {
     int yes = 1;
     setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    *listener = sock;
   });
+  // A response is written as headers then body: without TCP_NODELAY the body
+  // waits for the client's delayed ACK (~40 ms).
+  server.set_tcp_nodelay(true);
   const int threads = options.threads;
   server.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   server.set_payload_max_length(static_cast<size_t>(options.max_body_bytes));
-  server.set_keep_alive_max_count(1 << 20);
+  // A connection hands its thread back after 100 requests (or 5 s idle), so more
+  // keep-alive clients than threads take turns instead of waiting forever.
+  server.set_keep_alive_max_count(100);
   server.set_keep_alive_timeout(5);
   front->Route();
   const std::string address = absl::StrCat(
@@ -137,6 +145,7 @@ absl::StatusOr<std::unique_ptr<HttpFront>> HttpFront::Start(const Options& optio
     return absl::UnavailableError(
         absl::StrCat("http_port: cannot listen on ", address, " (address in use, or a bad host)"));
   }
+  if (front->listener_ >= 0) ::listen(front->listener_, SOMAXCONN);
   front->thread_ = std::thread([&server] { server.listen_after_bind(); });
   return front;
 }

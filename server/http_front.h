@@ -15,7 +15,8 @@
 // Bodies over max_body_bytes get 413 before they are read.
 //
 // Served by cpp-httplib: a pool of `threads` threads, one per connection being
-// served (keep-alive connections hold theirs between requests, up to 5 s idle).
+// served (a keep-alive connection holds its thread for up to 100 requests or 5 s
+// idle; connections beyond `threads` wait their turn in the accept queue).
 // An infer request waits on its thread for the batcher's answer; compute runs on
 // the compute workers as for gRPC.
 //
@@ -52,7 +53,7 @@ class HttpFront {
   struct Options {
     std::string host = "127.0.0.1";
     int32_t port = 8000;  // 0 = pick a free port
-    int threads = 16;
+    int threads = 64;
     int64_t max_body_bytes = int64_t{64} << 20;
     // PEM paths: cert + key serve HTTPS; client_ca also requires client certificates.
     std::string tls_cert, tls_key, tls_client_ca;
@@ -82,6 +83,7 @@ class HttpFront {
   std::unique_ptr<httplib::Server> server_;
   std::thread thread_;
   int port_ = 0;
+  int listener_ = -1;  // the listening socket, owned by server_
 };
 
 }  // namespace mha::server

@@ -43,7 +43,7 @@ struct ServerOptions {
   int32_t metrics_port = -1;               // -1 = no metrics endpoint; 0 = pick a free port
   // KServe v2 HTTP/REST (server/http_front.h) on `host`, with the TLS below.
   int32_t http_port = -1;  // -1 = off; 0 = pick a free port
-  int http_threads = 16;   // connections served at once
+  int http_threads = 64;   // connections served at once
   absl::Duration drain_timeout = absl::Seconds(10);
   // TLS: PEM file paths. cert + key enable TLS; client_ca also requires and
   // verifies client certificates (mutual TLS). All empty: plaintext.

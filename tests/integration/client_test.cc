@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/heatmap.h"
+#include "client/kserve.h"
 #include "client/tensor_io.h"
 #include "core/attention.h"
 #include "core/safetensors.h"
@@ -90,7 +91,8 @@ class ClientTest : public ::testing::Test {
 TEST(ClientHelpTest, ListsEveryFlagWithItsDefault) {
   const ClientRun run = RunClient({"--help"});
   const std::string help = run.out + run.err;
-  for (const char* flag : {"--target",
+  for (const char* flag : {"--protocol",
+                           "--target",
                            "--targets",
                            "--tls",
                            "--tls_ca",
@@ -710,6 +712,238 @@ TEST(ClientTlsTest, InferOverMutualTls) {
   run = RunClient({"infer", target, "--tls_cert=" + file("client.pem")});
   EXPECT_EQ(run.exit_code, 1) << Describe(run);
   EXPECT_TRUE(absl::StrContains(run.err, "--tls_cert and --tls_key go together")) << run.err;
+}
+
+// --- The Open Inference Protocol: the same requests as attention.v1, over gRPC
+// (kserve) and HTTP (http), must give the same answers.
+
+TEST(KServeTranslationTest, HttpBodyIsTheJsonHeaderThenEveryInputsBytes) {
+  AttendRequest request = ToyRequest();
+  request.set_causal(true);
+  request.set_return_attention(true);
+  const inference::ModelInferRequest infer = client::ToModelInferRequest(request);
+  EXPECT_EQ(infer.model_name(), "default");
+  EXPECT_EQ(infer.id(), "toy");
+  ASSERT_EQ(infer.inputs_size(), 4);
+  ASSERT_EQ(infer.raw_input_contents_size(), 4);
+  EXPECT_EQ(infer.inputs(3).name(), "valid_lens");
+  EXPECT_EQ(infer.inputs(3).datatype(), "INT32");
+  EXPECT_EQ(infer.raw_input_contents(0).size(), 2u * 4 * 100 * 4);
+  EXPECT_TRUE(infer.parameters().at("causal").bool_param());
+
+  const client::HttpRequest http = client::ToHttpRequest(infer);
+  EXPECT_EQ(http.path, "/v2/models/default/infer");
+  const json header = json::parse(http.body.substr(0, static_cast<size_t>(http.header_length)));
+  EXPECT_EQ(header["id"], "toy");
+  EXPECT_EQ(header["parameters"]["causal"], true);
+  EXPECT_EQ(header["parameters"]["binary_data_output"], true);
+  ASSERT_EQ(header["inputs"].size(), 4u);
+  EXPECT_EQ(header["inputs"][0]["name"], "queries");
+  EXPECT_EQ(header["inputs"][0]["shape"], json::array({2, 4, 100}));
+  EXPECT_EQ(header["inputs"][0]["parameters"]["binary_data_size"], 3200);
+  EXPECT_EQ(header["inputs"][3]["shape"], json::array({2}));
+  EXPECT_EQ(header["outputs"][1]["name"], "attention");
+  EXPECT_EQ(header["outputs"][1]["parameters"]["binary_data"], true);
+  // The binary part: queries, keys, values, valid_lens, in that order.
+  const std::string binary = http.body.substr(static_cast<size_t>(http.header_length));
+  ASSERT_EQ(binary.size(), (800u + 1200 + 1200) * 4 + 2 * 4);
+  float first_key;
+  std::memcpy(&first_key, binary.data() + 800 * 4, 4);
+  EXPECT_EQ(first_key, request.keys().data(0));
+  int32_t lens[2];
+  std::memcpy(lens, binary.data() + binary.size() - 8, 8);
+  EXPECT_EQ(lens[0], 3);
+  EXPECT_EQ(lens[1], 2);
+
+  // Per-query lengths travel as (B, Q).
+  request.clear_valid_lens();
+  for (int i = 0; i < 8; ++i) request.add_valid_lens(i % 4 + 1);
+  const inference::ModelInferRequest per_query = client::ToModelInferRequest(request);
+  EXPECT_EQ(
+      std::vector<int64_t>(per_query.inputs(3).shape().begin(), per_query.inputs(3).shape().end()),
+      (std::vector<int64_t>{2, 4}));
+}
+
+TEST(KServeTranslationTest, HttpResponsesBecomeAttendResponsesOrCanonicalErrors) {
+  const std::vector<float> values = {0.5f, -1.25f, 3.0f, 4.0f, 5.0f, 6.0f};
+  const std::string header =
+      R"({"model_name":"default","id":"r7","outputs":[{"name":"output","datatype":"FP32",)"
+      R"("shape":[1,2,3],"parameters":{"binary_data_size":24}}]})";
+  const std::string body =
+      header + std::string(reinterpret_cast<const char*>(values.data()), values.size() * 4);
+  auto parsed = client::ParseHttpInferResponse(200, static_cast<int64_t>(header.size()), body);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  auto attend = client::ToAttendResponse(*parsed);
+  ASSERT_TRUE(attend.ok()) << attend.status();
+  EXPECT_EQ(attend->request_id(), "r7");
+  EXPECT_EQ(std::vector<int64_t>(attend->output().shape().begin(), attend->output().shape().end()),
+            (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_EQ(std::vector<float>(attend->output().data().begin(), attend->output().data().end()),
+            values);
+  EXPECT_FALSE(attend->has_timing());
+
+  // A byte short, or one too many: refused, not misread.
+  EXPECT_EQ(client::ParseHttpInferResponse(200, static_cast<int64_t>(header.size()),
+                                           body.substr(0, body.size() - 1))
+                .status()
+                .code(),
+            absl::StatusCode::kInternal);
+  EXPECT_EQ(
+      client::ParseHttpInferResponse(200, static_cast<int64_t>(header.size()), body + "x").status(),
+      absl::InternalError("HTTP response: body: 1 binary bytes past the last output's"));
+
+  const std::vector<std::pair<int, absl::StatusCode>> statuses = {
+      {400, absl::StatusCode::kInvalidArgument},   {404, absl::StatusCode::kNotFound},
+      {429, absl::StatusCode::kResourceExhausted}, {500, absl::StatusCode::kInternal},
+      {501, absl::StatusCode::kUnimplemented},     {503, absl::StatusCode::kUnavailable},
+      {504, absl::StatusCode::kDeadlineExceeded},  {418, absl::StatusCode::kUnknown}};
+  for (const auto& [status, code] : statuses) {
+    const absl::Status error =
+        client::ParseHttpInferResponse(status, std::nullopt, R"({"error":"no such model"})")
+            .status();
+    EXPECT_EQ(error.code(), code) << status;
+    EXPECT_EQ(error.message(), absl::StrCat("no such model (HTTP ", status, ")"));
+  }
+}
+
+class ClientProtocolTest : public ClientTest {
+ protected:
+  void SetUp() override {
+    auto server = ServerProcess::Start({"--port=0", "--http_port=0"});
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    ASSERT_GT(server_->http_port(), 0);
+  }
+  // --protocol and --target for `protocol`.
+  std::vector<std::string> Flags(const std::string& protocol) const {
+    return {"--protocol=" + protocol,
+            "--target=" + (protocol == "http" ? server_->http_target() : server_->target())};
+  }
+};
+
+const char* const kProtocols[] = {"attention", "kserve", "http"};
+
+// infer's printed lines but the model line (metadata has no bias or precision) and
+// the timing.
+std::string ComparableLines(const std::string& out) {
+  std::vector<std::string> kept;
+  for (absl::string_view line : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
+    if (absl::StartsWith(line, "model ") || absl::StartsWith(line, "time: ") ||
+        absl::StartsWith(line, "wrote ")) {
+      continue;
+    }
+    kept.emplace_back(line);
+  }
+  return absl::StrJoin(kept, "\n");
+}
+
+TEST_F(ClientProtocolTest, InferPrintsTheSameOutputOverEveryProtocol) {
+  // Cross-attention with per-row lengths; self-attention, causal, with per-query
+  // lengths and the attention weights.
+  const std::vector<std::vector<std::string>> requests = {
+      {"--seed=3"},
+      {"--num_keys=0", "--causal", "--valid_lens=4,3,2,1,1,2,3,4", "--return_attention"}};
+  for (size_t r = 0; r < requests.size(); ++r) {
+    SCOPED_TRACE(absl::StrJoin(requests[r], " "));
+    std::string expected_out, expected_file;
+    for (const char* protocol : kProtocols) {
+      SCOPED_TRACE(protocol);
+      const std::string file = Path(absl::StrCat(protocol, r, ".safetensors"));
+      std::vector<std::string> args = {"infer", "--output=" + file};
+      for (const std::string& flag : Flags(protocol)) args.push_back(flag);
+      args.insert(args.end(), requests[r].begin(), requests[r].end());
+      const ClientRun run = RunClient(args);
+      ASSERT_EQ(run.exit_code, 0) << Describe(run);
+      EXPECT_TRUE(absl::StrContains(run.out, "model default: p_o 100, h ")) << run.out;
+      EXPECT_TRUE(absl::StrContains(run.out, "output shape: (2, 4, 100)")) << run.out;
+      // The file holds the inputs sent and every output: byte for byte the same.
+      const std::string bytes = ReadFile(file);
+      ASSERT_FALSE(bytes.empty());
+      if (expected_out.empty()) {
+        expected_out = ComparableLines(run.out);
+        expected_file = bytes;
+        if (r == 1) {
+          EXPECT_TRUE(absl::StrContains(run.out, "attention shape: (2, 5, 4, 4)")) << run.out;
+        }
+        continue;
+      }
+      EXPECT_EQ(ComparableLines(run.out), expected_out);
+      EXPECT_TRUE(bytes == expected_file) << "outputs differ from --protocol=attention's";
+    }
+  }
+}
+
+TEST_F(ClientProtocolTest, BenchCompletesRequestsOverEveryProtocol) {
+  struct Case {
+    std::string protocol;
+    std::vector<std::string> flags;
+    std::vector<std::string> rpcs;
+  };
+  const std::vector<Case> cases = {
+      {"attention", {}, {"attend"}},
+      {"kserve", {}, {"attend"}},
+      {"kserve", {"--mode=stream"}, {"attend"}},
+      {"http", {}, {"attend"}},
+      {"http", {"--rpc=health"}, {"health", "attend"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrCat(c.protocol, " ", absl::StrJoin(c.flags, " ")));
+    std::vector<std::string> args = QuickBench("");
+    args.erase(args.begin() + 1);  // QuickBench's target flag
+    for (const std::string& flag : Flags(c.protocol)) args.push_back(flag);
+    args.insert(args.end(), c.flags.begin(), c.flags.end());
+    args.insert(args.end(), {"--concurrency=2", "--json=" + Path("bench.json")});
+    const ClientRun run = RunClient(args);
+    ASSERT_EQ(run.exit_code, 0) << Describe(run);
+    EXPECT_TRUE(absl::StartsWith(run.out, "protocol " + c.protocol + " (")) << run.out;
+    const json report = ReadJson(Path("bench.json"));
+    EXPECT_EQ(report["protocol"], c.protocol);
+    ASSERT_EQ(report["steps"].size(), c.rpcs.size()) << report.dump();
+    for (size_t i = 0; i < c.rpcs.size(); ++i) ExpectSaneStep(report["steps"][i], c.rpcs[i]);
+  }
+}
+
+TEST_F(ClientProtocolTest, ErrorsCarryTheCanonicalCodeOverEveryProtocol) {
+  struct Case {
+    std::string protocol;
+    std::vector<std::string> args;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {"http", {"infer", "--model=nope"}, "error: NOT_FOUND: GET /v2/models/nope: "},
+      {"http", {"bench", "--model=nope"}, "error: NOT_FOUND: GET /v2/models/nope: "},
+      {"kserve", {"infer", "--model=nope"}, "error: NOT_FOUND: ModelMetadata: "},
+      {"http",
+       {"infer", "--valid_lens=3,9"},
+       "error: INVALID_ARGUMENT: POST /v2/models/default/infer: "},
+      {"kserve", {"infer", "--valid_lens=3,9"}, "error: INVALID_ARGUMENT: ModelInfer: "},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> args = c.args;
+    for (const std::string& flag : Flags(c.protocol)) args.push_back(flag);
+    const ClientRun run = RunClient(args);
+    EXPECT_EQ(run.exit_code, 1) << Describe(run);
+    EXPECT_TRUE(absl::StartsWith(run.err, c.expected)) << run.err;
+    EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;
+  }
+}
+
+TEST(ClientUsageTest, ProtocolsOtherThanAttentionOnlyForInferAndBench) {
+  const std::vector<std::vector<std::string>> usage_errors = {
+      {"heatmap", "--protocol=kserve"},
+      {"heads", "--protocol=http"},
+      {"health", "--protocol=kserve"},
+      {"infer", "--protocol=grpc"},
+      {"bench", "--protocol=http", "--mode=stream"},
+      {"infer", "--protocol=http", "--tls"},
+      {"bench", "--protocol=http", "--targets=127.0.0.1:1,127.0.0.1:2"},
+  };
+  for (const std::vector<std::string>& args : usage_errors) {
+    const ClientRun run = RunClient(args);
+    EXPECT_EQ(run.exit_code, 2) << Describe(run);
+    EXPECT_TRUE(absl::StartsWith(run.err, "error: --protocol")) << run.err;
+    EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;
+  }
 }
 
 }  // namespace
