@@ -8,7 +8,7 @@
 // Function multiversioning: one body, compiled for AVX-512, AVX2 and baseline x86-64;
 // the dynamic loader picks the best for the CPU. No -march flag leaks into the build.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
-    !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+    !defined(__SANITIZE_ADDRESS__) && !defined(MHA_TSAN)
 #define MHA_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define MHA_MULTIVERSION
