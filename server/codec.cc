@@ -182,11 +182,53 @@ core::AttentionInputs Views(const RequestView& request, const Dims& dims) {
   };
 }
 
-std::optional<TensorView> ViewOf(bool present, const Tensor& tensor) {
+// A tensor's values as a view, from data or from raw (little-endian float32 bytes).
+absl::StatusOr<std::optional<TensorView>> ViewOf(absl::string_view field, bool present,
+                                                 const Tensor& tensor) {
+  static_assert(std::endian::native == std::endian::little, "raw is read in place");
   if (!present) return std::nullopt;
-  return TensorView{.shape = absl::MakeConstSpan(tensor.shape().data(), tensor.shape_size()),
-                    .data = tensor.data().data(),
-                    .size = tensor.data_size()};
+  TensorView view{.shape = absl::MakeConstSpan(tensor.shape().data(), tensor.shape_size())};
+  if (tensor.raw().empty()) {
+    view.data = tensor.data().data();
+    view.size = tensor.data_size();
+    return view;
+  }
+  if (tensor.data_size() > 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": has both data (", tensor.data_size(), " floats) and raw (",
+                     tensor.raw().size(), " bytes); send one"));
+  }
+  if (tensor.raw().size() % sizeof(float) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".raw: ", tensor.raw().size(),
+                     " bytes is not a whole number of float32 values (4 bytes each)"));
+  }
+  // protobuf keeps bytes in a std::string: operator new's memory, or the 8-aligned
+  // string object itself when short, so float alignment always holds.
+  if (reinterpret_cast<uintptr_t>(tensor.raw().data()) % alignof(float) != 0) {
+    return absl::InternalError(absl::StrCat(field, ".raw: bytes not aligned for float32"));
+  }
+  view.data = reinterpret_cast<const float*>(tensor.raw().data());
+  view.size = static_cast<int64_t>(tensor.raw().size() / sizeof(float));
+  return view;
+}
+
+// Sizes `tensor` for `elements` zeroed floats, in raw or in data, and returns them.
+float* Allocate(int64_t elements, bool raw, Tensor* tensor) {
+  if (raw) {
+    tensor->mutable_raw()->assign(static_cast<size_t>(elements) * sizeof(float), '\0');
+    return reinterpret_cast<float*>(tensor->mutable_raw()->data());
+  }
+  tensor->mutable_data()->Resize(static_cast<int>(elements), 0.0f);
+  return tensor->mutable_data()->mutable_data();
+}
+
+absl::Status CheckRequestBytes(int64_t bytes, const Model& model) {
+  if (bytes > model.limits.max_request_bytes) {
+    return OverLimit("request: size in bytes", bytes, "max_request_bytes",
+                     model.limits.max_request_bytes, model);
+  }
+  return absl::OkStatus();
 }
 
 void SetShape(std::initializer_list<int64_t> dims, Tensor* tensor) {
@@ -197,10 +239,7 @@ void SetShape(std::initializer_list<int64_t> dims, Tensor* tensor) {
 }  // namespace
 
 absl::StatusOr<ValidatedRequest> Validate(const RequestView& request, const Model& model) {
-  if (request.bytes > model.limits.max_request_bytes) {
-    return OverLimit("request: size in bytes", request.bytes, "max_request_bytes",
-                     model.limits.max_request_bytes, model);
-  }
+  MHA_RETURN_IF_ERROR(CheckRequestBytes(request.bytes, model));
   MHA_ASSIGN_OR_RETURN(const Dims dims, DecodeShapes(request, model));
   MHA_RETURN_IF_ERROR(CheckLimits(dims, request.keys.has_value(), request.return_attention, model));
   ValidatedRequest out{.model = &model,
@@ -217,12 +256,20 @@ absl::StatusOr<ValidatedRequest> Validate(const RequestView& request, const Mode
 }
 
 absl::StatusOr<ValidatedRequest> ValidateRequest(const AttendRequest& request, const Model& model) {
+  const auto bytes = static_cast<int64_t>(request.ByteSizeLong());
+  MHA_RETURN_IF_ERROR(CheckRequestBytes(bytes, model));
+  MHA_ASSIGN_OR_RETURN(std::optional<TensorView> queries,
+                       ViewOf("queries", request.has_queries(), request.queries()));
+  MHA_ASSIGN_OR_RETURN(std::optional<TensorView> keys,
+                       ViewOf("keys", request.has_keys(), request.keys()));
+  MHA_ASSIGN_OR_RETURN(std::optional<TensorView> values,
+                       ViewOf("values", request.has_values(), request.values()));
   return Validate(
       RequestView{
-          .bytes = static_cast<int64_t>(request.ByteSizeLong()),
-          .queries = ViewOf(request.has_queries(), request.queries()),
-          .keys = ViewOf(request.has_keys(), request.keys()),
-          .values = ViewOf(request.has_values(), request.values()),
+          .bytes = bytes,
+          .queries = queries,
+          .keys = keys,
+          .values = values,
           .valid_lens = absl::MakeConstSpan(request.valid_lens().data(), request.valid_lens_size()),
           .causal = request.causal(),
           .return_attention = request.return_attention(),
@@ -231,18 +278,18 @@ absl::StatusOr<ValidatedRequest> ValidateRequest(const AttendRequest& request, c
       model);
 }
 
-OutputViews PrepareResponse(const ValidatedRequest& request, AttendResponse* response) {
+bool WantsRawResponse(const AttendRequest& request) { return !request.queries().raw().empty(); }
+
+OutputViews PrepareResponse(const ValidatedRequest& request, bool raw, AttendResponse* response) {
   const core::AttentionInputs& in = request.inputs;
   OutputViews views;
   Tensor* output = response->mutable_output();
   SetShape({in.batch, in.num_queries, request.model->config.num_hiddens}, output);
-  output->mutable_data()->Resize(static_cast<int>(request.output_elements()), 0.0f);
-  views.output = output->mutable_data()->mutable_data();
+  views.output = Allocate(request.output_elements(), raw, output);
   if (request.return_attention) {
     Tensor* weights = response->mutable_attention();
     SetShape({in.batch, request.model->config.num_heads, in.num_queries, in.num_keys}, weights);
-    weights->mutable_data()->Resize(static_cast<int>(request.attention_elements()), 0.0f);
-    views.attention = weights->mutable_data()->mutable_data();
+    views.attention = Allocate(request.attention_elements(), raw, weights);
   }
   return views;
 }
@@ -254,8 +301,8 @@ void EncodeTiming(const ComputeTiming& timing, AttendResponse* response) {
   out->set_batch_rows(timing.batch_rows);
 }
 
-absl::Status RunForward(const ValidatedRequest& request, AttendResponse* response) {
-  const OutputViews views = PrepareResponse(request, response);
+absl::Status RunForward(const ValidatedRequest& request, bool raw, AttendResponse* response) {
+  const OutputViews views = PrepareResponse(request, raw, response);
   return request.model->attention->Forward(request.inputs, views.output, views.attention);
 }
 

@@ -5,6 +5,8 @@
 //
 // Decoding (ValidateRequest) checks, in this order (the first failure is returned):
 //   max_request_bytes    serialized size over the model's limit -> RESOURCE_EXHAUSTED
+//   encodings            (attention.v1) a tensor sets data or raw, not both; raw is
+//                        whole float32s -> INVALID_ARGUMENT naming the field
 //   queries              required; rank 3; dims >= 1; data length == prod(shape)
 //                        (int64 overflow guarded); shape (B, Q, d_q) -> INVALID_ARGUMENT
 //   keys, values         both or neither; rank 3; (B, K, d_k) and (B, K, d_v);
@@ -24,7 +26,7 @@
 // unknown name). All checks run before any allocation proportional to the request.
 //
 // Encoding, for a request of B = 2, Q = 4 on the toy model (p_o 100, h 5, K 6):
-//   OutputViews v = PrepareResponse(request, &response);
+//   OutputViews v = PrepareResponse(request, /*raw=*/false, &response);
 //   // response.output: shape (2, 4, 100), 800 zeros; v.output points at them.
 //   // with return_attention, response.attention: shape (2, 5, 4, 6), v.attention.
 //   ... the core writes v.output (and v.attention) ...
@@ -94,9 +96,13 @@ struct OutputViews {
   float* attention = nullptr;
 };
 
-// Sizes response.output (and response.attention when asked) for `request`, zeroed,
-// and returns views of their data. The response must outlive the views.
-OutputViews PrepareResponse(const ValidatedRequest& request,
+// True when the request's queries came as raw bytes: its response is sent raw too.
+bool WantsRawResponse(const attention::v1::AttendRequest& request);
+
+// Sizes response.output (and response.attention when asked) for `request`, zeroed, in
+// Tensor.raw when `raw` or Tensor.data otherwise, and returns views of their values.
+// The response must outlive the views.
+OutputViews PrepareResponse(const ValidatedRequest& request, bool raw,
                             attention::v1::AttendResponse* response);
 
 // AttendResponse.timing from the batcher's ComputeTiming.
@@ -104,7 +110,8 @@ void EncodeTiming(const ComputeTiming& timing, attention::v1::AttendResponse* re
 
 // One request's forward pass on the calling thread, straight into its response
 // (tests, fuzzing and tools; the server goes through the batcher).
-absl::Status RunForward(const ValidatedRequest& request, attention::v1::AttendResponse* response);
+absl::Status RunForward(const ValidatedRequest& request, bool raw,
+                        attention::v1::AttendResponse* response);
 
 }  // namespace mha::server
 

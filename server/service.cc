@@ -27,7 +27,7 @@ absl::StatusOr<Admitted> AdmitAttend(const AttendRequest& request, const ModelRe
   MHA_ASSIGN_OR_RETURN(const Model* model, models.Find(request.model()));
   MHA_RETURN_IF_ERROR(batcher.Admit(model));
   MHA_ASSIGN_OR_RETURN(ValidatedRequest validated, ValidateRequest(request, *model));
-  const OutputViews outputs = PrepareResponse(validated, response);
+  const OutputViews outputs = PrepareResponse(validated, WantsRawResponse(request), response);
   return Admitted{.request = validated, .outputs = outputs};
 }
 

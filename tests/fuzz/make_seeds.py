@@ -31,7 +31,8 @@ def field(number, wire_type, payload):
     return key + payload
 
 
-def tensor(shape, data=None, count=None):
+def tensor(shape, data=None, count=None, raw=False):
+    """attention.v1.Tensor; raw puts the values in `raw` (field 3) instead of `data`."""
     if data is None:
         n = 1
         for d in shape:
@@ -39,7 +40,7 @@ def tensor(shape, data=None, count=None):
         n = n if count is None else count
         data = [((i * 37) % 17 - 8) / 8.0 for i in range(max(n, 0))]
     body = field(1, 2, b"".join(varint(d) for d in shape))
-    body += field(2, 2, struct.pack("<%df" % len(data), *data))
+    body += field(3 if raw else 2, 2, struct.pack("<%df" % len(data), *data))
     return body
 
 
@@ -77,6 +78,10 @@ def request_seeds():
                          values=tensor([2, 4, 2]), valid_lens=[4, 1], return_attention=True,
                          head_mask=[1.0, 0.5, 0.0]),
         "tight": request(model=b"tight", queries=tensor([2, 4, 4]), return_attention=True),
+        "raw_cross": request(model=b"cross", queries=tensor([2, 2, 3], raw=True),
+                             keys=tensor([2, 4, 5], raw=True), values=tensor([2, 4, 2]),
+                             valid_lens=[4, 1], return_attention=True),
+        "raw_and_data": request(queries=tensor([1, 2, 4]) + field(3, 2, b"\0" * 32)),
         "unknown_model": request(model=b"nope", queries=tensor([1, 1, 4])),
         "negative_dim": request(queries=tensor([1, -3, 4], data=[0.0] * 4)),
         "overflow_shape": request(queries=tensor([1 << 40, 1 << 40, 4], data=[0.0] * 4)),

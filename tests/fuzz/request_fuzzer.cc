@@ -52,7 +52,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   MHA_FUZZ_CHECK(in.batch <= limits.max_batch_size);
   MHA_FUZZ_CHECK(in.num_queries <= limits.max_sequence_length &&
                  in.num_keys <= limits.max_sequence_length);
-  MHA_FUZZ_CHECK(request.queries().data_size() == in.batch * in.num_queries * c.query_size);
+  // Values in data or in raw, never both.
+  const auto values = [](const attention::v1::Tensor& t) {
+    MHA_FUZZ_CHECK(t.data_size() == 0 || t.raw().empty());
+    return t.data_size() + static_cast<int64_t>(t.raw().size() / sizeof(float));
+  };
+  MHA_FUZZ_CHECK(values(request.queries()) == in.batch * in.num_queries * c.query_size);
   MHA_FUZZ_CHECK(static_cast<int64_t>(request.ByteSizeLong()) <= limits.max_request_bytes);
   if (v.return_attention) MHA_FUZZ_CHECK(v.attention_elements() <= limits.max_attention_elements);
 
@@ -61,10 +66,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                 in.batch * (in.num_queries + in.num_keys) * widest);
   if (work > kMaxForwardWork) return 0;
   attention::v1::AttendResponse response;
-  const absl::Status status = mha::server::RunForward(v, &response);
+  const bool raw = mha::server::WantsRawResponse(request);
+  const absl::Status status = mha::server::RunForward(v, raw, &response);
   MHA_FUZZ_CHECK(status.ok(), "%s\n", status.ToString().c_str());
-  MHA_FUZZ_CHECK(response.output().data_size() == v.output_elements());
-  MHA_FUZZ_CHECK(response.attention().data_size() ==
-                 (v.return_attention ? v.attention_elements() : 0));
+  MHA_FUZZ_CHECK(values(response.output()) == v.output_elements());
+  MHA_FUZZ_CHECK(values(response.attention()) == (v.return_attention ? v.attention_elements() : 0));
+  MHA_FUZZ_CHECK(raw == !response.output().raw().empty());
   return 0;
 }

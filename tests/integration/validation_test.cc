@@ -3,6 +3,7 @@
 // Every rule in-process: tests/unit/server/codec_test.cc.
 #include <functional>
 #include <limits>
+#include <string>
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
@@ -87,6 +88,11 @@ const Case kCases[] = {
     {"QueriesNan", [](AttendRequest& r) { r.mutable_queries()->set_data(17, kNan); },
      StatusCode::INVALID_ARGUMENT,
      "queries: non-finite value nan at index 17 (batch 0, position 0, feature 17)"},
+    {"QueriesDataAndRaw",
+     [](AttendRequest& r) {
+       r.mutable_queries()->set_raw(std::string(16, '\0'));
+     },
+     StatusCode::INVALID_ARGUMENT, "queries: has both data (800 floats) and raw (16 bytes)"},
     {"BatchOverLimit",
      [](AttendRequest& r) {
        *r.mutable_queries() = MakeTensor({5, 4, 100});
@@ -123,6 +129,25 @@ TEST_F(ValidationTest, GoodRequestsPass) {
   const grpc::Status status = Attend(*stub, cross, &response);
   EXPECT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(response.output().data_size(), 2 * 4 * 8);
+}
+
+// Raw float32 bytes in, raw bytes out, the same values as with data.
+TEST_F(ValidationTest, RawRequestIsAnsweredInRaw) {
+  auto stub = Connect(server_->target());
+  AttendRequest request = ToyRequest();
+  AttendResponse by_data, by_raw;
+  ASSERT_TRUE(Attend(*stub, request, &by_data).ok());
+  for (Tensor* t : {request.mutable_queries(), request.mutable_keys(), request.mutable_values()}) {
+    t->set_raw(std::string(reinterpret_cast<const char*>(t->data().data()),
+                           sizeof(float) * static_cast<size_t>(t->data_size())));
+    t->clear_data();
+  }
+  const grpc::Status status = Attend(*stub, request, &by_raw);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(by_raw.output().data_size(), 0);
+  const std::string expected(reinterpret_cast<const char*>(by_data.output().data().data()),
+                             sizeof(float) * static_cast<size_t>(by_data.output().data_size()));
+  EXPECT_EQ(by_raw.output().raw(), expected);
 }
 
 }  // namespace

@@ -67,7 +67,7 @@ class BatcherTest : public ::testing::Test {
   WorkItem Item(const AttendRequest& request, AttendResponse* response,
                 std::function<void(absl::Status)> done) {
     const ValidatedRequest validated = ValidateRequest(request, model()).value();
-    const OutputViews views = PrepareResponse(validated, response);
+    const OutputViews views = PrepareResponse(validated, /*raw=*/false, response);
     return WorkItem{.model = validated.model,
                     .inputs = validated.inputs,
                     .output = views.output,
@@ -114,7 +114,7 @@ class BatcherTest : public ::testing::Test {
   std::vector<float> Alone(const AttendRequest& request) {
     AttendResponse response;
     auto validated = ValidateRequest(request, model()).value();
-    EXPECT_TRUE(RunForward(validated, &response).ok());
+    EXPECT_TRUE(RunForward(validated, /*raw=*/false, &response).ok());
     return {response.output().data().begin(), response.output().data().end()};
   }
 

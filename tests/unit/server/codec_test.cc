@@ -3,6 +3,7 @@
 // response encoding. The same rules over gRPC: tests/integration/validation_test.cc.
 #include "server/codec.h"
 
+#include <algorithm>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -75,6 +76,13 @@ void SetShape(Tensor* t, std::vector<int64_t> shape) {
   for (int64_t d : shape) t->add_shape(d);
 }
 void Resize(Tensor* t, int n) { t->mutable_data()->Resize(n, 0.5f); }
+
+// Moves a tensor's values from data to raw (little-endian float32 bytes).
+void ToRaw(Tensor* t) {
+  t->set_raw(std::string(reinterpret_cast<const char*>(t->data().data()),
+                         sizeof(float) * static_cast<size_t>(t->data_size())));
+  t->clear_data();
+}
 
 using StatusCode = absl::StatusCode;
 const float kNan = std::numeric_limits<float>::quiet_NaN();
@@ -223,6 +231,30 @@ const Case kCases[] = {
      },
      StatusCode::kResourceExhausted,
      "return_attention: B*h*Q*K = 2*5*16*16 weights exceed max_attention_elements 1000"},
+    {"QueriesDataAndRaw",
+     [](AttendRequest& r) {
+       r.mutable_queries()->set_raw(std::string(16, '\0'));
+     },
+     StatusCode::kInvalidArgument, "queries: has both data (800 floats) and raw (16 bytes); send one"},
+    {"KeysRawNotWholeFloats",
+     [](AttendRequest& r) {
+       ToRaw(r.mutable_keys());
+       r.mutable_keys()->mutable_raw()->push_back('\0');
+     },
+     StatusCode::kInvalidArgument, "keys.raw: 4801 bytes is not a whole number of float32 values"},
+    {"ValuesRawShort",
+     [](AttendRequest& r) {
+       ToRaw(r.mutable_values());
+       r.mutable_values()->mutable_raw()->resize(4 * 1199);
+     },
+     StatusCode::kInvalidArgument, "values: shape (2, 6, 100) needs 1200 values, data has 1199"},
+    {"QueriesRawNan",
+     [](AttendRequest& r) {
+       r.mutable_queries()->set_data(17, kNan);
+       ToRaw(r.mutable_queries());
+     },
+     StatusCode::kInvalidArgument,
+     "queries: non-finite value nan at index 17 (batch 0, position 0, feature 17)"},
     {"RequestBytesOverModelLimit", [](AttendRequest& r) { r.set_model("small_requests"); },
      StatusCode::kResourceExhausted, "exceeds max_request_bytes 2000 of model small_requests"},
 };
@@ -256,7 +288,7 @@ TEST_F(CodecTest, GoodRequestsPass) {
 TEST_F(CodecTest, PrepareResponseSizesOutputAndAskedForWeights) {
   AttendRequest request = ToyRequest();
   AttendResponse response;
-  OutputViews views = PrepareResponse(Decode(request).value(), &response);
+  OutputViews views = PrepareResponse(Decode(request).value(), /*raw=*/false, &response);
   EXPECT_EQ(
       std::vector<int64_t>(response.output().shape().begin(), response.output().shape().end()),
       (std::vector<int64_t>{2, 4, 100}));
@@ -266,7 +298,7 @@ TEST_F(CodecTest, PrepareResponseSizesOutputAndAskedForWeights) {
   EXPECT_FALSE(response.has_attention());
 
   request.set_return_attention(true);
-  views = PrepareResponse(Decode(request).value(), &response);
+  views = PrepareResponse(Decode(request).value(), /*raw=*/false, &response);
   EXPECT_EQ(std::vector<int64_t>(response.attention().shape().begin(),
                                  response.attention().shape().end()),
             (std::vector<int64_t>{2, 5, 4, 6}));
@@ -278,7 +310,7 @@ TEST_F(CodecTest, RunForwardMatchesTheCoreAndEncodeTimingKeepsMicroseconds) {
   AttendRequest request = ToyRequest();
   const ValidatedRequest decoded = Decode(request).value();
   AttendResponse response;
-  ASSERT_TRUE(RunForward(decoded, &response).ok());
+  ASSERT_TRUE(RunForward(decoded, /*raw=*/false, &response).ok());
   std::vector<float> direct(decoded.output_elements());
   ASSERT_TRUE(decoded.model->attention->Forward(decoded.inputs, direct.data()).ok());
   EXPECT_EQ(std::vector<float>(response.output().data().begin(), response.output().data().end()),
@@ -290,6 +322,40 @@ TEST_F(CodecTest, RunForwardMatchesTheCoreAndEncodeTimingKeepsMicroseconds) {
   EXPECT_EQ(response.timing().queue_us(), 12);
   EXPECT_EQ(response.timing().compute_us(), 345);
   EXPECT_EQ(response.timing().batch_rows(), 7);
+}
+
+}  // namespace
+}  // namespace mha::server
+
+namespace mha::server {
+namespace {
+
+// Raw inputs decode to the same values as data; a raw request is answered in raw,
+// with the bytes of the data answer.
+TEST_F(CodecTest, RawTensorsAnswerLikeDataInRaw) {
+  AttendRequest request = ToyRequest();
+  request.set_return_attention(true);
+  AttendResponse by_data;
+  ASSERT_TRUE(RunForward(Decode(request).value(), WantsRawResponse(request), &by_data).ok());
+  EXPECT_TRUE(by_data.output().raw().empty());
+
+  ToRaw(request.mutable_queries());
+  ToRaw(request.mutable_keys());
+  const ValidatedRequest decoded = Decode(request).value();
+  EXPECT_EQ(decoded.inputs.queries, reinterpret_cast<const float*>(request.queries().raw().data()));
+  ASSERT_TRUE(WantsRawResponse(request));
+  AttendResponse by_raw;
+  ASSERT_TRUE(RunForward(decoded, /*raw=*/true, &by_raw).ok());
+  EXPECT_EQ(by_raw.output().data_size(), 0);
+  EXPECT_EQ(by_raw.output().shape_size(), 3);
+  EXPECT_TRUE(std::equal(by_raw.output().shape().begin(), by_raw.output().shape().end(),
+                         by_data.output().shape().begin()));
+  Tensor expected = by_data.output();
+  ToRaw(&expected);
+  EXPECT_EQ(by_raw.output().raw(), expected.raw());
+  expected = by_data.attention();
+  ToRaw(&expected);
+  EXPECT_EQ(by_raw.attention().raw(), expected.raw());
 }
 
 }  // namespace
