@@ -1,14 +1,19 @@
-// The model repository the request fuzzers validate against (request_fuzzer,
-// inference_request_fuzzer): small models, made once per process.
+// What the request fuzzers (request_fuzzer, inference_request_fuzzer) share: the
+// model repository they validate against (small models, made once per process) and
+// the checks every validated request must pass.
 #ifndef MHA_TESTS_FUZZ_FUZZ_MODELS_H_
 #define MHA_TESTS_FUZZ_FUZZ_MODELS_H_
 
+#include <google/protobuf/stubs/logging.h>
 #include <stdlib.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <string>
 
+#include "server/codec.h"
 #include "server/model_repository.h"
 #include "tests/fuzz/fuzz_util.h"
 
@@ -41,6 +46,34 @@ inline const ModelRepository& Repository() {
     return created->release();
   }();
   return *repository;
+}
+
+// LLVMFuzzerInitialize of a request fuzzer: protobuf's log stays quiet (invalid UTF-8
+// in string fields is logged on every such input) and the repository is made.
+inline void InitializeRequestFuzzer() {
+  google::protobuf::SetLogHandler(
+      [](google::protobuf::LogLevel, const char*, int, const std::string&) {});
+  Repository();
+}
+
+// A validated request satisfies the limits it was checked against (`wire_bytes`: its
+// serialized size). True when its forward pass is small enough to run: larger ones
+// would only slow the search.
+inline bool CheckValidated(const mha::server::ValidatedRequest& v, int64_t wire_bytes) {
+  constexpr int64_t kMaxForwardWork = int64_t{1} << 16;
+  const mha::core::AttentionInputs& in = v.inputs;
+  const mha::server::ModelLimits& limits = v.model->limits;
+  const mha::core::ModelConfig& c = v.model->config;
+  MHA_FUZZ_CHECK(in.batch >= 1 && in.num_queries >= 1 && in.num_keys >= 1);
+  MHA_FUZZ_CHECK(in.batch <= limits.max_batch_size);
+  MHA_FUZZ_CHECK(in.num_queries <= limits.max_sequence_length &&
+                 in.num_keys <= limits.max_sequence_length);
+  MHA_FUZZ_CHECK(wire_bytes <= limits.max_request_bytes);
+  if (v.return_attention) MHA_FUZZ_CHECK(v.attention_elements() <= limits.max_attention_elements);
+  const int64_t widest = std::max({c.num_hiddens, c.query_size, c.key_size, c.value_size});
+  const int64_t work = std::max(in.batch * c.num_heads * in.num_queries * in.num_keys,
+                                in.batch * (in.num_queries + in.num_keys) * widest);
+  return work <= kMaxForwardWork;
 }
 
 }  // namespace mha::fuzzing

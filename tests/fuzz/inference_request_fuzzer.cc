@@ -3,28 +3,16 @@
 // the fuzzers' model repository, as the gRPC and HTTP fronts do. A request that
 // decodes must satisfy the limits it was checked against; when small enough it is
 // computed into its prepared response, whose outputs must match their shapes.
-#include <google/protobuf/stubs/logging.h>
-
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <string>
 
 #include "proto/inference/grpc_service.pb.h"
 #include "server/inference_codec.h"
 #include "tests/fuzz/fuzz_models.h"
 #include "tests/fuzz/fuzz_util.h"
 
-namespace {
-
-constexpr int64_t kMaxForwardWork = int64_t{1} << 16;
-
-}  // namespace
-
 extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
-  google::protobuf::SetLogHandler(
-      [](google::protobuf::LogLevel, const char*, int, const std::string&) {});
-  mha::fuzzing::Repository();
+  mha::fuzzing::InitializeRequestFuzzer();
   return 0;
 }
 
@@ -43,24 +31,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   const mha::server::ValidatedRequest& v = *validated;
-  const mha::core::AttentionInputs& in = v.inputs;
-  const mha::server::ModelLimits& limits = v.model->limits;
-  const mha::core::ModelConfig& c = v.model->config;
-  MHA_FUZZ_CHECK(in.batch >= 1 && in.num_queries >= 1 && in.num_keys >= 1);
-  MHA_FUZZ_CHECK(in.batch <= limits.max_batch_size);
-  MHA_FUZZ_CHECK(in.num_queries <= limits.max_sequence_length &&
-                 in.num_keys <= limits.max_sequence_length);
-  MHA_FUZZ_CHECK(static_cast<int64_t>(request.ByteSizeLong()) <= limits.max_request_bytes);
-  if (v.return_attention) MHA_FUZZ_CHECK(v.attention_elements() <= limits.max_attention_elements);
-
-  const int64_t widest = std::max({c.num_hiddens, c.query_size, c.key_size, c.value_size});
-  const int64_t work = std::max(in.batch * c.num_heads * in.num_queries * in.num_keys,
-                                in.batch * (in.num_queries + in.num_keys) * widest);
-  if (work > kMaxForwardWork) return 0;
+  if (!mha::fuzzing::CheckValidated(v, static_cast<int64_t>(request.ByteSizeLong()))) return 0;
   inference::ModelInferResponse response;
   const mha::server::OutputViews views =
       mha::server::PrepareInferResponse(request, v, decoded, &response);
-  const absl::Status status = v.model->attention->Forward(in, views.output, views.attention);
+  const absl::Status status = v.model->attention->Forward(v.inputs, views.output, views.attention);
   MHA_FUZZ_CHECK(status.ok(), "%s\n", status.ToString().c_str());
   MHA_FUZZ_CHECK(response.outputs_size() == (v.return_attention ? 2 : 1));
   MHA_FUZZ_CHECK(response.raw_output_contents_size() == response.outputs_size());
