@@ -27,16 +27,19 @@ absl::StatusOr<std::unique_ptr<LoadManager>> StartLoad(const BenchOptions& optio
   return RequestRateManager::Create(target, rate, options.poisson, seed, recorder);
 }
 
-// Sleeps until `until`, returning early once max_requests are sent.
+// True once the load sends no more: max_requests sent, or max_errors failed.
+bool SendsNoMore(const LoadManager& load) { return load.exhausted() || load.failing(); }
+
+// Sleeps until `until`, returning early once the load sends no more.
 void WaitUntil(absl::Time until, const LoadManager& load) {
   const absl::Duration tick = absl::Milliseconds(50);
-  for (absl::Time now = absl::Now(); now < until && !load.exhausted(); now = absl::Now()) {
+  for (absl::Time now = absl::Now(); now < until && !SendsNoMore(load); now = absl::Now()) {
     absl::SleepFor(std::min(tick, until - now));
   }
 }
 
 // Measures windows until the last stable_windows agree (then `step` is stable),
-// `end` passes, max_windows are measured or max_requests are sent.
+// `end` passes, max_windows are measured, or the load sends no more.
 std::vector<Window> MeasureWindows(const BenchOptions& options, absl::Time end, LoadManager& load,
                                    Recorder& recorder, StepReport& step, BenchProgress& progress) {
   std::vector<Window> windows;
@@ -44,7 +47,7 @@ std::vector<Window> MeasureWindows(const BenchOptions& options, absl::Time end, 
   while (!stopped && absl::Now() < end && static_cast<int>(windows.size()) < options.max_windows) {
     const int64_t window_start = SteadyNowNs();
     WaitUntil(std::min(absl::Now() + options.window, end), load);
-    if (load.exhausted()) {  // the last requests finish inside this window
+    if (SendsNoMore(load)) {  // the last requests finish inside this window
       load.Stop();
       stopped = true;
     }
@@ -79,42 +82,23 @@ StepReport RunStep(const BenchOptions& options, const LoadTarget& target, int co
     return step;
   }
   std::unique_ptr<LoadManager> load = *std::move(started);
-  if (options.warmup > absl::ZeroDuration()) {
+  if (target.warmup) {
     WaitUntil(std::min(start + options.warmup, end), *load);
-    recorder.Take();  // warm-up: sent and counted, not measured
+    load->EndWarmup();  // warm-up: sent and counted, not measured
   }
   const std::vector<Window> windows = MeasureWindows(options, end, *load, recorder, step, progress);
   step.end_reason = step.stable          ? "stable"
+                    : load->failing()    ? "max_errors"
                     : load->exhausted()  ? "max_requests"
                     : absl::Now() >= end ? "duration"
                                          : "max_windows";
   load->Stop();
   step.sent = load->sent();
+  step.all_errors = recorder.errors();
   step.windows = static_cast<int>(windows.size());
+  for (const Window& window : windows) step.measured += static_cast<int64_t>(window.samples.size());
   step.stats = Summarize(LastWindows(windows, options.stable_windows), 0);
   return step;
-}
-
-absl::Status CheckOptions(const BenchOptions& options, Protocol protocol,
-                          const std::vector<std::shared_ptr<grpc::Channel>>& channels) {
-  if (protocol != Protocol::kHttp && channels.empty()) {
-    return absl::InvalidArgumentError("bench: no channel");
-  }
-  if (protocol == Protocol::kHttp && options.mode == Mode::kStream) {
-    return absl::InvalidArgumentError(
-        "--mode=stream: HTTP has no streams; use --protocol=kserve (ModelStreamInfer)");
-  }
-  if (options.rpc == Rpc::kHealth && options.mode == Mode::kStream) {
-    return absl::InvalidArgumentError(
-        "--rpc=health measures the unary Health/Check; use --mode=unary");
-  }
-  if (options.window <= absl::ZeroDuration() || options.duration <= absl::ZeroDuration() ||
-      options.max_windows < 1 || options.stable_windows < 1 || options.stability <= 0) {
-    return absl::InvalidArgumentError(
-        "--window and --duration must be > 0, --max_windows and --stable_windows >= 1, "
-        "--stability > 0");
-  }
-  return absl::OkStatus();
 }
 
 // Pre-flight calls, one per RPC measured, so that a wrong model or shape fails
@@ -165,7 +149,10 @@ LoadTarget StepTarget(Rpc rpc, const BenchOptions& options, const Connection& co
   target.calls.mode = rpc == Rpc::kHealth ? Mode::kUnary : options.mode;
   target.calls.timeout = options.timeout;
   target.calls.stream_deadline = options.duration + options.timeout;
+  target.warmup = options.warmup > absl::ZeroDuration();
   target.max_requests = options.max_requests;
+  target.allowed_errors = options.allowed_errors;
+  target.max_errors = options.max_errors;
   target.rate_streams = options.rate_streams;
   return target;
 }
@@ -174,7 +161,7 @@ LoadTarget StepTarget(Rpc rpc, const BenchOptions& options, const Connection& co
 
 absl::StatusOr<std::vector<double>> ParseSweep(absl::string_view text, absl::string_view flag) {
   auto bad = [&](absl::string_view why) {
-    return absl::InvalidArgumentError(
+    return UsageError(
         absl::StrCat("--", flag, ": ", why, " in \"", text,
                      "\"; expected N, START:END, START:END:STEP or START:END:xFACTOR"));
   };
@@ -202,11 +189,44 @@ absl::StatusOr<std::vector<double>> ParseSweep(absl::string_view text, absl::str
   return values;
 }
 
+absl::Status CheckBenchOptions(const BenchOptions& options, Protocol protocol) {
+  if (protocol == Protocol::kHttp && options.mode == Mode::kStream) {
+    return UsageError(
+        "--mode=stream: HTTP has no streams; use --protocol=kserve (ModelStreamInfer)");
+  }
+  if (options.rpc == Rpc::kHealth && options.mode == Mode::kStream) {
+    return UsageError("--rpc=health measures the unary Health/Check; use --mode=unary");
+  }
+  MHA_RETURN_IF_ERROR(CheckPositive("window", options.window));
+  MHA_RETURN_IF_ERROR(CheckPositive("duration", options.duration));
+  if (options.duration <= options.warmup) {
+    return UsageError(absl::StrCat("--duration: must be longer than --warmup (",
+                                   absl::FormatDuration(options.warmup), ") to measure, got ",
+                                   absl::FormatDuration(options.duration)));
+  }
+  MHA_RETURN_IF_ERROR(CheckAtLeast("max_windows", options.max_windows, 1));
+  MHA_RETURN_IF_ERROR(CheckAtLeast("stable_windows", options.stable_windows, 1));
+  if (!(options.stability > 0)) {
+    return UsageError(absl::StrCat("--stability: must be > 0, got ", options.stability));
+  }
+  MHA_RETURN_IF_ERROR(CheckAtLeast("channels", options.channels, 1));
+  MHA_RETURN_IF_ERROR(CheckAtLeast("max_requests", options.max_requests, 0));
+  MHA_RETURN_IF_ERROR(CheckAtLeast("max_errors", options.max_errors, 0));
+  if (!options.request_rates.empty() &&
+      (options.mode == Mode::kStream || protocol == Protocol::kHttp)) {
+    MHA_RETURN_IF_ERROR(CheckAtLeast("streams", options.rate_streams, 1));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<BenchReport> RunBench(const BenchOptions& options, Connection& connection,
                                      const std::vector<std::shared_ptr<grpc::Channel>>& channels,
                                      const AttendRequest& request, std::ostream& progress,
                                      bool interactive) {
-  MHA_RETURN_IF_ERROR(CheckOptions(options, connection.protocol(), channels));
+  MHA_RETURN_IF_ERROR(CheckBenchOptions(options, connection.protocol()));
+  if (connection.protocol() != Protocol::kHttp && channels.empty()) {
+    return absl::InvalidArgumentError("bench: no channel");
+  }
   BenchReport report;
   report.options = options;
   report.protocol = connection.protocol();
@@ -237,7 +257,9 @@ absl::StatusOr<BenchReport> RunBench(const BenchOptions& options, Connection& co
               ? step.stats.requests_per_s * static_cast<double>(report.tokens_per_request)
               : 0;
       bench_progress.StepDone(step);
+      const bool failing = step.end_reason == "max_errors";
       report.steps.push_back(std::move(step));
+      if (failing) return report;  // the run has failed: later steps are not run
     }
   }
   return report;

@@ -11,17 +11,23 @@
 //       RunBench(options, *connection, {connection->channel()}, request, ...).value();
 //   PrintTable(report, std::cout);                           // report.h
 //
-// Every step is bounded by `duration` (warm-up included) and `max_requests`. The
-// protocol is the connection's: the request is translated once (client/kserve.h)
-// and the same load runs over attention.v1, the Open Inference Protocol or HTTP.
+// Every step is bounded by `duration` (warm-up included), `max_requests` (measured
+// requests: the warm-up's do not count) and `max_errors` (failures with codes not in
+// `allowed_errors`; such a step ends the run). Failures back off (load.h). A run
+// succeeds when every step measured something and failed only with allowed codes
+// (CheckBenchReport, report.h). The protocol is the connection's: the request is
+// translated once (client/kserve.h) and the same load runs over attention.v1, the
+// Open Inference Protocol or HTTP.
 #ifndef MHA_CLIENT_BENCH_H_
 #define MHA_CLIENT_BENCH_H_
 
 #include <grpcpp/grpcpp.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <ostream>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -50,9 +56,12 @@ struct BenchOptions {
   double stability = 0.10;
   int max_windows = 10;
   absl::Duration duration = absl::Seconds(60);  // per step, warm-up included
-  int64_t max_requests = 0;                     // per step; 0 = no limit
-  absl::Duration timeout = absl::Seconds(10);   // per unary call
-  uint64_t seed = 0;                            // Poisson intervals
+  int64_t max_requests = 0;  // measured requests per step (after the warm-up); 0 = no limit
+  // Codes the run expects (refusals); any other failure fails the run.
+  std::set<grpc::StatusCode> allowed_errors;
+  int64_t max_errors = 10;                     // per step, of other codes; 0 = no limit
+  absl::Duration timeout = absl::Seconds(10);  // per unary call
+  uint64_t seed = 0;                           // Poisson intervals
 };
 
 struct StepReport {
@@ -61,10 +70,14 @@ struct StepReport {
   double request_rate = 0;  // open loop, else 0
   int windows = 0;          // measured
   bool stable = false;
-  // Why the step ended: "stable", "max_windows", "duration" or "max_requests".
+  // Why the step ended: "stable", "max_windows", "duration", "max_requests" or
+  // "max_errors".
   std::string end_reason;
-  int64_t sent = 0;  // requests sent in the step: warm-up, windows and drain
-  StepStats stats;   // over the last stable_windows windows
+  int64_t sent = 0;      // requests sent in the step: warm-up, windows and drain
+  int64_t measured = 0;  // requests that finished in the windows, all of them
+  StepStats stats;       // over the last stable_windows windows
+  // Every failed request of the step (warm-up, windows and drain), by code name.
+  std::map<std::string, int64_t> all_errors;
 };
 
 struct BenchReport {
@@ -73,7 +86,7 @@ struct BenchReport {
   std::string target;  // as given
   attention::v1::ModelInfo model;
   int64_t batch = 0, num_queries = 0, num_keys = 0, tokens_per_request = 0;
-  std::vector<StepReport> steps;
+  std::vector<StepReport> steps;  // a step that ended on max_errors is the last
   // Every request sent, the pre-flight calls included: what the server's request
   // counters (mha_requests_total) see from this run.
   int64_t attend_requests = 0, health_requests = 0;
@@ -83,12 +96,15 @@ struct BenchReport {
 // {10, 20, 30, 40}. INVALID_ARGUMENT naming `flag` on bad syntax or an empty range.
 absl::StatusOr<std::vector<double>> ParseSweep(absl::string_view text, absl::string_view flag);
 
+// A usage error (status.h) naming the flag when `options` cannot run over `protocol`.
+absl::Status CheckBenchOptions(const BenchOptions& options, Protocol protocol);
+
 // Runs every step in `connection`'s protocol: over gRPC the load is spread over
 // `channels` (the connection's channel first), over HTTP it opens connections of
 // its own to connection.http(). `progress` gets one line per window (or a line
 // rewritten in place when `interactive`). Fails only when the pre-flight call
 // (on `connection`) fails, with its status, or the options are invalid; errors
-// under load are reported.
+// under load are reported (CheckBenchReport judges them).
 absl::StatusOr<BenchReport> RunBench(const BenchOptions& options, Connection& connection,
                                      const std::vector<std::shared_ptr<grpc::Channel>>& channels,
                                      const attention::v1::AttendRequest& request,

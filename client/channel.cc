@@ -8,6 +8,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -29,7 +30,7 @@ absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view f
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> Credentials(
     const ChannelOptions& options) {
   if (options.tls_cert.empty() != options.tls_key.empty()) {
-    return absl::InvalidArgumentError("--tls_cert and --tls_key go together (mutual TLS)");
+    return UsageError("--tls_cert and --tls_key go together (mutual TLS)");
   }
   if (!options.tls && options.tls_ca.empty() && options.tls_cert.empty()) {
     return grpc::InsecureChannelCredentials();
@@ -51,14 +52,14 @@ absl::StatusOr<std::pair<std::string, std::string>> SplitHostPort(const std::str
   if (!entry.empty() && entry[0] == '[') {
     const size_t close = entry.find(']');
     if (close == std::string::npos || close + 1 >= entry.size() || entry[close + 1] != ':') {
-      return absl::InvalidArgumentError(absl::StrCat("--targets: expected [v6]:port, got ", entry));
+      return UsageError(absl::StrCat("--targets: expected [v6]:port, got ", entry));
     }
     host = entry.substr(1, close - 1);
     port = entry.substr(close + 2);
   } else {
     const size_t colon = entry.rfind(':');
     if (colon == std::string::npos || entry.find(':') != colon) {
-      return absl::InvalidArgumentError(absl::StrCat("--targets: expected host:port, got ", entry));
+      return UsageError(absl::StrCat("--targets: expected host:port, got ", entry));
     }
     host = entry.substr(0, colon);
     port = entry.substr(colon + 1);
@@ -66,7 +67,7 @@ absl::StatusOr<std::pair<std::string, std::string>> SplitHostPort(const std::str
   int port_number = 0;
   if (host.empty() || !absl::SimpleAtoi(port, &port_number) || port_number < 1 ||
       port_number > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("--targets: expected host:port, got ", entry));
+    return UsageError(absl::StrCat("--targets: expected host:port, got ", entry));
   }
   return std::pair{host, port};
 }
@@ -88,12 +89,12 @@ absl::StatusOr<Protocol> ParseProtocol(absl::string_view name) {
   for (Protocol p : {Protocol::kAttention, Protocol::kKServe, Protocol::kHttp}) {
     if (name == ProtocolName(p)) return p;
   }
-  return absl::InvalidArgumentError(
+  return UsageError(
       absl::StrCat("--protocol: expected attention, kserve or http, got \"", name, "\""));
 }
 
 absl::StatusOr<std::string> RoundRobinTarget(const std::vector<std::string>& targets) {
-  if (targets.empty()) return absl::InvalidArgumentError("--targets: empty");
+  if (targets.empty()) return UsageError("--targets: empty");
   std::vector<std::string> addresses;
   int family = AF_UNSPEC;
   for (const std::string& entry : targets) {
@@ -118,7 +119,7 @@ absl::StatusOr<std::string> RoundRobinTarget(const std::vector<std::string>& tar
     inet_ntop(entry_family, address, text, sizeof(text));
     freeaddrinfo(found);
     if (family != AF_UNSPEC && family != entry_family) {
-      return absl::InvalidArgumentError(
+      return UsageError(
           "--targets: mixes IPv4 and IPv6 addresses; gRPC's ipv4:/ipv6: targets take one family");
     }
     family = entry_family;
@@ -147,6 +148,34 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ChannelOptions&
     args.SetServiceConfigJSON(R"({"loadBalancingConfig": [{"round_robin": {}}]})");
   }
   return grpc::CreateCustomChannel(target, credentials, args);
+}
+
+absl::Status WithChannelHint(const absl::Status& status, const ChannelOptions& options) {
+  const absl::string_view message = status.message();
+  const bool tls = options.tls || !options.tls_ca.empty() || !options.tls_cert.empty();
+  std::string hint;
+  if (status.code() == absl::StatusCode::kUnavailable && options.protocol != Protocol::kHttp) {
+    if (!tls && absl::StrContains(message, "Socket closed")) {
+      hint = "the server may speak TLS, this client plaintext: give --tls or --tls_ca";
+    } else if (tls && absl::StrContains(message, "wrong version number")) {
+      hint = "the server may speak plaintext, this client TLS: drop the --tls flags";
+    } else if (tls && absl::StrContains(message, "certificate verify failed")) {
+      hint = "the client does not trust the server's certificate: give its CA with --tls_ca";
+    }
+  }
+  // gRPC's "Sent message larger than max (X vs. Y)" or "Received ...": Y is the limit.
+  int64_t limit = 0;
+  const size_t vs = message.find(" vs. ");
+  if (status.code() == absl::StatusCode::kResourceExhausted &&
+      absl::StrContains(message, "message larger than max") && vs != absl::string_view::npos &&
+      absl::SimpleAtoi(message.substr(vs + 5, message.find(')', vs) - vs - 5), &limit)) {
+    hint = limit == options.max_message_bytes
+               ? absl::StrCat("the client's limit, --max_message_size=", limit, ": raise it")
+               : absl::StrCat("the server's limit, ", limit,
+                              " bytes: attention_server --max_request_bytes, or the model's");
+  }
+  if (hint.empty()) return status;
+  return absl::Status(status.code(), absl::StrCat(message, " (", hint, ")"));
 }
 
 void SetTimeout(grpc::ClientContext* context, absl::Duration timeout) {

@@ -59,6 +59,14 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ChannelOptions&
 // same address family.
 absl::StatusOr<std::string> RoundRobinTarget(const std::vector<std::string>& targets);
 
+// `status` (a call's error) with a hint naming the flag when its message shows a
+// likely cause, on the same line:
+//   plaintext to a TLS server ("Socket closed"), TLS to a plaintext server ("wrong
+//   version number"), a server certificate the client does not trust;
+//   RESOURCE_EXHAUSTED "... message larger than max (X vs. Y)": the client's
+//   --max_message_size, or the server's limit.
+absl::Status WithChannelHint(const absl::Status& status, const ChannelOptions& options);
+
 // Sets `context`'s deadline to now + timeout.
 void SetTimeout(grpc::ClientContext* context, absl::Duration timeout);
 

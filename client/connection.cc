@@ -1,8 +1,12 @@
 #include "client/connection.h"
 
+#include <string>
 #include <utility>
+#include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "client/kserve.h"
 #include "client/status.h"
 #include "proto/attention.grpc.pb.h"
@@ -37,7 +41,7 @@ class AttentionConnection final : public Connection {
     request.set_model(model);
     ModelInfo info;
     const grpc::Status status = stub_->GetModel(&context, request, &info);
-    if (!status.ok()) return CallError("GetModel", status);
+    if (!status.ok()) return WithModelChoices(CallError("GetModel", status), model);
     return info;
   }
 
@@ -66,6 +70,25 @@ class AttentionConnection final : public Connection {
   }
 
  private:
+  // GetModel's "model: required" (several models, none of them "default", and no
+  // --model) with the served models as --model values; `error` unchanged otherwise.
+  absl::Status WithModelChoices(const absl::Status& error, const std::string& model) {
+    if (!model.empty() || error.code() != absl::StatusCode::kInvalidArgument ||
+        !absl::StrContains(error.message(), "model: required")) {
+      return error;
+    }
+    grpc::ClientContext context;
+    SetTimeout(&context, timeout_);
+    attention::v1::ListModelsResponse models;
+    if (!stub_->ListModels(&context, attention::v1::ListModelsRequest(), &models).ok()) {
+      return error;
+    }
+    std::vector<std::string> choices;
+    for (const ModelInfo& m : models.models()) choices.push_back("--model=" + m.name());
+    return absl::Status(error.code(),
+                        absl::StrCat(error.message(), "; give ", absl::StrJoin(choices, " or ")));
+  }
+
   std::unique_ptr<attention::v1::AttentionService::Stub> stub_;
   const absl::Duration timeout_;
 };

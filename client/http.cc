@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "base/status_macros.h"
+#include "client/status.h"
 
 namespace mha::client {
 namespace {
@@ -46,7 +47,7 @@ void SetTimeout(httplib::Client& client, absl::Duration timeout) {
 
 absl::StatusOr<HttpEndpoint> ParseHttpTarget(absl::string_view target) {
   auto bad = [&] {
-    return absl::InvalidArgumentError(absl::StrCat(
+    return UsageError(absl::StrCat(
         "--target: expected HOST[:PORT] of the HTTP server with --protocol=http, got \"", target,
         "\""));
   };

@@ -1,5 +1,6 @@
 #include "client/load.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -33,6 +34,7 @@ void Recorder::Add(const Sample& sample) {
   std::lock_guard<std::mutex> lock(mu_);
   samples_.push_back(sample);
   ++completed_;
+  if (sample.code != grpc::StatusCode::OK) ++errors_[CodeName(sample.code)];
 }
 
 std::vector<Sample> Recorder::Take() {
@@ -45,8 +47,21 @@ int64_t Recorder::completed() const {
   return completed_;
 }
 
+std::map<std::string, int64_t> Recorder::errors() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return errors_;
+}
+
+std::chrono::nanoseconds BackoffDelay(int64_t consecutive_failures) {
+  constexpr std::chrono::nanoseconds kFirst = std::chrono::milliseconds(1);
+  constexpr std::chrono::nanoseconds kMost = std::chrono::milliseconds(100);
+  if (consecutive_failures <= 0) return std::chrono::nanoseconds(0);
+  // 1 ms << 7 is past the bound already; the shift stays small.
+  return std::min(kMost, kFirst * (int64_t{1} << std::min<int64_t>(consecutive_failures - 1, 7)));
+}
+
 LoadManager::LoadManager(const LoadTarget& target, Recorder* recorder)
-    : recorder_(recorder), target_(target), max_requests_(target.max_requests) {}
+    : recorder_(recorder), target_(target), warming_up_(target.warmup) {}
 
 void LoadManager::OpenCalls(int lanes) {
   {
@@ -61,20 +76,91 @@ void LoadManager::Stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
+    retries_.clear();
   }
   cv_.notify_all();
   StopSending();
+  // No retry thread starts once stopping_ is set.
+  if (retry_thread_.joinable()) retry_thread_.join();
   calls_->CloseStreams();
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [this] { return in_flight_ == 0 && open_streams_ == 0; });
 }
 
+void LoadManager::EndWarmup() {
+  std::lock_guard<std::mutex> lock(mu_);
+  recorder_->Take();
+  warming_up_ = false;
+  budget_used_ = in_flight_;  // they finish after the warm-up: measured
+}
+
+bool LoadManager::exhausted() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ExhaustedLocked();
+}
+
+bool LoadManager::failing() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return FailingLocked();
+}
+
+std::chrono::nanoseconds LoadManager::Backoff() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return BackoffDelay(failures_in_a_row_);
+}
+
+bool LoadManager::ExhaustedLocked() const {
+  return target_.max_requests > 0 && !warming_up_ && budget_used_ >= target_.max_requests;
+}
+
+bool LoadManager::FailingLocked() const {
+  return target_.max_errors > 0 && failures_ >= target_.max_errors;
+}
+
 bool LoadManager::AcquireLocked() {
-  if (stopping_) return false;
-  if (max_requests_ > 0 && sent_.load() >= max_requests_) return false;
+  if (stopping_ || ExhaustedLocked() || FailingLocked()) return false;
   sent_.fetch_add(1);
+  if (!warming_up_) ++budget_used_;
   ++in_flight_;
   return true;
+}
+
+void LoadManager::RecordLocked(const Sample& sample) {
+  recorder_->Add(sample);
+  if (sample.code == grpc::StatusCode::OK) {
+    failures_in_a_row_ = 0;
+  } else if (target_.allowed_errors.count(sample.code) == 0) {
+    ++failures_in_a_row_;
+    ++failures_;
+  }
+}
+
+void LoadManager::RetryLocked(int slot, Clock::time_point when) {
+  if (stopping_) return;
+  retries_.emplace_back(when, slot);
+  if (!retry_thread_.joinable()) retry_thread_ = std::thread(&LoadManager::SendRetries, this);
+  cv_.notify_all();
+}
+
+void LoadManager::SendRetries() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    if (retries_.empty()) {
+      cv_.wait(lock);
+      continue;
+    }
+    const auto next = std::min_element(retries_.begin(), retries_.end());
+    if (Clock::now() < next->first) {
+      cv_.wait_until(lock, next->first);
+      continue;
+    }
+    const int slot = next->second;
+    retries_.erase(next);
+    if (!AcquireLocked()) continue;  // max_requests or max_errors: the slot stays idle
+    lock.unlock();
+    Issue(slot);
+    lock.lock();
+  }
 }
 
 int LoadManager::AcquireNow(int count) {
@@ -110,20 +196,27 @@ void LoadManager::Issue(int slot) {
 }
 
 void LoadManager::OnSample(int slot, const Sample& sample) {
-  recorder_->Add(sample);
   bool again = false;
   {
+    // Recorded under the lock, so that EndWarmup sees each request either in
+    // flight or recorded.
     std::lock_guard<std::mutex> lock(mu_);
+    RecordLocked(sample);
     --in_flight_;
-    again = RefillsFinishedSlots() && AcquireLocked();
+    const std::chrono::nanoseconds backoff = BackoffDelay(failures_in_a_row_);
+    if (RefillsFinishedSlots() && backoff.count() > 0) {
+      RetryLocked(slot, Clock::now() + backoff);
+    } else {
+      again = RefillsFinishedSlots() && AcquireLocked();
+    }
     if (!again) cv_.notify_all();  // under the lock: Stop's waiter may destroy us next
   }
   if (again) Issue(slot);
 }
 
 void LoadManager::OnStreamDone(absl::Span<const Sample> unanswered) {
-  for (const Sample& sample : unanswered) recorder_->Add(sample);
   std::lock_guard<std::mutex> lock(mu_);
+  for (const Sample& sample : unanswered) RecordLocked(sample);
   in_flight_ -= static_cast<int64_t>(unanswered.size());
   --open_streams_;
   cv_.notify_all();
@@ -172,7 +265,12 @@ void RequestRateManager::SendOnSchedule(RequestSchedule schedule) {
   auto next = std::chrono::steady_clock::now();
   for (int slot = 0;; ++slot) {
     next += schedule.NextInterval();
-    if (!AcquireAt(next)) return;  // stopping, or max_requests sent
+    // After failures the schedule slips by the backoff; it does not catch up.
+    if (const std::chrono::nanoseconds backoff = Backoff(); backoff.count() > 0) {
+      next = std::max<std::chrono::steady_clock::time_point>(
+          next, std::chrono::steady_clock::now() + backoff);
+    }
+    if (!AcquireAt(next)) return;  // stopping, max_requests sent or max_errors failed
     Issue(slot);
   }
 }

@@ -10,6 +10,11 @@
 //   absl::SleepFor(absl::Seconds(2));
 //   std::vector<Sample> window = recorder.Take();
 //   load->Stop();  // stop sending, wait for calls in flight
+//
+// Failures back off: after n failed requests in a row (codes not in
+// LoadTarget::allowed_errors), a closed loop sends again on a failed slot only
+// BackoffDelay(n) later (1 ms, doubling, at most 100 ms) and an open loop delays its
+// next request as long, so that a dead server is not hammered by a tight loop.
 #ifndef MHA_CLIENT_LOAD_H_
 #define MHA_CLIENT_LOAD_H_
 
@@ -17,10 +22,14 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
+#include <set>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -35,16 +44,34 @@ class Recorder {
   void Add(const Sample& sample);
   std::vector<Sample> Take();  // the samples since the last Take
   int64_t completed() const;   // every sample ever added
+  // Every failed sample ever added, by code name ("UNAVAILABLE" -> 3).
+  std::map<std::string, int64_t> errors() const;
 
  private:
   mutable std::mutex mu_;
   std::vector<Sample> samples_;
   int64_t completed_ = 0;
+  std::map<std::string, int64_t> errors_;
 };
 
+// How long to wait before sending again after `consecutive_failures` failed
+// requests in a row: 0 for none, then 1 ms doubling to at most 100 ms.
+std::chrono::nanoseconds BackoffDelay(int64_t consecutive_failures);
+
 struct LoadTarget {
-  CallTarget calls;          // what each request is, where it goes, its deadline
-  int64_t max_requests = 0;  // stop sending after this many (0 = no limit)
+  CallTarget calls;  // what each request is, where it goes, its deadline
+  // True: the load starts with a warm-up that max_requests does not count, ended by
+  // LoadManager::EndWarmup.
+  bool warmup = false;
+  // Requests that finish after the warm-up, at most (0 = no limit): sending stops
+  // once the requests in flight when the warm-up ended and those sent since reach
+  // it (more only when more than max_requests were in flight then).
+  int64_t max_requests = 0;
+  // Codes a run expects (refusals such as RESOURCE_EXHAUSTED): they neither back
+  // off nor count toward max_errors.
+  std::set<grpc::StatusCode> allowed_errors;
+  // Stop sending after this many failed requests of other codes (0 = no limit).
+  int64_t max_errors = 0;
   // Streams that carry a fixed-rate stream load, or HTTP connections that carry a
   // fixed-rate HTTP load.
   int rate_streams = 4;
@@ -61,9 +88,14 @@ class LoadManager : public CallObserver {
   // Stops sending and waits for every call in flight to finish (each is bounded by
   // its deadline). Idempotent; every final manager calls it on destruction.
   void Stop();
-  int64_t sent() const { return sent_.load(); }
-  // True once max_requests calls have been sent.
-  bool exhausted() const { return max_requests_ > 0 && sent_.load() >= max_requests_; }
+  // Ends a LoadTarget::warmup: drops the samples recorded so far (they are not
+  // measured) and starts counting max_requests.
+  void EndWarmup();
+  int64_t sent() const { return sent_.load(); }  // every request, warm-up included
+  // True once max_requests have been sent (or were in flight) since the warm-up.
+  bool exhausted() const;
+  // True once max_errors requests have failed with codes not allowed.
+  bool failing() const;
 
   void OnSample(int slot, const Sample& sample) final;
   void OnStreamDone(absl::Span<const Sample> unanswered) final;
@@ -86,22 +118,38 @@ class LoadManager : public CallObserver {
   virtual bool RefillsFinishedSlots() const = 0;
   // Stops the mode's own sending (a scheduler thread); Stop calls it first.
   virtual void StopSending() {}
+  // BackoffDelay of the failures in a row so far.
+  std::chrono::nanoseconds Backoff() const;
 
  private:
-  // Counts one more request in flight; false when stopping or max_requests are sent.
+  using Clock = std::chrono::steady_clock;
+
+  // Counts one more request in flight; false when stopping, max_requests are sent
+  // or max_errors have failed.
   bool AcquireLocked();
+  bool ExhaustedLocked() const;
+  bool FailingLocked() const;
+  // Records a finished request, counting it for backoff and max_errors.
+  void RecordLocked(const Sample& sample);
+  // Sends again on `slot` at `when` (retry_thread_, started on first use).
+  void RetryLocked(int slot, Clock::time_point when);
+  void SendRetries();
 
   Recorder* const recorder_;
   const LoadTarget target_;
-  const int64_t max_requests_;
   std::atomic<int64_t> sent_{0};
   std::unique_ptr<CallSender> calls_;
 
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;
+  bool warming_up_ = false;
+  int64_t budget_used_ = 0;  // max_requests' count since the warm-up
   int64_t in_flight_ = 0;
   int open_streams_ = 0;
+  int64_t failures_in_a_row_ = 0, failures_ = 0;            // of codes not allowed
+  std::vector<std::pair<Clock::time_point, int>> retries_;  // (when, slot), backing off
+  std::thread retry_thread_;
 };
 
 // Closed loop: `concurrency` requests in flight, each finished request starts the

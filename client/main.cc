@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -19,11 +21,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "base/command_line.h"
 #include "client/http.h"
 #include "client/status.h"
 #include "client/verbs.h"
 
 namespace {
+using mha::client::UsageError;
+
 const mha::client::ChannelOptions kChannel;
 const mha::client::RequestOptions kRequest;
 const mha::client::BenchOptions kBench;
@@ -51,13 +56,14 @@ ABSL_FLAG(std::string, tls_cert, kChannel.tls_cert,
 ABSL_FLAG(std::string, tls_key, kChannel.tls_key, "PEM client private key for mutual TLS.");
 ABSL_FLAG(std::string, tls_server_name, kChannel.tls_server_name,
           "Name to verify in the server certificate instead of the target's host.");
-ABSL_FLAG(absl::Duration, timeout, kChannel.timeout, "Deadline of every call.");
+ABSL_FLAG(absl::Duration, timeout, kChannel.timeout,
+          "Deadline of every call (a duration with a unit: 500ms, 10s, 2m).");
 ABSL_FLAG(int64_t, max_message_size, kChannel.max_message_bytes,
           "Largest message sent or received, in bytes (gRPC's client default is 4 MiB).");
 
 // The request (infer, bench, heatmap, heads).
 ABSL_FLAG(std::string, model, kRequest.model, "Model name; empty = the server's default model.");
-ABSL_FLAG(int64_t, batch, kRequest.batch, "B: batch rows of random inputs.");
+ABSL_FLAG(int64_t, batch, kRequest.batch, "B: batch rows of generated inputs.");
 ABSL_FLAG(int64_t, num_queries, kRequest.num_queries, "Q: queries per batch row.");
 ABSL_FLAG(int64_t, num_keys, kRequest.num_keys,
           "K: keys (and values) per batch row; 0 = self-attention on the queries.");
@@ -66,9 +72,11 @@ ABSL_FLAG(std::string, valid_lens, "3,2",
           "no mask.");
 ABSL_FLAG(bool, causal, kRequest.causal, "Causal mask: query i sees keys j <= i.");
 ABSL_FLAG(uint64_t, seed, kRequest.seed,
-          "Seed of the random inputs (uniform in [-1, 1)) and of Poisson intervals.");
+          "Seed of the generated inputs and of Poisson intervals. Inputs: SplitMix64 from the "
+          "seed (base/splitmix64.h), each value (z >> 11) * 2^-53 * 2 - 1 as a float; queries "
+          "(B, Q, d_q), then keys and values (B, K, d_k / d_v), row-major, from one stream.");
 ABSL_FLAG(std::string, input, "",
-          "Inputs from files instead of random ones: one .safetensors (tensors queries, "
+          "Inputs from files instead of generated ones: one .safetensors (tensors queries, "
           "keys, values, valid_lens) or .npy files: queries (self-attention) or "
           "queries,keys,values.");
 
@@ -97,7 +105,8 @@ ABSL_FLAG(std::string, rpc, "attend",
           "/v2/health/ready).");
 ABSL_FLAG(int32_t, channels, kBench.channels,
           "bench: gRPC channels (HTTP/2 connections per server) the load is spread over.");
-ABSL_FLAG(absl::Duration, warmup, kBench.warmup, "bench: warm-up per step, not measured.");
+ABSL_FLAG(absl::Duration, warmup, kBench.warmup,
+          "bench: warm-up per step: sent, not measured, not counted in --max_requests.");
 ABSL_FLAG(absl::Duration, window, kBench.window, "bench: length of a measurement window.");
 ABSL_FLAG(int32_t, stable_windows, kBench.stable_windows,
           "bench: a step is stable when this many last windows agree.");
@@ -106,9 +115,16 @@ ABSL_FLAG(double, stability, kBench.stability,
 ABSL_FLAG(int32_t, max_windows, kBench.max_windows,
           "bench: measurement windows per step, at most.");
 ABSL_FLAG(absl::Duration, duration, kBench.duration,
-          "bench: time per step, at most (warm-up included).");
+          "bench: time per step, at most (warm-up included; longer than --warmup).");
 ABSL_FLAG(int64_t, max_requests, kBench.max_requests,
-          "bench: requests per step, at most; 0 = no limit.");
+          "bench: measured requests per step (after the warm-up), at most; 0 = no limit.");
+ABSL_FLAG(std::string, allow_errors, "",
+          "bench: comma-separated canonical codes the run expects, e.g. RESOURCE_EXHAUSTED "
+          "(refusals under overload). A request failing with any other code makes bench exit "
+          "1; those failures back off (1 ms doubling to 100 ms between attempts).");
+ABSL_FLAG(int64_t, max_errors, kBench.max_errors,
+          "bench: failed requests per step, codes not in --allow_errors, that end the step "
+          "and the run early; 0 = no limit.");
 ABSL_FLAG(std::string, json, "",
           "bench, heads, heatmap: write a JSON report (heatmap: the image layout) to FILE.");
 ABSL_FLAG(std::string, csv, "", "bench: write a CSV report (one row per step) to FILE.");
@@ -136,15 +152,19 @@ constexpr char kUsage[] =
     "Usage: attention_client VERB [--target=HOST:PORT] [--protocol=attention|kserve|http] "
     "[flags]\n"
     "Verbs:\n"
-    "  infer    one request (random from --seed, or --input files); prints the output's\n"
-    "           shape, a summary and timing; --output=FILE.npy|.safetensors\n"
+    "  infer    one request (generated from --seed, or --input files); prints the output's\n"
+    "           shape, a summary, the first values of its rows and timing;\n"
+    "           --output=FILE.npy|.safetensors\n"
     "  bench    load test: --concurrency=1:64:x2 or --request_rate=..., --mode=unary|stream,\n"
     "           warm-up then windows until stable; table, --json, --csv\n"
     "  heatmap  attention weights of one batch row as a PNG, one map per head\n"
     "  heads    head importance: drop each head (head_mask), rank by output change\n"
     "  health   grpc.health.v1 Check of the server and every model\n"
     "infer and bench speak --protocol (attention, kserve or http); the others attention.\n"
-    "Errors print one line, 'error: CODE: message', and exit 1 (usage errors: 2).";
+    "Errors print one line, 'error: CODE: message', and exit 1; bench also exits 1 when a\n"
+    "step measured nothing or a request failed with a code not in --allow_errors. Usage\n"
+    "errors (a flag's value, flags that disagree, an argument too many) print\n"
+    "'error: --flag: message' and exit 2.";
 
 absl::StatusOr<std::vector<int32_t>> ParseValidLens(const std::string& text) {
   std::vector<int32_t> lens;
@@ -152,12 +172,26 @@ absl::StatusOr<std::vector<int32_t>> ParseValidLens(const std::string& text) {
   for (absl::string_view part : absl::StrSplit(text, ',')) {
     int32_t len = 0;
     if (!absl::SimpleAtoi(part, &len)) {
-      return absl::InvalidArgumentError(absl::StrCat(
+      return UsageError(absl::StrCat(
           "--valid_lens: expected comma-separated integers or 'none', got \"", text, "\""));
     }
     lens.push_back(len);
   }
   return lens;
+}
+
+absl::StatusOr<std::set<grpc::StatusCode>> ParseAllowErrors(const std::string& text) {
+  std::set<grpc::StatusCode> codes;
+  for (absl::string_view name : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    const std::optional<absl::StatusCode> code = mha::client::CodeFromName(name);
+    if (!code || *code == absl::StatusCode::kOk) {
+      return UsageError(absl::StrCat("--allow_errors: unknown code \"", name,
+                                     "\"; expected canonical names such as RESOURCE_EXHAUSTED, "
+                                     "DEADLINE_EXCEEDED, UNAVAILABLE"));
+    }
+    codes.insert(static_cast<grpc::StatusCode>(*code));
+  }
+  return codes;
 }
 
 absl::StatusOr<mha::client::BenchOptions> BenchFromFlags() {
@@ -167,13 +201,13 @@ absl::StatusOr<mha::client::BenchOptions> BenchFromFlags() {
   const std::string rpc = absl::GetFlag(FLAGS_rpc), mode = absl::GetFlag(FLAGS_mode),
                     distribution = absl::GetFlag(FLAGS_request_distribution);
   if (rpc != "attend" && rpc != "health") {
-    return absl::InvalidArgumentError(absl::StrCat("--rpc: expected attend or health, got ", rpc));
+    return UsageError(absl::StrCat("--rpc: expected attend or health, got ", rpc));
   }
   if (mode != "unary" && mode != "stream") {
-    return absl::InvalidArgumentError(absl::StrCat("--mode: expected unary or stream, got ", mode));
+    return UsageError(absl::StrCat("--mode: expected unary or stream, got ", mode));
   }
   if (distribution != "constant" && distribution != "poisson") {
-    return absl::InvalidArgumentError(
+    return UsageError(
         absl::StrCat("--request_distribution: expected constant or poisson, got ", distribution));
   }
   bench.rpc = rpc == "health" ? Rpc::kHealth : Rpc::kAttend;
@@ -187,7 +221,7 @@ absl::StatusOr<mha::client::BenchOptions> BenchFromFlags() {
     bench.concurrency.clear();
     for (double level : levels) {
       if (level != static_cast<int>(level) || level > 100000) {
-        return absl::InvalidArgumentError(
+        return UsageError(
             absl::StrCat("--concurrency: expected whole numbers up to 100000, got ", level));
       }
       bench.concurrency.push_back(static_cast<int>(level));
@@ -195,7 +229,6 @@ absl::StatusOr<mha::client::BenchOptions> BenchFromFlags() {
   }
   bench.rate_streams = absl::GetFlag(FLAGS_streams);
   bench.channels = absl::GetFlag(FLAGS_channels);
-  if (bench.channels < 1) return absl::InvalidArgumentError("--channels: expected >= 1");
   bench.warmup = absl::GetFlag(FLAGS_warmup);
   bench.window = absl::GetFlag(FLAGS_window);
   bench.stable_windows = absl::GetFlag(FLAGS_stable_windows);
@@ -203,6 +236,8 @@ absl::StatusOr<mha::client::BenchOptions> BenchFromFlags() {
   bench.max_windows = absl::GetFlag(FLAGS_max_windows);
   bench.duration = absl::GetFlag(FLAGS_duration);
   bench.max_requests = absl::GetFlag(FLAGS_max_requests);
+  bench.max_errors = absl::GetFlag(FLAGS_max_errors);
+  MHA_ASSIGN_OR_RETURN(bench.allowed_errors, ParseAllowErrors(absl::GetFlag(FLAGS_allow_errors)));
   bench.seed = absl::GetFlag(FLAGS_seed);
   return bench;
 }
@@ -240,6 +275,7 @@ absl::StatusOr<mha::client::RequestOptions> RequestFromFlags() {
   for (absl::string_view f : absl::StrSplit(absl::GetFlag(FLAGS_input), ',', absl::SkipEmpty())) {
     request.input_files.emplace_back(f);
   }
+  MHA_RETURN_IF_ERROR(mha::client::CheckRequestOptions(request));
   return request;
 }
 
@@ -251,37 +287,34 @@ absl::StatusOr<mha::client::Protocol> ProtocolFromFlags(const std::string& verb)
   if (protocol == Protocol::kAttention) return protocol;
   const std::string flag = absl::StrCat("--protocol=", mha::client::ProtocolName(protocol));
   if (verb != "infer" && verb != "bench") {
-    return absl::InvalidArgumentError(
+    return UsageError(
         absl::StrCat(flag, ": ", verb, " speaks attention.v1 only; use --protocol=attention"));
   }
   if (protocol != Protocol::kHttp) return protocol;
   if (!absl::GetFlag(FLAGS_targets).empty()) {
-    return absl::InvalidArgumentError(
+    return UsageError(
         absl::StrCat(flag, ": --targets spreads gRPC calls; give one HTTP server in --target"));
   }
   if (absl::GetFlag(FLAGS_tls) || !absl::GetFlag(FLAGS_tls_ca).empty() ||
       !absl::GetFlag(FLAGS_tls_cert).empty() || !absl::GetFlag(FLAGS_tls_key).empty() ||
       !absl::GetFlag(FLAGS_tls_server_name).empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, " is plain HTTP: the --tls flags apply to gRPC only"));
+    return UsageError(absl::StrCat(flag, " is plain HTTP: the --tls flags apply to gRPC only"));
   }
   if (verb == "bench" && absl::GetFlag(FLAGS_mode) == "stream") {
-    return absl::InvalidArgumentError(absl::StrCat(
+    return UsageError(absl::StrCat(
         flag, ": --mode=stream needs a gRPC stream; use --protocol=kserve (ModelStreamInfer)"));
   }
   if (verb == "bench" && absl::GetFlag(FLAGS_channels) != kBench.channels) {
-    return absl::InvalidArgumentError(absl::StrCat(
+    return UsageError(absl::StrCat(
         flag, ": --channels counts gRPC connections; HTTP opens one per concurrency slot"));
   }
   return protocol;
 }
 
-absl::Status Run(const std::string& verb, mha::client::Protocol protocol) {
+// Every flag is checked (usage errors) before the verb connects.
+absl::Status RunVerb(const std::string& verb, const mha::client::ChannelOptions& channel) {
   namespace client = mha::client;
-  const client::ChannelOptions channel = ChannelFromFlags(protocol);
-  if (channel.timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("--timeout: expected > 0");
-  }
+  MHA_RETURN_IF_ERROR(client::CheckPositive("timeout", channel.timeout));
   if (verb == "health") {
     return client::Health(channel, {.service = absl::GetFlag(FLAGS_service)}, std::cout);
   }
@@ -293,6 +326,7 @@ absl::Status Run(const std::string& verb, mha::client::Protocol protocol) {
   if (verb == "bench") {
     client::BenchCommandOptions options;
     MHA_ASSIGN_OR_RETURN(options.bench, BenchFromFlags());
+    MHA_RETURN_IF_ERROR(client::CheckBenchOptions(options.bench, channel.protocol));
     options.json = absl::GetFlag(FLAGS_json);
     options.csv = absl::GetFlag(FLAGS_csv);
     options.interactive = isatty(STDERR_FILENO) != 0;
@@ -314,7 +348,13 @@ absl::Status Run(const std::string& verb, mha::client::Protocol protocol) {
                          {.prune = absl::GetFlag(FLAGS_prune), .json = absl::GetFlag(FLAGS_json)},
                          std::cout);
   }
-  return absl::InvalidArgumentError("unreachable");
+  return absl::InternalError(absl::StrCat("no verb ", verb));
+}
+
+absl::Status Run(const std::string& verb) {
+  MHA_ASSIGN_OR_RETURN(const mha::client::Protocol protocol, ProtocolFromFlags(verb));
+  const mha::client::ChannelOptions channel = ChannelFromFlags(protocol);
+  return mha::client::WithChannelHint(RunVerb(verb, channel), channel);
 }
 
 // bench serializes a fresh buffer for every request. By default glibc serves blocks
@@ -341,24 +381,22 @@ int main(int argc, char** argv) {
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage(kUsage);
-  const std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  const std::vector<std::string> args = mha::ParseCommandLineOrExit(argc, argv);
 
   const std::vector<std::string> verbs = {"infer", "bench", "heatmap", "heads", "health"};
-  if (args.size() != 2 || std::find(verbs.begin(), verbs.end(), args[1]) == verbs.end()) {
+  if (args.empty() || std::find(verbs.begin(), verbs.end(), args[0]) == verbs.end()) {
     std::fprintf(stderr, "error: expected one verb (infer, bench, heatmap, heads, health)%s\n%s\n",
-                 args.size() > 1 ? absl::StrCat(", got '", args[1], "'").c_str() : "", kUsage);
+                 args.empty() ? "" : absl::StrCat(", got '", args[0], "'").c_str(), kUsage);
     return 2;
   }
-  const absl::StatusOr<mha::client::Protocol> protocol = ProtocolFromFlags(args[1]);
-  if (!protocol.ok()) {
-    std::fprintf(stderr, "error: %s\n", std::string(protocol.status().message()).c_str());
-    return 2;
+  if (args.size() > 1) {
+    mha::ExitWithUsageError(absl::StrCat("unexpected argument '", args[1], "' after the verb ",
+                                         args[0], " (flags are --name=value)"));
   }
-  const absl::Status status = Run(args[1], *protocol);
+  const absl::Status status = Run(args[0]);
   if (!status.ok()) {
     std::fflush(stdout);
-    std::fprintf(stderr, "error: %s\n", mha::client::OneLine(status).c_str());
-    return 1;
+    std::fprintf(stderr, "%s\n", mha::client::ErrorLine(status).c_str());
   }
-  return 0;
+  return mha::client::ExitCode(status);
 }

@@ -1,12 +1,15 @@
 #include "client/report.h"
 
+#include <algorithm>
 #include <fstream>
+#include <map>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "client/status.h"
 #include "nlohmann/json.hpp"
 
 namespace mha::client {
@@ -23,10 +26,11 @@ int64_t ErrorCount(const StepStats& stats) {
   return errors;
 }
 
-std::string ErrorText(const StepStats& stats) {
-  if (stats.errors.empty()) return "0";
+// "UNAVAILABLE=3;INTERNAL=1", or "0".
+std::string ErrorText(const std::map<std::string, int64_t>& errors) {
+  if (errors.empty()) return "0";
   std::vector<std::string> parts;
-  for (const auto& [code, count] : stats.errors) parts.push_back(absl::StrCat(code, "=", count));
+  for (const auto& [code, count] : errors) parts.push_back(absl::StrCat(code, "=", count));
   return absl::StrJoin(parts, ";");
 }
 
@@ -119,7 +123,7 @@ void PrintTable(const BenchReport& report, std::ostream& out) {
         LoadLabel(step), RpcName(step.rpc), s.requests_per_s,
         attend ? absl::StrFormat("%.0f", s.tokens_per_s) : "-", s.latency.p50_us * 1e-3,
         s.latency.p90_us * 1e-3, s.latency.p95_us * 1e-3, s.latency.p99_us * 1e-3,
-        s.latency.max_us * 1e-3, ErrorText(s),
+        s.latency.max_us * 1e-3, ErrorText(s.errors),
         timing ? absl::StrFormat("%.2f", s.server_batch_rows) : "-",
         timing ? absl::StrFormat("%.0f", s.server_queue_us) : "-",
         timing ? absl::StrFormat("%.0f", s.server_compute_us) : "-",
@@ -152,6 +156,7 @@ nlohmann::json StepJson(const StepReport& step) {
       {"end_reason", step.end_reason},
       {"windows", step.windows},
       {"sent", step.sent},
+      {"measured", step.measured},
       {"duration_s", s.duration_s},
       {"requests", s.requests},
       {"ok", s.ok},
@@ -165,6 +170,7 @@ nlohmann::json StepJson(const StepReport& step) {
         {"p99", l.p99_us},
         {"max", l.max_us}}},
       {"errors", s.errors},
+      {"all_errors", step.all_errors},
       {"server",
        {{"batch_rows", s.server_batch_rows},
         {"queue_us", s.server_queue_us},
@@ -236,11 +242,65 @@ std::string ToCsv(const BenchReport& report) {
                   ModeName(step.rpc == Rpc::kHealth ? Mode::kUnary : report.options.mode),
                   step.concurrency, step.request_rate, s.requests_per_s, s.tokens_per_s, l.p50_us,
                   l.p90_us, l.p95_us, l.p99_us, l.max_us, l.mean_us, s.requests, s.ok,
-                  ErrorCount(s), s.errors.empty() ? "" : ErrorText(s), s.server_batch_rows,
+                  ErrorCount(s), s.errors.empty() ? "" : ErrorText(s.errors), s.server_batch_rows,
                   s.server_queue_us, s.server_compute_us, step.stable ? "true" : "false",
                   step.end_reason, step.windows, step.sent, ProtocolName(report.protocol)));
   }
   return csv;
+}
+
+namespace {
+
+// The errors of `step` whose codes `options` does not allow.
+std::map<std::string, int64_t> ErrorsNotAllowed(const StepReport& step,
+                                                const BenchOptions& options) {
+  std::map<std::string, int64_t> errors;
+  for (const auto& [code, count] : step.all_errors) {
+    const bool allowed = std::any_of(options.allowed_errors.begin(), options.allowed_errors.end(),
+                                     [&](grpc::StatusCode c) { return CodeName(c) == code; });
+    if (!allowed) errors[code] = count;
+  }
+  return errors;
+}
+
+// Why `step` measured nothing, for a step whose last windows finished no request.
+std::string NothingMeasured(const StepReport& step, const BenchOptions& options) {
+  if (step.windows == 0) {
+    return absl::StrCat("the step ended (", step.end_reason, ") before its first window");
+  }
+  return absl::StrCat("no request finished in its last ",
+                      std::min(step.windows, options.stable_windows), " window(s) of ",
+                      absl::FormatDuration(options.window),
+                      " (a longer --window, or is the server answering?)");
+}
+
+}  // namespace
+
+absl::Status CheckBenchReport(const BenchReport& report) {
+  const BenchOptions& options = report.options;
+  for (const StepReport& step : report.steps) {
+    const std::string step_name = absl::StrCat("bench: ", RpcName(step.rpc), " ", LoadLabel(step));
+    const std::map<std::string, int64_t> errors = ErrorsNotAllowed(step, options);
+    if (!errors.empty()) {
+      int64_t failed = 0;
+      for (const auto& [code, count] : errors) failed += count;
+      const auto most =
+          std::max_element(errors.begin(), errors.end(),
+                           [](const auto& a, const auto& b) { return a.second < b.second; });
+      std::string message = absl::StrCat(step_name, ": ", failed, " failed request(s) (",
+                                         ErrorText(errors), ") not allowed by --allow_errors");
+      if (step.end_reason == "max_errors") {
+        absl::StrAppend(&message, "; --max_errors=", options.max_errors,
+                        " ended the step and the run");
+      }
+      return absl::Status(CodeFromName(most->first).value_or(absl::StatusCode::kUnknown), message);
+    }
+    if (step.stats.requests == 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(step_name, ": measured nothing: ", NothingMeasured(step, options)));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status WriteText(const std::string& path, const std::string& text) {

@@ -38,6 +38,14 @@ void PrintTable(const BenchReport& report, std::ostream& out);
 std::string ToJson(const BenchReport& report);
 std::string ToCsv(const BenchReport& report);
 
+// OK when every step measured something and no request failed with a code outside
+// report.options.allowed_errors; else why not, on one line, naming the step:
+//   UNAVAILABLE: bench: attend concurrency 4: 12 failed requests (UNAVAILABLE=12) not
+//   allowed by --allow_errors; --max_errors=10 ended the step and the run
+// with the most frequent of those codes (FAILED_PRECONDITION when a step measured
+// nothing).
+absl::Status CheckBenchReport(const BenchReport& report);
+
 // Writes `text` to `path`; INVALID_ARGUMENT naming the path on failure.
 absl::Status WriteText(const std::string& path, const std::string& text);
 

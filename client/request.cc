@@ -1,10 +1,10 @@
 #include "client/request.h"
 
-#include <random>
-
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/types/span.h"
+#include "base/splitmix64.h"
 #include "client/status.h"
 #include "client/tensor_io.h"
 
@@ -15,17 +15,15 @@ using attention::v1::AttendRequest;
 using attention::v1::ModelInfo;
 using attention::v1::Tensor;
 
-void FillRandom(std::mt19937_64& engine, const std::vector<int64_t>& shape, Tensor* tensor) {
+// `shape`'s values, row-major, from `inputs` (base/splitmix64.h).
+void FillSigned(SplitMix64& inputs, const std::vector<int64_t>& shape, Tensor* tensor) {
   int64_t n = 1;
   for (int64_t d : shape) {
     tensor->add_shape(d);
     n *= d;
   }
   tensor->mutable_data()->Reserve(static_cast<int>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    // 24 random bits -> [-1, 1): the same values on every platform.
-    tensor->add_data(static_cast<float>(engine() >> 40) * 0x1p-23f - 1.0f);
-  }
+  for (int64_t i = 0; i < n; ++i) tensor->add_data(inputs.Signed());
 }
 
 absl::Status ToTensor(const Array& array, absl::string_view what, Tensor* tensor) {
@@ -72,7 +70,7 @@ absl::Status ReadInputs(const std::vector<std::string>& files, AttendRequest* re
     return absl::OkStatus();
   }
   if (files.size() != 1 && files.size() != 3) {
-    return absl::InvalidArgumentError(
+    return UsageError(
         "--input: one .safetensors file, or one .npy (queries) or three (queries, keys, values)");
   }
   Tensor* targets[] = {request->mutable_queries(), request->mutable_keys(),
@@ -99,7 +97,27 @@ absl::Status CheckFeatures(const Tensor& tensor, absl::string_view name, int64_t
   return absl::OkStatus();
 }
 
+// B or B*Q lengths, or none: INVALID_ARGUMENT naming --valid_lens otherwise.
+absl::Status CheckValidLensCount(absl::Span<const int32_t> lens, int64_t batch,
+                                 int64_t num_queries) {
+  const int64_t count = static_cast<int64_t>(lens.size());
+  if (count == 0 || count == batch || count == batch * num_queries) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--valid_lens: ", count, " entries (", absl::StrJoin(lens, ","), ") for batch ", batch,
+      ": give B = ", batch, " or B*Q = ", batch * num_queries, " entries, or --valid_lens=none"));
+}
+
 }  // namespace
+
+absl::Status CheckRequestOptions(const RequestOptions& options) {
+  MHA_RETURN_IF_ERROR(CheckAtLeast("batch", options.batch, 1));
+  MHA_RETURN_IF_ERROR(CheckAtLeast("num_queries", options.num_queries, 1));
+  MHA_RETURN_IF_ERROR(CheckAtLeast("num_keys", options.num_keys, 0));
+  if (!options.input_files.empty()) return absl::OkStatus();  // B and Q come from the files
+  const absl::Status lens =
+      CheckValidLensCount(options.valid_lens, options.batch, options.num_queries);
+  return lens.ok() ? lens : UsageError(lens.message());
+}
 
 std::string ShapeString(const Tensor& tensor) {
   return absl::StrCat("(", absl::StrJoin(tensor.shape(), ", "), ")");
@@ -128,21 +146,17 @@ absl::StatusOr<AttendRequest> MakeRequest(const RequestOptions& options, const M
   request.set_return_attention(options.return_attention);
   for (int32_t len : options.valid_lens) request.add_valid_lens(len);
 
+  MHA_RETURN_IF_ERROR(CheckRequestOptions(options));
   if (!options.input_files.empty()) {
     MHA_RETURN_IF_ERROR(ReadInputs(options.input_files, &request));
   } else {
-    if (options.batch < 1 || options.num_queries < 1 || options.num_keys < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--batch and --num_queries must be >= 1 and --num_keys >= 0, got ",
-                       options.batch, ", ", options.num_queries, ", ", options.num_keys));
-    }
-    std::mt19937_64 engine(options.seed);
-    FillRandom(engine, {options.batch, options.num_queries, model.query_size()},
+    SplitMix64 inputs(options.seed);
+    FillSigned(inputs, {options.batch, options.num_queries, model.query_size()},
                request.mutable_queries());
     if (options.num_keys > 0) {
-      FillRandom(engine, {options.batch, options.num_keys, model.key_size()},
+      FillSigned(inputs, {options.batch, options.num_keys, model.key_size()},
                  request.mutable_keys());
-      FillRandom(engine, {options.batch, options.num_keys, model.value_size()},
+      FillSigned(inputs, {options.batch, options.num_keys, model.value_size()},
                  request.mutable_values());
     }
   }
@@ -157,14 +171,8 @@ absl::StatusOr<AttendRequest> MakeRequest(const RequestOptions& options, const M
         "model ", model.name(), " has d_q ", model.query_size(), ", d_k ", model.key_size(),
         ", d_v ", model.value_size(), " and cannot self-attend: give keys (--num_keys > 0)"));
   }
-  const int64_t batch = q.shape(0), num_queries = q.shape(1);
-  const int64_t lens = request.valid_lens_size();
-  if (lens != 0 && lens != batch && lens != batch * num_queries) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--valid_lens: ", lens, " entries (", absl::StrJoin(request.valid_lens(), ","),
-                     ") for batch ", batch, ": give B = ", batch, " or B*Q = ", batch * num_queries,
-                     " entries, or --valid_lens=none"));
-  }
+  // With input files, B and Q (and maybe the lengths) are the files'.
+  MHA_RETURN_IF_ERROR(CheckValidLensCount(request.valid_lens(), q.shape(0), q.shape(1)));
   return request;
 }
 

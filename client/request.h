@@ -1,8 +1,9 @@
-// The AttendRequest a verb sends: random inputs from a seed in the shapes asked
-// for, or inputs read from files, checked against the model's sizes before sending.
+// The AttendRequest a verb sends: inputs from a seed in the shapes asked for, or
+// inputs read from files, checked against the model's sizes before sending.
 //
 // Default: the seeds' toy request on the toy model (p_o 100, d = 100): queries
-// (2, 4, 100), keys and values (2, 6, 100), valid_lens [3, 2].
+// (2, 4, 100), keys and values (2, 6, 100), valid_lens [3, 2], the values from
+// SplitMix64(0) (base/splitmix64.h), the inputs mha_toy_example computes with.
 #ifndef MHA_CLIENT_REQUEST_H_
 #define MHA_CLIENT_REQUEST_H_
 
@@ -23,15 +24,21 @@ struct RequestOptions {
   std::vector<int32_t> valid_lens = {3, 2};  // empty, B or B*Q entries
   bool causal = false;
   bool return_attention = false;
-  uint64_t seed = 0;  // inputs uniform in [-1, 1): queries, then keys, then values
-  // Instead of random inputs: one .safetensors (tensors "queries", optional "keys"
+  // Inputs SplitMix64(seed).Signed() in [-1, 1] (base/splitmix64.h): queries, then
+  // keys, then values, each row-major, from one stream.
+  uint64_t seed = 0;
+  // Instead of generated inputs: one .safetensors (tensors "queries", optional "keys"
   // and "values", optional "valid_lens"; others ignored), or .npy files: one
   // (queries; self-attention) or three (queries, keys, values).
   std::vector<std::string> input_files;
 };
 
-// INVALID_ARGUMENT naming the flag or file when the inputs disagree with `model`'s
-// sizes or with each other.
+// A usage error (status.h) naming the flag when the options contradict themselves:
+// B or Q < 1, K < 0, or (without input files) valid_lens not B or B*Q entries.
+absl::Status CheckRequestOptions(const RequestOptions& options);
+
+// CheckRequestOptions' errors, then INVALID_ARGUMENT naming the flag or file when
+// the inputs disagree with `model`'s sizes or with each other.
 absl::StatusOr<attention::v1::AttendRequest> MakeRequest(const RequestOptions& options,
                                                          const attention::v1::ModelInfo& model);
 

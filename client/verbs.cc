@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "base/output_rows.h"
 #include "client/connection.h"
 #include "client/report.h"
 #include "client/status.h"
@@ -25,6 +26,9 @@ using attention::v1::AttendResponse;
 using attention::v1::AttentionService;
 using attention::v1::ModelInfo;
 using attention::v1::Tensor;
+
+// Rows of infer's output printed with their first values.
+constexpr int64_t kRowsShown = 8;
 
 struct Timed {
   AttendResponse response;
@@ -96,14 +100,19 @@ double RelativeChange(absl::Span<const float> changed, absl::Span<const float> b
 
 std::vector<int64_t> Shape(const Tensor& t) { return {t.shape().begin(), t.shape().end()}; }
 
+// A usage error unless `path` is empty, .npy or .safetensors.
+absl::Status CheckOutputPath(const std::string& path) {
+  if (path.empty() || absl::EndsWith(path, ".npy") || absl::EndsWith(path, ".safetensors")) {
+    return absl::OkStatus();
+  }
+  return UsageError(absl::StrCat("--output: expected a .npy or .safetensors file, got ", path));
+}
+
 absl::Status WriteOutput(const std::string& path, const AttendRequest& request,
                          const AttendResponse& response) {
+  MHA_RETURN_IF_ERROR(CheckOutputPath(path));
   if (absl::EndsWith(path, ".npy")) {
     return WriteNpy(path, Shape(response.output()), response.output().data());
-  }
-  if (!absl::EndsWith(path, ".safetensors")) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--output: ", path, ": expected a .npy or .safetensors file"));
   }
   std::vector<SafetensorsEntry> entries = {
       F32Entry("queries", Shape(request.queries()), request.queries().data())};
@@ -149,6 +158,7 @@ nlohmann::json LayoutJson(const HeatmapLayout& layout, const std::string& png,
 
 absl::Status Infer(const ChannelOptions& channel, const RequestOptions& request_options,
                    const InferOptions& options, std::ostream& out) {
+  MHA_RETURN_IF_ERROR(CheckOutputPath(options.output));
   MHA_ASSIGN_OR_RETURN(Session session, Open(channel, request_options.model));
   MHA_ASSIGN_OR_RETURN(const AttendRequest request, MakeRequest(request_options, session.model));
   out << ModelLine(session.model) << "\n" << RequestLine(request) << "\n";
@@ -167,10 +177,16 @@ absl::Status Infer(const ChannelOptions& channel, const RequestOptions& request_
   out << absl::StrFormat("output shape: %s\n", ShapeString(output));
   out << absl::StrFormat("output: mean %.6g, std %.6g, min %.6g, max %.6g, l2 %.6g\n", sum / n,
                          std::sqrt(var / n), min, max, L2(data));
-  std::vector<std::string> first;
-  for (int i = 0; i < std::min(data.size(), 4); ++i)
-    first.push_back(absl::StrFormat("%.6g", data[i]));
-  out << "first values: [" << absl::StrJoin(first, ", ") << "]\n";
+  // The first values of the first rows, as mha_toy_example prints them.
+  const bool rank3 = output.shape_size() == 3;
+  const int64_t batch = rank3 ? output.shape(0) : 0, num_queries = rank3 ? output.shape(1) : 0;
+  const int64_t row_size = rank3 ? output.shape(2) : 0;
+  const int64_t rows = std::min<int64_t>(batch * num_queries, kRowsShown);
+  for (int64_t row = 0; row < rows; ++row) {
+    out << OutputRow(data.data(), num_queries, row_size, row / num_queries, row % num_queries)
+        << "\n";
+  }
+  if (rows < batch * num_queries) out << "... " << batch * num_queries - rows << " more rows\n";
   if (timed.response.attention().shape_size() > 0) {
     out << "attention shape: " << ShapeString(timed.response.attention()) << "\n";
   }
@@ -213,7 +229,7 @@ absl::Status Bench(const ChannelOptions& channel, const RequestOptions& request_
     MHA_RETURN_IF_ERROR(WriteText(options.csv, ToCsv(report)));
     out << "wrote " << options.csv << "\n";
   }
-  return absl::OkStatus();
+  return CheckBenchReport(report);
 }
 
 absl::Status Heatmap(const ChannelOptions& channel, const RequestOptions& request_options,
@@ -224,8 +240,8 @@ absl::Status Heatmap(const ChannelOptions& channel, const RequestOptions& reques
   MHA_ASSIGN_OR_RETURN(const AttendRequest request, MakeRequest(with_weights, session.model));
   const int64_t batch = request.queries().shape(0);
   if (options.batch_index < 0 || options.batch_index >= batch) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--batch_index: expected 0 <= index < B = ", batch, ", got ", options.batch_index));
+    return UsageError(absl::StrCat("--batch_index: must be >= 0 and < B = ", batch, ", got ",
+                                   options.batch_index));
   }
   MHA_ASSIGN_OR_RETURN(const Timed timed, Attend(*session.connection, request));
   const Tensor& weights = timed.response.attention();
@@ -268,8 +284,8 @@ absl::Status Heads(const ChannelOptions& channel, const RequestOptions& request_
   MHA_ASSIGN_OR_RETURN(AttendRequest request, MakeRequest(request_options, session.model));
   const int64_t h = session.model.num_heads();
   if (options.prune < 0 || options.prune > h) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--prune: expected 0 <= k <= h = ", h, ", got ", options.prune));
+    return UsageError(absl::StrCat("--prune: must be >= 0 and <= h = ", h, " (the heads of model ",
+                                   session.model.name(), "), got ", options.prune));
   }
   out << ModelLine(session.model) << "\n" << RequestLine(request) << "\n";
   request.clear_head_mask();

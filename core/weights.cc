@@ -6,28 +6,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "base/splitmix64.h"
 #include "base/status_macros.h"
 #include "core/safetensors.h"
 
 namespace mha::core {
 namespace {
 
-// SplitMix64: tiny, fast and well distributed; enough for reproducible demo weights.
-class SplitMix64 {
- public:
-  explicit SplitMix64(uint64_t seed) : state_(seed) {}
-  uint64_t Next() {
-    uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  // Uniform in [-1, 1).
-  float Symmetric() { return static_cast<float>((Next() >> 40) * 0x1p-23 - 1.0); }
-
- private:
-  uint64_t state_;
-};
+// Uniform in [-1, 1) from 24 bits: the weights' own conversion, older than
+// SplitMix64::Signed() and kept so that seeded weights stay the same.
+float Symmetric(SplitMix64& rng) { return static_cast<float>((rng.Next() >> 40) * 0x1p-23 - 1.0); }
 
 uint64_t HashName(absl::string_view name) {
   uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
@@ -39,7 +27,7 @@ std::vector<float> Uniform(absl::string_view name, uint64_t seed, int64_t n, int
   SplitMix64 rng(seed ^ HashName(name));
   const float bound = 1.0f / std::sqrt(static_cast<float>(fan_in));
   std::vector<float> v(static_cast<size_t>(n));
-  for (float& x : v) x = bound * rng.Symmetric();
+  for (float& x : v) x = bound * Symmetric(rng);
   return v;
 }
 

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -16,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "base/command_line.h"
 #include "core/config.h"
 #include "server/server.h"
 
@@ -136,7 +138,12 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Serves multi-head attention over gRPC (attention.v1.AttentionService).\n"
       "Usage: attention_server [--port=50051] [--model_repository=DIR] ...");
-  absl::ParseCommandLine(argc, argv);
+  const std::vector<std::string> args = mha::ParseCommandLineOrExit(argc, argv);
+  if (!args.empty()) {
+    mha::ExitWithUsageError(absl::StrCat("unexpected argument '", args[0],
+                                         "': attention_server takes flags only, --name=value "
+                                         "(--help lists them)"));
+  }
 
   mha::server::ServerOptions options;
   options.host = absl::GetFlag(FLAGS_host);
@@ -163,8 +170,7 @@ int main(int argc, char** argv) {
   options.tls_key = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   if (const absl::Status valid = options.Validate(); !valid.ok()) {
-    std::fprintf(stderr, "error: %s\n", NameTheFlag(valid.message()).c_str());
-    return 2;
+    mha::ExitWithUsageError(NameTheFlag(valid.message()));
   }
 
   // Signals are taken synchronously by sigwait below; block them before any

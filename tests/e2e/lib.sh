@@ -53,7 +53,9 @@ stop_server() {
 }
 
 # bench NAME SECONDS ARGS...: one bench step of SECONDS measured (1 s warm-up, 5 s
-# windows, all of them: no early stop on stability), JSON to $WORK/NAME.json.
+# windows, all of them: no early stop on stability), JSON to $WORK/NAME.json. Dies when
+# bench fails: it measured nothing, or a request failed with a code ARGS do not allow
+# (--allow_errors=CODE,...).
 bench() {
   local name="$1" seconds="$2"
   shift 2

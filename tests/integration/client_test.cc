@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -125,6 +127,8 @@ TEST(ClientHelpTest, ListsEveryFlagWithItsDefault) {
                            "--max_windows",
                            "--duration",
                            "--max_requests",
+                           "--allow_errors",
+                           "--max_errors",
                            "--json",
                            "--csv",
                            "--progress",
@@ -147,6 +151,51 @@ TEST(ClientUsageTest, UnknownVerbIsAUsageError) {
   const ClientRun run = RunClient({"frobnicate"});
   EXPECT_EQ(run.exit_code, 2) << Describe(run);
   EXPECT_TRUE(absl::StrContains(run.err, "got 'frobnicate'")) << run.err;
+}
+
+// `run` exited 2 with one line on stderr that starts with `expected`.
+void ExpectUsageError(const ClientRun& run, const std::string& expected) {
+  EXPECT_EQ(run.exit_code, 2) << Describe(run);
+  EXPECT_TRUE(absl::StartsWith(run.err, expected)) << run.err;
+  EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;
+}
+
+// Found before any call (nothing listens on the default target): exit 2, one line
+// naming the flag, no gRPC code.
+TEST(ClientUsageTest, UsageErrorsExitTwoNamingTheFlag) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"infer", "--batch=0"}, "error: --batch: must be >= 1, got 0"},
+      {{"infer", "--batch=8"},
+       "error: --valid_lens: 2 entries (3,2) for batch 8: give B = 8 or B*Q = 32 entries"},
+      {{"infer", "--batch=two"}, "error: --batch: expected an integer, got 'two'"},
+      {{"bench", "--duration=5"},
+       "error: --duration: expected a duration with a unit (5s, 500ms, 2m, 1h30m), got '5'"},
+      {{"infer", "--timeout", "10"}, "error: --timeout: expected a duration with a unit"},
+      {{"infer", "--timeout=0s"}, "error: --timeout: must be > 0, got 0"},
+      {{"bench", "--concurency=4"}, "error: --concurency: unknown flag (--help lists every flag)"},
+      {{"infer", "extra"}, "error: unexpected argument 'extra' after the verb infer"},
+      {{"bench", "--allow_errors=QUEUE_FULL"},
+       "error: --allow_errors: unknown code \"QUEUE_FULL\""},
+      {{"bench", "--warmup=2s", "--duration=2s"},
+       "error: --duration: must be longer than --warmup (2s) to measure, got 2s"},
+      {{"bench", "--max_errors=-1"}, "error: --max_errors: must be >= 0, got -1"},
+      {{"bench", "--channels=0"}, "error: --channels: must be >= 1, got 0"},
+      {{"bench", "--concurrency=0"}, "error: --concurrency: bad start"},
+      {{"infer", "--output=out.txt"}, "error: --output: expected a .npy or .safetensors file"},
+      {{"infer", "--tls_cert=client.pem"}, "error: --tls_cert and --tls_key go together"},
+      {{"infer", "--targets=localhost"}, "error: --targets: expected host:port, got localhost"},
+  };
+  for (const auto& [args, expected] : cases) {
+    SCOPED_TRACE(absl::StrJoin(args, " "));
+    ExpectUsageError(RunClient(args), expected);
+  }
+}
+
+TEST(ClientUsageTest, TheServerRejectsPositionalArgumentsAndNamesDurationUnits) {
+  RunResult run = RunServer({"--port=0", "--metrics_port=-1", "models"});
+  ExpectUsageError(run, "error: unexpected argument 'models': attention_server takes flags only");
+  run = RunServer({"--port=0", "--metrics_port=-1", "--drain_timeout=30"});
+  ExpectUsageError(run, "error: --drain_timeout: expected a duration with a unit");
 }
 
 TEST_F(ClientTest, InferDefaultRequestMatchesTheCore) {
@@ -183,6 +232,29 @@ TEST_F(ClientTest, InferDefaultRequestMatchesTheCore) {
   EXPECT_GT(
       MaxAbsDiff(std::vector<float>(other_output->values.begin(), other_output->values.end()), got),
       1e-3f);
+}
+
+// The lines "[b, q, :4] = ..." of a program's output.
+std::vector<std::string> RowLines(const std::string& out) {
+  std::vector<std::string> rows;
+  for (absl::string_view line : absl::StrSplit(out, '\n')) {
+    if (absl::StartsWith(line, "[")) rows.emplace_back(line);
+  }
+  return rows;
+}
+
+// The README shows the two side by side: the same inputs (SplitMix64 from seed 0)
+// and weights give the same printed rows.
+TEST_F(ClientTest, InferPrintsTheToyExamplesRows) {
+  const RunResult toy = RunProgram(MHA_TOY_EXAMPLE_PATH, {}, absl::Seconds(60));
+  ASSERT_EQ(toy.exit_code, 0) << toy.err;
+  const ClientRun run = RunClient({"infer", TargetFlag()});
+  ASSERT_EQ(run.exit_code, 0) << Describe(run);
+  const std::vector<std::string> rows = RowLines(run.out);
+  ASSERT_EQ(rows.size(), 8u) << run.out;
+  EXPECT_EQ(rows[0].substr(0, 13), "[0, 0, :4] = ") << run.out;
+  EXPECT_EQ(rows, RowLines(toy.out)) << "infer:\n" << run.out << "\nmha_toy_example:\n" << toy.out;
+  EXPECT_TRUE(absl::StrContains(toy.out, "output shape: (2, 4, 100)")) << toy.out;
 }
 
 TEST_F(ClientTest, InferFromNpyFilesMatchesTheCore) {
@@ -234,7 +306,6 @@ TEST_F(ClientTest, ErrorsAreOneLineWithTheCodeName) {
       {{"--valid_lens=3,9"},
        "error: INVALID_ARGUMENT: Attend: valid_lens[1]: expected 0 <= valid_len <= K = 6, got 9"},
       {{"--model=nope"}, "error: NOT_FOUND: GetModel: model: unknown model \"nope\""},
-      {{"--batch=8"}, "error: INVALID_ARGUMENT: --valid_lens: 2 entries (3,2) for batch 8"},
       {{"--timeout=1us"}, "error: DEADLINE_EXCEEDED: "},
       {{"--target=127.0.0.1:1", "--timeout=5s"}, "error: UNAVAILABLE: "},
       {{"--input=" + Path("absent.npy")}, "error: INVALID_ARGUMENT: "},
@@ -247,6 +318,44 @@ TEST_F(ClientTest, ErrorsAreOneLineWithTheCodeName) {
     EXPECT_TRUE(absl::StartsWith(run.err, c.expected)) << run.err;
     EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;
   }
+}
+
+TEST_F(ClientTest, MessageSizeErrorsNameMaxMessageSize) {
+  // The toy request (12.8 kB) over a 5000-byte limit is refused before it is sent.
+  ClientRun run = RunClient({"infer", TargetFlag(), "--max_message_size=5000"});
+  EXPECT_EQ(run.exit_code, 1) << Describe(run);
+  EXPECT_TRUE(absl::StartsWith(run.err,
+                               "error: RESOURCE_EXHAUSTED: Attend: Sent message larger "
+                               "than max ("))
+      << run.err;
+  EXPECT_TRUE(absl::EndsWith(run.err, "(the client's limit, --max_message_size=5000: raise it)\n"))
+      << run.err;
+  // An 80 kB request whose answer (output and attention weights) is 1.8 MB.
+  run = RunClient({"infer", TargetFlag(), "--max_message_size=200000", "--num_queries=200",
+                   "--num_keys=0", "--valid_lens=none", "--return_attention"});
+  EXPECT_EQ(run.exit_code, 1) << Describe(run);
+  EXPECT_TRUE(absl::StartsWith(run.err,
+                               "error: RESOURCE_EXHAUSTED: Attend: Received message "
+                               "larger than max ("))
+      << run.err;
+  EXPECT_TRUE(
+      absl::EndsWith(run.err, "(the client's limit, --max_message_size=200000: raise it)\n"))
+      << run.err;
+}
+
+TEST(ClientModelTest, SeveralModelsAndNoModelFlagSuggestsTheServedNames) {
+  TempDir repository;
+  for (const char* name : {"small", "tiny"}) {
+    repository.Write(absl::StrCat(name, "/config.pbtxt"),
+                     "num_hiddens: 8 num_heads: 2 seeded { seed: 1 }");
+  }
+  auto server = ServerProcess::Start({"--port=0", "--model_repository=" + repository.path()});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const ClientRun run = RunClient({"infer", "--target=" + (*server)->target()});
+  EXPECT_EQ(run.exit_code, 1) << Describe(run);
+  EXPECT_TRUE(absl::StartsWith(run.err, "error: INVALID_ARGUMENT: GetModel: model: required"))
+      << run.err;
+  EXPECT_TRUE(absl::EndsWith(run.err, "; give --model=small or --model=tiny\n")) << run.err;
 }
 
 TEST_F(ClientTest, HealthChecksTheServerAndEveryModel) {
@@ -350,21 +459,149 @@ TEST_F(ClientTest, BenchSweepsConcurrencyAndWritesJsonAndCsv) {
   EXPECT_TRUE(absl::StartsWith(csv[3], "attend,unary,4,")) << csv[3];
 }
 
-TEST_F(ClientTest, BenchMaxRequestsBoundsEveryStep) {
-  std::vector<std::string> args = QuickBench(TargetFlag());
-  // Windows long enough that the 40 requests finish in the last 3 even on a busy
-  // machine (the step ends as soon as they have); later flags override QuickBench's.
-  args.insert(args.end(), {"--concurrency=3", "--warmup=0s", "--max_requests=40", "--window=5s",
-                           "--duration=30s", "--json=" + Path("bench.json")});
-  const ClientRun run = RunClient(args);
-  ASSERT_EQ(run.exit_code, 0) << Describe(run);
-  const json report = ReadJson(Path("bench.json"));
-  ASSERT_EQ(report["steps"].size(), 1u);
-  EXPECT_EQ(report["steps"][0]["sent"], 40);
-  EXPECT_EQ(report["steps"][0]["end_reason"], "max_requests");
-  EXPECT_EQ(report["attend_requests"], 41);
-  // Without warm-up every request finishes inside the measured windows.
-  EXPECT_EQ(report["steps"][0]["requests"], 40) << report.dump();
+// --max_requests counts measured requests only: without a warm-up every request
+// sent; with one, those sent after it (and in flight as it ends), however many the
+// warm-up sent.
+TEST_F(ClientTest, BenchMaxRequestsBoundsTheMeasuredRequests) {
+  for (const std::string warmup : {"0s", "500ms"}) {
+    SCOPED_TRACE("--warmup=" + warmup);
+    std::vector<std::string> args = QuickBench(TargetFlag());
+    // Windows long enough that the 40 requests finish in the last 3 even on a busy
+    // machine (the step ends as soon as they have); later flags override QuickBench's.
+    args.insert(args.end(), {"--concurrency=3", "--warmup=" + warmup, "--max_requests=40",
+                             "--window=5s", "--duration=30s", "--json=" + Path("bench.json")});
+    const ClientRun run = RunClient(args);
+    ASSERT_EQ(run.exit_code, 0) << Describe(run);
+    const json report = ReadJson(Path("bench.json"));
+    ASSERT_EQ(report["steps"].size(), 1u);
+    const json& step = report["steps"][0];
+    EXPECT_EQ(step["end_reason"], "max_requests") << step.dump();
+    EXPECT_EQ(step["measured"], 40) << step.dump();
+    EXPECT_EQ(step["requests"], 40) << step.dump();
+    EXPECT_EQ(step["ok"], 40) << step.dump();
+    const int64_t sent = step["sent"];
+    EXPECT_EQ(report["attend_requests"], sent + 1);  // and the pre-flight request
+    if (warmup == "0s") {
+      EXPECT_EQ(sent, 40);
+    } else {
+      EXPECT_GT(sent, 40) << "the warm-up sent requests too";
+    }
+  }
+}
+
+// Requests that outlast every window (a 512-wide model, 8 x 512 tokens, against
+// 10 ms windows): the step measured nothing, and bench says so and fails.
+TEST(ClientBenchTest, AStepThatMeasuredNothingFailsTheRun) {
+  TempDir repository;
+  repository.Write("wide/config.pbtxt", "num_hiddens: 512 num_heads: 8 seeded { seed: 1 }");
+  auto server = ServerProcess::Start({"--port=0", "--model_repository=" + repository.path()});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const ClientRun run =
+      RunClient({"bench", "--target=" + (*server)->target(), "--model=wide", "--batch=8",
+                 "--num_queries=512", "--num_keys=0", "--valid_lens=none", "--warmup=0s",
+                 "--window=10ms", "--max_windows=2", "--stable_windows=2", "--progress=false"});
+  EXPECT_EQ(run.exit_code, 1) << Describe(run);
+  EXPECT_TRUE(absl::StartsWith(run.err,
+                               "error: FAILED_PRECONDITION: bench: attend concurrency 1: measured "
+                               "nothing: no request finished in its last 2 window(s) of 10ms"))
+      << run.err;
+}
+
+// Bench (concurrency 2, 500 ms windows, `flags`) against a server of its own that
+// is killed 1.5 s into the run: its exit, how long it took and its --json report.
+struct DeadServerRun {
+  ClientRun run;
+  absl::Duration elapsed;
+  json report;
+};
+DeadServerRun BenchUntilTheServerDies(const std::vector<std::string>& flags) {
+  DeadServerRun result;
+  auto server = ServerProcess::Start({"--port=0"});
+  EXPECT_TRUE(server.ok()) << server.status();
+  if (!server.ok()) return result;
+  TempDir dir;
+  std::vector<std::string> args = {"bench",
+                                   "--target=" + (*server)->target(),
+                                   "--concurrency=2",
+                                   "--warmup=200ms",
+                                   "--window=500ms",
+                                   "--max_windows=100",
+                                   "--stable_windows=100",
+                                   "--progress=false",
+                                   "--json=" + dir.path() + "/bench.json"};
+  args.insert(args.end(), flags.begin(), flags.end());
+  std::thread killer([&] {
+    absl::SleepFor(absl::Milliseconds(1500));
+    (*server)->Signal(SIGKILL);
+  });
+  const absl::Time start = absl::Now();
+  result.run = RunClient(args);
+  result.elapsed = absl::Now() - start;
+  killer.join();
+  (*server)->WaitForExit(absl::Seconds(10));
+  result.report = ReadJson(dir.path() + "/bench.json");
+  EXPECT_EQ(result.run.exit_code, 1) << Describe(result.run);
+  EXPECT_TRUE(absl::StartsWith(result.run.err, "error: UNAVAILABLE: bench: attend concurrency "))
+      << result.run.err;
+  return result;
+}
+
+TEST(ClientBenchTest, FailuresBackOffWhenTheServerDies) {
+  // No --max_errors: the step runs its 4 s out, failing from 1.5 s on.
+  const DeadServerRun dead = BenchUntilTheServerDies({"--duration=4s", "--max_errors=0"});
+  EXPECT_LT(dead.elapsed, absl::Seconds(10));
+  const json& step = dead.report["steps"][0];
+  EXPECT_GT(step["ok"].get<int64_t>(), 0) << step.dump();
+  // About 2.5 s dead at concurrency 2: 1, 2, 4, ... ms then 100 ms between attempts,
+  // some 60 of them; a tight loop makes tens of thousands.
+  const int64_t failed = step["all_errors"].value("UNAVAILABLE", int64_t{0});
+  EXPECT_GT(failed, 0) << step.dump();
+  EXPECT_LT(failed, 200) << step.dump();
+  EXPECT_EQ(step["all_errors"].size(), 1u) << step.dump();
+}
+
+TEST(ClientBenchTest, MaxErrorsEndsTheRunEarly) {
+  // The default --max_errors=10 ends a 60 s step soon after the server dies, and the
+  // sweep's second step is not run.
+  const DeadServerRun dead = BenchUntilTheServerDies({"--duration=60s", "--concurrency=1:2"});
+  EXPECT_TRUE(absl::StrContains(dead.run.err, "--max_errors=10 ended the step and the run"))
+      << dead.run.err;
+  EXPECT_LT(dead.elapsed, absl::Seconds(15));
+  ASSERT_EQ(dead.report["steps"].size(), 1u) << dead.report.dump();
+  const json& step = dead.report["steps"][0];
+  EXPECT_EQ(step["end_reason"], "max_errors") << step.dump();
+  EXPECT_EQ(step["all_errors"].value("UNAVAILABLE", int64_t{0}), 10) << step.dump();
+}
+
+// A server that refuses whatever would wait behind other work (--max_queue_wait_us=1):
+// eight requests in flight draw RESOURCE_EXHAUSTED, which fails the run unless
+// --allow_errors expects it.
+TEST(ClientBenchTest, ExitStatusFollowsAllowErrors) {
+  auto server = ServerProcess::Start({"--port=0", "--max_queue_wait_us=1"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  TempDir dir;
+  const std::vector<std::string> bench = {"bench",
+                                          "--target=" + (*server)->target(),
+                                          "--concurrency=8",
+                                          "--warmup=200ms",
+                                          "--window=500ms",
+                                          "--duration=2s",
+                                          "--max_windows=3",
+                                          "--progress=false",
+                                          "--json=" + dir.path() + "/bench.json"};
+  ClientRun run = RunClient(bench);
+  EXPECT_EQ(run.exit_code, 1) << Describe(run);
+  EXPECT_TRUE(absl::StartsWith(run.err, "error: RESOURCE_EXHAUSTED: bench: attend concurrency 8: "))
+      << run.err;
+  EXPECT_TRUE(absl::StrContains(run.err, "not allowed by --allow_errors")) << run.err;
+
+  std::vector<std::string> allowed = bench;
+  allowed.push_back("--allow_errors=RESOURCE_EXHAUSTED,DEADLINE_EXCEEDED");
+  run = RunClient(allowed);
+  EXPECT_EQ(run.exit_code, 0) << Describe(run);
+  const json step = ReadJson(dir.path() + "/bench.json")["steps"][0];
+  EXPECT_GT(step["all_errors"].value("RESOURCE_EXHAUSTED", int64_t{0}), 0) << step.dump();
+  EXPECT_GT(step["ok"].get<int64_t>(), 0) << step.dump();
 }
 
 TEST_F(ClientTest, BenchStreamsAtFixedConcurrencyAndRate) {
@@ -710,8 +947,49 @@ TEST(ClientTlsTest, InferOverMutualTls) {
     EXPECT_TRUE(absl::StartsWith(run.err, "error: UNAVAILABLE: ")) << run.err;
   }
   run = RunClient({"infer", target, "--tls_cert=" + file("client.pem")});
+  ExpectUsageError(run, "error: --tls_cert and --tls_key go together");
+}
+
+// The last line of `text` (gRPC may log the handshake failure before the client's error).
+std::string LastLine(const std::string& text) {
+  const std::vector<std::string> lines = absl::StrSplit(text, '\n', absl::SkipEmpty());
+  return lines.empty() ? "" : lines.back();
+}
+
+TEST(ClientTlsTest, AMismatchedTlsSettingGetsAHint) {
+  TempDir certs;
+  const absl::Status made = MakeTestCertificates(certs.path());
+  ASSERT_TRUE(made.ok()) << made;
+  auto file = [&](const char* name) { return certs.path() + "/" + name; };
+  auto tls = ServerProcess::Start(
+      {"--port=0", "--tls_cert=" + file("server.pem"), "--tls_key=" + file("server.key")});
+  auto plain = ServerProcess::Start({"--port=0"});
+  ASSERT_TRUE(tls.ok()) << tls.status();
+  ASSERT_TRUE(plain.ok()) << plain.status();
+
+  // Plaintext client, TLS server: gRPC says "Socket closed".
+  ClientRun run = RunClient({"infer", "--target=" + (*tls)->target(), "--timeout=5s"});
   EXPECT_EQ(run.exit_code, 1) << Describe(run);
-  EXPECT_TRUE(absl::StrContains(run.err, "--tls_cert and --tls_key go together")) << run.err;
+  EXPECT_TRUE(absl::StartsWith(LastLine(run.err), "error: UNAVAILABLE: GetModel: ")) << run.err;
+  EXPECT_TRUE(absl::EndsWith(LastLine(run.err),
+                             "(the server may speak TLS, this client plaintext: give --tls or "
+                             "--tls_ca)"))
+      << run.err;
+  // TLS client, plaintext server.
+  run = RunClient(
+      {"health", "--target=" + (*plain)->target(), "--tls_ca=" + file("ca.pem"), "--timeout=5s"});
+  EXPECT_EQ(run.exit_code, 1) << Describe(run);
+  EXPECT_TRUE(absl::EndsWith(LastLine(run.err),
+                             "(the server may speak plaintext, this client TLS: drop the --tls "
+                             "flags)"))
+      << run.err;
+  // TLS on both sides, but the server's CA not given: the system roots do not trust it.
+  run = RunClient({"infer", "--target=" + (*tls)->target(), "--tls", "--timeout=5s"});
+  EXPECT_EQ(run.exit_code, 1) << Describe(run);
+  EXPECT_TRUE(absl::EndsWith(LastLine(run.err),
+                             "(the client does not trust the server's certificate: give its CA "
+                             "with --tls_ca)"))
+      << run.err;
 }
 
 // --- The Open Inference Protocol: the same requests as attention.v1, over gRPC

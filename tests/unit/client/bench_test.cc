@@ -1,5 +1,6 @@
 #include "client/bench.h"
 
+#include "client/status.h"
 #include "gtest/gtest.h"
 
 namespace mha::client {
@@ -25,9 +26,36 @@ TEST(BenchTest, RejectsBadSweepsNamingTheFlag) {
        {"", "0", "-1", "4:1", "1:4:x1", "1:4:0", "1:4:x", "a", "1:2:3:4", "1:100000:0.01"}) {
     auto values = ParseSweep(bad, "request_rate");
     ASSERT_FALSE(values.ok()) << bad;
-    EXPECT_EQ(values.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(IsUsageError(values.status()));
     EXPECT_NE(values.status().message().find("--request_rate"), absl::string_view::npos);
   }
+}
+
+TEST(BenchTest, OptionsAreCheckedAsUsageErrorsNamingTheFlag) {
+  EXPECT_TRUE(CheckBenchOptions(BenchOptions(), Protocol::kAttention).ok());
+  auto message = [](const BenchOptions& options, Protocol protocol = Protocol::kAttention) {
+    const absl::Status status = CheckBenchOptions(options, protocol);
+    EXPECT_TRUE(IsUsageError(status)) << status;
+    return std::string(status.message());
+  };
+  BenchOptions options;
+  options.warmup = absl::Seconds(2);
+  options.duration = absl::Seconds(2);
+  EXPECT_EQ(message(options), "--duration: must be longer than --warmup (2s) to measure, got 2s");
+  options = BenchOptions();
+  options.max_errors = -1;
+  EXPECT_EQ(message(options), "--max_errors: must be >= 0, got -1");
+  options = BenchOptions();
+  options.window = absl::ZeroDuration();
+  EXPECT_EQ(message(options), "--window: must be > 0, got 0");
+  options = BenchOptions();
+  options.request_rates = {10};
+  options.rate_streams = 0;
+  EXPECT_EQ(message(options, Protocol::kHttp), "--streams: must be >= 1, got 0");
+  options = BenchOptions();
+  options.mode = Mode::kStream;
+  EXPECT_EQ(message(options, Protocol::kHttp),
+            "--mode=stream: HTTP has no streams; use --protocol=kserve (ModelStreamInfer)");
 }
 
 }  // namespace

@@ -2,6 +2,8 @@
 
 #include <chrono>
 #include <cmath>
+#include <map>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -88,9 +90,92 @@ TEST(LoadManagerTest, CreateRejectsBadLoadsNamingWhatIsWrong) {
   EXPECT_EQ(recorder.completed(), 0);
 }
 
-TEST(LoadManagerTest, ConcurrencyRefillsFinishedSlotsUpToMaxRequests) {
+// A dead target whose failures are expected: no backoff, requests as fast as they fail.
+LoadTarget DeadTargetExpected(const attention::v1::AttendRequest* request) {
+  LoadTarget target = DeadTarget(request);
+  target.allowed_errors = {grpc::StatusCode::UNAVAILABLE};
+  return target;
+}
+
+// Polls `done` for up to 10 s.
+template <typename Done>
+bool WaitFor(Done done) {
+  const auto end = steady_clock::now() + std::chrono::seconds(10);
+  while (!done() && steady_clock::now() < end) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return done();
+}
+
+TEST(BackoffTest, DoublesFromOneMillisecondToAtMostAHundred) {
+  using std::chrono::milliseconds;
+  EXPECT_EQ(BackoffDelay(0), milliseconds(0));
+  EXPECT_EQ(BackoffDelay(1), milliseconds(1));
+  EXPECT_EQ(BackoffDelay(2), milliseconds(2));
+  EXPECT_EQ(BackoffDelay(7), milliseconds(64));
+  EXPECT_EQ(BackoffDelay(8), milliseconds(100));
+  EXPECT_EQ(BackoffDelay(int64_t{1} << 40), milliseconds(100));
+}
+
+TEST(LoadManagerTest, FailuresBackOffInsteadOfATightLoop) {
+  const attention::v1::AttendRequest request;
+  Recorder recorder;
+  auto load = ConcurrencyManager::Create(DeadTarget(&request), 4, &recorder);
+  ASSERT_TRUE(load.ok()) << load.status();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  (*load)->Stop();
+  // 4 slots, each waiting 1, 2, 4, ... then 100 ms after a failure: a few dozen in
+  // 500 ms, where a tight loop sends thousands.
+  EXPECT_GE((*load)->sent(), 4);
+  EXPECT_LT((*load)->sent(), 60);
+  EXPECT_EQ(recorder.completed(), (*load)->sent());
+  EXPECT_EQ(recorder.errors(), (std::map<std::string, int64_t>{{"UNAVAILABLE", (*load)->sent()}}));
+}
+
+TEST(LoadManagerTest, MaxErrorsStopsSending) {
   const attention::v1::AttendRequest request;
   LoadTarget target = DeadTarget(&request);
+  target.max_errors = 5;
+  Recorder recorder;
+  auto load = ConcurrencyManager::Create(target, 1, &recorder);
+  ASSERT_TRUE(load.ok()) << load.status();
+  ASSERT_TRUE(WaitFor([&] { return (*load)->failing(); }));
+  (*load)->Stop();
+  EXPECT_EQ((*load)->sent(), 5);
+  EXPECT_FALSE((*load)->exhausted());
+
+  // Failures the run expects do not count.
+  target = DeadTargetExpected(&request);
+  target.max_errors = 1;
+  Recorder expected;
+  load = ConcurrencyManager::Create(target, 1, &expected);
+  ASSERT_TRUE(load.ok()) << load.status();
+  ASSERT_TRUE(WaitFor([&] { return (*load)->sent() > 20; }));
+  EXPECT_FALSE((*load)->failing());
+  (*load)->Stop();
+}
+
+TEST(LoadManagerTest, WarmupIsNotCountedInMaxRequests) {
+  const attention::v1::AttendRequest request;
+  LoadTarget target = DeadTargetExpected(&request);
+  target.warmup = true;
+  target.max_requests = 20;
+  Recorder recorder;
+  auto load = ConcurrencyManager::Create(target, 2, &recorder);
+  ASSERT_TRUE(load.ok()) << load.status();
+  ASSERT_TRUE(WaitFor([&] { return (*load)->sent() > 20; }));
+  EXPECT_FALSE((*load)->exhausted()) << "the warm-up has no budget";
+  (*load)->EndWarmup();  // drops the warm-up's samples
+  ASSERT_TRUE(WaitExhausted(**load));
+  (*load)->Stop();
+  // Exactly max_requests finished after the warm-up: those in flight then, and the rest.
+  EXPECT_EQ(recorder.Take().size(), 20u);
+  EXPECT_GT((*load)->sent(), 40);
+}
+
+TEST(LoadManagerTest, ConcurrencyRefillsFinishedSlotsUpToMaxRequests) {
+  const attention::v1::AttendRequest request;
+  LoadTarget target = DeadTargetExpected(&request);
   target.max_requests = 50;
   Recorder recorder;
   auto load = ConcurrencyManager::Create(target, 4, &recorder);
@@ -105,7 +190,7 @@ TEST(LoadManagerTest, ConcurrencyRefillsFinishedSlotsUpToMaxRequests) {
 
 TEST(LoadManagerTest, RequestRateSendsAtTheRateUpToMaxRequests) {
   const attention::v1::AttendRequest request;
-  LoadTarget target = DeadTarget(&request);
+  LoadTarget target = DeadTargetExpected(&request);
   target.max_requests = 20;
   Recorder recorder;
   const auto start = steady_clock::now();
@@ -117,6 +202,17 @@ TEST(LoadManagerTest, RequestRateSendsAtTheRateUpToMaxRequests) {
   (*load)->Stop();
   EXPECT_EQ((*load)->sent(), 20);
   EXPECT_EQ(recorder.completed(), 20);
+}
+
+TEST(LoadManagerTest, RequestRateBacksOffAfterFailures) {
+  const attention::v1::AttendRequest request;
+  Recorder recorder;
+  auto load = RequestRateManager::Create(DeadTarget(&request), 1000, false, 0, &recorder);
+  ASSERT_TRUE(load.ok()) << load.status();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  (*load)->Stop();
+  // 1000/s would send 500; the backoff holds it near 10/s once failures pile up.
+  EXPECT_LT((*load)->sent(), 40);
 }
 
 TEST(LoadManagerTest, StopWakesTheRateSchedulerAtOnce) {

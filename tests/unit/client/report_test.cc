@@ -1,9 +1,11 @@
 #include "client/report.h"
 
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "client/status.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 
@@ -113,6 +115,52 @@ TEST(ReportTest, PairsEachHealthStepWithTheAttendStepAtItsLoad) {
   EXPECT_DOUBLE_EQ(json["health_ratios"][0]["attend_over_health_p50"].get<double>(), 3.0);
   EXPECT_EQ(json["steps"][3]["rpc"], "attend");
   EXPECT_DOUBLE_EQ(json["steps"][3]["latency_us"]["p50"].get<double>(), 500);
+}
+
+// A report of one step at concurrency 4 that measured `requests` and failed with
+// `errors` over the whole step.
+BenchReport OneStep(int64_t requests, const std::map<std::string, int64_t>& errors,
+                    const std::string& end_reason = "duration") {
+  BenchReport report;
+  StepReport step = ConcurrencyStep();
+  StepStats stats = Stats(100, 1000, 2000);
+  stats.requests = requests;
+  End(end_reason, 3, stats, step);
+  step.all_errors = errors;
+  report.steps.push_back(step);
+  return report;
+}
+
+TEST(CheckBenchReportTest, ErrorsFailTheRunUnlessTheRunExpectsThem) {
+  EXPECT_TRUE(CheckBenchReport(OneStep(300, {})).ok());
+
+  BenchReport failed = OneStep(300, {{"RESOURCE_EXHAUSTED", 7}, {"UNAVAILABLE", 12}});
+  absl::Status status = CheckBenchReport(failed);
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);  // the most frequent
+  EXPECT_FALSE(IsUsageError(status));
+  EXPECT_EQ(status.message(),
+            "bench: attend concurrency 4: 19 failed request(s) (RESOURCE_EXHAUSTED=7;"
+            "UNAVAILABLE=12) not allowed by --allow_errors");
+
+  failed.options.allowed_errors = {grpc::StatusCode::RESOURCE_EXHAUSTED};
+  EXPECT_EQ(CheckBenchReport(failed).message(),
+            "bench: attend concurrency 4: 12 failed request(s) (UNAVAILABLE=12) not allowed by "
+            "--allow_errors");
+  failed.options.allowed_errors.insert(grpc::StatusCode::UNAVAILABLE);
+  EXPECT_TRUE(CheckBenchReport(failed).ok());
+
+  const BenchReport ended = OneStep(3, {{"UNAVAILABLE", 10}}, "max_errors");
+  EXPECT_EQ(CheckBenchReport(ended).message(),
+            "bench: attend concurrency 4: 10 failed request(s) (UNAVAILABLE=10) not allowed by "
+            "--allow_errors; --max_errors=10 ended the step and the run");
+}
+
+TEST(CheckBenchReportTest, AStepThatMeasuredNothingFailsTheRun) {
+  const absl::Status status = CheckBenchReport(OneStep(0, {}, "max_windows"));
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(status.message(),
+            "bench: attend concurrency 4: measured nothing: no request finished in its last 3 "
+            "window(s) of 2s (a longer --window, or is the server answering?)");
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "client/request.h"
 
+#include "base/splitmix64.h"
+#include "client/status.h"
 #include "gtest/gtest.h"
 
 namespace mha::client {
@@ -37,6 +39,51 @@ TEST(RequestTest, DefaultIsTheSeedsToyRequest) {
   RequestOptions other;
   other.seed = 1;
   EXPECT_NE(MakeRequest(other, Toy())->queries().data(0), request->queries().data(0));
+}
+
+// The generator's first outputs for seed 0, as any implementation must give them
+// (these are SplitMix64's published values; the floats were computed in Python).
+TEST(RequestTest, InputsAreSplitMix64FromTheSeedInDocumentedOrder) {
+  SplitMix64 generator(0);
+  EXPECT_EQ(generator.Next(), 0xE220A8397B1DCDAFull);
+  EXPECT_EQ(generator.Next(), 0x6E789E6AA1B965F4ull);
+  EXPECT_EQ(generator.Next(), 0x06C45D188009454Full);
+
+  auto request = MakeRequest(RequestOptions(), Toy());
+  ASSERT_TRUE(request.ok()) << request.status();
+  const auto& queries = request->queries().data();
+  EXPECT_EQ(queries[0], 0.7666215896606445f);
+  EXPECT_EQ(queries[1], -0.1369440108537674f);
+  EXPECT_EQ(queries[2], -0.9471324682235718f);
+  // One stream: queries (2, 4, 100), then keys (2, 6, 100), then values.
+  SplitMix64 stream(0);
+  for (int i = 0; i < queries.size(); ++i) ASSERT_EQ(queries[i], stream.Signed()) << i;
+  for (float key : request->keys().data()) ASSERT_EQ(key, stream.Signed());
+  for (float value : request->values().data()) ASSERT_EQ(value, stream.Signed());
+}
+
+TEST(RequestTest, OptionsThatContradictThemselvesAreUsageErrors) {
+  RequestOptions options;
+  options.batch = 0;
+  absl::Status status = CheckRequestOptions(options);
+  EXPECT_TRUE(IsUsageError(status));
+  EXPECT_EQ(status.message(), "--batch: must be >= 1, got 0");
+  EXPECT_EQ(MakeRequest(options, Toy()).status(), status);  // before any input is made
+
+  options = RequestOptions();
+  options.num_keys = -1;
+  EXPECT_EQ(CheckRequestOptions(options).message(), "--num_keys: must be >= 0, got -1");
+
+  options = RequestOptions();
+  options.batch = 8;  // valid_lens {3, 2}: neither B nor B*Q entries
+  status = CheckRequestOptions(options);
+  EXPECT_TRUE(IsUsageError(status));
+  EXPECT_EQ(status.message(),
+            "--valid_lens: 2 entries (3,2) for batch 8: give B = 8 or B*Q = 32 entries, or "
+            "--valid_lens=none");
+  // With input files B comes from the files: checked by MakeRequest, not a usage error.
+  options.input_files = {"queries.npy"};
+  EXPECT_TRUE(CheckRequestOptions(options).ok());
 }
 
 TEST(RequestTest, SelfAttentionAndShapeChecks) {
