@@ -32,6 +32,8 @@ test_packages=(
   # and LLVM's OpenMP runtime for clang's -fopenmp
   clang libclang-rt-14-dev libomp-14-dev
   python3 python3-grpcio python3-grpc-tools python3-numpy python3-torch libopenblas0-pthread
+  # the Python package (client/python) installed offline into a venv and its pytest tests
+  python3-protobuf python3-setuptools python3-wheel python3-venv python3-pytest
   # deploy checks: yamllint for the manifests (promtool comes with prometheus above)
   yamllint python3-yaml
 )

@@ -129,10 +129,11 @@ def scrape_server(binary, source):
             raise SystemExit("FAIL: the server printed no 'listening on' line")
         if metrics_on not in found:
             raise SystemExit("FAIL: the server printed no 'metrics on' line")
-        client = os.path.join(source, "client", "python", "attention_client.py")
-        for _ in range(3):
-            subprocess.run([sys.executable, client, f"--target=127.0.0.1:{found[listening]}"],
-                           check=True, capture_output=True, timeout=60)
+        env = dict(os.environ, PYTHONPATH=os.path.join(source, "client", "python"))
+        for _ in range(3):  # the Python client, mha_serve, from the source tree
+            subprocess.run([sys.executable, "-m", "mha_serve",
+                            f"--target=127.0.0.1:{found[listening]}"],
+                           check=True, capture_output=True, timeout=60, env=env)
         url = f"http://127.0.0.1:{found[metrics_on]}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:
             text = response.read().decode()

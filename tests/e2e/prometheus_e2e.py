@@ -23,8 +23,8 @@ REPO = sys.argv[2] if len(sys.argv) > 2 else os.path.join(os.path.dirname(__file
 sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
 sys.path.insert(0, os.path.join(REPO, "client", "python"))
 
-import grpc  # noqa: E402
-from attention_client import attend, load_api, toy_inputs  # noqa: E402
+import mha_serve  # noqa: E402  (the source tree's package; stubs generated at import)
+from mha_serve.toy import uniform_inputs  # noqa: E402
 from server_harness import start_server, stop_server  # noqa: E402
 
 SENT_OK = 17
@@ -59,7 +59,6 @@ def query(prometheus, expr):
 
 def main():
     binary = sys.argv[1]
-    pb2, pb2_grpc = load_api(os.path.join(REPO, "proto"))
     server, target = start_server(binary, ["--max_queue_delay_us=0"])
     work = tempfile.mkdtemp(prefix="mha_prometheus_")
     prometheus = None
@@ -75,18 +74,16 @@ def main():
              f"--web.listen-address={address}", "--log.level=warn"],
             stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "prometheus.log"), "w"))
 
-        channel = grpc.insecure_channel(target)
-        stub = pb2_grpc.AttentionServiceStub(channel)
-        queries, keys = toy_inputs()
-        for _ in range(SENT_OK):
-            attend(stub, pb2, queries, keys, keys, valid_lens=[3, 2])
-        bad_keys = ((2, 6, 99), keys[1][: 2 * 6 * 99])
-        for _ in range(SENT_INVALID):
-            try:
-                attend(stub, pb2, queries, bad_keys, bad_keys)
-                raise AssertionError("a malformed request succeeded")
-            except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e
+        queries, keys = uniform_inputs(0, [(2, 4, 100), (2, 6, 100)])
+        with mha_serve.Client(target, timeout=60) as client:
+            for _ in range(SENT_OK):
+                client.attend(queries, keys, keys, valid_lens=[3, 2])
+            for _ in range(SENT_INVALID):
+                try:
+                    client.attend(queries, keys[:, :, :99], keys[:, :, :99])
+                    raise AssertionError("a malformed request succeeded")
+                except mha_serve.Error as e:
+                    assert e.code.name == "INVALID_ARGUMENT", e
 
         expected = {"OK": SENT_OK, "INVALID_ARGUMENT": SENT_INVALID}
         deadline = time.monotonic() + 90

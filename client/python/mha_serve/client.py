@@ -1,0 +1,403 @@
+"""The attention.v1 client (docs/python.md).
+
+    import mha_serve
+    with mha_serve.Client("127.0.0.1:50051") as client:
+        client.models()                      # [ModelInfo(name="default", ...)], ListModels
+        info = client.model()                # GetModel: sizes and limits
+        out = client.attend(queries, keys, values, valid_lens=[3, 2])
+        out, weights = client.attend(queries, return_attention=True)   # self-attention
+        for out in client.stream(dict(queries=q) for q in batches):   # AttendStream
+            ...
+
+Arrays are numpy (anything np.asarray takes: lists, CPU torch tensors); their values
+are sent as little-endian float32 in C order, and answers come back as float32 numpy
+arrays: output (B, Q, p_o), attention weights (B, h, Q, K). Tensors travel as the
+`raw` bytes of attention.v1.Tensor (the repeated `data` field only when the server
+answers with it). The server validates shapes; its errors, and every other gRPC
+failure, raise mha_serve.Error with the canonical `.code` (grpc.StatusCode) and the
+server's `.details`.
+
+Lower level, for callers that want the messages (benchmarks, timing):
+encode_request(...) -> the serialized AttendRequest attend() sends (each tensor's bytes
+copied once), build_request(...) -> the same as an attention_pb2.AttendRequest,
+Client.call(request or bytes) -> AttendResponse (with .timing),
+decode_response(response, return_attention) -> attend()'s result, and
+decode_response_bytes(serialized response, return_attention), what attend() uses.
+"""
+
+import dataclasses
+import math
+
+import grpc
+import numpy as np
+
+from ._proto import attention_pb2 as pb2
+from ._proto import attention_pb2_grpc as pb2_grpc
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_TIMEOUT = 60.0
+# gRPC's 4 MiB default cannot carry a BERT-sized output with its weights.
+MAX_MESSAGE_BYTES = 256 << 20
+
+
+class Error(Exception):
+    """A failed call: `.code` is the grpc.StatusCode, `.details` the server's message
+    (for UNAVAILABLE it names the target), `.rpc` the method ("Attend", ...)."""
+
+    def __init__(self, code, details, rpc=""):
+        self.code = code
+        self.details = details
+        self.rpc = rpc
+        super().__init__(f"{code.name}: {rpc + ': ' if rpc else ''}{details}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLimits:
+    max_batch_size: int
+    max_sequence_length: int
+    max_request_bytes: int
+    max_attention_elements: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """A model's sizes (attention.v1.ModelInfo): p_o = num_hiddens, h = num_heads,
+    d_q = query_size, d_k = key_size, d_v = value_size."""
+    name: str
+    num_hiddens: int
+    num_heads: int
+    head_size: int
+    query_size: int
+    key_size: int
+    value_size: int
+    bias: bool
+    precision: str
+    scoring: str
+    additive_hidden: int
+    supports_self_attention: bool
+    limits: ModelLimits
+
+    @classmethod
+    def from_proto(cls, info):
+        fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(cls)
+                  if f.name != "limits"}
+        limits = {f.name: getattr(info.limits, f.name) for f in dataclasses.fields(ModelLimits)}
+        return cls(**fields, limits=ModelLimits(**limits))
+
+
+def _float32(value, name):
+    """value as a C-order little-endian float32 array (no copy when it already is)."""
+    array = np.asarray(value)
+    if array.dtype.kind not in "fiu":
+        raise TypeError(f"{name}: expected a real-valued array, got dtype {array.dtype}")
+    return np.ascontiguousarray(array, dtype="<f4")
+
+
+def encode_tensor(value, name="tensor", raw=True, tensor=None):
+    """A row-major float32 attention.v1.Tensor from an array-like (raw bytes, or the
+    repeated `data` field when raw is False), written into `tensor` when given (a
+    field of a request: no copy of the message afterwards)."""
+    array = _float32(value, name)
+    if tensor is None:
+        tensor = pb2.Tensor()
+    tensor.shape.extend(array.shape)
+    if raw:
+        tensor.raw = array.tobytes()
+    else:
+        tensor.data.extend(array.ravel().tolist())
+    return tensor
+
+
+def decode_tensor(tensor, name="tensor"):
+    """attention.v1.Tensor -> float32 numpy array of its shape (a writable copy)."""
+    shape = tuple(tensor.shape)
+    raw = tensor.raw  # each read of a bytes field copies it: read once
+    if raw:
+        array = np.frombuffer(raw, dtype="<f4").astype(np.float32)
+    else:
+        array = np.array(tensor.data, dtype=np.float32)
+    if array.size != math.prod(shape):
+        raise Error(grpc.StatusCode.INTERNAL,
+                    f"{name}: {array.size} values in the answer for shape {shape}")
+    return array.reshape(shape)
+
+
+def _request_without_tensors(valid_lens, causal, head_mask, return_attention, model,
+                             request_id):
+    request = pb2.AttendRequest(model=model, causal=causal, return_attention=return_attention,
+                                request_id=request_id)
+    if valid_lens is not None:
+        lens = np.asarray(valid_lens)
+        if lens.size and lens.dtype.kind not in "iu":
+            raise TypeError(f"valid_lens: expected integers, got dtype {lens.dtype}")
+        request.valid_lens.extend(lens.ravel().tolist())
+    if head_mask is not None:
+        request.head_mask.extend(np.asarray(head_mask, dtype=np.float32).ravel().tolist())
+    return request
+
+
+def build_request(queries, keys=None, values=None, valid_lens=None, causal=False,
+                  head_mask=None, return_attention=False, model="", request_id="",
+                  raw=True):
+    """The AttendRequest of attend() as a message (keys and values None =
+    self-attention). attend() sends encode_request()'s bytes instead: the same
+    message, serialized with one copy of the tensors."""
+    request = _request_without_tensors(valid_lens, causal, head_mask, return_attention, model,
+                                       request_id)
+    for name, value in (("queries", queries), ("keys", keys), ("values", values)):
+        if value is not None:
+            encode_tensor(value, name, raw, getattr(request, name))
+    return request
+
+
+def _varint(n):
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _length_delimited(field_number, length):
+    """The key and length of a protobuf length-delimited field (wire type 2)."""
+    return _varint(field_number << 3 | 2) + _varint(length)
+
+
+# AttendRequest's tensor fields; Tensor's shape = 1, raw = 3 (proto/attention.proto).
+_TENSOR_FIELDS = (("queries", 2), ("keys", 3), ("values", 4))
+
+
+def encode_request(queries, keys=None, values=None, valid_lens=None, causal=False,
+                   head_mask=None, return_attention=False, model="", request_id=""):
+    """build_request()'s message, serialized. The small fields go through protobuf;
+    each tensor is appended in its wire form, Tensor { shape, raw }, its bytes copied
+    once, straight from the array into the message (protobuf would copy them into the
+    message and again when serializing). Field order does not matter on the wire."""
+    parts = [_request_without_tensors(valid_lens, causal, head_mask, return_attention, model,
+                                      request_id).SerializeToString()]
+    for (name, number), value in zip(_TENSOR_FIELDS, (queries, keys, values)):
+        if value is None:
+            continue
+        array = _float32(value, name)
+        shape = b"".join(_varint(d) for d in array.shape)
+        header = _length_delimited(1, len(shape)) + shape + _length_delimited(3, array.nbytes)
+        parts += [_length_delimited(number, len(header) + array.nbytes), header,
+                  memoryview(array.reshape(-1)).cast("B")]
+    return b"".join(parts)
+
+
+def decode_response(response, return_attention=False):
+    """output, or (output, attention) when return_attention."""
+    output = decode_tensor(response.output, "output")
+    if not return_attention:
+        return output
+    return output, decode_tensor(response.attention, "attention")
+
+
+def _read_varint(data, pos):
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(data, start, end):
+    """(field number, wire type, value or (begin, end)) of the message in data[start:end]."""
+    pos = start
+    while pos < end:
+        key, pos = _read_varint(data, pos)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _read_varint(data, pos)
+        elif wire == 2:
+            length, pos = _read_varint(data, pos)
+            value, pos = (pos, pos + length), pos + length
+        elif wire in (1, 5):
+            value, pos = None, pos + (8 if wire == 1 else 4)
+        else:
+            raise ValueError(f"wire type {wire}")
+        yield number, wire, value
+    if pos != end:
+        raise ValueError("truncated message")
+
+
+def _raw_tensor(data, begin, end):
+    """A Tensor { shape, raw } in data[begin:end] as a writable float32 array, or None
+    when it carries `data` (the protobuf path decodes that)."""
+    shape, raw = [], None
+    for number, wire, value in _fields(data, begin, end):
+        if number == 1 and wire == 2:
+            pos = value[0]
+            while pos < value[1]:
+                dim, pos = _read_varint(data, pos)
+                shape.append(dim)
+        elif number == 1 and wire == 0:
+            shape.append(value)
+        elif number == 3 and wire == 2:
+            raw = value
+        elif number == 2:
+            return None
+    count = math.prod(shape)
+    if raw is None or raw[1] - raw[0] != 4 * count:
+        return None if count else np.zeros(shape, np.float32)
+    return np.frombuffer(data, "<f4", count, raw[0]).reshape(shape).astype(np.float32)
+
+
+def decode_response_bytes(data, return_attention=False):
+    """decode_response() of a serialized AttendResponse. Tensors in `raw` are read
+    straight from `data`, one copy each (protobuf would copy them into the message, out
+    of it, then into the array); anything else goes through protobuf."""
+    try:
+        tensors = {number: _raw_tensor(data, *value)
+                   for number, wire, value in _fields(data, 0, len(data))
+                   if number in (1, 2) and wire == 2}
+        output, attention = tensors.get(1), tensors.get(2)
+        if output is not None and (attention is not None or not return_attention):
+            return (output, attention) if return_attention else output
+    except (ValueError, IndexError):
+        pass
+    return decode_response(pb2.AttendResponse.FromString(data), return_attention)
+
+
+def channel_credentials(tls):
+    """None/False: plaintext. True: TLS with the system roots. A
+    grpc.ChannelCredentials as is. A tuple (root_cert, client_cert, client_key) of
+    PEM file paths, any of them None: TLS with that CA (None = system roots) and, when
+    both are given, a client certificate (mutual TLS)."""
+    if tls is None or tls is False:
+        return None
+    if tls is True:
+        return grpc.ssl_channel_credentials()
+    if isinstance(tls, grpc.ChannelCredentials):
+        return tls
+    root, cert, key = (tuple(tls) + (None, None, None))[:3]
+    if (cert is None) != (key is None):
+        raise ValueError("tls: a client certificate and its key go together")
+
+    def read(path):
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    return grpc.ssl_channel_credentials(read(root), read(key), read(cert))
+
+
+class Client:
+    """A channel to an attention_server.
+
+    target: "HOST:PORT" (any gRPC target). tls: see channel_credentials().
+    timeout: the deadline of each call in seconds (a whole stream's for stream()).
+    server_name: the name the server's certificate must carry, when it differs from
+    the target's host. options: extra grpc channel options.
+    """
+
+    def __init__(self, target=DEFAULT_TARGET, tls=None, timeout=DEFAULT_TIMEOUT,
+                 server_name=None, options=()):
+        self.target = target
+        self.timeout = timeout
+        opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *options]
+        if server_name:
+            opts.append(("grpc.ssl_target_name_override", server_name))
+        credentials = channel_credentials(tls)
+        if credentials is None:
+            self._channel = grpc.insecure_channel(target, options=opts)
+        else:
+            self._channel = grpc.secure_channel(target, credentials, options=opts)
+        self._stub = pb2_grpc.AttentionServiceStub(self._channel)
+        # Attend and AttendStream on serialized bytes (encode_request), parsed here.
+        self._attend = self._channel.unary_unary("/attention.v1.AttentionService/Attend")
+        self._attend_stream = self._channel.stream_stream(
+            "/attention.v1.AttentionService/AttendStream")
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _error(self, error, rpc):
+        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+        details = (error.details() if hasattr(error, "details") else "") or str(error)
+        if code == grpc.StatusCode.UNAVAILABLE and self.target not in details:
+            details = f"{self.target}: {details}"
+        return Error(code, details, rpc)
+
+    def _unary(self, rpc, request, timeout, method=None):
+        try:
+            return (method or getattr(self._stub, rpc))(
+                request, timeout=self.timeout if timeout is None else timeout)
+        except grpc.RpcError as error:
+            raise self._error(error, rpc) from None
+
+    def models(self, timeout=None):
+        """Every served model (ListModels), sorted by name: a list of ModelInfo."""
+        response = self._unary("ListModels", pb2.ListModelsRequest(), timeout)
+        return [ModelInfo.from_proto(m) for m in response.models]
+
+    def model(self, name="", timeout=None):
+        """GetModel: ModelInfo of `name` ("" = the default model)."""
+        return ModelInfo.from_proto(
+            self._unary("GetModel", pb2.GetModelRequest(model=name), timeout))
+
+    def call(self, request, timeout=None):
+        """Attend with an AttendRequest message or its serialized bytes
+        (encode_request()); returns the AttendResponse message (with .timing)."""
+        if not isinstance(request, bytes):
+            request = request.SerializeToString()
+        return pb2.AttendResponse.FromString(self.call_bytes(request, timeout))
+
+    def call_bytes(self, request, timeout=None):
+        """Attend on a serialized AttendRequest; returns the serialized AttendResponse."""
+        return self._unary("Attend", request, timeout, self._attend)
+
+    def attend(self, queries, keys=None, values=None, valid_lens=None, causal=False,
+               head_mask=None, return_attention=False, model="", timeout=None):
+        """One Attend call.
+
+        queries (B, Q, d_q); keys (B, K, d_k) and values (B, K, d_v), or neither for
+        self-attention; valid_lens: None, B or B*Q key lengths; causal: query i sees
+        keys j <= i; head_mask: None or h factors. Returns the output (B, Q, p_o), or
+        (output, attention (B, h, Q, K)) when return_attention, as float32 arrays.
+        """
+        request = encode_request(queries, keys, values, valid_lens, causal, head_mask,
+                                 return_attention, model)
+        return decode_response_bytes(self.call_bytes(request, timeout), return_attention)
+
+    def stream(self, requests, timeout=None):
+        """AttendStream: `requests` is an iterable of dicts of attend()'s keyword
+        arguments (queries, keys, ..., model); yields attend()'s result for each, in
+        order. The first failing request ends the stream with an Error (the results
+        before it are yielded first)."""
+        wants_attention = []
+        failure = []
+
+        def messages():
+            try:
+                for index, kwargs in enumerate(requests):
+                    kwargs = dict(kwargs)
+                    wants_attention.append(bool(kwargs.get("return_attention", False)))
+                    yield encode_request(**kwargs, request_id=str(index))
+            except Exception as error:  # noqa: BLE001 (re-raised below, in the caller)
+                failure.append(error)
+
+        call = self._attend_stream(messages(),
+                                   timeout=self.timeout if timeout is None else timeout)
+        try:
+            for index, response in enumerate(call):
+                yield decode_response_bytes(response, wants_attention[index])
+        except grpc.RpcError as error:
+            raise self._error(error, "AttendStream") from None
+        finally:
+            call.cancel()
+        if failure:
+            raise failure[0]

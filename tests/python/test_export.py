@@ -1,0 +1,132 @@
+"""mha_serve.export and python -m mha_serve.export: modules exported (by object and
+by state-dict CLI), served, and checked against PyTorch."""
+
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import mha_serve
+from mha_serve.safetensors import read_safetensors
+
+from conftest import (CLIENT, TIMEOUT, D2LMultiHeadAttention, export_cli, max_diff,
+                      trained_looking)
+
+TOLERANCE = 1e-4
+EXPORTS = ["mha_self", "mha_cross", "mha_nobias", "trained_cli", "trained_obj", "d2l_lazy",
+           "d2l_cli", "d2l_additive"]
+
+
+def local_forward(module, io):
+    """The module's own answer on io.safetensors' inputs, with its own API."""
+    q = torch.from_numpy(io["queries"])
+    k = torch.from_numpy(io["keys"]) if "keys" in io else q
+    v = torch.from_numpy(io["values"]) if "values" in io else q
+    lens = torch.from_numpy(io["valid_lens"])
+    with torch.no_grad():
+        if isinstance(module, torch.nn.MultiheadAttention):
+            padding = torch.arange(k.shape[1])[None, :] >= lens[:, None]
+            if not module.batch_first:
+                out, _ = module(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                key_padding_mask=padding)
+                return out.transpose(0, 1)
+            return module(q, k, v, key_padding_mask=padding)[0]
+        return module(q, k, v, lens)
+
+
+@pytest.mark.parametrize("name", EXPORTS)
+def test_served_export_matches_pytorch(exported, export_target, name):
+    repository, modules = exported
+    io = read_safetensors(repository / name / "io.safetensors")
+    assert io["valid_lens"].dtype == np.int32 and io["output"].dtype == np.float32
+    expected = local_forward(modules[name], io)
+    assert max_diff(io["output"], expected) <= 1e-6
+    with mha_serve.Client(export_target, timeout=TIMEOUT) as client:
+        got = client.attend(io["queries"], io.get("keys"), io.get("values"),
+                            valid_lens=io["valid_lens"], model=name)
+    assert max_diff(got, expected) <= TOLERANCE
+
+
+def test_configs_and_weight_names(exported, export_target):
+    repository, _ = exported
+    names = {n: set(read_safetensors(repository / n / "weights.safetensors")) for n in EXPORTS}
+    assert names["mha_self"] == {"in_proj_weight", "in_proj_bias", "out_proj.weight",
+                                 "out_proj.bias"}
+    assert names["mha_cross"] == {"q_proj_weight", "k_proj_weight", "v_proj_weight",
+                                  "in_proj_bias", "out_proj.weight", "out_proj.bias"}
+    assert names["mha_nobias"] == {"in_proj_weight", "out_proj.weight"}
+    assert names["d2l_cli"] == {f"W_{x}.{p}" for x in "qkvo" for p in ("weight", "bias")}
+    assert names["d2l_additive"] == {"W_q.weight", "W_k.weight", "W_v.weight", "W_o.weight",
+                                     "attention.W_q.weight", "attention.W_k.weight",
+                                     "attention.w_v.weight"}
+    with mha_serve.Client(export_target, timeout=TIMEOUT) as client:
+        info = {m.name: m for m in client.models()}
+    assert set(info) == set(EXPORTS)
+    lazy = info["d2l_lazy"]
+    assert (lazy.num_hiddens, lazy.num_heads, lazy.query_size, lazy.key_size,
+            lazy.value_size, lazy.bias) == (24, 4, 20, 12, 16, True)
+    assert not info["mha_cross"].supports_self_attention and info["mha_self"].bias
+    assert not info["mha_nobias"].bias
+    assert (info["d2l_additive"].scoring, info["d2l_additive"].additive_hidden) == ("additive", 8)
+    assert info["trained_cli"] == mha_serve.ModelInfo(**{**vars(info["trained_obj"]),
+                                                         "name": "trained_cli"})
+
+
+def test_cpp_client_reads_io_safetensors(exported, export_target, tmp_path):
+    repository, _ = exported
+    io_file = repository / "trained_cli" / "io.safetensors"
+    out = tmp_path / "out.npy"
+    done = subprocess.run([CLIENT, "infer", f"--target={export_target}", "--model=trained_cli",
+                           f"--input={io_file}", f"--output={out}", "--timeout=60s"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert max_diff(np.load(out), read_safetensors(io_file)["output"]) <= TOLERANCE
+
+
+def test_unsupported_modules_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        mha_serve.export(torch.nn.MultiheadAttention(8, 2, add_bias_kv=True), str(tmp_path))
+    with pytest.raises(ValueError, match="add_zero_attn"):
+        mha_serve.export(torch.nn.MultiheadAttention(8, 2, add_zero_attn=True), str(tmp_path))
+    d2l = D2LMultiHeadAttention(8, 2, bias=True)
+    d2l.W_o = torch.nn.Linear(8, 8, bias=False)
+    with pytest.raises(ValueError, match="all have a bias or none"):
+        mha_serve.export(d2l, str(tmp_path), input_sizes=(8, 8, 8))
+    with pytest.raises(TypeError, match="cannot export Linear"):
+        mha_serve.export(torch.nn.Linear(8, 8), str(tmp_path))
+    with pytest.raises(ValueError, match="K = 0 .* needs d_q = d_k = d_v"):
+        mha_serve.export(torch.nn.MultiheadAttention(8, 2, kdim=4), str(tmp_path),
+                         sample_inputs=(1, 2, 0))
+    with pytest.raises(ValueError, match="name"):
+        mha_serve.export(torch.nn.MultiheadAttention(8, 2), str(tmp_path), name="../up")
+
+
+def test_export_cli_errors(tmp_path):
+    state = trained_looking(torch.nn.MultiheadAttention(8, 2), 0).state_dict()
+    torch.save(state, tmp_path / "sd.pt")
+    done = export_cli("--state-dict", str(tmp_path / "sd.pt"), "--embed-dim", "8",
+                      "--num-heads", "2", "--no-bias", "--output", str(tmp_path))
+    assert done.returncode == 1
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "in_proj_bias" in lines[0]
+    done = export_cli("--state-dict", str(tmp_path / "sd.pt"), "--kind", "d2l", "--num-heads",
+                      "2", "--output", str(tmp_path))
+    assert done.returncode == 1 and "not a d2l MultiHeadAttention state dict" in done.stderr
+    done = export_cli("--random", "--embed-dim", "8", "--num-heads", "2", "--output",
+                      str(tmp_path), "--sample", "1,2")
+    assert done.returncode == 2 and "expected B,Q,K" in done.stderr
+    done = export_cli("--embed-dim", "8", "--num-heads", "2", "--output", str(tmp_path))
+    assert done.returncode == 2 and "--state-dict" in done.stderr
+
+
+def test_export_cli_random_module_is_reproducible(tmp_path):
+    for out in ("a", "b"):
+        done = export_cli("--random", "--kind", "d2l", "--embed-dim", "8", "--num-heads", "2",
+                          "--kdim", "6", "--seed", "3", "--output", str(tmp_path / out),
+                          "--name", "r", "--sample", "1,2,3")
+        assert done.returncode == 0, done.stderr
+    a = read_safetensors(tmp_path / "a" / "r" / "weights.safetensors")
+    b = read_safetensors(tmp_path / "b" / "r" / "weights.safetensors")
+    assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
+    assert a["W_k.weight"].shape == (8, 6) and np.all(a["W_q.bias"] != 0)
