@@ -100,22 +100,24 @@ class StreamCall : public grpc::ClientBidiReactor<Request, Response> {
     this->StartCall();
   }
 
-  // Queues one request; false once the stream is closing or has ended.
-  bool Send(int64_t start_ns) {
+  // Queues one request: OK, or why it was not sent: CANCELLED once the client closed
+  // the stream (the step ended), UNAVAILABLE once the stream has ended.
+  grpc::StatusCode Send(int64_t start_ns) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (closing_ || !held_) return false;
+      if (closing_) return grpc::StatusCode::CANCELLED;
+      if (!held_) return grpc::StatusCode::UNAVAILABLE;
       pending_.push_back(start_ns);
       if (writing_) {
         ++unwritten_;
-        return true;
+        return grpc::StatusCode::OK;
       }
       writing_ = true;
       ++starting_;
     }
     this->StartWrite(request_);
     Started();
-    return true;
+    return grpc::StatusCode::OK;
   }
 
   // Half-closes the stream as soon as every pending request is answered.
@@ -252,9 +254,10 @@ class Streams final : public CallSender::Impl {
 
   void Send(int slot) override {
     const int64_t start = SteadyNowNs();
-    if (streams_.empty() || !streams_[static_cast<size_t>(slot) % streams_.size()]->Send(start)) {
-      observer_->OnSample(slot, MakeSample(start, grpc::StatusCode::UNAVAILABLE));
-    }
+    const grpc::StatusCode code =
+        streams_.empty() ? grpc::StatusCode::UNAVAILABLE
+                         : streams_[static_cast<size_t>(slot) % streams_.size()]->Send(start);
+    if (code != grpc::StatusCode::OK) observer_->OnSample(slot, MakeSample(start, code));
   }
 
   void CloseStreams() override {
