@@ -153,8 +153,9 @@ void LoadManager::SendRetries() {
       continue;
     }
     const auto next = std::min_element(retries_.begin(), retries_.end());
-    if (Clock::now() < next->first) {
-      cv_.wait_until(lock, next->first);
+    if (const Clock::time_point when = next->first; Clock::now() < when) {
+      // A copy: wait_until reads it while RetryLocked may grow retries_.
+      cv_.wait_until(lock, when);
       continue;
     }
     const int slot = next->second;
