@@ -28,7 +28,7 @@ absl::StatusOr<std::unique_ptr<Batcher>> Batcher::Create(const Options& options,
   return batcher;
 }
 
-absl::Status Batcher::AddModel(const Model* model) {
+absl::Status Batcher::AddModel(const Model* model, bool warming) {
   if (model->batching.max_queue_size < 1) {
     return absl::InvalidArgumentError(absl::StrCat("model ", model->name,
                                                    ": max_queue_size: expected >= 1, got ",
@@ -38,7 +38,19 @@ absl::Status Batcher::AddModel(const Model* model) {
   ModelQueue& queue = queues_[model];
   queue.model = model;
   queue.metrics = metrics_ != nullptr ? &metrics_->ForModel(model->name) : nullptr;
+  queue.warming = warming;
   return absl::OkStatus();
+}
+
+void Batcher::SetReady(const Model* model) {
+  absl::MutexLock lock(&mu_);
+  if (const auto it = queues_.find(model); it != queues_.end()) it->second.warming = false;
+}
+
+bool Batcher::IsReady(const Model* model) const {
+  absl::MutexLock lock(&mu_);
+  const auto it = queues_.find(model);
+  return it != queues_.end() && !it->second.warming;
 }
 
 Batcher::~Batcher() { Shutdown(); }
@@ -46,15 +58,20 @@ Batcher::~Batcher() { Shutdown(); }
 absl::Status Batcher::Admit(const Model* model) const {
   absl::MutexLock lock(&mu_);
   const auto it = queues_.find(model);
-  return AdmitLocked(it == queues_.end() ? nullptr : &it->second);
+  return AdmitLocked(it == queues_.end() ? nullptr : &it->second, /*warmup=*/false);
 }
 
-absl::Status Batcher::AdmitLocked(const ModelQueue* found) const {
+absl::Status Batcher::AdmitLocked(const ModelQueue* found, bool warmup) const {
   if (stopping_) return absl::UnavailableError("server is shutting down");
   if (found == nullptr) {
     return absl::InternalError("request for a model the batcher does not serve");
   }
   const ModelQueue& queue = *found;
+  if (queue.warming && !warmup) {
+    return absl::UnavailableError(absl::StrCat(
+        "model ", queue.model->name, " is warming up (", queue.model->warmup.size(),
+        " warm-up pass(es) of its config.pbtxt); retry when its health is SERVING"));
+  }
   const int64_t limit = queue.model->batching.max_queue_size;
   if (static_cast<int64_t>(queue.items.size()) >= limit) {
     return absl::ResourceExhaustedError(absl::StrCat("queue full for model ", queue.model->name,
@@ -79,7 +96,7 @@ absl::Status Batcher::AdmitLocked(const ModelQueue* found) const {
 absl::Status Batcher::Submit(WorkItem item) {
   absl::MutexLock lock(&mu_);
   const auto it = queues_.find(item.model);
-  MHA_RETURN_IF_ERROR(AdmitLocked(it == queues_.end() ? nullptr : &it->second));
+  MHA_RETURN_IF_ERROR(AdmitLocked(it == queues_.end() ? nullptr : &it->second, item.warmup));
   ModelQueue& queue = it->second;
   item.enqueued = absl::Now();
   queue.rows += item.rows();
@@ -227,10 +244,13 @@ void Batcher::Run(Batch& batch, Worker& worker) {
   const absl::Status status = Compute(batch, worker);
   const absl::Time end = absl::Now();
   BatchDone(batch, end - start, status.ok());
-  if (batch.metrics != nullptr) batch.metrics->Batch(rows, rows * queries, end - start);
+  // A warming model admits warm-up items only, so a batch is all warm-up or none:
+  // warm-up passes stay out of the request metrics.
+  ModelMetrics* metrics = batch.items.front().warmup ? nullptr : batch.metrics;
+  if (metrics != nullptr) metrics->Batch(rows, rows * queries, end - start);
   for (WorkItem& item : batch.items) {
-    if (batch.metrics != nullptr) {
-      batch.metrics->queue_duration().Observe(absl::ToDoubleSeconds(start - item.enqueued));
+    if (metrics != nullptr) {
+      metrics->queue_duration().Observe(absl::ToDoubleSeconds(start - item.enqueued));
     }
     item.done(
         status,

@@ -75,7 +75,11 @@ class Batcher {
 
   // Adds a queue for `model` (which must outlive the batcher) with its
   // BatchingPolicy. INVALID_ARGUMENT naming the model and max_queue_size when < 1.
-  absl::Status AddModel(const Model* model);
+  // A `warming` model admits only warm-up items (WorkItem::warmup) until SetReady;
+  // other requests get UNAVAILABLE naming the warm-up.
+  absl::Status AddModel(const Model* model, bool warming = false);
+  void SetReady(const Model* model);
+  bool IsReady(const Model* model) const;  // served and not warming up
   ~Batcher();  // Shutdown()
 
   // OK: queued, `done` will be called. RESOURCE_EXHAUSTED naming the model and
@@ -104,6 +108,7 @@ class Batcher {
     // moving average (weight 1/4 on the newest call); 0 until the first call.
     double seconds_per_token = 0;
     int64_t computing_tokens = 0;  // in forward calls taken from this queue, not done
+    bool warming = false;          // admits warm-up items only
   };
   struct Batch {
     const Model* model = nullptr;
@@ -118,7 +123,8 @@ class Batcher {
   // Blocks until a batch is due (or stopping with nothing left: empty batch).
   Batch NextBatch();
   // Admit's and Submit's checks on the model's queue (nullptr: a model not served).
-  absl::Status AdmitLocked(const ModelQueue* queue) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status AdmitLocked(const ModelQueue* queue, bool warmup) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   ModelQueue* OldestQueue() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Full(const ModelQueue& queue) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Batch TakeBatch(ModelQueue& queue) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

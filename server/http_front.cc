@@ -165,8 +165,9 @@ void HttpFront::Route() {
     SendJson(json::object(), res);
   });
   server.Get("/v2/health/ready", [s](const httplib::Request&, httplib::Response& res) {
-    if (s.inference->ready()) return SendJson(json::object(), res);
-    SendError(absl::UnavailableError("the server is shutting down"), res);
+    const absl::Status readiness = s.inference->Readiness();
+    if (readiness.ok()) return SendJson(json::object(), res);
+    SendError(readiness, res);
   });
   server.Get("/v2", [](const httplib::Request&, httplib::Response& res) {
     const inference::ServerMetadataResponse m = ToServerMetadata();
@@ -193,8 +194,9 @@ void HttpFront::Route() {
                absl::StatusOr<const Model*> model =
                    FindInferModel(*s.models, req.matches[1].str(), req.matches[2].str());
                if (!model.ok()) return SendError(model.status(), res);
-               if (s.inference->ready()) return SendJson(json::object(), res);
-               SendError(absl::UnavailableError("the server is shutting down"), res);
+               const absl::Status readiness = s.inference->Readiness(*model);
+               if (readiness.ok()) return SendJson(json::object(), res);
+               SendError(readiness, res);
              });
   server.Get(absl::StrCat(kModelPath, "/config"),
              [s](const httplib::Request& req, httplib::Response& res) {
@@ -212,8 +214,7 @@ void HttpFront::Route() {
       });
   server.Post("/v2/repository/index", [s](const httplib::Request&, httplib::Response& res) {
     json models = json::array();
-    const inference::RepositoryIndexResponse index =
-        ToRepositoryIndex(*s.models, s.inference->ready());
+    const inference::RepositoryIndexResponse index = s.inference->Index(/*ready_only=*/false);
     for (const auto& m : index.models()) {
       json entry = {{"name", m.name()}, {"version", m.version()}, {"state", m.state()}};
       if (!m.reason().empty()) entry["reason"] = m.reason();

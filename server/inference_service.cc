@@ -195,14 +195,28 @@ absl::StatusOr<inference::ModelStatisticsResponse> CollectStatistics(const Model
   return response;
 }
 
-inference::RepositoryIndexResponse ToRepositoryIndex(const ModelRepository& models, bool ready) {
+absl::Status InferenceServiceImpl::Readiness(const Model* model) const {
+  if (!ready_.load(std::memory_order_relaxed)) {
+    return absl::UnavailableError("the server is shutting down");
+  }
+  for (const Model* m : models_->models()) {
+    if ((model == nullptr || m == model) && !batcher_->IsReady(m)) {
+      return absl::UnavailableError(absl::StrCat("model ", m->name, " is warming up"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+inference::RepositoryIndexResponse InferenceServiceImpl::Index(bool ready_only) const {
   inference::RepositoryIndexResponse index;
-  for (const Model* model : models.models()) {
+  for (const Model* model : models_->models()) {
+    const absl::Status readiness = Readiness(model);
+    if (ready_only && !readiness.ok()) continue;
     auto* entry = index.add_models();
     entry->set_name(model->name);
     entry->set_version(kModelVersion);
-    entry->set_state(ready ? "READY" : "UNAVAILABLE");
-    if (!ready) entry->set_reason("the server is shutting down");
+    entry->set_state(readiness.ok() ? "READY" : "UNAVAILABLE");
+    if (!readiness.ok()) entry->set_reason(std::string(readiness.message()));
   }
   return index;
 }
@@ -217,7 +231,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ServerLive(
 grpc::ServerUnaryReactor* InferenceServiceImpl::ServerReady(
     grpc::CallbackServerContext* context, const inference::ServerReadyRequest* /*request*/,
     inference::ServerReadyResponse* response) {
-  response->set_ready(ready());
+  response->set_ready(Readiness().ok());
   return Answer(context, absl::OkStatus());
 }
 
@@ -226,7 +240,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelReady(
     inference::ModelReadyResponse* response) {
   absl::StatusOr<const Model*> model =
       FindInferModel(*models_, request->name(), request->version());
-  response->set_ready(model.ok() && ready());
+  response->set_ready(model.ok() && Readiness(*model).ok());
   return Answer(context, model.status());
 }
 
@@ -300,8 +314,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelStatistics(
 grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryIndex(
     grpc::CallbackServerContext* context, const inference::RepositoryIndexRequest* request,
     inference::RepositoryIndexResponse* response) {
-  *response = ToRepositoryIndex(*models_, ready());
-  if (request->ready() && !ready()) response->clear_models();
+  *response = Index(request->ready());
   return Answer(context, absl::OkStatus());
 }
 

@@ -55,7 +55,6 @@ absl::StatusOr<inference::ModelStatisticsResponse> CollectStatistics(const Model
                                                                      const Metrics& metrics,
                                                                      absl::string_view name,
                                                                      absl::string_view version);
-inference::RepositoryIndexResponse ToRepositoryIndex(const ModelRepository& models, bool ready);
 
 class InferenceServiceImpl final : public inference::GRPCInferenceService::CallbackService {
  public:
@@ -64,7 +63,12 @@ class InferenceServiceImpl final : public inference::GRPCInferenceService::Callb
 
   // ServerReady / ModelReady answer false from now on (shutdown).
   void SetNotReady() { ready_.store(false, std::memory_order_relaxed); }
-  bool ready() const { return ready_.load(std::memory_order_relaxed); }
+  // OK when `model` (nullptr: every model) serves; otherwise UNAVAILABLE with the
+  // reason: the server is shutting down, or the model is still warming up.
+  absl::Status Readiness(const Model* model = nullptr) const;
+  // RepositoryIndex: every model with its state, READY or UNAVAILABLE with the reason;
+  // only the ready ones when `ready_only`.
+  inference::RepositoryIndexResponse Index(bool ready_only) const;
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* request,

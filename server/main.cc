@@ -214,6 +214,20 @@ int main(int argc, char** argv) {
   if ((*server)->http_port() != 0) {
     std::printf("http on %s\n", (*server)->http_address().c_str());
   }
+  // Health answers from here on (NOT_SERVING); "listening on" means serving.
+  std::printf("warming up on %s\n", (*server)->address().c_str());
+  std::fflush(stdout);
+  const auto warmed = (*server)->WaitUntilReady();
+  if (!warmed.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(warmed.status().message()).c_str());
+    (*server)->Shutdown();
+    return 1;
+  }
+  for (const mha::server::WarmupReport& report : *warmed) {
+    if (report.passes == 0) continue;
+    std::fprintf(stderr, "model %s: warm-up, %lld pass(es) in %s\n", report.model.c_str(),
+                 static_cast<long long>(report.passes), absl::FormatDuration(report.took).c_str());
+  }
   std::printf("listening on %s\n", (*server)->address().c_str());
   std::fflush(stdout);
 

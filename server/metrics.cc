@@ -247,6 +247,10 @@ Metrics::Metrics(const std::vector<std::string>& model_names)
                      .Name("mha_tokens_total")
                      .Help("Query tokens (B*Q) of requests answered OK.")
                      .Register(*registry_);
+  warmup_ = &prometheus::BuildGauge()
+                 .Name("mha_model_warmup_seconds")
+                 .Help("Time the model's warm-up passes took before it served.")
+                 .Register(*registry_);
   auto make = [&](const std::string& name) {
     return std::make_unique<ModelMetrics>(name, requests, request_duration, queue_duration,
                                           compute_duration, batch_size, batch_tokens, queue_depth,
@@ -254,6 +258,10 @@ Metrics::Metrics(const std::vector<std::string>& model_names)
   };
   for (const std::string& name : model_names) models_.emplace(name, make(name));
   unknown_ = make(kUnknownModelLabel);
+}
+
+void Metrics::Warmed(const std::string& model, absl::Duration took) {
+  warmup_->Add({{"model", model}}).Set(absl::ToDoubleSeconds(took));
 }
 
 ModelMetrics& Metrics::ForModel(absl::string_view name) {

@@ -136,8 +136,12 @@ class Metrics {
 
   const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
 
+  // mha_model_warmup_seconds{model}: how long the model's warm-up took.
+  void Warmed(const std::string& model, absl::Duration took);
+
  private:
   std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Gauge>* warmup_ = nullptr;
   std::map<std::string, std::unique_ptr<ModelMetrics>, std::less<>> models_;
   std::unique_ptr<ModelMetrics> unknown_;
 };

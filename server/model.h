@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/time/time.h"
 #include "core/attention.h"
@@ -38,11 +39,20 @@ struct BatchingPolicy {
   absl::Duration max_queue_wait = absl::ZeroDuration();
 };
 
+// One warm-up forward pass (config.pbtxt `warmup`): B rows of Q queries and K keys;
+// K 0 = self-attention.
+struct WarmupShape {
+  int64_t batch = 1;
+  int64_t num_queries = 1;
+  int64_t num_keys = 0;
+};
+
 struct Model {
   std::string name;
   core::ModelConfig config;
   ModelLimits limits;
   BatchingPolicy batching;
+  std::vector<WarmupShape> warmup;  // run before the model serves (server/server.h)
   std::string weights_source;  // "seeded (seed 0)" or the weights path
   std::unique_ptr<core::MultiHeadAttention> attention;
 };

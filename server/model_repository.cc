@@ -119,6 +119,35 @@ absl::Status WithContext(const absl::Status& status, absl::string_view context) 
   return absl::Status(status.code(), absl::StrCat(context, ": ", status.message()));
 }
 
+// `warmup` blocks: every dimension within the model's limits; K 0 only for a model
+// that can self-attend.
+absl::StatusOr<std::vector<WarmupShape>> ResolveWarmup(const attention::v1::ModelConfig& proto,
+                                                       const core::ModelConfig& config,
+                                                       const ModelLimits& limits) {
+  std::vector<WarmupShape> shapes;
+  for (int i = 0; i < proto.warmup_size(); ++i) {
+    const attention::v1::WarmupConfig& w = proto.warmup(i);
+    const std::string field = absl::StrCat("warmup[", i, "]");
+    const auto in_range = [&](absl::string_view name, int64_t value, int64_t low,
+                              int64_t high, absl::string_view limit) -> absl::Status {
+      if (value >= low && value <= high) return absl::OkStatus();
+      return absl::InvalidArgumentError(absl::StrCat(field, ".", name, ": expected ", low,
+                                                     " to ", high, " (", limit, "), got ", value));
+    };
+    MHA_RETURN_IF_ERROR(in_range("batch", w.batch(), 1, limits.max_batch_size, "max_batch_size"));
+    MHA_RETURN_IF_ERROR(in_range("num_queries", w.num_queries(), 1, limits.max_sequence_length,
+                                 "max_sequence_length"));
+    MHA_RETURN_IF_ERROR(in_range("num_keys", w.num_keys(), 0, limits.max_sequence_length,
+                                 "max_sequence_length"));
+    if (w.num_keys() == 0 && !config.SupportsSelfAttention()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".num_keys: 0 (self-attention) needs d_k = d_v = d_q; give keys"));
+    }
+    shapes.push_back({.batch = w.batch(), .num_queries = w.num_queries(), .num_keys = w.num_keys()});
+  }
+  return shapes;
+}
+
 }  // namespace
 
 absl::StatusOr<attention::v1::ModelConfig> ParseModelConfig(absl::string_view text,
@@ -146,6 +175,7 @@ absl::StatusOr<ResolvedModelConfig> ResolveModelConfig(const attention::v1::Mode
   MHA_ASSIGN_OR_RETURN(
       resolved.batching,
       ResolveBatching(proto.batching(), options.default_batching, resolved.limits));
+  MHA_ASSIGN_OR_RETURN(resolved.warmup, ResolveWarmup(proto, resolved.config, resolved.limits));
   return resolved;
 }
 
@@ -167,6 +197,7 @@ absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir, const s
   model->config = resolved->config;
   model->limits = resolved->limits;
   model->batching = resolved->batching;
+  model->warmup = resolved->warmup;
 
   core::Weights weights;
   if (proto.has_seeded()) {

@@ -68,6 +68,7 @@ struct ResolvedModelConfig {
   core::ModelConfig config;
   ModelLimits limits;
   BatchingPolicy batching;
+  std::vector<WarmupShape> warmup;  // each within the limits
 };
 absl::StatusOr<ResolvedModelConfig> ResolveModelConfig(const attention::v1::ModelConfig& proto,
                                                        absl::string_view name,

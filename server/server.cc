@@ -6,7 +6,10 @@
 #include <algorithm>
 #include <climits>
 #include <fstream>
+#include <optional>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -120,7 +123,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   MHA_ASSIGN_OR_RETURN(server->batcher_, Batcher::Create({.num_workers = options.compute_workers},
                                                          server->metrics_.get()));
   for (const Model* model : server->models_->models()) {
-    MHA_RETURN_IF_ERROR(server->batcher_->AddModel(model));
+    MHA_RETURN_IF_ERROR(server->batcher_->AddModel(model, /*warming=*/true));
   }
   server->service_ = std::make_unique<AttentionServiceImpl>(
       server->models_.get(), server->batcher_.get(), server->metrics_.get());
@@ -165,12 +168,93 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
                                            .metrics = server->metrics_.get(),
                                            .inference = server->inference_service_.get()}));
   }
+  // gRPC's health service starts with "" SERVING: not so until the warm-up is done.
   grpc::HealthCheckServiceInterface* health = server->grpc_server_->GetHealthCheckService();
+  health->SetServingStatus(false);
   for (const Model* model : server->models_->models()) {
+    health->SetServingStatus(model->name, false);
+  }
+  server->warmup_thread_ = std::thread(&Server::Warm, server.get());
+  return server;
+}
+
+namespace {
+
+// One warm-up pass through the batcher, as a request would run: fixed inputs in
+// [-0.5, 0.5], K 0 = self-attention.
+absl::Status WarmOnce(Batcher& batcher, const Model& model, const WarmupShape& shape) {
+  const core::ModelConfig& c = model.config;
+  const bool self = shape.num_keys == 0;
+  const int64_t keys = self ? shape.num_queries : shape.num_keys;
+  const auto filled = [](int64_t n) {
+    std::vector<float> v(static_cast<size_t>(n));
+    for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(i % 17) / 16.0f - 0.5f;
+    return v;
+  };
+  const std::vector<float> queries = filled(shape.batch * shape.num_queries * c.query_size);
+  const std::vector<float> key_data = filled(self ? 0 : shape.batch * keys * c.key_size);
+  const std::vector<float> value_data = filled(self ? 0 : shape.batch * keys * c.value_size);
+  std::vector<float> output(static_cast<size_t>(shape.batch * shape.num_queries * c.num_hiddens));
+  absl::Mutex mu;
+  std::optional<absl::Status> result;
+  MHA_RETURN_IF_ERROR(batcher.Submit(WorkItem{
+      .model = &model,
+      .inputs = {.batch = shape.batch,
+                 .num_queries = shape.num_queries,
+                 .num_keys = keys,
+                 .queries = queries.data(),
+                 .keys = self ? nullptr : key_data.data(),
+                 .values = self ? nullptr : value_data.data()},
+      .output = output.data(),
+      .done =
+          [&](absl::Status status, const ComputeTiming&) {
+            absl::MutexLock lock(&mu);
+            result = std::move(status);
+          },
+      .warmup = true}));
+  absl::MutexLock lock(&mu);
+  mu.Await(absl::Condition(
+      +[](std::optional<absl::Status>* r) { return r->has_value(); }, &result));
+  return *result;
+}
+
+}  // namespace
+
+void Server::Warm() {
+  grpc::HealthCheckServiceInterface* health = grpc_server_->GetHealthCheckService();
+  std::vector<WarmupReport> reports;
+  absl::Status failed;
+  for (const Model* model : models_->models()) {
+    const absl::Time start = absl::Now();
+    for (size_t i = 0; i < model->warmup.size() && failed.ok(); ++i) {
+      const WarmupShape& w = model->warmup[i];
+      if (absl::Status s = WarmOnce(*batcher_, *model, w); !s.ok()) {
+        failed = absl::Status(
+            s.code(), absl::StrCat("model ", model->name, ": warm-up pass ", i, " (batch ",
+                                   w.batch, ", num_queries ", w.num_queries, ", num_keys ",
+                                   w.num_keys, "): ", s.message()));
+      }
+    }
+    if (!failed.ok()) break;
+    const absl::Duration took = absl::Now() - start;
+    metrics_->Warmed(model->name, took);
+    reports.push_back({.model = model->name,
+                       .passes = static_cast<int64_t>(model->warmup.size()),
+                       .took = took});
+    batcher_->SetReady(model);
     health->SetServingStatus(model->name, true);
   }
-  health->SetServingStatus(true);  // overall ("") last: every model is ready
-  return server;
+  if (failed.ok()) health->SetServingStatus(true);  // overall last: every model is ready
+  absl::MutexLock lock(&warmup_mu_);
+  warmed_ = true;
+  warmup_ = failed.ok() ? absl::StatusOr<std::vector<WarmupReport>>(std::move(reports))
+                        : absl::StatusOr<std::vector<WarmupReport>>(failed);
+}
+
+absl::StatusOr<std::vector<WarmupReport>> Server::WaitUntilReady() {
+  absl::MutexLock lock(&warmup_mu_);
+  warmup_mu_.Await(absl::Condition(&warmed_));
+  return warmup_;
 }
 
 Server::~Server() { Shutdown(); }
@@ -186,6 +270,8 @@ void Server::Shutdown() {
     grpc_server_->Shutdown(absl::ToChronoTime(absl::Now() + options_.drain_timeout));
   }
   if (batcher_ != nullptr) batcher_->Shutdown();
+  // After the batcher: a warm-up pass still queued has been computed, or refused.
+  if (warmup_thread_.joinable()) warmup_thread_.join();
   if (grpc_server_ != nullptr) grpc_server_->Wait();
 }
 

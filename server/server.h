@@ -4,7 +4,8 @@
 //
 //   ServerOptions options;            // defaults: 127.0.0.1:50051, embedded model
 //   options.port = 0;                 // pick a free port
-//   auto server = Server::Create(options).value();   // serving when this returns
+//   auto server = Server::Create(options).value();   // listening, warming up
+//   server->WaitUntilReady().value();                  // serving
 //   std::printf("listening on %s\n", server->address().c_str());
 //   ...
 //   server->Shutdown();               // drain: see below
@@ -18,9 +19,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/batcher.h"
 #include "server/http_front.h"
@@ -57,11 +61,28 @@ struct ServerOptions {
   absl::Status Validate() const;
 };
 
+// One model's warm-up (config.pbtxt `warmup` blocks).
+struct WarmupReport {
+  std::string model;
+  int64_t passes = 0;
+  absl::Duration took;
+};
+
 class Server {
  public:
   // Loads every model (any failure is returned, naming the model and file), binds
-  // the port and starts serving with health SERVING overall ("") and per model name.
+  // the ports and starts the warm-up: each model's `warmup` passes run, in order,
+  // through the batcher on the compute workers, so its primitives, workspaces and
+  // threads are ready before the first request. Meanwhile health (gRPC, and the OIP
+  // ready checks) is NOT_SERVING for the model and overall, and its requests get
+  // UNAVAILABLE naming the warm-up. As each model's warm-up ends it turns SERVING;
+  // overall ("") turns SERVING last, once every model is ready.
   static absl::StatusOr<std::unique_ptr<Server>> Create(const ServerOptions& options);
+
+  // Blocks until the warm-up has ended: each model's passes and the time they took,
+  // or the first failure, naming the model and the pass (the server then serves no
+  // model that had not warmed up; the caller should shut it down).
+  absl::StatusOr<std::vector<WarmupReport>> WaitUntilReady();
   ~Server();  // Shutdown()
 
   // Health NOT_SERVING, stop accepting calls (HTTP first: its requests being
@@ -95,6 +116,13 @@ class Server {
   std::unique_ptr<grpc::Server> grpc_server_;
   std::unique_ptr<HttpFront> http_;
   bool shut_down_ = false;
+
+  // The warm-up thread and what it found.
+  void Warm();
+  std::thread warmup_thread_;
+  absl::Mutex warmup_mu_;
+  bool warmed_ ABSL_GUARDED_BY(warmup_mu_) = false;
+  absl::StatusOr<std::vector<WarmupReport>> warmup_ ABSL_GUARDED_BY(warmup_mu_);
 };
 
 }  // namespace mha::server

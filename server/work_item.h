@@ -35,6 +35,8 @@ struct WorkItem {
   // the status is OK. Must not block for long.
   std::function<void(absl::Status, const ComputeTiming&)> done;
   absl::Time enqueued;  // set by Submit
+  // A warm-up pass (server/server.h): admitted while the model is still warming up.
+  bool warmup = false;
 
   int64_t rows() const { return inputs.batch; }
   // The sequence length the request pads a merged call to: max(Q, K).

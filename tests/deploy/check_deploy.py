@@ -451,6 +451,8 @@ def cmd_configmap(source, binary):
                                 stderr=subprocess.PIPE, text=True)
         try:
             line = proc.stdout.readline()
+            if line.startswith("warming up on "):  # health answers; serving comes next
+                line = proc.stdout.readline()
             if not line.startswith("listening on "):
                 proc.wait(timeout=30)
                 print("FAIL: the server did not start on the ConfigMap layout:", proc.stderr.read())

@@ -13,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "server/model_repository.h"
 #include "tests/integration/client_util.h"
+#include "tests/integration/metrics_scrape.h"
 #include "tests/integration/server_process.h"
 
 namespace mha::testing {
@@ -75,6 +76,72 @@ TEST(StartupTest, MissingWeightsFileFailsStartNamingIt) {
 
 // One server per port: a second server on the gRPC, HTTP or metrics port of a
 // running one exits non-zero naming the port, and the first keeps serving.
+// config.pbtxt warm-up passes run before the model serves: health is NOT_SERVING from
+// the first poll and requests get UNAVAILABLE naming the warm-up, then both turn; the
+// time is logged and exported.
+TEST(WarmupTest, HealthIsNotServingUntilTheWarmupHasRun) {
+  TempDir repository;
+  std::string config = "num_hiddens: 256 num_heads: 4 seeded { seed: 0 }";
+  // About a second of compute here: the checks below run well inside it.
+  for (int i = 0; i < 40; ++i) config += " warmup { batch: 8 num_queries: 512 }";
+  repository.Write("warm/config.pbtxt", config);
+  auto server = ServerProcess::Start({"--port=0", "--model_repository=" + repository.path()},
+                                     absl::Seconds(120), "warming up on ");
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string target = (*server)->target();
+  HealthCheckResponse health;
+  ASSERT_TRUE(CheckHealth(target, "", &health).ok());
+  EXPECT_EQ(health.status(), HealthCheckResponse::NOT_SERVING);
+  ASSERT_TRUE(CheckHealth(target, "warm", &health).ok());
+  EXPECT_EQ(health.status(), HealthCheckResponse::NOT_SERVING);
+  AttendRequest request;
+  *request.mutable_queries() = MakeTensor({1, 4, 256});
+  AttendResponse response;
+  auto stub = Connect(target);
+  grpc::Status status = Attend(*stub, request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_TRUE(absl::StrContains(status.error_message(), "model warm is warming up (40 warm-up"))
+      << status.error_message();
+
+  const absl::Time deadline = absl::Now() + absl::Seconds(120);
+  while (CheckHealth(target, "", &health).ok() &&
+         health.status() != HealthCheckResponse::SERVING && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_EQ(health.status(), HealthCheckResponse::SERVING);
+  ASSERT_TRUE(CheckHealth(target, "warm", &health).ok());
+  EXPECT_EQ(health.status(), HealthCheckResponse::SERVING);
+  status = Attend(*stub, request, &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  const std::string metrics = ScrapeMetrics((*server)->metrics_port()).value();
+  EXPECT_GT(MetricValue(metrics, "mha_model_warmup_seconds{model=\"warm\"}"), 0.0) << metrics;
+  // Warm-up passes are not requests: the batch histogram counts the one request only.
+  EXPECT_EQ(MetricValue(metrics, "mha_batch_size_count{model=\"warm\"}"), 1.0);
+  // "listening on" follows the warm-up; the log says what it took.
+  const absl::Time logged = absl::Now() + absl::Seconds(10);
+  while (!absl::StrContains((*server)->log(), "model warm: warm-up, 40 pass(es) in") &&
+         absl::Now() < logged) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(absl::StrContains((*server)->log(), "model warm: warm-up, 40 pass(es) in"))
+      << (*server)->log();
+}
+
+TEST(WarmupTest, WarmupOutsideTheLimitsFailsStartNamingIt) {
+  TempDir repository;
+  const std::string config = repository.Write(
+      "warm/config.pbtxt",
+      "num_hiddens: 8 num_heads: 2 seeded { seed: 0 } limits { max_sequence_length: 16 } "
+      "warmup { batch: 1 num_queries: 8 } warmup { batch: 1 num_queries: 32 }");
+  const RunResult run = RunServer({"--port=0", "--model_repository=" + repository.path()});
+  EXPECT_EQ(run.exit_code, 1);
+  EXPECT_FALSE(absl::StrContains(run.out, "listening on"));
+  EXPECT_TRUE(absl::StrContains(run.err, "model warm (" + config +
+                                             "): warmup[1].num_queries: expected 1 to 16 "
+                                             "(max_sequence_length), got 32"))
+      << run.err;
+}
+
 TEST(StartupTest, BusyPortFailsStartNamingIt) {
   auto first = ServerProcess::Start({"--port=0", "--metrics_port=0", "--http_port=0"});
   ASSERT_TRUE(first.ok()) << first.status();

@@ -61,7 +61,7 @@ std::optional<int> WaitPid(pid_t pid, absl::Duration timeout) {
 std::string ServerPath() { return MHA_SERVER_PATH; }
 
 absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
-    const std::vector<std::string>& args, absl::Duration timeout) {
+    const std::vector<std::string>& args, absl::Duration timeout, absl::string_view address_line) {
   std::unique_ptr<ServerProcess> server(new ServerProcess());
   server->dir_ = std::make_unique<TempDir>();
   int out[2];
@@ -95,7 +95,7 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
     while ((line_end = stdout_text.find('\n')) != std::string::npos) {
       const std::string line = stdout_text.substr(0, line_end);
       stdout_text.erase(0, line_end + 1);
-      const bool listening = absl::StartsWith(line, "listening on ");
+      const bool listening = absl::StartsWith(line, address_line);
       const bool http = absl::StartsWith(line, "http on ");
       if (!listening && !http && !absl::StartsWith(line, "metrics on ")) continue;
       int* port = listening ? &server->port_ : http ? &server->http_port_ : &server->metrics_port_;

@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "tests/temp_dir.h"
 
@@ -32,8 +33,11 @@ class ServerProcess {
   // unless `args` set them) and waits (up to `timeout`) for the "listening on HOST:PORT" line on
   // its stdout, and for "http on HOST:PORT" too when `args` set --http_port >= 0. If the process
   // exits first, FAILED_PRECONDITION carrying the exit status and the server's stderr.
+  // `address_line` "warming up on " returns as soon as the port answers health, before
+  // the models' warm-up has run.
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(
-      const std::vector<std::string>& args, absl::Duration timeout = absl::Seconds(30));
+      const std::vector<std::string>& args, absl::Duration timeout = absl::Seconds(30),
+      absl::string_view address_line = "listening on ");
   ~ServerProcess();  // SIGKILL and reap if still running
 
   int port() const { return port_; }

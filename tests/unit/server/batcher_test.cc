@@ -11,6 +11,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "gtest/gtest.h"
 #include "server/codec.h"
@@ -380,6 +381,53 @@ TEST_F(BatcherTest, CreateAndAddModelNameTheBadField) {
   EXPECT_NE(queue.message().find("model bad: max_queue_size: expected >= 1, got 0"),
             std::string::npos)
       << queue;
+}
+
+}  // namespace
+}  // namespace mha::server
+
+namespace mha::server {
+namespace {
+
+// A warming model admits warm-up items only; others get UNAVAILABLE naming the
+// warm-up until SetReady.
+TEST(BatcherWarmupTest, AWarmingModelAdmitsOnlyWarmupItems) {
+  auto models = ModelRepository::Create({}).value();
+  const Model* model = models->Find("").value();
+  auto batcher = Batcher::Create({.num_workers = 1}, nullptr).value();
+  ASSERT_TRUE(batcher->AddModel(model, /*warming=*/true).ok());
+  EXPECT_FALSE(batcher->IsReady(model));
+
+  const attention::v1::AttendRequest request = ToyRequest();
+  const ValidatedRequest validated = ValidateRequest(request, *model).value();
+  std::vector<float> output(static_cast<size_t>(validated.output_elements()));
+  absl::Mutex mu;
+  int done = 0;
+  const auto item = [&](bool warmup) {
+    return WorkItem{.model = model,
+                    .inputs = validated.inputs,
+                    .output = output.data(),
+                    .done =
+                        [&](absl::Status status, const ComputeTiming&) {
+                          EXPECT_TRUE(status.ok()) << status;
+                          absl::MutexLock lock(&mu);
+                          ++done;
+                        },
+                    .warmup = warmup};
+  };
+  const absl::Status refused = batcher->Submit(item(/*warmup=*/false));
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(refused.message(), "model default is warming up")) << refused;
+  EXPECT_EQ(batcher->Admit(model).code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(batcher->Submit(item(/*warmup=*/true)).ok());
+
+  batcher->SetReady(model);
+  EXPECT_TRUE(batcher->IsReady(model));
+  EXPECT_TRUE(batcher->Admit(model).ok());
+  EXPECT_TRUE(batcher->Submit(item(/*warmup=*/false)).ok());
+  batcher->Shutdown();
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(done, 2);
 }
 
 }  // namespace
