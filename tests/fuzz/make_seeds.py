@@ -143,6 +143,10 @@ def config_seeds():
                            b"max_queue_size: 128 }\n",
         "file": b'num_hiddens: 16 num_heads: 4 file: "weights.safetensors"\n',
         "bad_heads": b"num_hiddens: 100 num_heads: 7 seeded { seed: 0 }\n",
+        "warmup": b"num_hiddens: 8 num_heads: 2 seeded { seed: 0 } "
+                  b"limits { max_sequence_length: 16 }\n"
+                  b"warmup { batch: 2 num_queries: 16 } warmup { batch: 1 num_queries: 3 "
+                  b"num_keys: 17 }\n",
     }
 
 
