@@ -255,10 +255,11 @@ namespace {
 std::map<std::string, int64_t> ErrorsNotAllowed(const StepReport& step,
                                                 const BenchOptions& options) {
   std::map<std::string, int64_t> errors;
-  for (const auto& [code, count] : step.all_errors) {
+  for (const auto& entry : step.all_errors) {
+    const std::string& code = entry.first;
     const bool allowed = std::any_of(options.allowed_errors.begin(), options.allowed_errors.end(),
                                      [&](grpc::StatusCode c) { return CodeName(c) == code; });
-    if (!allowed) errors[code] = count;
+    if (!allowed) errors[code] = entry.second;
   }
   return errors;
 }
