@@ -199,10 +199,12 @@ absl::Status InferenceServiceImpl::Readiness(const Model* model) const {
   if (!ready_.load(std::memory_order_relaxed)) {
     return absl::UnavailableError("the server is shutting down");
   }
+  const auto warming = [](const Model* m) {
+    return absl::UnavailableError(absl::StrCat("model ", m->name, " is warming up"));
+  };
+  if (model != nullptr) return batcher_->IsReady(model) ? absl::OkStatus() : warming(model);
   for (const Model* m : models_->models()) {
-    if ((model == nullptr || m == model) && !batcher_->IsReady(m)) {
-      return absl::UnavailableError(absl::StrCat("model ", m->name, " is warming up"));
-    }
+    if (!batcher_->IsReady(m)) return warming(m);
   }
   return absl::OkStatus();
 }
