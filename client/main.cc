@@ -22,6 +22,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "base/command_line.h"
+#include "base/mutex_mode.h"
 #include "client/http.h"
 #include "client/status.h"
 #include "client/verbs.h"
@@ -373,6 +374,7 @@ void KeepRequestBuffersInTheHeap() {
 
 int main(int argc, char** argv) {
   KeepRequestBuffersInTheHeap();
+  mha::SkipMutexDeadlockDetectionInRelease();
   // --help lists this file's flags (absl's default looks for <program>.cc).
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view file) {

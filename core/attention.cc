@@ -183,7 +183,11 @@ class MultiHeadAttention::Impl {
     }
   }
 
-  absl::Status Forward(const AttentionInputs& in, float* output, float* attention) const;
+  absl::Status Forward(const AttentionInputs& in, float* output, float* attention,
+                       int max_threads) const;
+  // The thread count follows the call's size (kFlopsPerThread), capped by
+  // `max_threads` when > 0.
+  int ThreadsFor(const AttentionInputs& in, int caller_threads, int max_threads = 0) const;
 
  private:
   // How many keys each query sees: valid_lens and causal folded into one number.
@@ -293,8 +297,7 @@ class MultiHeadAttention::Impl {
     std::unique_ptr<Workspace> ws_;
   };
 
-  // Forward's phases, in order. The thread count follows the call's size.
-  int ThreadsFor(const AttentionInputs& in, int caller_threads) const;
+  // Forward's phases, in order.
   static KeyLimits ComputeKeyLimits(const AttentionInputs& in);
   // Q, K, V projections; key/value rows that no query can see are never projected.
   Projections Project(const AttentionInputs& in, int64_t kv_rows, Workspace& ws) const;
@@ -565,12 +568,14 @@ void MultiHeadAttention::Impl::WriteContext(const Task& task, const RowStats& st
   }
 }
 
-int MultiHeadAttention::Impl::ThreadsFor(const AttentionInputs& in, int caller_threads) const {
+int MultiHeadAttention::Impl::ThreadsFor(const AttentionInputs& in, int caller_threads,
+                                         int cap) const {
   // oneDNN splits a primitive's work for the threads it asks OpenMP for and assumes
   // it gets them all, so a call never asks for more than OMP_THREAD_LIMIT: the part
   // of the output planned for threads OpenMP refuses would silently be skipped.
-  const int max_threads =
+  int max_threads =
       std::min(o_.num_threads > 0 ? o_.num_threads : caller_threads, omp_get_thread_limit());
+  if (cap > 0) max_threads = std::min(max_threads, cap);
   // Small calls run on fewer threads (kFlopsPerThread): a fork/join and a partition of
   // a tiny GEMM cost more than they save, and the cores are left to other callers.
   const double flops = MultiHeadAttention::Flops(c_, in.batch, in.num_queries, in.num_keys);
@@ -806,9 +811,9 @@ void MultiHeadAttention::Impl::ProjectOutput(const AttentionInputs& in, float* o
 }
 
 absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float* output,
-                                               float* attention) const {
+                                               float* attention, int max_threads) const {
   const int caller_threads = omp_get_max_threads();
-  const int threads = ThreadsFor(in, caller_threads);
+  const int threads = ThreadsFor(in, caller_threads, max_threads);
   // This thread's ICV bounds oneDNN's regions too; the caller gets its own back.
   omp_set_num_threads(threads);
   const absl::Cleanup restore_threads = [caller_threads] { omp_set_num_threads(caller_threads); };
@@ -874,8 +879,12 @@ absl::Status MultiHeadAttention::CheckInputs(const AttentionInputs& in) const {
   return CheckHeadMask(in.head_mask, config_.num_heads);
 }
 
+int MultiHeadAttention::Threads(const AttentionInputs& inputs) const {
+  return impl_->ThreadsFor(inputs, omp_get_max_threads());
+}
+
 absl::Status MultiHeadAttention::Forward(const AttentionInputs& inputs, float* output,
-                                         float* attention) const {
+                                         float* attention, int max_threads) const {
   MHA_RETURN_IF_ERROR(CheckInputs(inputs));
   if (output == nullptr) return absl::InvalidArgumentError("output: missing");
   // Batch rows are independent. A call whose activations would outgrow the caches
@@ -884,7 +893,7 @@ absl::Status MultiHeadAttention::Forward(const AttentionInputs& inputs, float* o
   const int64_t h = config_.num_heads, E = config_.num_hiddens;
   const int64_t max_rows = std::max<int64_t>(1, kSliceElements / (std::max(Q, K) * E));
   const int64_t slices = (B + max_rows - 1) / max_rows;
-  if (slices == 1) return impl_->Forward(inputs, output, attention);
+  if (slices == 1) return impl_->Forward(inputs, output, attention, max_threads);
   const int64_t rows = (B + slices - 1) / slices;
   const ValidLens lens = inputs.lens();
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
@@ -897,7 +906,8 @@ absl::Status MultiHeadAttention::Forward(const AttentionInputs& inputs, float* o
     }
     slice.valid_lens = lens.rows(b0, slice.batch);
     MHA_RETURN_IF_ERROR(impl_->Forward(
-        slice, output + b0 * Q * E, attention == nullptr ? nullptr : attention + b0 * h * Q * K));
+        slice, output + b0 * Q * E, attention == nullptr ? nullptr : attention + b0 * h * Q * K,
+        max_threads));
   }
   return absl::OkStatus();
 }

@@ -94,8 +94,15 @@ class MultiHeadAttention {
   // output: (B, Q, p_o), caller-owned. attention: nullptr, or (B, h, Q, K)
   // caller-owned, filled with the softmax weights. Errors: INVALID_ARGUMENT for bad
   // inputs, INTERNAL if oneDNN fails (never throws).
-  absl::Status Forward(const AttentionInputs& inputs, float* output,
-                       float* attention = nullptr) const;
+  // `max_threads` > 0 caps the call's OpenMP threads below Options::num_threads
+  // (the batcher runs a merged call on no more threads than its largest request
+  // would use alone).
+  absl::Status Forward(const AttentionInputs& inputs, float* output, float* attention = nullptr,
+                       int max_threads = 0) const;
+
+  // The OpenMP threads a call on `inputs` uses: one per 16 MFLOP of work, at least
+  // one, at most Options::num_threads (or the caller's omp_get_max_threads()).
+  int Threads(const AttentionInputs& inputs) const;
 
   const ModelConfig& config() const { return config_; }
   const Options& options() const { return options_; }

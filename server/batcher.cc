@@ -93,19 +93,41 @@ absl::Status Batcher::AdmitLocked(const ModelQueue* found, bool warmup) const {
   return absl::OkStatus();
 }
 
+bool Batcher::RunsInline(const ModelQueue& queue, const WorkItem& item) const {
+  if (options_.inline_max_flops <= 0 || queued_ > 0 || computing_ > 0 || item.warmup) return false;
+  const BatchingPolicy& policy = queue.model->batching;
+  if (policy.enabled && policy.max_queue_delay > absl::ZeroDuration()) return false;
+  const core::AttentionInputs& in = item.inputs;
+  return core::MultiHeadAttention::Flops(queue.model->config, in.batch, in.num_queries,
+                                         in.num_keys) <= options_.inline_max_flops;
+}
+
 absl::Status Batcher::Submit(WorkItem item) {
-  absl::MutexLock lock(&mu_);
-  const auto it = queues_.find(item.model);
-  MHA_RETURN_IF_ERROR(AdmitLocked(it == queues_.end() ? nullptr : &it->second, item.warmup));
-  ModelQueue& queue = it->second;
-  item.enqueued = absl::Now();
-  queue.rows += item.rows();
-  queue.tokens += item.rows() * item.length();
-  queue.items.push_back(std::move(item));
-  ++queued_;
-  if (queue.metrics != nullptr) {
-    queue.metrics->queue_depth().Set(static_cast<double>(queue.items.size()));
+  Batch inline_batch;
+  {
+    absl::MutexLock lock(&mu_);
+    const auto it = queues_.find(item.model);
+    MHA_RETURN_IF_ERROR(AdmitLocked(it == queues_.end() ? nullptr : &it->second, item.warmup));
+    ModelQueue& queue = it->second;
+    item.enqueued = absl::Now();
+    if (!RunsInline(queue, item)) {
+      queue.rows += item.rows();
+      queue.tokens += item.rows() * item.length();
+      queue.items.push_back(std::move(item));
+      ++queued_;
+      if (queue.metrics != nullptr) {
+        queue.metrics->queue_depth().Set(static_cast<double>(queue.items.size()));
+      }
+      return absl::OkStatus();
+    }
+    inline_batch = Batch{.model = queue.model,
+                         .metrics = queue.metrics,
+                         .tokens = item.rows() * item.length()};
+    inline_batch.items.push_back(std::move(item));
+    queue.computing_tokens += inline_batch.tokens;
+    ++computing_;
   }
+  Run(inline_batch, /*worker=*/nullptr);
   return absl::OkStatus();
 }
 
@@ -122,6 +144,9 @@ void Batcher::Shutdown() {
   for (std::thread& worker : workers_) {
     if (worker.joinable()) worker.join();
   }
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](int64_t* computing) { return *computing == 0; }, &computing_));
 }
 
 Batcher::ModelQueue* Batcher::OldestQueue() {
@@ -172,6 +197,7 @@ Batcher::Batch Batcher::TakeBatch(ModelQueue& queue) {
   }
   batch.tokens = rows * length;
   queue.computing_tokens += batch.tokens;
+  if (!batch.items.empty()) ++computing_;
   queue.items = std::move(kept);
   queue.rows = 0;
   queue.tokens = 0;
@@ -216,7 +242,7 @@ void Batcher::WorkerLoop() {
   while (true) {
     Batch batch = NextBatch();
     if (batch.model == nullptr) return;
-    Run(batch, worker);
+    Run(batch, &worker);
   }
 }
 
@@ -224,13 +250,14 @@ void Batcher::BatchDone(const Batch& batch, absl::Duration elapsed, bool compute
   absl::MutexLock lock(&mu_);
   ModelQueue& queue = queues_.at(batch.model);
   queue.computing_tokens -= batch.tokens;
+  --computing_;
   if (!computed || batch.tokens == 0) return;
   const double sample = absl::ToDoubleSeconds(elapsed) / static_cast<double>(batch.tokens);
   double& average = queue.seconds_per_token;
   average = average == 0 ? sample : 0.75 * average + 0.25 * sample;
 }
 
-void Batcher::Run(Batch& batch, Worker& worker) {
+void Batcher::Run(Batch& batch, Worker* worker) {
   const absl::Time start = absl::Now();
   AnswerDropped(batch, start);
   if (batch.items.empty()) return;
@@ -270,20 +297,27 @@ void Batcher::AnswerDropped(Batch& batch, absl::Time now) {
   }
 }
 
-absl::Status Batcher::Compute(const Batch& batch, Worker& worker) {
+absl::Status Batcher::Compute(const Batch& batch, Worker* worker) {
   const core::MultiHeadAttention& attention = *batch.model->attention;
   if (batch.items.size() == 1) {
     const WorkItem& item = batch.items.front();
     return attention.Forward(item.inputs, item.output, item.attention);
   }
-  worker.parts.clear();
+  worker->parts.clear();
   for (const WorkItem& item : batch.items) {
-    worker.parts.push_back(BatchPart{.inputs = &item.inputs, .output = item.output});
+    worker->parts.push_back(BatchPart{.inputs = &item.inputs, .output = item.output});
   }
   const core::ModelConfig& config = batch.model->config;
-  const core::AttentionInputs merged = worker.merger.Merge(worker.parts, config);
-  MHA_RETURN_IF_ERROR(attention.Forward(merged, worker.merger.output()));
-  worker.merger.Scatter(worker.parts, config);
+  const core::AttentionInputs merged = worker->merger.Merge(worker->parts, config);
+  // Merging saves per-call overhead; it does not take more cores than the largest
+  // request would alone, since the fronts need them for the calls' RPCs.
+  int threads = 1;
+  for (const WorkItem& item : batch.items) {
+    threads = std::max(threads, attention.Threads(item.inputs));
+  }
+  MHA_RETURN_IF_ERROR(
+      attention.Forward(merged, worker->merger.output(), /*attention=*/nullptr, threads));
+  worker->merger.Scatter(worker->parts, config);
   return absl::OkStatus();
 }
 

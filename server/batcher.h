@@ -14,6 +14,10 @@
 //     Requests share a call when batch_merge's CanMerge allows it and neither
 //     asks for attention weights (those run alone, as their (B, h, Q, K) output
 //     is per request). Q and K may differ (batch_merge pads and masks).
+//   - A merged call runs on no more OpenMP threads than the largest of its requests
+//     would use alone (core::MultiHeadAttention::Threads): merging saves per-call
+//     overhead, and on a small machine the fronts need the other cores for the
+//     calls' RPCs (docs/performance.md, "Merging that never costs").
 //   - Expired and cancelled requests met while forming a batch are answered
 //     DEADLINE_EXCEEDED / CANCELLED and never computed.
 //   - A full queue (max_queue_size) answers RESOURCE_EXHAUSTED at Submit, and so does
@@ -23,6 +27,17 @@
 //     workers. An idle model admits any request; until it has computed once, only
 //     max_queue_size applies.
 //   - policy.enabled = false: one request per forward call, no waiting.
+//
+// Inline execution (Options::inline_max_flops): a request of at most that much
+// work (core::MultiHeadAttention::Flops; 2 MFLOP in the server, the toy model's
+// (2, 4, 100) request is 0.8) runs on the thread that calls Submit, and `done` is
+// called before Submit returns, when nothing is queued or computing for any model,
+// the model is not warming up and its policy would not wait for company
+// (batching off, or max_queue_delay 0). Then a worker could only have taken it
+// alone and at once; inline it skips two thread hand-offs. Anything larger, or
+// arriving while compute is busy, is queued, so a front's thread never computes
+// for longer than a small request takes (tens of microseconds) and requests that
+// arrive under load still merge. One inline call at a time: it counts as compute.
 //
 // Scheduling: `num_workers` workers, each running one forward call at a time on
 // threads_per_worker OpenMP threads (the models are created with that count).
@@ -68,6 +83,7 @@ class Batcher {
  public:
   struct Options {
     int num_workers = 1;
+    double inline_max_flops = 0;  // 0: never inline (see above)
   };
 
   // `metrics` may be null. INVALID_ARGUMENT naming num_workers when < 1.
@@ -82,9 +98,10 @@ class Batcher {
   bool IsReady(const Model* model) const;  // served and not warming up
   ~Batcher();  // Shutdown()
 
-  // OK: queued, `done` will be called. RESOURCE_EXHAUSTED naming the model and
-  // max_queue_size or max_queue_wait when over either; UNAVAILABLE after Shutdown.
-  // Never blocks on compute.
+  // OK: queued, `done` will be called (or, inline, was called). RESOURCE_EXHAUSTED
+  // naming the model and max_queue_size or max_queue_wait when over either;
+  // UNAVAILABLE after Shutdown. Never waits for other requests' compute; computes
+  // only an inline request.
   absl::Status Submit(WorkItem item);
 
   // What Submit would answer now for a request of `model`, without queueing: lets a
@@ -92,7 +109,8 @@ class Batcher {
   absl::Status Admit(const Model* model) const;
 
   // Stops accepting, computes everything queued (batched, without waiting;
-  // deadlines and cancellation still apply), then joins the workers. Idempotent.
+  // deadlines and cancellation still apply), joins the workers and waits for inline
+  // calls in progress. Idempotent.
   void Shutdown();
 
   int64_t queue_size() const;  // all models
@@ -128,16 +146,20 @@ class Batcher {
   ModelQueue* OldestQueue() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Full(const ModelQueue& queue) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Batch TakeBatch(ModelQueue& queue) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `item`, admitted to `queue`, runs inline (see above).
+  bool RunsInline(const ModelQueue& queue, const WorkItem& item) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A worker's reusable state for merged calls.
   struct Worker {
     BatchMerger merger;
     std::vector<BatchPart> parts;
   };
-  void Run(Batch& batch, Worker& worker);
+  void Run(Batch& batch, Worker* worker);
   // Answers the batch's expired and cancelled items; they are never computed.
   void AnswerDropped(Batch& batch, absl::Time now);
-  // The batch's items as one forward call, merged when there are several.
-  absl::Status Compute(const Batch& batch, Worker& worker);
+  // The batch's items as one forward call, merged (in `worker`) when there are
+  // several; `worker` may be null for a batch of one.
+  absl::Status Compute(const Batch& batch, Worker* worker);
   // The batch's forward call is over: its tokens leave computing_tokens and, if it
   // computed, its time per token enters the model's average.
   void BatchDone(const Batch& batch, absl::Duration elapsed, bool computed);
@@ -147,6 +169,7 @@ class Batcher {
   mutable absl::Mutex mu_;
   std::map<const Model*, ModelQueue> queues_ ABSL_GUARDED_BY(mu_);
   int64_t queued_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t computing_ ABSL_GUARDED_BY(mu_) = 0;  // forward calls in progress, inline too
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> workers_;
 };

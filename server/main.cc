@@ -18,6 +18,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "base/command_line.h"
+#include "base/mutex_mode.h"
 #include "core/config.h"
 #include "server/server.h"
 
@@ -96,6 +97,10 @@ ABSL_FLAG(int32_t, compute_threads, kDefaults.compute_threads,
 ABSL_FLAG(int32_t, compute_workers, kDefaults.compute_workers,
           "Forward calls run concurrently; each gets compute_threads / compute_workers "
           "threads.");
+ABSL_FLAG(double, inline_max_flops, kDefaults.inline_max_flops,
+          "A request of at most this many FLOPs (the toy model's (2, 4, 100) request is 0.8M) "
+          "runs on the thread that received it when no compute is queued or running; larger "
+          "ones go to the compute workers. 0 = always hand off.");
 ABSL_FLAG(int64_t, max_queue_size, kDefaults.batching.max_queue_size,
           "Requests waiting for compute, per model, before new ones get RESOURCE_EXHAUSTED.");
 ABSL_FLAG(bool, batching, kDefaults.batching.enabled,
@@ -128,6 +133,7 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 
 int main(int argc, char** argv) {
   ShortenOpenMpSpin(argv);
+  mha::SkipMutexDeadlockDetectionInRelease();
   // --help lists this file's flags (absl's default looks for <program>.cc).
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view file) {
@@ -151,6 +157,7 @@ int main(int argc, char** argv) {
   options.model_repository = absl::GetFlag(FLAGS_model_repository);
   options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   options.compute_workers = absl::GetFlag(FLAGS_compute_workers);
+  options.inline_max_flops = absl::GetFlag(FLAGS_inline_max_flops);
   options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.http_port = absl::GetFlag(FLAGS_http_port);

@@ -74,6 +74,10 @@ absl::Status ServerOptions::Validate() const {
   MHA_RETURN_IF_ERROR(AtLeast("http_threads", http_threads, 1));
   MHA_RETURN_IF_ERROR(AtLeast("compute_threads", compute_threads, 0));
   MHA_RETURN_IF_ERROR(AtLeast("compute_workers", compute_workers, 1));
+  if (!(inline_max_flops >= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("inline_max_flops: expected >= 0, got ", inline_max_flops));
+  }
   for (auto [field, value] : {std::pair{"limits.max_batch_size", limits.max_batch_size},
                               {"limits.max_sequence_length", limits.max_sequence_length},
                               {"limits.max_request_bytes", limits.max_request_bytes},
@@ -120,7 +124,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
                          MetricsExposer::Start(HostPort(options.metrics_host, options.metrics_port),
                                                server->metrics_->registry()));
   }
-  MHA_ASSIGN_OR_RETURN(server->batcher_, Batcher::Create({.num_workers = options.compute_workers},
+  MHA_ASSIGN_OR_RETURN(server->batcher_, Batcher::Create({.num_workers = options.compute_workers,
+                                                          .inline_max_flops = options.inline_max_flops},
                                                          server->metrics_.get()));
   for (const Model* model : server->models_->models()) {
     MHA_RETURN_IF_ERROR(server->batcher_->AddModel(model, /*warming=*/true));

@@ -41,6 +41,9 @@ struct ServerOptions {
   std::string model_repository;            // "" = the embedded "default" model
   int compute_threads = 0;                 // total OpenMP threads for compute; 0 = AvailableCpus()
   int compute_workers = 1;                 // concurrent forward calls; each gets threads/workers
+  // A request of at most this much work runs on the thread that received it when
+  // compute is idle (server/batcher.h); 0 = never.
+  double inline_max_flops = 2e6;
   ModelLimits limits;                      // defaults for limits a model config leaves at 0
   BatchingPolicy batching;                 // likewise for `batching { ... }`
   std::string metrics_host = "127.0.0.1";  // /metrics: loopback unless asked

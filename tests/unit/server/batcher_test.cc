@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -428,6 +429,154 @@ TEST(BatcherWarmupTest, AWarmingModelAdmitsOnlyWarmupItems) {
   batcher->Shutdown();
   absl::MutexLock lock(&mu);
   EXPECT_EQ(done, 2);
+}
+
+}  // namespace
+}  // namespace mha::server
+
+namespace mha::server {
+namespace {
+
+// Inline execution (Batcher::Options::inline_max_flops): a small request submitted
+// while compute is idle runs on the submitting thread, before Submit returns, and
+// answers exactly as the worker path does; larger ones, and any submitted while
+// requests are queued, go to the workers.
+class BatcherInlineTest : public BatcherTest {
+ protected:
+  struct Answer {
+    absl::Status status;
+    std::vector<float> output;
+    std::vector<float> attention;
+    std::thread::id thread;
+    bool before_return = false;  // done was called before Submit returned
+  };
+
+  // Submits `request` to `batcher` and waits for its answer.
+  Answer Submit(Batcher& batcher, const AttendRequest& request) {
+    AttendResponse response;
+    absl::Mutex mu;
+    bool done = false;
+    bool returned = false;
+    Answer answer;
+    WorkItem item = Item(request, &response, [&](absl::Status status) {
+      absl::MutexLock lock(&mu);
+      answer.status = std::move(status);
+      answer.thread = std::this_thread::get_id();
+      answer.before_return = !returned;
+      done = true;
+    });
+    const absl::Status submitted = batcher.Submit(std::move(item));
+    EXPECT_TRUE(submitted.ok()) << submitted;
+    absl::MutexLock lock(&mu);
+    returned = true;
+    mu.Await(absl::Condition(&done));
+    answer.output.assign(response.output().data().begin(), response.output().data().end());
+    answer.attention.assign(response.attention().data().begin(),
+                            response.attention().data().end());
+    return answer;
+  }
+
+  std::unique_ptr<Batcher> MakeInlineBatcher(double inline_max_flops) {
+    auto batcher =
+        Batcher::Create({.num_workers = 1, .inline_max_flops = inline_max_flops}, nullptr).value();
+    EXPECT_TRUE(batcher->AddModel(&model()).ok());
+    return batcher;
+  }
+};
+
+TEST_F(BatcherInlineTest, SmallRequestsRunInlineAndAnswerAsTheWorkerDoes) {
+  MakeRepository({.max_queue_delay = absl::ZeroDuration()});
+  std::vector<AttendRequest> requests = {
+      Request(2, 4, 6, {3, 2}),            // the toy request: per-row valid_lens
+      Request(1, 5, 9, {1, 2, 3, 9, 0}),   // one valid_len per query
+      Request(2, 4, 6),                    // no mask
+      Request(1, 7, 0),                    // self-attention
+      Request(3, 1, 2, {2, 0, 1}, 0.4f),  // a valid_len 0 row
+  };
+  requests.push_back(Request(1, 6, 0, {}, 0.2f));
+  requests.back().set_causal(true);
+  requests.push_back(Request(1, 6, 0, {4}, 0.3f));
+  requests.back().set_causal(true);  // causal and valid_lens
+  requests.push_back(Request(1, 4, 6, {5}, 0.5f));
+  requests.back().set_return_attention(true);
+  requests.push_back(Request(1, 4, 6, {}, 0.6f));
+  for (float f : {1.0f, 0.0f, 1.0f, 1.0f, 0.5f}) requests.back().add_head_mask(f);
+
+  auto inline_batcher = MakeInlineBatcher(2e6);
+  auto worker_batcher = MakeInlineBatcher(0);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    SCOPED_TRACE(i);
+    const Answer in = Submit(*inline_batcher, requests[i]);
+    const Answer queued = Submit(*worker_batcher, requests[i]);
+    ASSERT_TRUE(in.status.ok()) << in.status;
+    ASSERT_TRUE(queued.status.ok()) << queued.status;
+    EXPECT_TRUE(in.before_return);
+    EXPECT_EQ(in.thread, std::this_thread::get_id());
+    EXPECT_NE(queued.thread, std::this_thread::get_id());
+    // The same forward call on the same shapes: bit for bit.
+    EXPECT_EQ(in.output, queued.output);
+    EXPECT_EQ(in.attention, queued.attention);
+    // And the answer a request computed with no batcher at all gives.
+    EXPECT_LE(MaxAbsDiff(in.output, Alone(requests[i])), 1e-6f);
+  }
+}
+
+TEST_F(BatcherInlineTest, LargerRequestsGoToTheWorkers) {
+  MakeRepository({.max_queue_delay = absl::ZeroDuration()});
+  const AttendRequest request = Request(2, 4, 6, {3, 2});  // 0.82 MFLOP
+  EXPECT_TRUE(Submit(*MakeInlineBatcher(1e6), request).before_return);
+  const Answer queued = Submit(*MakeInlineBatcher(0.5e6), request);
+  ASSERT_TRUE(queued.status.ok()) << queued.status;
+  EXPECT_NE(queued.thread, std::this_thread::get_id());
+}
+
+TEST_F(BatcherInlineTest, AModelThatWaitsForCompanyQueues) {
+  MakeRepository({.max_queue_delay = absl::Microseconds(100)});
+  const Answer queued = Submit(*MakeInlineBatcher(2e6), Request(2, 4, 6, {3, 2}));
+  ASSERT_TRUE(queued.status.ok()) << queued.status;
+  EXPECT_NE(queued.thread, std::this_thread::get_id());
+}
+
+// While requests are queued, a small one queues behind them (arrival order holds
+// for the scheduler, and under load requests merge).
+TEST_F(BatcherInlineTest, SmallRequestsQueueBehindQueuedOnes) {
+  MakeRepository({.max_queue_delay = absl::ZeroDuration()});
+  auto batcher = MakeInlineBatcher(2e6);
+  std::vector<Call> calls(3);
+  calls[0].request = Request(8, 32, 0);  // 60 MFLOP: to the worker, which it holds
+  calls[1].request = Request(8, 32, 0, {}, 0.1f);  // queued behind it
+  calls[2].request = Request(2, 4, 6, {3, 2});     // small, but requests are queued
+  absl::Mutex mu;
+  bool release = false;
+  std::vector<std::thread::id> threads(calls.size());
+  for (size_t i = 0; i < calls.size(); ++i) {
+    ASSERT_TRUE(batcher
+                    ->Submit(Item(calls[i].request, &calls[i].response,
+                                  [&, i](absl::Status status) {
+                                    absl::MutexLock lock(&mu);
+                                    calls[i].status = std::move(status);
+                                    calls[i].done = true;
+                                    threads[i] = std::this_thread::get_id();
+                                    if (i == 0) mu.Await(absl::Condition(&release));
+                                  }))
+                    .ok());
+    if (i == 0) {  // wait until request 0 is being answered by the worker
+      absl::MutexLock lock(&mu);
+      mu.Await(absl::Condition(&calls[0].done));
+    }
+  }
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_FALSE(calls[2].done);  // not run inline
+    release = true;
+  }
+  batcher->Shutdown();
+  for (size_t i = 0; i < calls.size(); ++i) {
+    SCOPED_TRACE(i);
+    ASSERT_TRUE(calls[i].status.ok()) << calls[i].status;
+    EXPECT_NE(threads[i], std::this_thread::get_id());
+    EXPECT_LE(MaxAbsDiff(calls[i].response.output().data(), Alone(calls[i].request)), 1e-5f);
+  }
 }
 
 }  // namespace
