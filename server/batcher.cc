@@ -70,7 +70,7 @@ absl::Status Batcher::AdmitLocked(const ModelQueue* found, bool warmup) const {
   if (queue.warming && !warmup) {
     return absl::UnavailableError(absl::StrCat(
         "model ", queue.model->name, " is warming up (", queue.model->warmup.size(),
-        " warm-up pass(es) of its config.pbtxt); retry when its health is SERVING"));
+        " warm-up pass(es)); retry when its health is SERVING"));
   }
   const int64_t limit = queue.model->batching.max_queue_size;
   if (static_cast<int64_t>(queue.items.size()) >= limit) {

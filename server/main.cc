@@ -101,6 +101,10 @@ ABSL_FLAG(double, inline_max_flops, kDefaults.inline_max_flops,
           "A request of at most this many FLOPs (the toy model's (2, 4, 100) request is 0.8M) "
           "runs on the thread that received it when no compute is queued or running; larger "
           "ones go to the compute workers. 0 = always hand off.");
+ABSL_FLAG(bool, default_warmup, kDefaults.default_warmup,
+          "Warm up a model whose config.pbtxt lists no warmup passes with the default ones "
+          "(B 1 x Q 128, and the largest batch the batcher may form), so its first request "
+          "and later load find weights packed and workspaces grown.");
 ABSL_FLAG(int64_t, max_queue_size, kDefaults.batching.max_queue_size,
           "Requests waiting for compute, per model, before new ones get RESOURCE_EXHAUSTED.");
 ABSL_FLAG(bool, batching, kDefaults.batching.enabled,
@@ -158,6 +162,7 @@ int main(int argc, char** argv) {
   options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   options.compute_workers = absl::GetFlag(FLAGS_compute_workers);
   options.inline_max_flops = absl::GetFlag(FLAGS_inline_max_flops);
+  options.default_warmup = absl::GetFlag(FLAGS_default_warmup);
   options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.http_port = absl::GetFlag(FLAGS_http_port);

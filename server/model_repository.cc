@@ -123,7 +123,13 @@ absl::Status WithContext(const absl::Status& status, absl::string_view context) 
 // that can self-attend.
 absl::StatusOr<std::vector<WarmupShape>> ResolveWarmup(const attention::v1::ModelConfig& proto,
                                                        const core::ModelConfig& config,
-                                                       const ModelLimits& limits) {
+                                                       const ModelLimits& limits,
+                                                       const BatchingPolicy& batching,
+                                                       bool default_warmup) {
+  if (proto.warmup_size() == 0) {
+    if (!default_warmup) return std::vector<WarmupShape>{};
+    return DefaultWarmup(config, limits, batching);
+  }
   std::vector<WarmupShape> shapes;
   for (int i = 0; i < proto.warmup_size(); ++i) {
     const attention::v1::WarmupConfig& w = proto.warmup(i);
@@ -150,6 +156,17 @@ absl::StatusOr<std::vector<WarmupShape>> ResolveWarmup(const attention::v1::Mode
 
 }  // namespace
 
+std::vector<WarmupShape> DefaultWarmup(const core::ModelConfig& config, const ModelLimits& limits,
+                                       const BatchingPolicy& batching) {
+  const bool self = config.SupportsSelfAttention();
+  const int64_t first = std::min<int64_t>(128, limits.max_sequence_length);
+  const int64_t rows = std::clamp<int64_t>(batching.max_batch_size, 1, limits.max_batch_size);
+  const int64_t length =
+      std::clamp<int64_t>(batching.max_batch_tokens / rows, 1, limits.max_sequence_length);
+  return {{.batch = 1, .num_queries = first, .num_keys = self ? 0 : first},
+          {.batch = rows, .num_queries = length, .num_keys = self ? 0 : length}};
+}
+
 absl::StatusOr<attention::v1::ModelConfig> ParseModelConfig(absl::string_view text,
                                                             absl::string_view source) {
   attention::v1::ModelConfig config;
@@ -175,7 +192,9 @@ absl::StatusOr<ResolvedModelConfig> ResolveModelConfig(const attention::v1::Mode
   MHA_ASSIGN_OR_RETURN(
       resolved.batching,
       ResolveBatching(proto.batching(), options.default_batching, resolved.limits));
-  MHA_ASSIGN_OR_RETURN(resolved.warmup, ResolveWarmup(proto, resolved.config, resolved.limits));
+  MHA_ASSIGN_OR_RETURN(resolved.warmup,
+                       ResolveWarmup(proto, resolved.config, resolved.limits, resolved.batching,
+                                     options.default_warmup));
   return resolved;
 }
 
@@ -227,6 +246,9 @@ absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(const O
     model->limits = options.default_limits;
     MHA_ASSIGN_OR_RETURN(model->batching,
                          ResolveBatching({}, options.default_batching, model->limits));
+    if (options.default_warmup) {
+      model->warmup = DefaultWarmup(model->config, model->limits, model->batching);
+    }
     model->weights_source = absl::StrCat("seeded (seed ", kDefaultModelSeed, ")");
     MHA_ASSIGN_OR_RETURN(
         model->attention,

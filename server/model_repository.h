@@ -37,6 +37,8 @@ class ModelRepository {
     ModelLimits default_limits;       // used for every limit a config leaves at 0
     BatchingPolicy default_batching;  // likewise for `batching { ... }`
     int num_threads = 0;              // OpenMP threads per forward call (0: OpenMP default)
+    // A model whose config lists no `warmup` runs DefaultWarmup's passes.
+    bool default_warmup = true;
   };
 
   // INVALID_ARGUMENT / NOT_FOUND naming the model and the file on any fault.
@@ -70,6 +72,19 @@ struct ResolvedModelConfig {
   BatchingPolicy batching;
   std::vector<WarmupShape> warmup;  // each within the limits
 };
+// The warm-up of a model whose config.pbtxt lists none: two passes that leave the
+// first real request little to set up (docs/performance.md, "Warm start"):
+//   1. B 1, Q = min(128, max_sequence_length), self-attention when the model can
+//      (else K = Q): packs the weights into the layout the projections use (a 2-3 ms
+//      reorder for bert_base), compiles the kernels and creates the common blocks'
+//      primitives;
+//   2. the largest call the batcher may form: B = the batching max_batch_size, Q = K =
+//      min(max_sequence_length, max_batch_tokens / B), which grows the workspaces to
+//      their steady size, so memory does not step up under later load.
+// A request of a new shape then costs only its own primitives (tenths of a ms each).
+std::vector<WarmupShape> DefaultWarmup(const core::ModelConfig& config, const ModelLimits& limits,
+                                       const BatchingPolicy& batching);
+
 absl::StatusOr<ResolvedModelConfig> ResolveModelConfig(const attention::v1::ModelConfig& proto,
                                                        absl::string_view name,
                                                        const ModelRepository::Options& options);

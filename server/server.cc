@@ -115,7 +115,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
                        ModelRepository::Create({.path = options.model_repository,
                                                 .default_limits = options.limits,
                                                 .default_batching = options.batching,
-                                                .num_threads = server->threads_per_worker_}));
+                                                .num_threads = server->threads_per_worker_,
+                                                .default_warmup = options.default_warmup}));
   std::vector<std::string> names;
   for (const Model* model : server->models_->models()) names.push_back(model->name);
   server->metrics_ = std::make_unique<Metrics>(names);

@@ -44,6 +44,9 @@ struct ServerOptions {
   // A request of at most this much work runs on the thread that received it when
   // compute is idle (server/batcher.h); 0 = never.
   double inline_max_flops = 2e6;
+  // A model whose config.pbtxt lists no `warmup` runs the default passes
+  // (server/model_repository.h DefaultWarmup); false: no warm-up for it.
+  bool default_warmup = true;
   ModelLimits limits;                      // defaults for limits a model config leaves at 0
   BatchingPolicy batching;                 // likewise for `batching { ... }`
   std::string metrics_host = "127.0.0.1";  // /metrics: loopback unless asked

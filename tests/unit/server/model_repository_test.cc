@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
@@ -104,6 +105,48 @@ TEST(ModelRepositoryTest, ResolveNamesTheBatchingField) {
   const absl::Status parse = ParseModelConfig("num_hiddens: x", "f.pbtxt").status();
   EXPECT_EQ(parse.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(parse.message(), "f.pbtxt: ")) << parse;
+}
+
+// A config without `warmup` gets the default passes, inside its limits: B 1 x Q 128
+// (or max_sequence_length), then the largest batch the batcher may form; a model
+// that cannot self-attend warms with keys. Listed passes replace them;
+// default_warmup = false leaves such a model cold.
+TEST(ModelRepositoryTest, ModelsWithoutWarmupGetTheDefaultPasses) {
+  const auto shapes = [](absl::string_view text, bool default_warmup = true) {
+    const auto config = ParseModelConfig(text, "test").value();
+    return ResolveModelConfig(config, "m", {.default_warmup = default_warmup}).value().warmup;
+  };
+  const std::vector<WarmupShape> bert = shapes(
+      "num_hiddens: 768 num_heads: 12 limits { max_batch_size: 64 max_sequence_length: 512 } "
+      "batching { max_batch_size: 32 max_batch_tokens: 8192 }");
+  ASSERT_EQ(bert.size(), 2u);
+  EXPECT_EQ(bert[0].batch, 1);
+  EXPECT_EQ(bert[0].num_queries, 128);
+  EXPECT_EQ(bert[0].num_keys, 0);
+  EXPECT_EQ(bert[1].batch, 32);
+  EXPECT_EQ(bert[1].num_queries, 256);  // 8192 tokens over 32 rows
+  EXPECT_EQ(bert[1].num_keys, 0);
+
+  const std::vector<WarmupShape> small = shapes(
+      "num_hiddens: 16 num_heads: 2 query_size: 8 limits { max_batch_size: 4 "
+      "max_sequence_length: 20 } batching { max_batch_size: 100 max_batch_tokens: 1000000 }");
+  ASSERT_EQ(small.size(), 2u);
+  EXPECT_EQ(small[0].num_queries, 20);
+  EXPECT_EQ(small[0].num_keys, 20);  // d_q != d_k: cross-attention
+  EXPECT_EQ(small[1].batch, 4);      // the batcher's rows clamped to the model's limit
+  EXPECT_EQ(small[1].num_queries, 20);
+
+  const std::vector<WarmupShape> listed =
+      shapes("num_hiddens: 16 num_heads: 2 warmup { batch: 3 num_queries: 5 }");
+  ASSERT_EQ(listed.size(), 1u);
+  EXPECT_EQ(listed[0].batch, 3);
+  EXPECT_EQ(listed[0].num_queries, 5);
+  EXPECT_TRUE(shapes("num_hiddens: 16 num_heads: 2", /*default_warmup=*/false).empty());
+
+  auto embedded = ModelRepository::Create({}).value();
+  EXPECT_EQ(embedded->Find("").value()->warmup.size(), 2u);
+  auto cold = ModelRepository::Create({.default_warmup = false}).value();
+  EXPECT_TRUE(cold->Find("").value()->warmup.empty());
 }
 
 }  // namespace
