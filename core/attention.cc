@@ -48,6 +48,11 @@ constexpr int64_t kParallelBytes = 256 << 10;
 // a GEMM partition cost more than the work it takes over.
 constexpr double kFlopsPerThread = 16e6;
 
+// An f32 attention block of at most this many multiply-adds per product (mq x nk x
+// p) runs in plain loops (kernels::SmallScores/SmallContext): below it a oneDNN
+// primitive's look-up, binding and dispatch cost more than the arithmetic.
+constexpr int64_t kSmallBlockMacs = 8192;
+
 // Options::query_block at most: a task keeps its rows' softmax state on the stack.
 constexpr int64_t kMaxQueryBlock = 256;
 
@@ -483,6 +488,11 @@ void MultiHeadAttention::Impl::ScoreBlock(const Task& task, int64_t j0, int64_t 
                                           dnnl::stream& stream, TaskScratch& scratch) const {
   if (task.qa != nullptr) return AdditiveScoreBlock(task, j0, nk, scratch);
   const int64_t p = c_.head_size();
+  if (act_ == Dt::f32 && task.mq * nk * p <= kSmallBlockMacs) {
+    return kernels::SmallScores(reinterpret_cast<const float*>(task.q),
+                                reinterpret_cast<const float*>(task.k) + j0 * p, p, task.mq, nk,
+                                1.0f / std::sqrt(static_cast<float>(p)), scratch.s.data());
+  }
   Bindings& args = scratch.bindings;
   args.Bind(DNNL_ARG_SRC, task.mq, p, p, false, act_, task.q);
   args.Bind(DNNL_ARG_WEIGHTS, p, nk, p, /*transposed=*/true, act_, task.k + j0 * p * SizeOf(act_));
@@ -547,6 +557,10 @@ void MultiHeadAttention::Impl::SoftmaxBlock(const Task& task, int64_t j0, int64_
 void MultiHeadAttention::Impl::ContextBlock(const Task& task, int64_t j0, int64_t nk,
                                             dnnl::stream& stream, TaskScratch& scratch) const {
   const int64_t p = c_.head_size();
+  if (act_ == Dt::f32 && task.mq * nk * p <= kSmallBlockMacs) {
+    return kernels::SmallContext(scratch.s.data(), reinterpret_cast<const float*>(task.v) + j0 * p,
+                                 p, task.mq, nk, /*accumulate=*/j0 > 0, scratch.o.data());
+  }
   const void* probs =
       act_ == Dt::bf16 ? static_cast<const void*>(scratch.p.data()) : scratch.s.data();
   Bindings& args = scratch.bindings;

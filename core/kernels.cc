@@ -99,6 +99,34 @@ MHA_MULTIVERSION void AdditiveScores(const float* qa, const float* kt, int64_t l
   }
 }
 
+MHA_MULTIVERSION void SmallScores(const float* q, const float* k, int64_t p, int64_t mq,
+                                  int64_t nk, float scale, float* s) {
+  for (int64_t i = 0; i < mq; ++i) {
+    const float* qi = q + i * p;
+    for (int64_t j = 0; j < nk; ++j) {
+      const float* kj = k + j * p;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t c = 0; c < p; ++c) dot += qi[c] * kj[c];
+      s[i * nk + j] = scale * dot;
+    }
+  }
+}
+
+MHA_MULTIVERSION void SmallContext(const float* probs, const float* v, int64_t p, int64_t mq,
+                                   int64_t nk, bool accumulate, float* o) {
+  for (int64_t i = 0; i < mq; ++i) {
+    float* oi = o + i * p;
+    if (!accumulate) std::fill_n(oi, p, 0.0f);
+    for (int64_t j = 0; j < nk; ++j) {
+      const float w = probs[i * nk + j];
+      const float* vj = v + j * p;
+#pragma omp simd
+      for (int64_t c = 0; c < p; ++c) oi[c] += w * vj[c];
+    }
+  }
+}
+
 MHA_MULTIVERSION void Scale(float* x, float factor, int64_t n) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) x[j] *= factor;

@@ -25,6 +25,16 @@ float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n);
 void AdditiveScores(const float* qa, const float* kt, int64_t ld, const float* w, int64_t pa,
                     float* s, int64_t n);
 
+// A small attention block's two products in plain loops, for blocks so small that
+// a oneDNN primitive's look-up, binding and dispatch cost more than the arithmetic
+// (the toy model's (2, 4, 100) request: 4 x 6 blocks of 20 features). f32, dense:
+//   SmallScores:  s (mq, nk) = scale * q (mq, p) k (nk, p)^T
+//   SmallContext: o (mq, p) (+)= probs (mq, nk) v (nk, p)     (+= when accumulate)
+void SmallScores(const float* q, const float* k, int64_t p, int64_t mq, int64_t nk, float scale,
+                 float* s);
+void SmallContext(const float* probs, const float* v, int64_t p, int64_t mq, int64_t nk,
+                  bool accumulate, float* o);
+
 void Scale(float* x, float factor, int64_t n);  // x *= factor
 void ToBf16(const float* x, uint16_t* y, int64_t n);
 

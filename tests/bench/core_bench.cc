@@ -131,6 +131,42 @@ BENCHMARK_CAPTURE(BM_Rows, bert_base, "bert_base", 768, 12, true)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
+// The seeds' toy request (B 2, Q 4, K 6, valid_lens {3, 2}), `n` of them merged into
+// one call as the batcher does (B 2n): the tiny attention blocks of the serving
+// path's small-request figures (docs/performance.md, "The serving path").
+void BM_ToyRequests(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  const ModelConfig config{.num_hiddens = 100, .num_heads = 5};
+  auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 0)).value();
+  const int64_t rows = 2 * n;
+  std::vector<float> q(rows * 4 * 100, 0.5f), kv(rows * 6 * 100, 0.25f), out(q.size());
+  std::vector<int32_t> lens;
+  for (int64_t i = 0; i < n; ++i) lens.insert(lens.end(), {3, 2});
+  const AttentionInputs in{.batch = rows,
+                           .num_queries = 4,
+                           .num_keys = 6,
+                           .queries = q.data(),
+                           .keys = kv.data(),
+                           .values = kv.data(),
+                           .valid_lens = lens};
+  for (auto _ : state) {
+    if (!mha->Forward(in, out.data()).ok()) {
+      state.SkipWithError("Forward failed");
+      break;
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.counters["requests/s"] =
+      benchmark::Counter(static_cast<double>(n), benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_ToyRequests)
+    ->Name("Rows/toy_request")
+    ->Arg(1)
+    ->Arg(8)
+    ->Arg(32)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+
 void Register(const char* group, const Shape& shape) {
   for (Precision p : {Precision::kF32, Precision::kBf16}) {
     auto* b = benchmark::RegisterBenchmark(

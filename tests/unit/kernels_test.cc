@@ -1,5 +1,6 @@
 #include "core/kernels.h"
 
+#include <array>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -41,6 +42,47 @@ TEST(KernelsTest, OverflowedScoresGiveNan) {
 
 // s[j] = sum_a w[a] tanh(qa[a] + kt[a * ld + j]), against std::tanh in double, over
 // arguments from 0 (where 1 - exp(-2|x|) cancels) to past tanh's saturation.
+// The small-block products against double-precision loops, on odd sizes (vector
+// tails) and with accumulation; a NaN or inf in v reaches the context as oneDNN's
+// GEMM would carry it (0 x inf is NaN).
+TEST(KernelsTest, SmallBlockProductsMatchDoubleLoops) {
+  for (const auto [p, mq, nk] : {std::array<int64_t, 3>{20, 4, 6}, {64, 3, 17}, {1, 1, 1},
+                                 {33, 7, 5}}) {
+    SCOPED_TRACE(testing::Message() << "p " << p << " mq " << mq << " nk " << nk);
+    std::vector<float> q(mq * p), k(nk * p), v(nk * p);
+    for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.7f * static_cast<float>(i));
+    for (size_t i = 0; i < k.size(); ++i) k[i] = std::cos(0.3f * static_cast<float>(i));
+    for (size_t i = 0; i < v.size(); ++i) v[i] = std::sin(0.11f * static_cast<float>(i) + 1);
+    const float scale = 0.125f;
+    std::vector<float> s(mq * nk);
+    SmallScores(q.data(), k.data(), p, mq, nk, scale, s.data());
+    for (int64_t i = 0; i < mq; ++i) {
+      for (int64_t j = 0; j < nk; ++j) {
+        double dot = 0;
+        for (int64_t c = 0; c < p; ++c) dot += double{q[i * p + c]} * k[j * p + c];
+        EXPECT_NEAR(s[i * nk + j], scale * dot, 1e-5) << i << "," << j;
+      }
+    }
+    std::vector<float> o(mq * p, 100.0f);  // overwritten, not accumulated
+    SmallContext(s.data(), v.data(), p, mq, nk, /*accumulate=*/false, o.data());
+    std::vector<float> twice = o;
+    SmallContext(s.data(), v.data(), p, mq, nk, /*accumulate=*/true, twice.data());
+    for (int64_t i = 0; i < mq; ++i) {
+      for (int64_t c = 0; c < p; ++c) {
+        double sum = 0;
+        for (int64_t j = 0; j < nk; ++j) sum += double{s[i * nk + j]} * v[j * p + c];
+        EXPECT_NEAR(o[i * p + c], sum, 1e-5) << i << "," << c;
+        EXPECT_NEAR(twice[i * p + c], 2 * sum, 2e-5) << i << "," << c;
+      }
+    }
+  }
+  const std::vector<float> probs = {0.0f, 1.0f};
+  const std::vector<float> v = {kInf, 2.0f};
+  float o = 0.0f;
+  SmallContext(probs.data(), v.data(), 1, 1, 2, /*accumulate=*/false, &o);
+  EXPECT_TRUE(std::isnan(o));
+}
+
 TEST(KernelsTest, AdditiveScoresMatchStdTanh) {
   const int64_t pa = 3, ld = 11, n = 9;  // ld > n: a block of a longer key row
   const std::vector<float> qa = {0.0f, -0.7f, 2.5f};
