@@ -4,7 +4,8 @@
 Starts attention_server on deploy/models twice, batching on (the defaults) and
 --batching=false, both on loopback, and drives them with attention_client bench on
 the same machine: the client shares the cores with the server. Each ratio is the
-median of --runs measurements, its two sides alternated (A, B, A, B, ...):
+median of --runs measurements, its two sides alternated, the first side swapped every
+run (A B, B A, A B, ...) so that neither always runs first:
 
   health     toy default request (B 2, Q 4, K 6) req/s / Health req/s, concurrency 64
   batching   batching on / off req/s, toy and bert_base (B 1, Q = K = 32), c 1, 8, 64;
@@ -70,6 +71,15 @@ def bench(build, target, args, json_path, rpc="attend"):
         return json.load(f)["steps"][0]
 
 
+def alternated(run, first, second):
+    """(first(), second()), run in that order on even runs and swapped on odd ones."""
+    if run % 2 == 0:
+        x = first()
+        return x, second()
+    y = second()
+    return first(), y
+
+
 def ratio_line(name, ratios, target, better="higher"):
     median = statistics.median(ratios)
     ok = median >= target if better == "higher" else median <= target
@@ -82,11 +92,11 @@ def ratio_line(name, ratios, target, better="higher"):
 
 def measure_health(a, opts, tmp):
     ratios = []
-    for _ in range(opts.runs):
-        toy = bench(opts.build, a.target, ["--model=toy", "--concurrency=64",
-                                           f"--duration={opts.duration}s"], tmp + "/t.json")
-        health = bench(opts.build, a.target, ["--model=toy", "--concurrency=64", f"--duration={opts.duration}s"],
-                       tmp + "/h.json", rpc="health")
+    args = ["--model=toy", "--concurrency=64", f"--duration={opts.duration}s"]
+    for run in range(opts.runs):
+        toy, health = alternated(
+            run, lambda: bench(opts.build, a.target, args, tmp + "/t.json"),
+            lambda: bench(opts.build, a.target, args, tmp + "/h.json", rpc="health"))
         ratios.append(toy["requests_per_s"] / health["requests_per_s"])
     return ratio_line("toy req/s / Health req/s, c 64", ratios, 0.6)
 
@@ -98,9 +108,9 @@ def measure_batching(a, b, opts, tmp):
             ratios, rows = [], []
             args = [f"--model={model}", "--batch=1", "--num_queries=32", "--num_keys=0",
                     "--valid_lens=none", f"--concurrency={conc}", f"--duration={opts.duration}s"]
-            for _ in range(opts.runs):
-                on = bench(opts.build, a.target, args, tmp + "/on.json")
-                off = bench(opts.build, b.target, args, tmp + "/off.json")
+            for run in range(opts.runs):
+                on, off = alternated(run, lambda: bench(opts.build, a.target, args, tmp + "/on.json"),
+                                     lambda: bench(opts.build, b.target, args, tmp + "/off.json"))
                 ratios.append(on["requests_per_s"] / off["requests_per_s"])
                 rows.append(on["server"]["batch_rows"])
             ok &= ratio_line(f"batching on/off {model} c {conc}", ratios,
