@@ -246,9 +246,8 @@ absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(const O
     model->limits = options.default_limits;
     MHA_ASSIGN_OR_RETURN(model->batching,
                          ResolveBatching({}, options.default_batching, model->limits));
-    if (options.default_warmup) {
-      model->warmup = DefaultWarmup(model->config, model->limits, model->batching);
-    }
+    MHA_ASSIGN_OR_RETURN(model->warmup, ResolveWarmup({}, model->config, model->limits,
+                                                      model->batching, options.default_warmup));
     model->weights_source = absl::StrCat("seeded (seed ", kDefaultModelSeed, ")");
     MHA_ASSIGN_OR_RETURN(
         model->attention,
