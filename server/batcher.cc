@@ -28,18 +28,51 @@ absl::StatusOr<std::unique_ptr<Batcher>> Batcher::Create(const Options& options,
   return batcher;
 }
 
-absl::Status Batcher::AddModel(const Model* model, bool warming) {
+absl::Status Batcher::AddModel(std::shared_ptr<const Model> model, bool warming) {
   if (model->batching.max_queue_size < 1) {
     return absl::InvalidArgumentError(absl::StrCat("model ", model->name,
                                                    ": max_queue_size: expected >= 1, got ",
                                                    model->batching.max_queue_size));
   }
   absl::MutexLock lock(&mu_);
-  ModelQueue& queue = queues_[model];
-  queue.model = model;
+  ModelQueue& queue = queues_[model.get()];
+  queue.model = model.get();
   queue.metrics = metrics_ != nullptr ? &metrics_->ForModel(model->name) : nullptr;
   queue.warming = warming;
+  queue.owner = std::move(model);
   return absl::OkStatus();
+}
+
+void Batcher::RemoveModel(const Model* model) {
+  absl::MutexLock lock(&mu_);
+  const auto it = queues_.find(model);
+  if (it == queues_.end() || it->second.retiring) return;
+  it->second.retiring = true;
+  ++retiring_;
+  any_retiring_.store(true, std::memory_order_relaxed);
+  SweepLocked();
+}
+
+void Batcher::SweepLocked() {
+  if (retiring_ == 0) return;
+  for (auto it = queues_.begin(); it != queues_.end();) {
+    const ModelQueue& queue = it->second;
+    // use_count 1: only this queue holds the model, and no one can copy it anew.
+    if (queue.retiring && queue.items.empty() && queue.computing_tokens == 0 &&
+        queue.owner.use_count() == 1) {
+      it = queues_.erase(it);
+      --retiring_;
+    } else {
+      ++it;
+    }
+  }
+  any_retiring_.store(retiring_ > 0, std::memory_order_relaxed);
+}
+
+void Batcher::Sweep() {
+  if (!any_retiring_.load(std::memory_order_relaxed)) return;
+  absl::MutexLock lock(&mu_);
+  SweepLocked();
 }
 
 void Batcher::SetReady(const Model* model) {
@@ -106,7 +139,7 @@ absl::Status Batcher::Submit(WorkItem item) {
   Batch inline_batch;
   {
     absl::MutexLock lock(&mu_);
-    const auto it = queues_.find(item.model);
+    const auto it = queues_.find(item.model.get());
     MHA_RETURN_IF_ERROR(AdmitLocked(it == queues_.end() ? nullptr : &it->second, item.warmup));
     ModelQueue& queue = it->second;
     item.enqueued = absl::Now();
@@ -128,6 +161,8 @@ absl::Status Batcher::Submit(WorkItem item) {
     ++computing_;
   }
   Run(inline_batch, /*worker=*/nullptr);
+  inline_batch = {};
+  Sweep();
   return absl::OkStatus();
 }
 
@@ -240,9 +275,12 @@ Batcher::Batch Batcher::NextBatch() {
 void Batcher::WorkerLoop() {
   Worker worker;
   while (true) {
-    Batch batch = NextBatch();
-    if (batch.model == nullptr) return;
-    Run(batch, &worker);
+    {
+      Batch batch = NextBatch();
+      if (batch.model == nullptr) return;
+      Run(batch, &worker);
+    }
+    Sweep();  // after the batch's items, and their model references, are gone
   }
 }
 

@@ -59,6 +59,7 @@
 #ifndef MHA_SERVER_BATCHER_H_
 #define MHA_SERVER_BATCHER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -89,12 +90,17 @@ class Batcher {
   // `metrics` may be null. INVALID_ARGUMENT naming num_workers when < 1.
   static absl::StatusOr<std::unique_ptr<Batcher>> Create(const Options& options, Metrics* metrics);
 
-  // Adds a queue for `model` (which must outlive the batcher) with its
-  // BatchingPolicy. INVALID_ARGUMENT naming the model and max_queue_size when < 1.
-  // A `warming` model admits only warm-up items (WorkItem::warmup) until SetReady;
-  // other requests get UNAVAILABLE naming the warm-up.
-  absl::Status AddModel(const Model* model, bool warming = false);
+  // Adds a queue for `model` with its BatchingPolicy. INVALID_ARGUMENT naming the
+  // model and max_queue_size when < 1. A `warming` model admits only warm-up items
+  // (WorkItem::warmup) until SetReady; other requests get UNAVAILABLE naming the
+  // warm-up.
+  absl::Status AddModel(std::shared_ptr<const Model> model, bool warming = false);
   void SetReady(const Model* model);
+  // Retires `model`'s queue (a reload replaced the model, or removed it): requests
+  // that found the model before still queue and compute; the queue and the
+  // batcher's reference go once it is empty, no forward call of it runs and no one
+  // else holds the model (checked here and after every forward call).
+  void RemoveModel(const Model* model);
   bool IsReady(const Model* model) const;  // served and not warming up
   ~Batcher();  // Shutdown()
 
@@ -117,7 +123,8 @@ class Batcher {
 
  private:
   struct ModelQueue {
-    const Model* model = nullptr;
+    std::shared_ptr<const Model> owner;
+    const Model* model = nullptr;  // owner.get()
     ModelMetrics* metrics = nullptr;
     std::deque<WorkItem> items;
     int64_t rows = 0;    // sum of B over items
@@ -127,6 +134,7 @@ class Batcher {
     double seconds_per_token = 0;
     int64_t computing_tokens = 0;  // in forward calls taken from this queue, not done
     bool warming = false;          // admits warm-up items only
+    bool retiring = false;         // RemoveModel'd: erased once unused
   };
   struct Batch {
     const Model* model = nullptr;
@@ -140,6 +148,9 @@ class Batcher {
   void WorkerLoop();
   // Blocks until a batch is due (or stopping with nothing left: empty batch).
   Batch NextBatch();
+  // Erases the retiring queues no one uses any more.
+  void SweepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Sweep();
   // Admit's and Submit's checks on the model's queue (nullptr: a model not served).
   absl::Status AdmitLocked(const ModelQueue* queue, bool warmup) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -170,6 +181,8 @@ class Batcher {
   std::map<const Model*, ModelQueue> queues_ ABSL_GUARDED_BY(mu_);
   int64_t queued_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t computing_ ABSL_GUARDED_BY(mu_) = 0;  // forward calls in progress, inline too
+  int64_t retiring_ ABSL_GUARDED_BY(mu_) = 0;   // queues marked retiring
+  std::atomic<bool> any_retiring_{false};        // retiring_ > 0, read without mu_
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> workers_;
 };

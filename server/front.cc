@@ -19,7 +19,7 @@ void Meter::Answered(const absl::Status& status, const ModelRepository& models,
   if (model != nullptr) {
     model->inflight().Decrement();
   } else {
-    absl::StatusOr<const Model*> found = models.Find(requested_model);
+    absl::StatusOr<std::shared_ptr<const Model>> found = models.Find(requested_model);
     model = &metrics_->ForModel(found.ok() ? (*found)->name : kUnknownModelLabel);
   }
   model->Answered(protocol_, status.code(), absl::Now() - received_, rows_);
@@ -36,7 +36,7 @@ WorkItem MakeWorkItem(const Admitted& admitted, absl::Time deadline,
                       std::function<bool()> cancelled,
                       std::function<void(absl::Status, const ComputeTiming&)> done) {
   return WorkItem{
-      .model = admitted.request.model,
+      .model = admitted.model,
       .inputs = admitted.request.inputs,
       .output = admitted.outputs.output,
       .attention = admitted.outputs.attention,

@@ -50,6 +50,7 @@ class Meter {
 
 // A request that passed admission and validation, with its response sized.
 struct Admitted {
+  std::shared_ptr<const Model> model;  // request.model, held until answered
   ValidatedRequest request;
   OutputViews outputs;
   // The front's own bound (a timeout parameter); the call's deadline also applies.

@@ -73,6 +73,18 @@ absl::StatusOr<std::optional<int64_t>> HeaderLength(const httplib::Request& req)
   return length;
 }
 
+// A repository request's body: empty, or a JSON object whose "parameters", if
+// present, must be empty (HttpFront::RouteRepository).
+absl::StatusOr<bool> HasParameters(const std::string& body) {
+  if (body.empty()) return false;
+  const json parsed = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (parsed.is_discarded() || !parsed.is_object()) {
+    return absl::InvalidArgumentError("body: expected a JSON object, or nothing");
+  }
+  const auto it = parsed.find("parameters");
+  return it != parsed.end() && !(it->is_object() && it->empty());
+}
+
 }  // namespace
 
 int HttpStatusOf(absl::StatusCode code) {
@@ -178,7 +190,7 @@ void HttpFront::Route() {
         res);
   });
   server.Get(kModelPath, [s](const httplib::Request& req, httplib::Response& res) {
-    absl::StatusOr<const Model*> model =
+    absl::StatusOr<std::shared_ptr<const Model>> model =
         FindInferModel(*s.models, req.matches[1].str(), req.matches[2].str());
     if (!model.ok()) return SendError(model.status(), res);
     const inference::ModelMetadataResponse m = ToModelMetadata(**model);
@@ -191,16 +203,16 @@ void HttpFront::Route() {
   });
   server.Get(absl::StrCat(kModelPath, "/ready"),
              [s](const httplib::Request& req, httplib::Response& res) {
-               absl::StatusOr<const Model*> model =
+               absl::StatusOr<std::shared_ptr<const Model>> model =
                    FindInferModel(*s.models, req.matches[1].str(), req.matches[2].str());
                if (!model.ok()) return SendError(model.status(), res);
-               const absl::Status readiness = s.inference->Readiness(*model);
+               const absl::Status readiness = s.inference->Readiness(model->get());
                if (readiness.ok()) return SendJson(json::object(), res);
                SendError(readiness, res);
              });
   server.Get(absl::StrCat(kModelPath, "/config"),
              [s](const httplib::Request& req, httplib::Response& res) {
-               absl::StatusOr<const Model*> model =
+               absl::StatusOr<std::shared_ptr<const Model>> model =
                    FindInferModel(*s.models, req.matches[1].str(), req.matches[2].str());
                if (!model.ok()) return SendError(model.status(), res);
                SendProto(ToTritonConfig(**model), res);
@@ -212,16 +224,7 @@ void HttpFront::Route() {
         if (!stats.ok()) return SendError(stats.status(), res);
         SendProto(*stats, res);
       });
-  server.Post("/v2/repository/index", [s](const httplib::Request&, httplib::Response& res) {
-    json models = json::array();
-    const inference::RepositoryIndexResponse index = s.inference->Index(/*ready_only=*/false);
-    for (const auto& m : index.models()) {
-      json entry = {{"name", m.name()}, {"version", m.version()}, {"state", m.state()}};
-      if (!m.reason().empty()) entry["reason"] = m.reason();
-      models.push_back(std::move(entry));
-    }
-    SendJson(models, res);
-  });
+  RouteRepository();
   server.Post(absl::StrCat(kModelPath, "/infer"), [s](const httplib::Request& req,
                                                       httplib::Response& res) {
     const std::string model = req.matches[1].str();
@@ -264,6 +267,48 @@ void HttpFront::Route() {
     meter.Answered(status, *s.models, model);
     if (!status.ok()) SendError(status, res);
   });
+}
+
+void HttpFront::RouteRepository() {
+  httplib::Server& server = *server_;
+  const Services s = services_;
+  server.Post("/v2/repository/index", [s](const httplib::Request& req, httplib::Response& res) {
+    bool ready_only = false;
+    if (!req.body.empty()) {
+      const json body = json::parse(req.body, nullptr, /*allow_exceptions=*/false);
+      if (body.is_discarded() || !body.is_object()) {
+        return SendError(absl::InvalidArgumentError("body: expected a JSON object, or nothing"),
+                         res);
+      }
+      if (const auto ready = body.find("ready"); ready != body.end()) {
+        if (!ready->is_boolean()) {
+          return SendError(absl::InvalidArgumentError("ready: expected true or false"), res);
+        }
+        ready_only = ready->get<bool>();
+      }
+    }
+    json models = json::array();
+    const inference::RepositoryIndexResponse index = s.inference->Index(ready_only);
+    for (const auto& m : index.models()) {
+      json entry = {{"name", m.name()}, {"version", m.version()}, {"state", m.state()}};
+      if (!m.reason().empty()) entry["reason"] = m.reason();
+      models.push_back(std::move(entry));
+    }
+    SendJson(models, res);
+  });
+  for (const bool load : {true, false}) {
+    server.Post(absl::StrCat(R"(/v2/repository/models/([^/]+)/)", load ? "load" : "unload"),
+                [s, load](const httplib::Request& req, httplib::Response& res) {
+                  const absl::StatusOr<bool> parameters = HasParameters(req.body);
+                  absl::Status status = parameters.status();
+                  if (status.ok()) {
+                    status = s.inference->ControlModel(load, "", req.matches[1].str(),
+                                                       *parameters);
+                  }
+                  if (!status.ok()) return SendError(status, res);
+                  SendJson(json::object(), res);
+                });
+  }
 }
 
 }  // namespace mha::server

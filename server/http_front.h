@@ -78,6 +78,9 @@ class HttpFront {
  private:
   HttpFront() = default;
   void Route();
+  // /v2/repository/index, and .../models/{name}/load and /unload (Triton's
+  // repository extension; the body may hold {"parameters": {}} and nothing else).
+  void RouteRepository();
 
   Services services_{};
   std::unique_ptr<httplib::Server> server_;

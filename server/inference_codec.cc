@@ -290,9 +290,9 @@ void AddOutput(const char* name, std::initializer_list<int64_t> shape, int64_t e
 
 }  // namespace
 
-absl::StatusOr<const Model*> FindInferModel(const ModelRepository& models, absl::string_view name,
+absl::StatusOr<std::shared_ptr<const Model>> FindInferModel(const ModelRepository& models, absl::string_view name,
                                             absl::string_view version) {
-  MHA_ASSIGN_OR_RETURN(const Model* model, models.Find(name));
+  MHA_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, models.Find(name));
   if (!version.empty() && version != kModelVersion) {
     return absl::NotFoundError(absl::StrCat("model_version: model ", model->name, " has version ",
                                             kModelVersion, " only, not \"", Abbreviate(version),

@@ -1,11 +1,13 @@
 #include "server/inference_service.h"
 
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "server/abbreviate.h"
 #include "core/config.h"
 #include "server/grpc_status.h"
 #include "server/stream_reactor.h"
@@ -88,12 +90,13 @@ absl::StatusOr<Admitted> AdmitInfer(const ModelInferRequest& request, const Mode
                                     const Batcher& batcher, InferDecoded* decoded,
                                     ModelInferResponse* response) {
   response->set_id(request.id());
-  MHA_ASSIGN_OR_RETURN(const Model* model,
+  MHA_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
                        FindInferModel(models, request.model_name(), request.model_version()));
-  MHA_RETURN_IF_ERROR(batcher.Admit(model));
+  MHA_RETURN_IF_ERROR(batcher.Admit(model.get()));
   MHA_ASSIGN_OR_RETURN(ValidatedRequest validated, DecodeInferRequest(request, *model, decoded));
   const OutputViews outputs = PrepareInferResponse(request, validated, *decoded, response);
   return Admitted{
+      .model = std::move(model),
       .request = validated, .outputs = outputs, .deadline = absl::Now() + decoded->timeout};
 }
 
@@ -160,18 +163,18 @@ absl::StatusOr<inference::ModelStatisticsResponse> CollectStatistics(const Model
                                                                      const Metrics& metrics,
                                                                      absl::string_view name,
                                                                      absl::string_view version) {
-  std::vector<const Model*> chosen;
+  std::vector<std::shared_ptr<const Model>> chosen;
   if (name.empty()) {
     if (!version.empty()) {
       return absl::InvalidArgumentError("version: needs a model name");
     }
     chosen = models.models();
   } else {
-    MHA_ASSIGN_OR_RETURN(const Model* model, FindInferModel(models, name, version));
+    MHA_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, FindInferModel(models, name, version));
     chosen.push_back(model);
   }
   inference::ModelStatisticsResponse response;
-  for (const Model* model : chosen) {
+  for (const auto& model : chosen) {
     const ModelMetrics* model_metrics = metrics.Find(model->name);
     if (model_metrics == nullptr) continue;
     const ModelStatisticsSnapshot s = model_metrics->Statistics();
@@ -203,22 +206,41 @@ absl::Status InferenceServiceImpl::Readiness(const Model* model) const {
     return absl::UnavailableError(absl::StrCat("model ", m->name, " is warming up"));
   };
   if (model != nullptr) return batcher_->IsReady(model) ? absl::OkStatus() : warming(model);
-  for (const Model* m : models_->models()) {
-    if (!batcher_->IsReady(m)) return warming(m);
+  for (const auto& m : models_->models()) {
+    if (!batcher_->IsReady(m.get())) return warming(m.get());
   }
   return absl::OkStatus();
 }
 
 inference::RepositoryIndexResponse InferenceServiceImpl::Index(bool ready_only) const {
+  const std::map<std::string, std::string> failures = models_->Failures();
+  std::map<std::string, inference::RepositoryIndexResponse::ModelIndex> entries;
+  for (const std::string& name : models_->ListDirectory()) {
+    auto& entry = entries[name];
+    entry.set_name(name);
+    entry.set_state("UNAVAILABLE");
+    entry.set_reason("not loaded");
+  }
+  for (const auto& model : models_->models()) {
+    const absl::Status readiness = Readiness(model.get());
+    auto& entry = entries[model->name];
+    entry.set_name(model->name);
+    entry.set_version(kModelVersion);
+    entry.set_state(readiness.ok() ? "READY" : "UNAVAILABLE");
+    entry.set_reason(readiness.ok() ? "" : std::string(readiness.message()));
+  }
+  // A model whose newest files failed to load: the reason, whether or not an
+  // earlier version still serves (then it stays READY).
+  for (const auto& [name, failure] : failures) {
+    auto& entry = entries[name];
+    entry.set_name(name);
+    if (entry.state().empty()) entry.set_state("UNAVAILABLE");
+    entry.set_reason(absl::StrCat("load failed: ", failure));
+  }
   inference::RepositoryIndexResponse index;
-  for (const Model* model : models_->models()) {
-    const absl::Status readiness = Readiness(model);
-    if (ready_only && !readiness.ok()) continue;
-    auto* entry = index.add_models();
-    entry->set_name(model->name);
-    entry->set_version(kModelVersion);
-    entry->set_state(readiness.ok() ? "READY" : "UNAVAILABLE");
-    if (!readiness.ok()) entry->set_reason(std::string(readiness.message()));
+  for (auto& [name, entry] : entries) {
+    if (ready_only && entry.state() != "READY") continue;
+    *index.add_models() = std::move(entry);
   }
   return index;
 }
@@ -240,9 +262,9 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ServerReady(
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelReady(
     grpc::CallbackServerContext* context, const inference::ModelReadyRequest* request,
     inference::ModelReadyResponse* response) {
-  absl::StatusOr<const Model*> model =
+  absl::StatusOr<std::shared_ptr<const Model>> model =
       FindInferModel(*models_, request->name(), request->version());
-  response->set_ready(model.ok() && Readiness(*model).ok());
+  response->set_ready(model.ok() && Readiness(model->get()).ok());
   return Answer(context, model.status());
 }
 
@@ -256,7 +278,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ServerMetadata(
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelMetadata(
     grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
     inference::ModelMetadataResponse* response) {
-  absl::StatusOr<const Model*> model =
+  absl::StatusOr<std::shared_ptr<const Model>> model =
       FindInferModel(*models_, request->name(), request->version());
   if (model.ok()) *response = ToModelMetadata(**model);
   return Answer(context, model.status());
@@ -298,7 +320,7 @@ InferenceServiceImpl::ModelStreamInfer(grpc::CallbackServerContext* context) {
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelConfig(
     grpc::CallbackServerContext* context, const inference::ModelConfigRequest* request,
     inference::ModelConfigResponse* response) {
-  absl::StatusOr<const Model*> model =
+  absl::StatusOr<std::shared_ptr<const Model>> model =
       FindInferModel(*models_, request->name(), request->version());
   if (model.ok()) *response->mutable_config() = ToTritonConfig(**model);
   return Answer(context, model.status());
@@ -311,6 +333,38 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelStatistics(
       CollectStatistics(*models_, *metrics_, request->name(), request->version());
   if (stats.ok()) *response = *std::move(stats);
   return Answer(context, stats.status());
+}
+
+absl::Status InferenceServiceImpl::ControlModel(bool load, absl::string_view repository_name,
+                                               const std::string& model_name,
+                                               bool has_parameters) const {
+  if (!repository_name.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "repository_name: this server has one repository; leave it empty, got \"",
+        Abbreviate(repository_name), "\""));
+  }
+  if (has_parameters) {
+    return absl::InvalidArgumentError(
+        "parameters: not supported; the model loads from its directory in the repository");
+  }
+  if (lifecycle_ == nullptr) {
+    return absl::PermissionDeniedError("model control is not available on this server");
+  }
+  return load ? lifecycle_->Load(model_name) : lifecycle_->Unload(model_name);
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelLoad(
+    grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest* request,
+    inference::RepositoryModelLoadResponse* /*response*/) {
+  return Answer(context, ControlModel(true, request->repository_name(), request->model_name(),
+                                      !request->parameters().empty()));
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelUnload(
+    grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
+    inference::RepositoryModelUnloadResponse* /*response*/) {
+  return Answer(context, ControlModel(false, request->repository_name(), request->model_name(),
+                                      !request->parameters().empty()));
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryIndex(

@@ -32,6 +32,7 @@
 #include "server/front.h"
 #include "server/inference_codec.h"
 #include "server/metrics.h"
+#include "server/model_lifecycle.h"
 #include "server/model_repository.h"
 
 namespace mha::server {
@@ -58,16 +59,21 @@ absl::StatusOr<inference::ModelStatisticsResponse> CollectStatistics(const Model
 
 class InferenceServiceImpl final : public inference::GRPCInferenceService::CallbackService {
  public:
-  InferenceServiceImpl(const ModelRepository* models, Batcher* batcher, Metrics* metrics)
-      : models_(models), batcher_(batcher), metrics_(metrics) {}
+  // `lifecycle` answers RepositoryModelLoad / Unload (PERMISSION_DENIED when null).
+  InferenceServiceImpl(const ModelRepository* models, Batcher* batcher, Metrics* metrics,
+                       ModelLifecycle* lifecycle = nullptr)
+      : models_(models), batcher_(batcher), metrics_(metrics), lifecycle_(lifecycle) {}
 
   // ServerReady / ModelReady answer false from now on (shutdown).
   void SetNotReady() { ready_.store(false, std::memory_order_relaxed); }
   // OK when `model` (nullptr: every model) serves; otherwise UNAVAILABLE with the
   // reason: the server is shutting down, or the model is still warming up.
   absl::Status Readiness(const Model* model = nullptr) const;
-  // RepositoryIndex: every model with its state, READY or UNAVAILABLE with the reason;
-  // only the ready ones when `ready_only`.
+  // RepositoryIndex: every model served or in the repository directory, by name:
+  // READY, or UNAVAILABLE with the reason (warming up, "not loaded", or "load failed:
+  // " and the error naming the file). A model that serves an earlier version while
+  // its newest files failed to load is READY with that reason. Only the READY ones
+  // when `ready_only`.
   inference::RepositoryIndexResponse Index(bool ready_only) const;
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
@@ -99,11 +105,24 @@ class InferenceServiceImpl final : public inference::GRPCInferenceService::Callb
   grpc::ServerUnaryReactor* RepositoryIndex(grpc::CallbackServerContext* context,
                                             const inference::RepositoryIndexRequest* request,
                                             inference::RepositoryIndexResponse* response) override;
+  // Load blocks its gRPC thread until the model serves (its warm-up included).
+  grpc::ServerUnaryReactor* RepositoryModelLoad(
+      grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest* request,
+      inference::RepositoryModelLoadResponse* response) override;
+  grpc::ServerUnaryReactor* RepositoryModelUnload(
+      grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
+      inference::RepositoryModelUnloadResponse* response) override;
+
+  // The repository RPCs, for both fronts: `load` true loads, false unloads.
+  // INVALID_ARGUMENT naming repository_name (other than "") or parameters (any).
+  absl::Status ControlModel(bool load, absl::string_view repository_name,
+                            const std::string& model_name, bool has_parameters) const;
 
  private:
   const ModelRepository* models_;
   Batcher* batcher_;
   Metrics* metrics_;
+  ModelLifecycle* lifecycle_;
   std::atomic<bool> ready_{true};
 };
 

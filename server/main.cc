@@ -59,6 +59,7 @@ constexpr std::pair<absl::string_view, absl::string_view> kFlagOfField[] = {
     {"batching.max_queue_size", "max_queue_size"},
     {"batching.max_queue_delay", "max_queue_delay_us"},
     {"batching.max_queue_wait", "max_queue_wait_us"},
+    {"repository_poll", "repository_poll_secs"},
 };
 
 // "field: problem" from ServerOptions::Validate, as "--flag: problem".
@@ -91,6 +92,16 @@ ABSL_FLAG(std::string, metrics_host, kDefaults.metrics_host,
 ABSL_FLAG(std::string, model_repository, kDefaults.model_repository,
           "Directory of <name>/config.pbtxt models; empty serves the embedded 'default' "
           "model (p_o 100, h 5, d_q = d_k = d_v = 100, seeded weights).");
+ABSL_FLAG(std::string, model_control, "none",
+          "none: load every model at start, and re-read the repository on SIGHUP; poll: "
+          "also re-read it every --repository_poll_secs; explicit: load --load_models at "
+          "start, then only the RepositoryModelLoad/Unload calls load and unload (SIGHUP "
+          "re-reads the loaded ones). A changed model warms up beside the old one and "
+          "replaces it without failing a request.");
+ABSL_FLAG(int32_t, repository_poll_secs, 15,
+          "With --model_control=poll: seconds between re-reads of the repository.");
+ABSL_FLAG(std::vector<std::string>, load_models, {},
+          "With --model_control=explicit: the models (comma-separated) loaded at start.");
 ABSL_FLAG(int32_t, compute_threads, kDefaults.compute_threads,
           "OpenMP threads for compute in total; 0 = the CPUs this process may use "
           "(affinity mask and cgroup quota).");
@@ -163,6 +174,14 @@ int main(int argc, char** argv) {
   options.compute_workers = absl::GetFlag(FLAGS_compute_workers);
   options.inline_max_flops = absl::GetFlag(FLAGS_inline_max_flops);
   options.default_warmup = absl::GetFlag(FLAGS_default_warmup);
+  if (auto control = mha::server::ParseModelControl(absl::GetFlag(FLAGS_model_control));
+      control.ok()) {
+    options.model_control = *control;
+  } else {
+    mha::ExitWithUsageError(NameTheFlag(control.status().message()));
+  }
+  options.repository_poll = absl::Seconds(absl::GetFlag(FLAGS_repository_poll_secs));
+  options.load_models = absl::GetFlag(FLAGS_load_models);
   options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.http_port = absl::GetFlag(FLAGS_http_port);
@@ -191,6 +210,7 @@ int main(int argc, char** argv) {
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   auto server = mha::server::Server::Create(options);
@@ -198,7 +218,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "error: %s\n", std::string(server.status().message()).c_str());
     return 1;
   }
-  for (const mha::server::Model* model : (*server)->models().models()) {
+  for (const auto& model : (*server)->models().models()) {
     const mha::core::ModelConfig& c = model->config;
     std::fprintf(stderr,
                  "model %s: p_o %lld, h %lld, d_q %lld, d_k %lld, d_v %lld, bias %s, %s, "
@@ -244,7 +264,12 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
 
   int signal_number = 0;
-  sigwait(&signals, &signal_number);
+  // SIGHUP re-reads the repository (server/model_lifecycle.h logs what changed);
+  // SIGTERM and SIGINT drain and stop.
+  while (sigwait(&signals, &signal_number) == 0 && signal_number == SIGHUP) {
+    std::fprintf(stderr, "received SIGHUP: re-reading the model repository\n");
+    (*server)->Reload();
+  }
   std::fprintf(stderr, "received %s: draining (up to %s)\n",
                signal_number == SIGTERM ? "SIGTERM" : "SIGINT",
                absl::FormatDuration(options.drain_timeout).c_str());

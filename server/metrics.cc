@@ -251,13 +251,31 @@ Metrics::Metrics(const std::vector<std::string>& model_names)
                  .Name("mha_model_warmup_seconds")
                  .Help("Time the model's warm-up passes took before it served.")
                  .Register(*registry_);
-  auto make = [&](const std::string& name) {
-    return std::make_unique<ModelMetrics>(name, requests, request_duration, queue_duration,
-                                          compute_duration, batch_size, batch_tokens, queue_depth,
-                                          inflight, tokens);
+  loads_ = &prometheus::BuildCounter()
+                .Name("mha_model_loads_total")
+                .Help("Model loads after start-up (reloads, new models, explicit loads), by "
+                      "result: ok, or failed (the previous version, if any, keeps serving).")
+                .Register(*registry_);
+  // Pointers, not references: the lambda outlives this constructor's locals.
+  make_ = [requests = &requests, request_duration = &request_duration,
+           queue_duration = &queue_duration, compute_duration = &compute_duration,
+           batch_size = &batch_size, batch_tokens = &batch_tokens, queue_depth = &queue_depth,
+           inflight = &inflight, tokens = &tokens](const std::string& name) {
+    return std::make_unique<ModelMetrics>(name, *requests, *request_duration, *queue_duration,
+                                          *compute_duration, *batch_size, *batch_tokens,
+                                          *queue_depth, *inflight, *tokens);
   };
-  for (const std::string& name : model_names) models_.emplace(name, make(name));
-  unknown_ = make(kUnknownModelLabel);
+  for (const std::string& name : model_names) AddModel(name);
+  unknown_ = make_(kUnknownModelLabel);
+}
+
+void Metrics::AddModel(const std::string& name) {
+  absl::MutexLock lock(&models_mu_);
+  if (!models_.contains(name)) models_.emplace(name, make_(name));
+}
+
+void Metrics::Loaded(const std::string& model, bool ok) {
+  loads_->Add({{"model", model}, {"result", ok ? "ok" : "failed"}}).Increment();
 }
 
 void Metrics::Warmed(const std::string& model, absl::Duration took) {
@@ -265,11 +283,13 @@ void Metrics::Warmed(const std::string& model, absl::Duration took) {
 }
 
 ModelMetrics& Metrics::ForModel(absl::string_view name) {
+  absl::ReaderMutexLock lock(&models_mu_);
   auto it = models_.find(name);
   return it == models_.end() ? *unknown_ : *it->second;
 }
 
 const ModelMetrics* Metrics::Find(absl::string_view name) const {
+  absl::ReaderMutexLock lock(&models_mu_);
   auto it = models_.find(name);
   return it == models_.end() ? nullptr : it->second.get();
 }

@@ -37,6 +37,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -133,16 +134,26 @@ class Metrics {
   ModelMetrics& ForModel(absl::string_view name);
   // nullptr for a name that is not served.
   const ModelMetrics* Find(absl::string_view name) const;
+  // Metrics for a model loaded after start-up. A model's metrics stay when it is
+  // unloaded (counters never go back), and serve it again if it comes back.
+  void AddModel(const std::string& name);
 
   const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
 
   // mha_model_warmup_seconds{model}: how long the model's warm-up took.
   void Warmed(const std::string& model, absl::Duration took);
+  // mha_model_loads_total{model, result="ok"|"failed"}: loads after start-up (reloads
+  // of a changed model, new models, explicit loads) and how they ended.
+  void Loaded(const std::string& model, bool ok);
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Gauge>* warmup_ = nullptr;
-  std::map<std::string, std::unique_ptr<ModelMetrics>, std::less<>> models_;
+  prometheus::Family<prometheus::Counter>* loads_ = nullptr;
+  std::function<std::unique_ptr<ModelMetrics>(const std::string&)> make_;
+  mutable absl::Mutex models_mu_;
+  std::map<std::string, std::unique_ptr<ModelMetrics>, std::less<>> models_
+      ABSL_GUARDED_BY(models_mu_);
   std::unique_ptr<ModelMetrics> unknown_;
 };
 

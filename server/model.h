@@ -54,6 +54,7 @@ struct Model {
   BatchingPolicy batching;
   std::vector<WarmupShape> warmup;  // run before the model serves (server/server.h)
   std::string weights_source;  // "seeded (seed 0)" or the weights path
+  std::string fingerprint;     // of its files when loaded (server/model_repository.h)
   std::unique_ptr<core::MultiHeadAttention> attention;
 };
 

@@ -239,9 +239,9 @@ absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir, const s
 }
 
 absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(const Options& options) {
-  std::unique_ptr<ModelRepository> repository(new ModelRepository());
+  std::unique_ptr<ModelRepository> repository(new ModelRepository(options));
   if (options.path.empty()) {
-    auto model = std::make_unique<Model>();
+    auto model = std::make_shared<Model>();
     model->name = kDefaultModelName;
     model->limits = options.default_limits;
     MHA_ASSIGN_OR_RETURN(model->batching,
@@ -253,43 +253,153 @@ absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(const O
         model->attention,
         MakeAttention(model->config, core::SeededWeights(model->config, kDefaultModelSeed),
                       options.num_threads));
-    repository->models_.emplace(model->name, std::move(model));
+    repository->Swap(std::move(model));
     return repository;
   }
 
   std::error_code error;
-  fs::directory_iterator it(options.path, error);
-  if (error) {
-    return absl::NotFoundError(absl::StrCat("model_repository ", options.path,
-                                            ": cannot list the directory: ", error.message()));
+  if (!fs::is_directory(options.path, error)) {
+    return absl::NotFoundError(
+        absl::StrCat("model_repository ", options.path, ": not a directory we can read"));
   }
-  std::vector<fs::path> dirs;
-  for (const fs::directory_entry& entry : it) {
-    const std::string name = entry.path().filename().string();
-    if (entry.is_directory() && !name.empty() && name[0] != '.') dirs.push_back(entry.path());
+  const std::vector<std::string> names = options.only.value_or(repository->ListDirectory());
+  for (const std::string& name : names) {
+    MHA_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, repository->Load(name));
+    repository->Swap(std::move(model));
   }
-  std::sort(dirs.begin(), dirs.end());
-  for (const fs::path& dir : dirs) {
-    MHA_ASSIGN_OR_RETURN(std::unique_ptr<Model> model,
-                         LoadModel(dir.string(), dir.filename().string(), options));
-    repository->models_.emplace(model->name, std::move(model));
-  }
-  if (repository->models_.empty()) {
+  if (!options.only.has_value() && repository->models().empty()) {
     return absl::NotFoundError(absl::StrCat("model_repository ", options.path,
                                             ": no model directories (<name>/config.pbtxt)"));
   }
   return repository;
 }
 
-absl::StatusOr<const Model*> ModelRepository::Find(absl::string_view name) const {
-  if (name.empty()) {
-    if (auto it = models_.find(kDefaultModelName); it != models_.end()) return it->second.get();
-    if (models_.size() == 1) return models_.begin()->second.get();
-  } else if (auto it = models_.find(name); it != models_.end()) {
-    return it->second.get();
-  }
+std::vector<std::string> ModelRepository::ListDirectory() const {
   std::vector<std::string> names;
-  for (const auto& [served, model] : models_) names.push_back(served);
+  if (options_.path.empty()) return names;
+  std::error_code error;
+  for (fs::directory_iterator it(options_.path, error), end; !error && it != end;
+       it.increment(error)) {
+    const std::string name = it->path().filename().string();
+    if (it->is_directory(error) && !name.empty() && name[0] != '.') names.push_back(name);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::string ModelRepository::Fingerprint(const std::string& name) const {
+  std::vector<std::string> files;
+  std::error_code error;
+  for (fs::directory_iterator it(fs::path(options_.path) / name, error), end;
+       !error && it != end; it.increment(error)) {
+    if (!it->is_regular_file(error)) continue;
+    const auto size = it->file_size(error);
+    const auto time = it->last_write_time(error).time_since_epoch().count();
+    files.push_back(absl::StrCat(it->path().filename().string(), ":", size, ":", time));
+  }
+  std::sort(files.begin(), files.end());
+  return absl::StrJoin(files, ";");
+}
+
+bool ModelRepository::Changed(const std::string& name) const {
+  const std::string now = Fingerprint(name);
+  absl::MutexLock lock(&mu_);
+  auto it = models_.find(name);
+  if (it == models_.end()) return true;
+  const Entry& entry = it->second;
+  if (!entry.failure.empty()) return now != entry.failed_fingerprint;
+  return entry.model == nullptr || now != entry.fingerprint;
+}
+
+absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::Load(const std::string& name) {
+  if (name.empty() || name[0] == '.' || name.find('/') != std::string::npos ||
+      name.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model: \"", Abbreviate(name), "\" is not a model directory name in the repository"));
+  }
+  // Taken before reading: a file written during the load is seen as a change next time.
+  const std::string fingerprint = Fingerprint(name);
+  absl::StatusOr<std::unique_ptr<Model>> model =
+      LoadModel((fs::path(options_.path) / name).string(), name, options_);
+  absl::MutexLock lock(&mu_);
+  Entry& entry = models_[name];
+  if (!model.ok()) {
+    entry.failed_fingerprint = fingerprint;
+    entry.failure = std::string(model.status().message());
+    return model.status();
+  }
+  (*model)->fingerprint = fingerprint;
+  return std::shared_ptr<const Model>(*std::move(model));
+}
+
+void ModelRepository::RecordFailure(const std::string& name, const std::string& fingerprint,
+                                    const absl::Status& status) {
+  absl::MutexLock lock(&mu_);
+  Entry& entry = models_[name];
+  entry.failed_fingerprint = fingerprint;
+  entry.failure = std::string(status.message());
+}
+
+void ModelRepository::ForgetFailures(const std::set<std::string>& present) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = models_.begin(); it != models_.end();) {
+    if (it->second.model == nullptr && !present.contains(it->first)) {
+      it = models_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+std::shared_ptr<const Model> ModelRepository::Swap(std::shared_ptr<const Model> model) {
+  absl::MutexLock lock(&mu_);
+  Entry& entry = models_[model->name];
+  entry.fingerprint = model->fingerprint;
+  entry.failure.clear();
+  entry.failed_fingerprint.clear();
+  std::swap(entry.model, model);
+  return model;
+}
+
+std::shared_ptr<const Model> ModelRepository::Remove(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  auto it = models_.find(name);
+  if (it == models_.end()) return nullptr;
+  std::shared_ptr<const Model> removed = std::move(it->second.model);
+  models_.erase(it);
+  return removed;
+}
+
+std::map<std::string, std::string> ModelRepository::Failures() const {
+  std::map<std::string, std::string> failures;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [name, entry] : models_) {
+    if (!entry.failure.empty()) failures.emplace(name, entry.failure);
+  }
+  return failures;
+}
+
+absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::Find(absl::string_view name) const {
+  std::vector<std::string> names;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    if (name.empty()) {
+      std::shared_ptr<const Model> only;
+      int served = 0;
+      for (const auto& [served_name, entry] : models_) {
+        if (entry.model == nullptr) continue;
+        if (served_name == kDefaultModelName) return entry.model;
+        only = entry.model;
+        ++served;
+      }
+      if (served == 1) return only;
+    } else if (auto it = models_.find(name); it != models_.end() && it->second.model != nullptr) {
+      return it->second.model;
+    }
+    for (const auto& [served_name, entry] : models_) {
+      if (entry.model != nullptr) names.push_back(served_name);
+    }
+  }
   if (name.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("model: required, this server has several models and none named \"",
@@ -299,9 +409,12 @@ absl::StatusOr<const Model*> ModelRepository::Find(absl::string_view name) const
                                           "\"; served: ", absl::StrJoin(names, ", ")));
 }
 
-std::vector<const Model*> ModelRepository::models() const {
-  std::vector<const Model*> models;
-  for (const auto& [name, model] : models_) models.push_back(model.get());
+std::vector<std::shared_ptr<const Model>> ModelRepository::models() const {
+  std::vector<std::shared_ptr<const Model>> models;
+  absl::ReaderMutexLock lock(&mu_);
+  for (const auto& [name, entry] : models_) {
+    if (entry.model != nullptr) models.push_back(entry.model);
+  }
   return models;
 }
 

@@ -1,27 +1,36 @@
-// The models a server serves, loaded once at start-up and immutable afterwards.
+// The models a server serves, and their lifecycle: loaded at start-up, then
+// reloaded, added and removed while the server serves (server/server.h decides
+// when and warms them up; this unit reads the files and holds the served set).
 //
 // Layout of a model repository:
 //   <repo>/<name>/config.pbtxt        text-format attention.v1.ModelConfig
 //   <repo>/<name>/weights.safetensors unless config.pbtxt declares `seeded { seed }`
 //                                      or names another `file`
-// Every sub-directory is a model; one that fails to load fails the whole
-// repository with a message naming the model and the file. With no repository
-// the server serves one embedded model, "default": d2l's toy sizes (p_o 100, h 5,
+// Every sub-directory not starting with '.' is a model. With no repository the
+// server serves one embedded model, "default": d2l's toy sizes (p_o 100, h 5,
 // d_q = d_k = d_v = 100), SeededWeights(config, kDefaultModelSeed).
 //
-// Thread safety: immutable after Create; all methods are thread-safe.
+// Served models are shared: Find hands out a reference that keeps the model (and
+// its weights) alive for as long as a request holds it, so a request admitted
+// before a Swap or Remove finishes on the model it found, and the old model is
+// freed when its last request is answered.
+//
+// Thread safety: every method is thread-safe.
 #ifndef MHA_SERVER_MODEL_REPOSITORY_H_
 #define MHA_SERVER_MODEL_REPOSITORY_H_
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/attention.h"
 #include "core/config.h"
@@ -39,22 +48,67 @@ class ModelRepository {
     int num_threads = 0;              // OpenMP threads per forward call (0: OpenMP default)
     // A model whose config lists no `warmup` runs DefaultWarmup's passes.
     bool default_warmup = true;
+    // Load only these models at Create (explicit model control; may be empty);
+    // nullopt = every model directory, at least one.
+    std::optional<std::vector<std::string>> only;
   };
 
-  // INVALID_ARGUMENT / NOT_FOUND naming the model and the file on any fault.
+  // Loads the models (Options::only, or every directory). INVALID_ARGUMENT /
+  // NOT_FOUND naming the model and the file on any fault: at start-up a model that
+  // does not load fails the server.
   static absl::StatusOr<std::unique_ptr<ModelRepository>> Create(const Options& options);
 
   // name "" resolves to "default" if served, else to the only model. NOT_FOUND
   // names the unknown model and lists the served ones; INVALID_ARGUMENT when ""
   // is ambiguous.
-  absl::StatusOr<const Model*> Find(absl::string_view name) const;
+  absl::StatusOr<std::shared_ptr<const Model>> Find(absl::string_view name) const;
 
-  // Sorted by name.
-  std::vector<const Model*> models() const;
+  // The served models, sorted by name.
+  std::vector<std::shared_ptr<const Model>> models() const;
+
+  // Lifecycle (server/server.h's reload). A model's files are its directory's
+  // regular files; their names, sizes and modification times are its fingerprint.
+
+  // The model directories on disk now, sorted; empty for the embedded model.
+  std::vector<std::string> ListDirectory() const;
+  // Whether `name`'s files differ from those of its served model or of its last
+  // failed load (true for a model neither served nor tried).
+  bool Changed(const std::string& name) const;
+  // Reads `name`'s directory into a new model, not yet served. On failure the
+  // status names the model and the file, and is recorded (Failures).
+  // INVALID_ARGUMENT naming `model` for a name that is not a plain directory name
+  // (empty, starting with '.', or holding '/').
+  absl::StatusOr<std::shared_ptr<const Model>> Load(const std::string& name);
+  // Records a failure after Load (the warm-up failed) for files `fingerprint`.
+  void RecordFailure(const std::string& name, const std::string& fingerprint,
+                     const absl::Status& status);
+  // Drops the failures of models neither served nor in `present`.
+  void ForgetFailures(const std::set<std::string>& present);
+  // Serves `model` under its name from now on; returns the model it replaces
+  // (nullptr if none). Clears the name's failure.
+  std::shared_ptr<const Model> Swap(std::shared_ptr<const Model> model);
+  // Stops serving `name` (Find answers NOT_FOUND); returns the removed model.
+  std::shared_ptr<const Model> Remove(const std::string& name);
+
+  // The last failed load of every model whose newest files did not load: name ->
+  // the error (naming the file). A served model keeps serving its previous files.
+  std::map<std::string, std::string> Failures() const;
+
+  const Options& options() const { return options_; }
 
  private:
-  ModelRepository() = default;
-  std::map<std::string, std::unique_ptr<Model>, std::less<>> models_;
+  explicit ModelRepository(const Options& options) : options_(options) {}
+  std::string Fingerprint(const std::string& name) const;
+
+  const Options options_;
+  mutable absl::Mutex mu_;
+  struct Entry {
+    std::shared_ptr<const Model> model;  // null: not served
+    std::string fingerprint;             // of the served model's files
+    std::string failed_fingerprint;      // of the last load that failed
+    std::string failure;                 // its error; "" after a good load
+  };
+  std::map<std::string, Entry, std::less<>> models_ ABSL_GUARDED_BY(mu_);
 };
 
 // Parses config.pbtxt text. `source` names the file in error messages.
@@ -90,6 +144,7 @@ absl::StatusOr<ResolvedModelConfig> ResolveModelConfig(const attention::v1::Mode
                                                        const ModelRepository::Options& options);
 
 // Loads <dir>/config.pbtxt and its weights as model `name` (the directory name).
+// ModelRepository::Load is this with the repository's bookkeeping.
 absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir, const std::string& name,
                                                  const ModelRepository::Options& options);
 

@@ -90,6 +90,18 @@ absl::Status ServerOptions::Validate() const {
   MHA_RETURN_IF_ERROR(NotNegative("batching.max_queue_delay", batching.max_queue_delay));
   MHA_RETURN_IF_ERROR(NotNegative("batching.max_queue_wait", batching.max_queue_wait));
   MHA_RETURN_IF_ERROR(NotNegative("drain_timeout", drain_timeout));
+  if (repository_poll < absl::Seconds(1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "repository_poll: expected >= 1 s, got ", absl::FormatDuration(repository_poll)));
+  }
+  if (model_control != ModelControl::kExplicit && !load_models.empty()) {
+    return absl::InvalidArgumentError(
+        "load_models: needs model_control explicit (the other modes load every model)");
+  }
+  if (model_control != ModelControl::kNone && model_repository.empty()) {
+    return absl::InvalidArgumentError(
+        "model_control: poll and explicit need a model_repository to read");
+  }
   if (tls_cert.empty() != tls_key.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat(tls_cert.empty() ? "tls_cert" : "tls_key",
@@ -116,9 +128,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
                                                 .default_limits = options.limits,
                                                 .default_batching = options.batching,
                                                 .num_threads = server->threads_per_worker_,
-                                                .default_warmup = options.default_warmup}));
+                                                .default_warmup = options.default_warmup,
+                                                .only = options.model_control ==
+                                                                ModelControl::kExplicit
+                                                            ? std::optional(options.load_models)
+                                                            : std::nullopt}));
   std::vector<std::string> names;
-  for (const Model* model : server->models_->models()) names.push_back(model->name);
+  for (const auto& model : server->models_->models()) names.push_back(model->name);
   server->metrics_ = std::make_unique<Metrics>(names);
   if (options.metrics_port >= 0) {
     MHA_ASSIGN_OR_RETURN(server->exposer_,
@@ -128,18 +144,25 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   MHA_ASSIGN_OR_RETURN(server->batcher_, Batcher::Create({.num_workers = options.compute_workers,
                                                           .inline_max_flops = options.inline_max_flops},
                                                          server->metrics_.get()));
-  for (const Model* model : server->models_->models()) {
+  for (const auto& model : server->models_->models()) {
     MHA_RETURN_IF_ERROR(server->batcher_->AddModel(model, /*warming=*/true));
   }
+  server->lifecycle_ = std::make_unique<ModelLifecycle>(
+      ModelLifecycle::Options{.control = options.model_control,
+                              .poll_interval = options.repository_poll},
+      server->models_.get(), server->batcher_.get(), server->metrics_.get());
   server->service_ = std::make_unique<AttentionServiceImpl>(
       server->models_.get(), server->batcher_.get(), server->metrics_.get());
   server->inference_service_ = std::make_unique<InferenceServiceImpl>(
-      server->models_.get(), server->batcher_.get(), server->metrics_.get());
+      server->models_.get(), server->batcher_.get(), server->metrics_.get(),
+      server->lifecycle_.get());
 
   // The transport refuses bigger messages itself; each model's own limit is
-  // checked in validation, so the transport allows the largest of them.
+  // checked in validation, so the transport allows the largest of them (of the
+  // models loaded at start-up: a model loaded later that allows more is held to
+  // this until a restart).
   int64_t max_receive = options.limits.max_request_bytes;
-  for (const Model* model : server->models_->models()) {
+  for (const auto& model : server->models_->models()) {
     max_receive = std::max(max_receive, model->limits.max_request_bytes);
   }
 
@@ -177,80 +200,36 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   // gRPC's health service starts with "" SERVING: not so until the warm-up is done.
   grpc::HealthCheckServiceInterface* health = server->grpc_server_->GetHealthCheckService();
   health->SetServingStatus(false);
-  for (const Model* model : server->models_->models()) {
+  for (const auto& model : server->models_->models()) {
     health->SetServingStatus(model->name, false);
   }
   server->warmup_thread_ = std::thread(&Server::Warm, server.get());
   return server;
 }
 
-namespace {
-
-// One warm-up pass through the batcher, as a request would run: fixed inputs in
-// [-0.5, 0.5], K 0 = self-attention.
-absl::Status WarmOnce(Batcher& batcher, const Model& model, const WarmupShape& shape) {
-  const core::ModelConfig& c = model.config;
-  const bool self = shape.num_keys == 0;
-  const int64_t keys = self ? shape.num_queries : shape.num_keys;
-  const auto filled = [](int64_t n) {
-    std::vector<float> v(static_cast<size_t>(n));
-    for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(i % 17) / 16.0f - 0.5f;
-    return v;
-  };
-  const std::vector<float> queries = filled(shape.batch * shape.num_queries * c.query_size);
-  const std::vector<float> key_data = filled(self ? 0 : shape.batch * keys * c.key_size);
-  const std::vector<float> value_data = filled(self ? 0 : shape.batch * keys * c.value_size);
-  std::vector<float> output(static_cast<size_t>(shape.batch * shape.num_queries * c.num_hiddens));
-  absl::Mutex mu;
-  std::optional<absl::Status> result;
-  MHA_RETURN_IF_ERROR(batcher.Submit(WorkItem{
-      .model = &model,
-      .inputs = {.batch = shape.batch,
-                 .num_queries = shape.num_queries,
-                 .num_keys = keys,
-                 .queries = queries.data(),
-                 .keys = self ? nullptr : key_data.data(),
-                 .values = self ? nullptr : value_data.data()},
-      .output = output.data(),
-      .done =
-          [&](absl::Status status, const ComputeTiming&) {
-            absl::MutexLock lock(&mu);
-            result = std::move(status);
-          },
-      .warmup = true}));
-  absl::MutexLock lock(&mu);
-  mu.Await(absl::Condition(
-      +[](std::optional<absl::Status>* r) { return r->has_value(); }, &result));
-  return *result;
-}
-
-}  // namespace
-
 void Server::Warm() {
   grpc::HealthCheckServiceInterface* health = grpc_server_->GetHealthCheckService();
   std::vector<WarmupReport> reports;
   absl::Status failed;
-  for (const Model* model : models_->models()) {
-    const absl::Time start = absl::Now();
-    for (size_t i = 0; i < model->warmup.size() && failed.ok(); ++i) {
-      const WarmupShape& w = model->warmup[i];
-      if (absl::Status s = WarmOnce(*batcher_, *model, w); !s.ok()) {
-        failed = absl::Status(
-            s.code(), absl::StrCat("model ", model->name, ": warm-up pass ", i, " (batch ",
-                                   w.batch, ", num_queries ", w.num_queries, ", num_keys ",
-                                   w.num_keys, "): ", s.message()));
-      }
+  for (const auto& model : models_->models()) {
+    absl::StatusOr<absl::Duration> took = WarmUp(*batcher_, model);
+    if (!took.ok()) {
+      failed = took.status();
+      break;
     }
-    if (!failed.ok()) break;
-    const absl::Duration took = absl::Now() - start;
-    metrics_->Warmed(model->name, took);
+    metrics_->Warmed(model->name, *took);
     reports.push_back({.model = model->name,
                        .passes = static_cast<int64_t>(model->warmup.size()),
-                       .took = took});
-    batcher_->SetReady(model);
+                       .took = *took});
+    batcher_->SetReady(model.get());
     health->SetServingStatus(model->name, true);
   }
-  if (failed.ok()) health->SetServingStatus(true);  // overall last: every model is ready
+  if (failed.ok()) {
+    health->SetServingStatus(true);  // overall last: every model is ready
+    // From here on, loads and unloads set the models' health themselves.
+    lifecycle_->SetHealth(health);
+    lifecycle_->StartPolling();
+  }
   absl::MutexLock lock(&warmup_mu_);
   warmed_ = true;
   warmup_ = failed.ok() ? absl::StatusOr<std::vector<WarmupReport>>(std::move(reports))
@@ -268,6 +247,8 @@ Server::~Server() { Shutdown(); }
 void Server::Shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
+  // No reload starts from here on; one in progress finishes first.
+  if (lifecycle_ != nullptr) lifecycle_->Stop();
   if (inference_service_ != nullptr) inference_service_->SetNotReady();
   if (http_ != nullptr) http_->Stop();
   if (grpc_server_ != nullptr) {

@@ -30,6 +30,7 @@
 #include "server/http_front.h"
 #include "server/inference_service.h"
 #include "server/metrics.h"
+#include "server/model_lifecycle.h"
 #include "server/model_repository.h"
 #include "server/service.h"
 
@@ -47,6 +48,10 @@ struct ServerOptions {
   // A model whose config.pbtxt lists no `warmup` runs the default passes
   // (server/model_repository.h DefaultWarmup); false: no warm-up for it.
   bool default_warmup = true;
+  // Model lifecycle (server/model_lifecycle.h): none, poll or explicit.
+  ModelControl model_control = ModelControl::kNone;
+  absl::Duration repository_poll = absl::Seconds(15);  // poll's interval
+  std::vector<std::string> load_models;  // explicit: the models loaded at start
   ModelLimits limits;                      // defaults for limits a model config leaves at 0
   BatchingPolicy batching;                 // likewise for `batching { ... }`
   std::string metrics_host = "127.0.0.1";  // /metrics: loopback unless asked
@@ -97,6 +102,10 @@ class Server {
   // up until the server is destroyed.
   void Shutdown();
 
+  // SIGHUP: re-reads the model repository (server/model_lifecycle.h); logs each
+  // change and a summary on stderr.
+  ModelLifecycle::ReloadReport Reload() { return lifecycle_->Reload(); }
+
   int port() const { return port_; }
   std::string address() const;  // "host:port"
   // The bound /metrics port; 0 when metrics_port was -1.
@@ -117,6 +126,7 @@ class Server {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<MetricsExposer> exposer_;
   std::unique_ptr<Batcher> batcher_;
+  std::unique_ptr<ModelLifecycle> lifecycle_;
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<InferenceServiceImpl> inference_service_;
   std::unique_ptr<grpc::Server> grpc_server_;

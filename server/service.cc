@@ -24,11 +24,11 @@ using attention::v1::AttendResponse;
 absl::StatusOr<Admitted> AdmitAttend(const AttendRequest& request, const ModelRepository& models,
                                      const Batcher& batcher, AttendResponse* response) {
   response->set_request_id(request.request_id());
-  MHA_ASSIGN_OR_RETURN(const Model* model, models.Find(request.model()));
-  MHA_RETURN_IF_ERROR(batcher.Admit(model));
+  MHA_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, models.Find(request.model()));
+  MHA_RETURN_IF_ERROR(batcher.Admit(model.get()));
   MHA_ASSIGN_OR_RETURN(ValidatedRequest validated, ValidateRequest(request, *model));
   const OutputViews outputs = PrepareResponse(validated, WantsRawResponse(request), response);
-  return Admitted{.request = validated, .outputs = outputs};
+  return Admitted{.model = std::move(model), .request = validated, .outputs = outputs};
 }
 
 // AttendStream: the first failed request ends the stream (service.h).
@@ -111,7 +111,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(
     grpc::CallbackServerContext* context, const attention::v1::GetModelRequest* request,
     attention::v1::ModelInfo* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::StatusOr<const Model*> model = models_->Find(request->model());
+  absl::StatusOr<std::shared_ptr<const Model>> model = models_->Find(request->model());
   if (model.ok()) *response = ToModelInfo(**model);
   reactor->Finish(ToGrpcStatus(model.status()));
   return reactor;
@@ -120,7 +120,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(
     grpc::CallbackServerContext* context, const attention::v1::ListModelsRequest* /*request*/,
     attention::v1::ListModelsResponse* response) {
-  for (const Model* model : models_->models()) *response->add_models() = ToModelInfo(*model);
+  for (const auto& model : models_->models()) *response->add_models() = ToModelInfo(*model);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

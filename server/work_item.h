@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <memory>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -25,7 +26,9 @@ struct ComputeTiming {
 // One request. Everything the views point at (inputs, output, attention) is owned
 // by the front and must stay alive until `done` is called.
 struct WorkItem {
-  const Model* model = nullptr;
+  // Held until the item is answered and destroyed: a model replaced or removed
+  // meanwhile (server/model_repository.h) stays alive for it.
+  std::shared_ptr<const Model> model;
   core::AttentionInputs inputs;  // (B, Q, d_q) queries etc., checked (server/codec.h)
   float* output = nullptr;       // (B, Q, p_o), written by the forward call
   float* attention = nullptr;    // (B, h, Q, K) weights, or nullptr when not asked for

@@ -19,7 +19,7 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   inference::ModelInferRequest request;
   if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;
-  absl::StatusOr<const mha::server::Model*> model = mha::server::FindInferModel(
+  absl::StatusOr<std::shared_ptr<const mha::server::Model>> model = mha::server::FindInferModel(
       mha::fuzzing::Repository(), request.model_name(), request.model_version());
   mha::server::InferDecoded decoded;
   absl::StatusOr<mha::server::ValidatedRequest> validated =

@@ -18,7 +18,7 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   attention::v1::AttendRequest request;
   if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;  // gRPC refuses it
-  absl::StatusOr<const mha::server::Model*> model =
+  absl::StatusOr<std::shared_ptr<const mha::server::Model>> model =
       mha::fuzzing::Repository().Find(request.model());
   absl::StatusOr<mha::server::ValidatedRequest> validated =
       model.ok() ? mha::server::ValidateRequest(request, **model)

@@ -58,10 +58,11 @@ class BatcherTest : public ::testing::Test {
   }
 
   const Model& model() const { return *models_->Find("").value(); }
+  std::shared_ptr<const Model> shared_model() const { return models_->Find("").value(); }
 
   std::unique_ptr<Batcher> MakeBatcher(int num_workers = 1) {
     auto batcher = Batcher::Create({.num_workers = num_workers}, nullptr).value();
-    EXPECT_TRUE(batcher->AddModel(&model()).ok());
+    EXPECT_TRUE(batcher->AddModel(shared_model()).ok());
     return batcher;
   }
 
@@ -70,7 +71,7 @@ class BatcherTest : public ::testing::Test {
                 std::function<void(absl::Status)> done) {
     const ValidatedRequest validated = ValidateRequest(request, model()).value();
     const OutputViews views = PrepareResponse(validated, /*raw=*/false, response);
-    return WorkItem{.model = validated.model,
+    return WorkItem{.model = models_->Find(validated.model->name).value(),
                     .inputs = validated.inputs,
                     .output = views.output,
                     .attention = views.attention,
@@ -374,10 +375,10 @@ TEST_F(BatcherTest, CreateAndAddModelNameTheBadField) {
   EXPECT_NE(workers.message().find("num_workers: expected >= 1, got 0"), std::string::npos)
       << workers;
   MakeRepository({});
-  Model bad;
-  bad.name = "bad";
-  bad.batching.max_queue_size = 0;
-  const absl::Status queue = MakeBatcher()->AddModel(&bad);
+  auto bad = std::make_shared<Model>();
+  bad->name = "bad";
+  bad->batching.max_queue_size = 0;
+  const absl::Status queue = MakeBatcher()->AddModel(bad);
   EXPECT_EQ(queue.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(queue.message().find("model bad: max_queue_size: expected >= 1, got 0"),
             std::string::npos)
@@ -394,9 +395,10 @@ namespace {
 // warm-up until SetReady.
 TEST(BatcherWarmupTest, AWarmingModelAdmitsOnlyWarmupItems) {
   auto models = ModelRepository::Create({}).value();
-  const Model* model = models->Find("").value();
+  const std::shared_ptr<const Model> shared = models->Find("").value();
+  const Model* model = shared.get();
   auto batcher = Batcher::Create({.num_workers = 1}, nullptr).value();
-  ASSERT_TRUE(batcher->AddModel(model, /*warming=*/true).ok());
+  ASSERT_TRUE(batcher->AddModel(shared, /*warming=*/true).ok());
   EXPECT_FALSE(batcher->IsReady(model));
 
   const attention::v1::AttendRequest request = ToyRequest();
@@ -405,7 +407,7 @@ TEST(BatcherWarmupTest, AWarmingModelAdmitsOnlyWarmupItems) {
   absl::Mutex mu;
   int done = 0;
   const auto item = [&](bool warmup) {
-    return WorkItem{.model = model,
+    return WorkItem{.model = shared,
                     .inputs = validated.inputs,
                     .output = output.data(),
                     .done =
@@ -479,7 +481,7 @@ class BatcherInlineTest : public BatcherTest {
   std::unique_ptr<Batcher> MakeInlineBatcher(double inline_max_flops) {
     auto batcher =
         Batcher::Create({.num_workers = 1, .inline_max_flops = inline_max_flops}, nullptr).value();
-    EXPECT_TRUE(batcher->AddModel(&model()).ok());
+    EXPECT_TRUE(batcher->AddModel(shared_model()).ok());
     return batcher;
   }
 };

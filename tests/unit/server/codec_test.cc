@@ -51,7 +51,7 @@ class CodecTest : public ::testing::TestWithParam<Case> {
   static void TearDownTestSuite() { delete models_; }
 
   static absl::StatusOr<ValidatedRequest> Decode(const AttendRequest& request) {
-    absl::StatusOr<const Model*> model = models_->Find(request.model());
+    absl::StatusOr<std::shared_ptr<const Model>> model = models_->Find(request.model());
     if (!model.ok()) return model.status();
     return ValidateRequest(request, **model);
   }

@@ -18,7 +18,7 @@ using ::mha::testing::TempDir;
 TEST(ModelRepositoryTest, NoPathServesTheEmbeddedToyModel) {
   auto models = ModelRepository::Create({.default_limits = {.max_batch_size = 7}}).value();
   ASSERT_EQ(models->models().size(), 1u);
-  const Model* model = models->Find("").value();
+  const std::shared_ptr<const Model> model = models->Find("").value();
   EXPECT_EQ(model->name, kDefaultModelName);
   EXPECT_EQ(model->config.num_hiddens, 100);
   EXPECT_EQ(model->config.num_heads, 5);
@@ -38,7 +38,7 @@ TEST(ModelRepositoryTest, LoadsEveryDirectoryWithOverridesAndSortsByName) {
   auto models = ModelRepository::Create({.path = dir.path()}).value();
   ASSERT_EQ(models->models().size(), 2u);
   EXPECT_EQ(models->models()[0]->name, "a");
-  const Model* b = models->Find("b").value();
+  const std::shared_ptr<const Model> b = models->Find("b").value();
   EXPECT_EQ(b->config.query_size, 4);
   EXPECT_EQ(b->config.key_size, 8);  // 0 means num_hiddens
   EXPECT_EQ(b->limits.max_sequence_length, 32);
@@ -76,7 +76,7 @@ TEST(ModelRepositoryTest, AdditiveScoringComesFromTheConfig) {
   EXPECT_TRUE(absl::StrContains(status.message(), "additive_hidden: expected 1 <=")) << status;
   std::filesystem::remove_all(std::filesystem::path(bad).parent_path());
   auto models = ModelRepository::Create({.path = dir.path()}).value();
-  const Model* model = models->Find("additive").value();
+  const std::shared_ptr<const Model> model = models->Find("additive").value();
   EXPECT_EQ(model->config.scoring, core::Scoring::kAdditive);
   EXPECT_EQ(model->config.additive_hidden, 8);
   EXPECT_EQ(model->attention->config().scoring, core::Scoring::kAdditive);
