@@ -193,6 +193,7 @@ class MultiHeadAttention::Impl {
   // The thread count follows the call's size (kFlopsPerThread), capped by
   // `max_threads` when > 0.
   int ThreadsFor(const AttentionInputs& in, int caller_threads, int max_threads = 0) const;
+  void ShareWorkspaces(const Impl& other) { workspaces_ = other.workspaces_; }
 
  private:
   // How many keys each query sees: valid_lens and causal folded into one number.
@@ -371,7 +372,8 @@ class MultiHeadAttention::Impl {
 
   const ModelConfig c_;
   const Options o_;
-  mutable WorkspacePool workspaces_;
+  // Shared with other instances by ShareWorkspacesWith.
+  std::shared_ptr<WorkspacePool> workspaces_ = std::make_shared<WorkspacePool>();
   const Dt act_;
   std::unique_ptr<Linear> q_, k_, v_, kv_, qkv_, o_lin_;
   // Additive scoring: A_q, A_k (h, p_a, p) in act_; w_v (h, p_a) f32.
@@ -833,7 +835,7 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
   const absl::Cleanup restore_threads = [caller_threads] { omp_set_num_threads(caller_threads); };
   const KeyLimits limits = ComputeKeyLimits(in);
 
-  WorkspaceLease lease(workspaces_);
+  WorkspaceLease lease(*workspaces_);
   Workspace& ws = *lease;
   try {
     if (!ws.stream) ws.stream.emplace(CpuEngine());
@@ -861,6 +863,10 @@ MultiHeadAttention::MultiHeadAttention(const ModelConfig& config, const Options&
     : config_(config), options_(options), impl_(std::move(impl)) {}
 
 MultiHeadAttention::~MultiHeadAttention() = default;
+
+void MultiHeadAttention::ShareWorkspacesWith(const MultiHeadAttention& other) {
+  impl_->ShareWorkspaces(*other.impl_);
+}
 
 absl::StatusOr<std::unique_ptr<MultiHeadAttention>> MultiHeadAttention::Create(
     const ModelConfig& config, const Weights& weights) {

@@ -104,6 +104,13 @@ class MultiHeadAttention {
   // one, at most Options::num_threads (or the caller's omp_get_max_threads()).
   int Threads(const AttentionInputs& inputs) const;
 
+  // Forward keeps its buffers (a workspace per concurrent call) between calls.
+  // From now on this layer takes them from `other`'s pool, and `other` from the
+  // same: two layers that never run at once need one set, and a new version of a
+  // model warms up in its predecessor's grown buffers instead of a second set. Any
+  // sizes may share (buffers grow as a call needs). Call before the first Forward.
+  void ShareWorkspacesWith(const MultiHeadAttention& other);
+
   const ModelConfig& config() const { return config_; }
   const Options& options() const { return options_; }
 

@@ -1,5 +1,7 @@
 #include "server/batcher.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <utility>
 
@@ -44,22 +46,25 @@ absl::Status Batcher::AddModel(std::shared_ptr<const Model> model, bool warming)
 }
 
 void Batcher::RemoveModel(const Model* model) {
-  absl::MutexLock lock(&mu_);
-  const auto it = queues_.find(model);
-  if (it == queues_.end() || it->second.retiring) return;
-  it->second.retiring = true;
-  ++retiring_;
-  any_retiring_.store(true, std::memory_order_relaxed);
-  SweepLocked();
+  {
+    absl::MutexLock lock(&mu_);
+    const auto it = queues_.find(model);
+    if (it == queues_.end() || it->second.retiring) return;
+    it->second.retiring = true;
+    ++retiring_;
+    any_retiring_.store(true, std::memory_order_relaxed);
+  }
+  Sweep();
 }
 
-void Batcher::SweepLocked() {
-  if (retiring_ == 0) return;
+std::vector<std::shared_ptr<const Model>> Batcher::SweepLocked() {
+  std::vector<std::shared_ptr<const Model>> unused;
   for (auto it = queues_.begin(); it != queues_.end();) {
-    const ModelQueue& queue = it->second;
+    ModelQueue& queue = it->second;
     // use_count 1: only this queue holds the model, and no one can copy it anew.
     if (queue.retiring && queue.items.empty() && queue.computing_tokens == 0 &&
         queue.owner.use_count() == 1) {
+      unused.push_back(std::move(queue.owner));
       it = queues_.erase(it);
       --retiring_;
     } else {
@@ -67,12 +72,21 @@ void Batcher::SweepLocked() {
     }
   }
   any_retiring_.store(retiring_ > 0, std::memory_order_relaxed);
+  return unused;
 }
 
 void Batcher::Sweep() {
   if (!any_retiring_.load(std::memory_order_relaxed)) return;
-  absl::MutexLock lock(&mu_);
-  SweepLocked();
+  std::vector<std::shared_ptr<const Model>> unused;
+  {
+    absl::MutexLock lock(&mu_);
+    unused = SweepLocked();
+  }
+  if (unused.empty()) return;
+  unused.clear();  // frees the models (milliseconds for large ones) outside mu_
+  // Their weights were large blocks: give the pages back, so RSS after a reload is
+  // what it was before it.
+  malloc_trim(0);
 }
 
 void Batcher::SetReady(const Model* model) {

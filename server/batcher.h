@@ -148,8 +148,10 @@ class Batcher {
   void WorkerLoop();
   // Blocks until a batch is due (or stopping with nothing left: empty batch).
   Batch NextBatch();
-  // Erases the retiring queues no one uses any more.
-  void SweepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Erases the retiring queues no one uses any more; returns their models, to be
+  // freed outside mu_.
+  std::vector<std::shared_ptr<const Model>> SweepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // SweepLocked, then frees those models and returns their memory to the system.
   void Sweep();
   // Admit's and Submit's checks on the model's queue (nullptr: a model not served).
   absl::Status AdmitLocked(const ModelQueue* queue, bool warmup) const

@@ -147,8 +147,10 @@ absl::Status ModelLifecycle::LoadLocked(const std::string& name) {
     }
     if (status.ok()) {
       batcher_->SetReady(model.get());
-      std::shared_ptr<const Model> old = models_->Swap(model);
-      if (old != nullptr) batcher_->RemoveModel(old.get());
+      // Released before the batcher's queue retires: it goes once it holds the
+      // last reference.
+      const Model* old = models_->Swap(model).get();
+      if (old != nullptr) batcher_->RemoveModel(old);
       metrics_->Warmed(name, *took);
       metrics_->Loaded(name, true);
       SetServing(name, true);
@@ -168,10 +170,10 @@ absl::Status ModelLifecycle::LoadLocked(const std::string& name) {
 }
 
 void ModelLifecycle::UnloadLocked(const std::string& name) {
-  std::shared_ptr<const Model> removed = models_->Remove(name);
+  const Model* removed = models_->Remove(name).get();  // the batcher holds it still
   if (removed == nullptr) return;
   SetServing(name, false);
-  batcher_->RemoveModel(removed.get());
+  batcher_->RemoveModel(removed);
   Log(absl::StrCat("model ", name, ": unloaded"));
 }
 

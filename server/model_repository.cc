@@ -329,6 +329,9 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::Load(const std::st
     return model.status();
   }
   (*model)->fingerprint = fingerprint;
+  // The new version warms up and serves in the old one's buffers: a reload costs
+  // one more copy of the weights, not a second set of workspaces.
+  if (entry.model != nullptr) (*model)->attention->ShareWorkspacesWith(*entry.model->attention);
   return std::shared_ptr<const Model>(*std::move(model));
 }
 
