@@ -292,13 +292,7 @@ void AddOutput(const char* name, std::initializer_list<int64_t> shape, int64_t e
 
 absl::StatusOr<std::shared_ptr<const Model>> FindInferModel(const ModelRepository& models, absl::string_view name,
                                             absl::string_view version) {
-  MHA_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, models.Find(name));
-  if (!version.empty() && version != kModelVersion) {
-    return absl::NotFoundError(absl::StrCat("model_version: model ", model->name, " has version ",
-                                            kModelVersion, " only, not \"", Abbreviate(version),
-                                            "\""));
-  }
-  return model;
+  return models.Find(name, version);
 }
 
 absl::StatusOr<ValidatedRequest> DecodeInferRequest(const ModelInferRequest& request,
@@ -347,7 +341,7 @@ OutputViews PrepareInferResponse(const ModelInferRequest& request,
                                  const ValidatedRequest& validated, const InferDecoded& decoded,
                                  ModelInferResponse* response) {
   response->set_model_name(validated.model->name);
-  response->set_model_version(kModelVersion);
+  response->set_model_version(absl::StrCat(validated.model->version));
   response->set_id(request.id());
   const core::AttentionInputs& in = validated.inputs;
   const core::ModelConfig& c = validated.model->config;

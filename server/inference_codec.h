@@ -41,8 +41,6 @@
 
 namespace mha::server {
 
-inline constexpr char kModelVersion[] = "1";
-
 // What a decoded request owns: inputs converted to f32 or int32, and which
 // outputs it asked for. Decoded views point into it (or into the request).
 struct InferDecoded {

@@ -2,6 +2,7 @@
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -136,7 +137,7 @@ inference::ModelMetadataResponse ToModelMetadata(const Model& model) {
   const core::ModelConfig& c = model.config;
   inference::ModelMetadataResponse metadata;
   metadata.set_name(model.name);
-  metadata.add_versions(std::string(kModelVersion));
+  metadata.add_versions(absl::StrCat(model.version));
   metadata.set_platform("mha_attention");
   AddTensor("queries", "FP32", {-1, -1, c.query_size}, metadata.mutable_inputs());
   AddTensor("keys", "FP32", {-1, -1, c.key_size}, metadata.mutable_inputs());
@@ -180,7 +181,7 @@ absl::StatusOr<inference::ModelStatisticsResponse> CollectStatistics(const Model
     const ModelStatisticsSnapshot s = model_metrics->Statistics();
     inference::ModelStatistics* out = response.add_model_stats();
     out->set_name(model->name);
-    out->set_version(kModelVersion);
+    out->set_version(absl::StrCat(model->version));
     out->set_last_inference(s.last_inference_ms);
     out->set_inference_count(s.inference_count);
     out->set_execution_count(s.execution_count);
@@ -213,32 +214,44 @@ absl::Status InferenceServiceImpl::Readiness(const Model* model) const {
 }
 
 inference::RepositoryIndexResponse InferenceServiceImpl::Index(bool ready_only) const {
-  const std::map<std::string, std::string> failures = models_->Failures();
-  std::map<std::string, inference::RepositoryIndexResponse::ModelIndex> entries;
+  using ModelIndex = inference::RepositoryIndexResponse::ModelIndex;
+  // By name, then version (0: a model with no version served).
+  std::map<std::pair<std::string, int64_t>, ModelIndex> entries;
+  std::set<std::string> served;
+  for (const auto& model : models_->models()) {
+    const absl::Status readiness = Readiness(model.get());
+    ModelIndex& entry = entries[{model->name, model->version}];
+    entry.set_name(model->name);
+    entry.set_version(absl::StrCat(model->version));
+    entry.set_state(readiness.ok() ? "READY" : "UNAVAILABLE");
+    entry.set_reason(readiness.ok() ? "" : std::string(readiness.message()));
+    served.insert(model->name);
+  }
   for (const std::string& name : models_->ListDirectory()) {
-    auto& entry = entries[name];
+    if (served.contains(name)) continue;
+    ModelIndex& entry = entries[{name, 0}];
     entry.set_name(name);
     entry.set_state("UNAVAILABLE");
     entry.set_reason("not loaded");
   }
-  for (const auto& model : models_->models()) {
-    const absl::Status readiness = Readiness(model.get());
-    auto& entry = entries[model->name];
-    entry.set_name(model->name);
-    entry.set_version(kModelVersion);
-    entry.set_state(readiness.ok() ? "READY" : "UNAVAILABLE");
-    entry.set_reason(readiness.ok() ? "" : std::string(readiness.message()));
-  }
-  // A model whose newest files failed to load: the reason, whether or not an
-  // earlier version still serves (then it stays READY).
-  for (const auto& [name, failure] : failures) {
-    auto& entry = entries[name];
-    entry.set_name(name);
-    if (entry.state().empty()) entry.set_state("UNAVAILABLE");
-    entry.set_reason(absl::StrCat("load failed: ", failure));
+  // A model whose newest files failed to load: the reason on each version still
+  // serving (they stay READY), or on the model when none does.
+  for (const auto& [name, failure] : models_->Failures()) {
+    const std::string reason = absl::StrCat("load failed: ", failure);
+    if (!served.contains(name)) {
+      ModelIndex& entry = entries[{name, 0}];
+      entry.set_name(name);
+      entry.set_state("UNAVAILABLE");
+      entry.set_reason(reason);
+      continue;
+    }
+    for (auto it = entries.lower_bound({name, 0}); it != entries.end() && it->first.first == name;
+         ++it) {
+      it->second.set_reason(reason);
+    }
   }
   inference::RepositoryIndexResponse index;
-  for (auto& [name, entry] : entries) {
+  for (auto& [key, entry] : entries) {
     if (ready_only && entry.state() != "READY") continue;
     *index.add_models() = std::move(entry);
   }

@@ -49,6 +49,7 @@ struct WarmupShape {
 
 struct Model {
   std::string name;
+  int64_t version = 1;  // its version folder's number; 1 without version folders
   core::ModelConfig config;
   ModelLimits limits;
   BatchingPolicy batching;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 
 namespace mha::server {
@@ -132,35 +133,56 @@ void ModelLifecycle::SetServing(const std::string& name, bool serving) {
   if (health_ != nullptr) health_->SetServingStatus(name, serving);
 }
 
+namespace {
+
+// Takes the models' addresses and drops the references: the batcher's queues,
+// retired with RemoveModel, then hold the last ones.
+std::vector<const Model*> Release(ModelRepository::Versions versions) {
+  std::vector<const Model*> released;
+  for (const auto& model : versions) released.push_back(model.get());
+  return released;
+}
+
+}  // namespace
+
 absl::Status ModelLifecycle::LoadLocked(const std::string& name) {
   const bool replacing = models_->Find(name).ok();
-  absl::StatusOr<std::shared_ptr<const Model>> loaded = models_->Load(name);
+  absl::StatusOr<ModelRepository::Versions> loaded = models_->Load(name);
   absl::Status status = loaded.status();
   if (status.ok()) {
-    std::shared_ptr<const Model> model = *std::move(loaded);
+    ModelRepository::Versions versions = *std::move(loaded);
     metrics_->AddModel(name);
-    status = batcher_->AddModel(model, /*warming=*/true);
-    absl::StatusOr<absl::Duration> took = absl::InternalError("not warmed");
-    if (status.ok()) {
-      took = WarmUp(*batcher_, model);
-      status = took.status();
+    absl::Duration took;
+    for (const auto& model : versions) {
+      status.Update(batcher_->AddModel(model, /*warming=*/true));
+      if (!status.ok()) break;
+      absl::StatusOr<absl::Duration> warmed = WarmUp(*batcher_, model);
+      status.Update(warmed.status());
+      if (!status.ok()) break;
+      took += *warmed;
     }
     if (status.ok()) {
-      batcher_->SetReady(model.get());
-      // Released before the batcher's queue retires: it goes once it holds the
-      // last reference.
-      const Model* old = models_->Swap(model).get();
-      if (old != nullptr) batcher_->RemoveModel(old);
-      metrics_->Warmed(name, *took);
+      std::vector<int64_t> numbers;
+      for (const auto& model : versions) {
+        batcher_->SetReady(model.get());
+        numbers.push_back(model->version);
+      }
+      const std::string source = versions.back()->weights_source;
+      const size_t passes = versions.back()->warmup.size();
+      for (const Model* old : Release(models_->Swap(std::move(versions)))) {
+        batcher_->RemoveModel(old);
+      }
+      metrics_->Warmed(name, took);
       metrics_->Loaded(name, true);
       SetServing(name, true);
-      Log(absl::StrCat("model ", name, ": ", replacing ? "reloaded" : "loaded", ", weights ",
-                       model->weights_source, ", warm-up ", model->warmup.size(),
-                       " pass(es) in ", absl::FormatDuration(*took)));
+      Log(absl::StrCat("model ", name, ": ", replacing ? "reloaded" : "loaded", ", version(s) ",
+                       absl::StrJoin(numbers, ", "), ", weights ", source, ", warm-up ", passes,
+                       " pass(es) in ", absl::FormatDuration(took)));
       return absl::OkStatus();
     }
-    batcher_->RemoveModel(model.get());
-    models_->RecordFailure(name, model->fingerprint, status);
+    const std::string fingerprint = versions.front()->fingerprint;
+    for (const Model* model : Release(std::move(versions))) batcher_->RemoveModel(model);
+    models_->RecordFailure(name, fingerprint, status);
   }
   metrics_->Loaded(name, false);
   Log(absl::StrCat("model ", name, ": load failed, ",
@@ -170,10 +192,10 @@ absl::Status ModelLifecycle::LoadLocked(const std::string& name) {
 }
 
 void ModelLifecycle::UnloadLocked(const std::string& name) {
-  const Model* removed = models_->Remove(name).get();  // the batcher holds it still
-  if (removed == nullptr) return;
+  const std::vector<const Model*> removed = Release(models_->Remove(name));
+  if (removed.empty()) return;
   SetServing(name, false);
-  batcher_->RemoveModel(removed);
+  for (const Model* model : removed) batcher_->RemoveModel(model);
   Log(absl::StrCat("model ", name, ": unloaded"));
 }
 

@@ -4,11 +4,13 @@
 #include <google/protobuf/text_format.h>
 
 #include <algorithm>
+#include <charconv>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <utility>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
@@ -198,44 +200,96 @@ absl::StatusOr<ResolvedModelConfig> ResolveModelConfig(const attention::v1::Mode
   return resolved;
 }
 
-absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir, const std::string& name,
-                                                 const ModelRepository::Options& options) {
+std::vector<int64_t> VersionFolders(const std::string& dir) {
+  std::vector<int64_t> versions;
+  std::error_code error;
+  for (fs::directory_iterator it(dir, error), end; !error && it != end; it.increment(error)) {
+    const std::string name = it->path().filename().string();
+    int64_t version = 0;
+    const auto [rest, parsed] = std::from_chars(name.data(), name.data() + name.size(), version);
+    if (parsed == std::errc() && rest == name.data() + name.size() && version >= 1 &&
+        it->is_directory(error)) {
+      versions.push_back(version);
+    }
+  }
+  std::sort(versions.begin(), versions.end());
+  return versions;
+}
+
+absl::StatusOr<std::vector<int64_t>> ServedVersions(const attention::v1::VersionPolicy& policy,
+                                                    const std::vector<int64_t>& folders) {
+  if (folders.empty()) return std::vector<int64_t>{1};  // unversioned: the model's own folder
+  std::vector<int64_t> served;
+  switch (policy.policy_choice_case()) {
+    case attention::v1::VersionPolicy::kAll:
+      served = folders;
+      break;
+    case attention::v1::VersionPolicy::kSpecific:
+      for (int64_t v : folders) {
+        if (absl::c_linear_search(policy.specific().versions(), v)) served.push_back(v);
+      }
+      break;
+    default: {
+      const size_t n = std::max<size_t>(1, policy.latest().num_versions());
+      served.assign(folders.end() - static_cast<ptrdiff_t>(std::min(n, folders.size())),
+                    folders.end());
+    }
+  }
+  if (served.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("version_policy: selects none of the version folders (",
+                     absl::StrJoin(folders, ", "), ")"));
+  }
+  return served;
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<Model>>> LoadModelVersions(
+    const std::string& dir, const std::string& name, const ModelRepository::Options& options) {
   const std::string config_path = (fs::path(dir) / "config.pbtxt").string();
   const std::string context = absl::StrCat("model ", name, " (", config_path, ")");
   std::ifstream file(config_path);
   if (!file) return absl::NotFoundError(absl::StrCat(context, ": cannot read the file"));
   std::stringstream text;
   text << file.rdbuf();
-
-  auto model = std::make_unique<Model>();
-  model->name = name;
   MHA_ASSIGN_OR_RETURN(const attention::v1::ModelConfig proto,
                        ParseModelConfig(text.str(), context));
   auto resolved = ResolveModelConfig(proto, name, options);
   if (!resolved.ok()) return WithContext(resolved.status(), context);
-  model->config = resolved->config;
-  model->limits = resolved->limits;
-  model->batching = resolved->batching;
-  model->warmup = resolved->warmup;
+  const std::vector<int64_t> folders = VersionFolders(dir);
+  auto versions = ServedVersions(proto.version_policy(), folders);
+  if (!versions.ok()) return WithContext(versions.status(), context);
 
-  core::Weights weights;
-  if (proto.has_seeded()) {
-    weights = core::SeededWeights(model->config, proto.seeded().seed());
-    model->weights_source = absl::StrCat("seeded (seed ", proto.seeded().seed(), ")");
-  } else {
-    const std::string weights_path =
-        (fs::path(dir) / (proto.file().empty() ? "weights.safetensors" : proto.file())).string();
-    auto loaded = core::LoadSafetensorsWeights(weights_path, model->config);
-    if (!loaded.ok()) {
-      return WithContext(loaded.status(), absl::StrCat("model ", name, " (", weights_path, ")"));
+  std::vector<std::unique_ptr<Model>> models;
+  for (const int64_t version : *versions) {
+    auto model = std::make_unique<Model>();
+    model->name = name;
+    model->version = version;
+    model->config = resolved->config;
+    model->limits = resolved->limits;
+    model->batching = resolved->batching;
+    model->warmup = resolved->warmup;
+    const fs::path weights_dir =
+        folders.empty() ? fs::path(dir) : fs::path(dir) / std::to_string(version);
+    core::Weights weights;
+    if (proto.has_seeded()) {
+      weights = core::SeededWeights(model->config, proto.seeded().seed());
+      model->weights_source = absl::StrCat("seeded (seed ", proto.seeded().seed(), ")");
+    } else {
+      const std::string weights_path =
+          (weights_dir / (proto.file().empty() ? "weights.safetensors" : proto.file())).string();
+      auto loaded = core::LoadSafetensorsWeights(weights_path, model->config);
+      if (!loaded.ok()) {
+        return WithContext(loaded.status(), absl::StrCat("model ", name, " (", weights_path, ")"));
+      }
+      weights = *std::move(loaded);
+      model->weights_source = weights_path;
     }
-    weights = *std::move(loaded);
-    model->weights_source = weights_path;
+    auto attention = MakeAttention(model->config, weights, options.num_threads);
+    if (!attention.ok()) return WithContext(attention.status(), context);
+    model->attention = *std::move(attention);
+    models.push_back(std::move(model));
   }
-  auto attention = MakeAttention(model->config, weights, options.num_threads);
-  if (!attention.ok()) return WithContext(attention.status(), context);
-  model->attention = *std::move(attention);
-  return model;
+  return models;
 }
 
 absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(const Options& options) {
@@ -253,7 +307,7 @@ absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(const O
         model->attention,
         MakeAttention(model->config, core::SeededWeights(model->config, kDefaultModelSeed),
                       options.num_threads));
-    repository->Swap(std::move(model));
+    repository->Swap({std::move(model)});
     return repository;
   }
 
@@ -264,8 +318,8 @@ absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(const O
   }
   const std::vector<std::string> names = options.only.value_or(repository->ListDirectory());
   for (const std::string& name : names) {
-    MHA_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, repository->Load(name));
-    repository->Swap(std::move(model));
+    MHA_ASSIGN_OR_RETURN(Versions versions, repository->Load(name));
+    repository->Swap(std::move(versions));
   }
   if (!options.only.has_value() && repository->models().empty()) {
     return absl::NotFoundError(absl::StrCat("model_repository ", options.path,
@@ -289,13 +343,17 @@ std::vector<std::string> ModelRepository::ListDirectory() const {
 
 std::string ModelRepository::Fingerprint(const std::string& name) const {
   std::vector<std::string> files;
+  const fs::path dir = fs::path(options_.path) / name;
   std::error_code error;
-  for (fs::directory_iterator it(fs::path(options_.path) / name, error), end;
-       !error && it != end; it.increment(error)) {
+  // The model's files and its version folders' (one level down).
+  for (fs::recursive_directory_iterator it(dir, error), end; !error && it != end;
+       it.increment(error)) {
+    if (it.depth() >= 1) it.disable_recursion_pending();
     if (!it->is_regular_file(error)) continue;
     const auto size = it->file_size(error);
     const auto time = it->last_write_time(error).time_since_epoch().count();
-    files.push_back(absl::StrCat(it->path().filename().string(), ":", size, ":", time));
+    files.push_back(absl::StrCat(fs::relative(it->path(), dir, error).string(), ":", size, ":",
+                                 time));
   }
   std::sort(files.begin(), files.end());
   return absl::StrJoin(files, ";");
@@ -308,10 +366,10 @@ bool ModelRepository::Changed(const std::string& name) const {
   if (it == models_.end()) return true;
   const Entry& entry = it->second;
   if (!entry.failure.empty()) return now != entry.failed_fingerprint;
-  return entry.model == nullptr || now != entry.fingerprint;
+  return entry.versions.empty() || now != entry.fingerprint;
 }
 
-absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::Load(const std::string& name) {
+absl::StatusOr<ModelRepository::Versions> ModelRepository::Load(const std::string& name) {
   if (name.empty() || name[0] == '.' || name.find('/') != std::string::npos ||
       name.find('\0') != std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -319,20 +377,28 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::Load(const std::st
   }
   // Taken before reading: a file written during the load is seen as a change next time.
   const std::string fingerprint = Fingerprint(name);
-  absl::StatusOr<std::unique_ptr<Model>> model =
-      LoadModel((fs::path(options_.path) / name).string(), name, options_);
+  auto loaded = LoadModelVersions((fs::path(options_.path) / name).string(), name, options_);
   absl::MutexLock lock(&mu_);
   Entry& entry = models_[name];
-  if (!model.ok()) {
+  if (!loaded.ok()) {
     entry.failed_fingerprint = fingerprint;
-    entry.failure = std::string(model.status().message());
-    return model.status();
+    entry.failure = std::string(loaded.status().message());
+    return loaded.status();
   }
-  (*model)->fingerprint = fingerprint;
-  // The new version warms up and serves in the old one's buffers: a reload costs
-  // one more copy of the weights, not a second set of workspaces.
-  if (entry.model != nullptr) (*model)->attention->ShareWorkspacesWith(*entry.model->attention);
-  return std::shared_ptr<const Model>(*std::move(model));
+  Versions versions;
+  for (std::unique_ptr<Model>& model : *loaded) {
+    model->fingerprint = fingerprint;
+    // A new version warms up and serves in the buffers of the one it replaces (or
+    // of the newest served): a reload costs the weights, not a second set of
+    // workspaces.
+    const Model* previous = nullptr;
+    for (const auto& served : entry.versions) {
+      if (previous == nullptr || served->version <= model->version) previous = served.get();
+    }
+    if (previous != nullptr) model->attention->ShareWorkspacesWith(*previous->attention);
+    versions.push_back(std::move(model));
+  }
+  return versions;
 }
 
 void ModelRepository::RecordFailure(const std::string& name, const std::string& fingerprint,
@@ -346,7 +412,7 @@ void ModelRepository::RecordFailure(const std::string& name, const std::string& 
 void ModelRepository::ForgetFailures(const std::set<std::string>& present) {
   absl::MutexLock lock(&mu_);
   for (auto it = models_.begin(); it != models_.end();) {
-    if (it->second.model == nullptr && !present.contains(it->first)) {
+    if (it->second.versions.empty() && !present.contains(it->first)) {
       it = models_.erase(it);
     } else {
       ++it;
@@ -354,21 +420,21 @@ void ModelRepository::ForgetFailures(const std::set<std::string>& present) {
   }
 }
 
-std::shared_ptr<const Model> ModelRepository::Swap(std::shared_ptr<const Model> model) {
+ModelRepository::Versions ModelRepository::Swap(Versions versions) {
   absl::MutexLock lock(&mu_);
-  Entry& entry = models_[model->name];
-  entry.fingerprint = model->fingerprint;
+  Entry& entry = models_[versions.front()->name];
+  entry.fingerprint = versions.front()->fingerprint;
   entry.failure.clear();
   entry.failed_fingerprint.clear();
-  std::swap(entry.model, model);
-  return model;
+  std::swap(entry.versions, versions);
+  return versions;
 }
 
-std::shared_ptr<const Model> ModelRepository::Remove(const std::string& name) {
+ModelRepository::Versions ModelRepository::Remove(const std::string& name) {
   absl::MutexLock lock(&mu_);
   auto it = models_.find(name);
-  if (it == models_.end()) return nullptr;
-  std::shared_ptr<const Model> removed = std::move(it->second.model);
+  if (it == models_.end()) return {};
+  Versions removed = std::move(it->second.versions);
   models_.erase(it);
   return removed;
 }
@@ -382,26 +448,40 @@ std::map<std::string, std::string> ModelRepository::Failures() const {
   return failures;
 }
 
-absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::Find(absl::string_view name) const {
+absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::Find(
+    absl::string_view name, absl::string_view version) const {
   std::vector<std::string> names;
-  {
-    absl::ReaderMutexLock lock(&mu_);
-    if (name.empty()) {
-      std::shared_ptr<const Model> only;
-      int served = 0;
-      for (const auto& [served_name, entry] : models_) {
-        if (entry.model == nullptr) continue;
-        if (served_name == kDefaultModelName) return entry.model;
-        only = entry.model;
-        ++served;
-      }
-      if (served == 1) return only;
-    } else if (auto it = models_.find(name); it != models_.end() && it->second.model != nullptr) {
-      return it->second.model;
-    }
+  const Versions* versions = nullptr;
+  absl::ReaderMutexLock lock(&mu_);
+  if (name.empty()) {
+    int served = 0;
     for (const auto& [served_name, entry] : models_) {
-      if (entry.model != nullptr) names.push_back(served_name);
+      if (entry.versions.empty()) continue;
+      if (served_name == kDefaultModelName) {
+        versions = &entry.versions;
+        served = 1;
+        break;
+      }
+      versions = &entry.versions;
+      ++served;
     }
+    if (served != 1) versions = nullptr;
+  } else if (auto it = models_.find(name); it != models_.end() && !it->second.versions.empty()) {
+    versions = &it->second.versions;
+  }
+  if (versions != nullptr) {
+    if (version.empty()) return versions->back();
+    std::vector<int64_t> numbers;
+    for (const auto& model : *versions) {
+      if (absl::StrCat(model->version) == version) return model;
+      numbers.push_back(model->version);
+    }
+    return absl::NotFoundError(absl::StrCat("model_version: model ", versions->back()->name,
+                                            " serves version(s) ", absl::StrJoin(numbers, ", "),
+                                            ", not \"", Abbreviate(version), "\""));
+  }
+  for (const auto& [served_name, entry] : models_) {
+    if (!entry.versions.empty()) names.push_back(served_name);
   }
   if (name.empty()) {
     return absl::InvalidArgumentError(
@@ -416,7 +496,7 @@ std::vector<std::shared_ptr<const Model>> ModelRepository::models() const {
   std::vector<std::shared_ptr<const Model>> models;
   absl::ReaderMutexLock lock(&mu_);
   for (const auto& [name, entry] : models_) {
-    if (entry.model != nullptr) models.push_back(entry.model);
+    models.insert(models.end(), entry.versions.begin(), entry.versions.end());
   }
   return models;
 }

@@ -6,6 +6,11 @@
 //   <repo>/<name>/config.pbtxt        text-format attention.v1.ModelConfig
 //   <repo>/<name>/weights.safetensors unless config.pbtxt declares `seeded { seed }`
 //                                      or names another `file`
+// or, with versions, numbered folders holding each version's weights:
+//   <repo>/<name>/config.pbtxt        applies to every version
+//   <repo>/<name>/<n>/weights.safetensors
+// config.pbtxt's version_policy picks the versions served (default: the newest);
+// a model without version folders is version 1.
 // Every sub-directory not starting with '.' is a model. With no repository the
 // server serves one embedded model, "default": d2l's toy sizes (p_o 100, h 5,
 // d_q = d_k = d_v = 100), SeededWeights(config, kDefaultModelSeed).
@@ -58,12 +63,14 @@ class ModelRepository {
   // does not load fails the server.
   static absl::StatusOr<std::unique_ptr<ModelRepository>> Create(const Options& options);
 
-  // name "" resolves to "default" if served, else to the only model. NOT_FOUND
-  // names the unknown model and lists the served ones; INVALID_ARGUMENT when ""
-  // is ambiguous.
-  absl::StatusOr<std::shared_ptr<const Model>> Find(absl::string_view name) const;
+  // name "" resolves to "default" if served, else to the only model; version ""
+  // to its newest version served. NOT_FOUND names the unknown model and lists the
+  // served ones, or names model_version and lists the model's versions;
+  // INVALID_ARGUMENT when "" is ambiguous.
+  absl::StatusOr<std::shared_ptr<const Model>> Find(absl::string_view name,
+                                                    absl::string_view version = "") const;
 
-  // The served models, sorted by name.
+  // The served models, every version, sorted by name then version.
   std::vector<std::shared_ptr<const Model>> models() const;
 
   // Lifecycle (server/server.h's reload). A model's files are its directory's
@@ -71,24 +78,27 @@ class ModelRepository {
 
   // The model directories on disk now, sorted; empty for the embedded model.
   std::vector<std::string> ListDirectory() const;
-  // Whether `name`'s files differ from those of its served model or of its last
-  // failed load (true for a model neither served nor tried).
+  // Whether `name`'s files (its version folders' too) differ from those of its
+  // served versions or of its last failed load (true for a model neither served
+  // nor tried).
   bool Changed(const std::string& name) const;
-  // Reads `name`'s directory into a new model, not yet served. On failure the
-  // status names the model and the file, and is recorded (Failures).
-  // INVALID_ARGUMENT naming `model` for a name that is not a plain directory name
-  // (empty, starting with '.', or holding '/').
-  absl::StatusOr<std::shared_ptr<const Model>> Load(const std::string& name);
+  // Reads `name`'s directory into new models, one per version its version_policy
+  // serves, not yet served; each shares the buffers of the served version it
+  // replaces (or of the newest served). On failure the status names the model and
+  // the file, and is recorded (Failures). INVALID_ARGUMENT naming `model` for a
+  // name that is not a plain directory name (empty, starting with '.', holding '/').
+  using Versions = std::vector<std::shared_ptr<const Model>>;  // ascending
+  absl::StatusOr<Versions> Load(const std::string& name);
   // Records a failure after Load (the warm-up failed) for files `fingerprint`.
   void RecordFailure(const std::string& name, const std::string& fingerprint,
                      const absl::Status& status);
   // Drops the failures of models neither served nor in `present`.
   void ForgetFailures(const std::set<std::string>& present);
-  // Serves `model` under its name from now on; returns the model it replaces
-  // (nullptr if none). Clears the name's failure.
-  std::shared_ptr<const Model> Swap(std::shared_ptr<const Model> model);
-  // Stops serving `name` (Find answers NOT_FOUND); returns the removed model.
-  std::shared_ptr<const Model> Remove(const std::string& name);
+  // Serves `versions` (of one model, from Load) from now on, in place of every
+  // version served before; returns those. Clears the model's failure.
+  Versions Swap(Versions versions);
+  // Stops serving `name` (Find answers NOT_FOUND); returns its versions.
+  Versions Remove(const std::string& name);
 
   // The last failed load of every model whose newest files did not load: name ->
   // the error (naming the file). A served model keeps serving its previous files.
@@ -103,8 +113,8 @@ class ModelRepository {
   const Options options_;
   mutable absl::Mutex mu_;
   struct Entry {
-    std::shared_ptr<const Model> model;  // null: not served
-    std::string fingerprint;             // of the served model's files
+    Versions versions;        // empty: not served
+    std::string fingerprint;  // of the served versions' files
     std::string failed_fingerprint;      // of the last load that failed
     std::string failure;                 // its error; "" after a good load
   };
@@ -143,10 +153,11 @@ absl::StatusOr<ResolvedModelConfig> ResolveModelConfig(const attention::v1::Mode
                                                        absl::string_view name,
                                                        const ModelRepository::Options& options);
 
-// Loads <dir>/config.pbtxt and its weights as model `name` (the directory name).
-// ModelRepository::Load is this with the repository's bookkeeping.
-absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir, const std::string& name,
-                                                 const ModelRepository::Options& options);
+// Loads <dir>/config.pbtxt and the weights of every version it serves, as model
+// `name` (the directory name). ModelRepository::Load is this with the
+// repository's bookkeeping.
+absl::StatusOr<std::vector<std::unique_ptr<Model>>> LoadModelVersions(
+    const std::string& dir, const std::string& name, const ModelRepository::Options& options);
 
 }  // namespace mha::server
 

@@ -24,7 +24,7 @@ using attention::v1::AttendResponse;
 absl::StatusOr<Admitted> AdmitAttend(const AttendRequest& request, const ModelRepository& models,
                                      const Batcher& batcher, AttendResponse* response) {
   response->set_request_id(request.request_id());
-  MHA_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, models.Find(request.model()));
+  MHA_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, models.Find(request.model(), request.model_version()));
   MHA_RETURN_IF_ERROR(batcher.Admit(model.get()));
   MHA_ASSIGN_OR_RETURN(ValidatedRequest validated, ValidateRequest(request, *model));
   const OutputViews outputs = PrepareResponse(validated, WantsRawResponse(request), response);
@@ -58,6 +58,7 @@ attention::v1::ModelInfo ToModelInfo(const Model& model) {
   const core::ModelConfig& c = model.config;
   attention::v1::ModelInfo info;
   info.set_name(model.name);
+  info.set_version(absl::StrCat(model.version));
   info.set_num_hiddens(c.num_hiddens);
   info.set_num_heads(c.num_heads);
   info.set_head_size(c.head_size());
@@ -111,7 +112,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(
     grpc::CallbackServerContext* context, const attention::v1::GetModelRequest* request,
     attention::v1::ModelInfo* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::StatusOr<std::shared_ptr<const Model>> model = models_->Find(request->model());
+  absl::StatusOr<std::shared_ptr<const Model>> model = models_->Find(request->model(), request->model_version());
   if (model.ok()) *response = ToModelInfo(**model);
   reactor->Finish(ToGrpcStatus(model.status()));
   return reactor;

@@ -11,6 +11,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/safetensors.h"
+#include "core/weights.h"
 #include "gtest/gtest.h"
 #include "proto/inference/grpc_service.grpc.pb.h"
 #include "tests/integration/client_util.h"
@@ -23,6 +25,15 @@ using ::inference::GRPCInferenceService;
 
 std::string ToyConfig(int seed) {
   return absl::StrCat("num_hiddens: 100 num_heads: 5 seeded { seed: ", seed, " }");
+}
+
+// The toy model's weights from `seed`, as d2l names them.
+std::string ToyWeights(uint64_t seed) {
+  const core::Weights w = core::SeededWeights(core::ModelConfig{}, seed);
+  return core::SerializeSafetensors({core::F32Tensor("W_q.weight", {100, 100}, w.w_q),
+                                     core::F32Tensor("W_k.weight", {100, 100}, w.w_k),
+                                     core::F32Tensor("W_v.weight", {100, 100}, w.w_v),
+                                     core::F32Tensor("W_o.weight", {100, 100}, w.w_o)});
 }
 
 class ReloadTest : public ::testing::Test {
@@ -68,9 +79,11 @@ class ReloadTest : public ::testing::Test {
   }
 
   // The model's answer to the toy request, or the call's error.
-  absl::StatusOr<std::vector<float>> Answer(const std::string& model) {
+  absl::StatusOr<std::vector<float>> Answer(const std::string& model,
+                                            const std::string& version = "") {
     AttendRequest request = ToyRequest();
     request.set_model(model);
+    request.set_model_version(version);
     AttendResponse response;
     const grpc::Status status = Attend(*stub_, request, &response);
     if (!status.ok()) {
@@ -229,6 +242,47 @@ TEST_F(ReloadTest, LoadAndUnloadNeedExplicitMode) {
       << load.error_message();
   EXPECT_EQ(Control(false, "a").error_code(), grpc::StatusCode::PERMISSION_DENIED);
   ASSERT_TRUE(Answer("a").ok());
+}
+
+TEST_F(ReloadTest, VersionFoldersServeByPolicyAndByRequest) {
+  repository_.Write("m/config.pbtxt",
+                    "num_hiddens: 100 num_heads: 5 version_policy { latest { num_versions: 2 } }");
+  for (int v : {1, 2, 3}) repository_.Write(absl::StrCat("m/", v, "/weights.safetensors"), ToyWeights(10 + v));
+  Start({});
+  const core::ModelConfig toy;
+  const auto expect = [&](const std::string& version, uint64_t seed) {
+    const absl::StatusOr<std::vector<float>> answer = Answer("m", version);
+    ASSERT_TRUE(answer.ok()) << version << ": " << answer.status();
+    EXPECT_LE(MaxAbsDiff(*answer, CoreForward(toy, seed, ToyRequest()).output), 1e-5f) << version;
+  };
+  expect("", 13);  // the newest
+  expect("3", 13);
+  expect("2", 12);
+  const absl::Status old = Answer("m", "1").status();
+  EXPECT_EQ(old.code(), absl::StatusCode::kNotFound) << old;
+  EXPECT_TRUE(absl::StrContains(old.message(), "model_version: model m serves version(s) 2, 3"))
+      << old;
+  inference::RepositoryIndexResponse index = Index();
+  ASSERT_EQ(index.models_size(), 2) << index.DebugString();
+  EXPECT_EQ(index.models(0).version(), "2");
+  EXPECT_EQ(index.models(1).version(), "3");
+
+  repository_.Write("m/config.pbtxt",
+                    "num_hiddens: 100 num_heads: 5 version_policy { specific { versions: [1, 3] } }");
+  EXPECT_EQ(Reload(), "repository: reload done (loaded 1, unloaded 0, failed 0)");
+  expect("1", 11);
+  expect("", 13);
+  EXPECT_EQ(Answer("m", "2").status().code(), absl::StatusCode::kNotFound);
+
+  // The default policy serves the newest folder only; a new folder is a change.
+  repository_.Write("m/config.pbtxt", "num_hiddens: 100 num_heads: 5");
+  repository_.Write("m/4/weights.safetensors", ToyWeights(14));
+  EXPECT_EQ(Reload(), "repository: reload done (loaded 1, unloaded 0, failed 0)");
+  expect("", 14);
+  EXPECT_EQ(Answer("m", "3").status().code(), absl::StatusCode::kNotFound);
+  index = Index();
+  ASSERT_EQ(index.models_size(), 1) << index.DebugString();
+  EXPECT_EQ(index.models(0).version(), "4");
 }
 
 TEST(ReloadFlagsTest, BadModelControlFlagsFailStartNamingTheFlag) {

@@ -149,5 +149,34 @@ TEST(ModelRepositoryTest, ModelsWithoutWarmupGetTheDefaultPasses) {
   EXPECT_TRUE(cold->Find("").value()->warmup.empty());
 }
 
+TEST(ModelRepositoryTest, VersionPoliciesPickVersionFolders) {
+  const auto versions_of = [](const std::string& policy) -> absl::StatusOr<std::vector<int64_t>> {
+    TempDir dir;
+    dir.Write("m/config.pbtxt", "num_hiddens: 8 num_heads: 2 seeded { seed: 1 } " + policy);
+    for (const char* folder : {"1", "2", "5", "x7", "07"}) {
+      dir.Write(std::string("m/") + folder + "/README", "");
+    }
+    auto models = ModelRepository::Create({.path = dir.path(), .default_warmup = false});
+    if (!models.ok()) return models.status();
+    std::vector<int64_t> versions;
+    for (const auto& model : (*models)->models()) versions.push_back(model->version);
+    EXPECT_EQ((*models)->Find("m").value()->version, versions.back());  // "" = the newest
+    return versions;
+  };
+  // "07" is folder 7; "x7" is not a version.
+  EXPECT_EQ(versions_of("").value(), (std::vector<int64_t>{7}));
+  EXPECT_EQ(versions_of("version_policy { latest { num_versions: 2 } }").value(),
+            (std::vector<int64_t>{5, 7}));
+  EXPECT_EQ(versions_of("version_policy { all {} }").value(),
+            (std::vector<int64_t>{1, 2, 5, 7}));
+  EXPECT_EQ(versions_of("version_policy { specific { versions: [2, 3, 5] } }").value(),
+            (std::vector<int64_t>{2, 5}));
+  const absl::Status none = versions_of("version_policy { specific { versions: [3] } }").status();
+  EXPECT_EQ(none.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(none.message(), "version_policy: selects none of the version "
+                                                "folders (1, 2, 5, 7)"))
+      << none;
+}
+
 }  // namespace
 }  // namespace mha::server
