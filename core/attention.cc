@@ -925,9 +925,9 @@ absl::Status MultiHeadAttention::Forward(const AttentionInputs& inputs, float* o
       slice.values = inputs.values + b0 * K * config_.value_size;
     }
     slice.valid_lens = lens.rows(b0, slice.batch);
-    MHA_RETURN_IF_ERROR(impl_->Forward(
-        slice, output + b0 * Q * E, attention == nullptr ? nullptr : attention + b0 * h * Q * K,
-        max_threads));
+    MHA_RETURN_IF_ERROR(impl_->Forward(slice, output + b0 * Q * E,
+                                       attention == nullptr ? nullptr : attention + b0 * h * Q * K,
+                                       max_threads));
   }
   return absl::OkStatus();
 }

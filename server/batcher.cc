@@ -115,9 +115,9 @@ absl::Status Batcher::AdmitLocked(const ModelQueue* found, bool warmup) const {
   }
   const ModelQueue& queue = *found;
   if (queue.warming && !warmup) {
-    return absl::UnavailableError(absl::StrCat(
-        "model ", queue.model->name, " is warming up (", queue.model->warmup.size(),
-        " warm-up pass(es)); retry when its health is SERVING"));
+    return absl::UnavailableError(
+        absl::StrCat("model ", queue.model->name, " is warming up (", queue.model->warmup.size(),
+                     " warm-up pass(es)); retry when its health is SERVING"));
   }
   const int64_t limit = queue.model->batching.max_queue_size;
   if (static_cast<int64_t>(queue.items.size()) >= limit) {
@@ -167,9 +167,8 @@ absl::Status Batcher::Submit(WorkItem item) {
       }
       return absl::OkStatus();
     }
-    inline_batch = Batch{.model = queue.model,
-                         .metrics = queue.metrics,
-                         .tokens = item.rows() * item.length()};
+    inline_batch = Batch{
+        .model = queue.model, .metrics = queue.metrics, .tokens = item.rows() * item.length()};
     inline_batch.items.push_back(std::move(item));
     queue.computing_tokens += inline_batch.tokens;
     ++computing_;

@@ -102,7 +102,7 @@ class Batcher {
   // else holds the model (checked here and after every forward call).
   void RemoveModel(const Model* model);
   bool IsReady(const Model* model) const;  // served and not warming up
-  ~Batcher();  // Shutdown()
+  ~Batcher();                              // Shutdown()
 
   // OK: queued, `done` will be called (or, inline, was called). RESOURCE_EXHAUSTED
   // naming the model and max_queue_size or max_queue_wait when over either;
@@ -184,7 +184,7 @@ class Batcher {
   int64_t queued_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t computing_ ABSL_GUARDED_BY(mu_) = 0;  // forward calls in progress, inline too
   int64_t retiring_ ABSL_GUARDED_BY(mu_) = 0;   // queues marked retiring
-  std::atomic<bool> any_retiring_{false};        // retiring_ > 0, read without mu_
+  std::atomic<bool> any_retiring_{false};       // retiring_ > 0, read without mu_
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> workers_;
 };

@@ -692,6 +692,26 @@ absl::StatusOr<HttpBody> EncodeInferResponse(const ModelInferRequest& request,
   }
 }
 
+absl::StatusOr<RepositoryBody> ParseRepositoryBody(absl::string_view body) {
+  RepositoryBody out;
+  if (body.empty()) return out;
+  MHA_ASSIGN_OR_RETURN(const Json json, ParseJson(body));
+  if (!json.is_object()) {
+    return absl::InvalidArgumentError("request body: expected a JSON object, or nothing");
+  }
+  if (const auto ready = json.find("ready"); ready != json.end()) {
+    if (!ready->is_boolean()) return absl::InvalidArgumentError("ready: expected true or false");
+    out.ready = ready->get<bool>();
+  }
+  if (const auto parameters = json.find("parameters"); parameters != json.end()) {
+    if (!parameters->is_object()) {
+      return absl::InvalidArgumentError("parameters: expected an object");
+    }
+    out.has_parameters = !parameters->empty();
+  }
+  return out;
+}
+
 std::string ErrorBody(absl::string_view message) {
   return Dump(Json{{"error", std::string(message)}});
 }

@@ -96,6 +96,18 @@ struct HttpBody {
 absl::StatusOr<HttpBody> EncodeInferResponse(const inference::ModelInferRequest& request,
                                              const inference::ModelInferResponse& response);
 
+// The body of a repository request (Triton's repository extension): POST
+// /v2/repository/index takes {"ready": bool}, .../models/{name}/load and /unload
+// take {"parameters": {...}}. Empty or a JSON object (the same depth guard as
+// infer); "ready" must be a bool. has_parameters: "parameters" is present and not
+// {} (this server loads only what the repository folder holds, so the front
+// refuses it). INVALID_ARGUMENT naming the field. Never throws.
+struct RepositoryBody {
+  bool ready = false;
+  bool has_parameters = false;
+};
+absl::StatusOr<RepositoryBody> ParseRepositoryBody(absl::string_view body);
+
 // {"error":"<message>"}, the message JSON-escaped (invalid UTF-8 becomes U+FFFD).
 std::string ErrorBody(absl::string_view message);
 

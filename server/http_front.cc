@@ -73,18 +73,6 @@ absl::StatusOr<std::optional<int64_t>> HeaderLength(const httplib::Request& req)
   return length;
 }
 
-// A repository request's body: empty, or a JSON object whose "parameters", if
-// present, must be empty (HttpFront::RouteRepository).
-absl::StatusOr<bool> HasParameters(const std::string& body) {
-  if (body.empty()) return false;
-  const json parsed = json::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (parsed.is_discarded() || !parsed.is_object()) {
-    return absl::InvalidArgumentError("body: expected a JSON object, or nothing");
-  }
-  const auto it = parsed.find("parameters");
-  return it != parsed.end() && !(it->is_object() && it->empty());
-}
-
 }  // namespace
 
 int HttpStatusOf(absl::StatusCode code) {
@@ -95,6 +83,8 @@ int HttpStatusOf(absl::StatusCode code) {
       return 400;
     case absl::StatusCode::kNotFound:
       return 404;
+    case absl::StatusCode::kPermissionDenied:
+      return 403;
     case absl::StatusCode::kResourceExhausted:
       return 429;
     case absl::StatusCode::kUnimplemented:
@@ -273,22 +263,10 @@ void HttpFront::RouteRepository() {
   httplib::Server& server = *server_;
   const Services s = services_;
   server.Post("/v2/repository/index", [s](const httplib::Request& req, httplib::Response& res) {
-    bool ready_only = false;
-    if (!req.body.empty()) {
-      const json body = json::parse(req.body, nullptr, /*allow_exceptions=*/false);
-      if (body.is_discarded() || !body.is_object()) {
-        return SendError(absl::InvalidArgumentError("body: expected a JSON object, or nothing"),
-                         res);
-      }
-      if (const auto ready = body.find("ready"); ready != body.end()) {
-        if (!ready->is_boolean()) {
-          return SendError(absl::InvalidArgumentError("ready: expected true or false"), res);
-        }
-        ready_only = ready->get<bool>();
-      }
-    }
+    const absl::StatusOr<RepositoryBody> body = ParseRepositoryBody(req.body);
+    if (!body.ok()) return SendError(body.status(), res);
     json models = json::array();
-    const inference::RepositoryIndexResponse index = s.inference->Index(ready_only);
+    const inference::RepositoryIndexResponse index = s.inference->Index(body->ready);
     for (const auto& m : index.models()) {
       json entry = {{"name", m.name()}, {"version", m.version()}, {"state", m.state()}};
       if (!m.reason().empty()) entry["reason"] = m.reason();
@@ -299,11 +277,11 @@ void HttpFront::RouteRepository() {
   for (const bool load : {true, false}) {
     server.Post(absl::StrCat(R"(/v2/repository/models/([^/]+)/)", load ? "load" : "unload"),
                 [s, load](const httplib::Request& req, httplib::Response& res) {
-                  const absl::StatusOr<bool> parameters = HasParameters(req.body);
-                  absl::Status status = parameters.status();
+                  const absl::StatusOr<RepositoryBody> body = ParseRepositoryBody(req.body);
+                  absl::Status status = body.status();
                   if (status.ok()) {
                     status = s.inference->ControlModel(load, "", req.matches[1].str(),
-                                                       *parameters);
+                                                       body->has_parameters);
                   }
                   if (!status.ok()) return SendError(status, res);
                   SendJson(json::object(), res);

@@ -43,9 +43,9 @@ class Server;
 
 namespace mha::server {
 
-// The HTTP status of a canonical code: INVALID_ARGUMENT 400, NOT_FOUND 404,
-// RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504, UNIMPLEMENTED 501,
-// OK 200, anything else 500.
+// The HTTP status of a canonical code: INVALID_ARGUMENT 400, PERMISSION_DENIED 403,
+// NOT_FOUND 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504,
+// UNIMPLEMENTED 501, OK 200, anything else 500.
 int HttpStatusOf(absl::StatusCode code);
 
 class HttpFront {

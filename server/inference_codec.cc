@@ -290,8 +290,9 @@ void AddOutput(const char* name, std::initializer_list<int64_t> shape, int64_t e
 
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<const Model>> FindInferModel(const ModelRepository& models, absl::string_view name,
-                                            absl::string_view version) {
+absl::StatusOr<std::shared_ptr<const Model>> FindInferModel(const ModelRepository& models,
+                                                            absl::string_view name,
+                                                            absl::string_view version) {
   return models.Find(name, version);
 }
 

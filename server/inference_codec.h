@@ -53,8 +53,9 @@ struct InferDecoded {
 
 // The model a request names; NOT_FOUND naming the model or the version ("" and "1"
 // are the one version a model has).
-absl::StatusOr<std::shared_ptr<const Model>> FindInferModel(const ModelRepository& models, absl::string_view name,
-                                            absl::string_view version);
+absl::StatusOr<std::shared_ptr<const Model>> FindInferModel(const ModelRepository& models,
+                                                            absl::string_view name,
+                                                            absl::string_view version);
 
 // Decodes `request` for `model`. The result points into `request` and `decoded`,
 // which must outlive it.

@@ -8,8 +8,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "server/abbreviate.h"
 #include "core/config.h"
+#include "server/abbreviate.h"
 #include "server/grpc_status.h"
 #include "server/stream_reactor.h"
 
@@ -96,9 +96,10 @@ absl::StatusOr<Admitted> AdmitInfer(const ModelInferRequest& request, const Mode
   MHA_RETURN_IF_ERROR(batcher.Admit(model.get()));
   MHA_ASSIGN_OR_RETURN(ValidatedRequest validated, DecodeInferRequest(request, *model, decoded));
   const OutputViews outputs = PrepareInferResponse(request, validated, *decoded, response);
-  return Admitted{
-      .model = std::move(model),
-      .request = validated, .outputs = outputs, .deadline = absl::Now() + decoded->timeout};
+  return Admitted{.model = std::move(model),
+                  .request = validated,
+                  .outputs = outputs,
+                  .deadline = absl::Now() + decoded->timeout};
 }
 
 inference::ModelConfig ToTritonConfig(const Model& model) {
@@ -349,12 +350,12 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelStatistics(
 }
 
 absl::Status InferenceServiceImpl::ControlModel(bool load, absl::string_view repository_name,
-                                               const std::string& model_name,
-                                               bool has_parameters) const {
+                                                const std::string& model_name,
+                                                bool has_parameters) const {
   if (!repository_name.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "repository_name: this server has one repository; leave it empty, got \"",
-        Abbreviate(repository_name), "\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat("repository_name: this server has one repository; leave it empty, got \"",
+                     Abbreviate(repository_name), "\""));
   }
   if (has_parameters) {
     return absl::InvalidArgumentError(

@@ -253,8 +253,9 @@ Metrics::Metrics(const std::vector<std::string>& model_names)
                  .Register(*registry_);
   loads_ = &prometheus::BuildCounter()
                 .Name("mha_model_loads_total")
-                .Help("Model loads after start-up (reloads, new models, explicit loads), by "
-                      "result: ok, or failed (the previous version, if any, keeps serving).")
+                .Help(
+                    "Model loads after start-up (reloads, new models, explicit loads), by "
+                    "result: ok, or failed (the previous version, if any, keeps serving).")
                 .Register(*registry_);
   // Pointers, not references: the lambda outlives this constructor's locals.
   make_ = [requests = &requests, request_duration = &request_duration,

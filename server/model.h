@@ -54,8 +54,8 @@ struct Model {
   ModelLimits limits;
   BatchingPolicy batching;
   std::vector<WarmupShape> warmup;  // run before the model serves (server/server.h)
-  std::string weights_source;  // "seeded (seed 0)" or the weights path
-  std::string fingerprint;     // of its files when loaded (server/model_repository.h)
+  std::string weights_source;       // "seeded (seed 0)" or the weights path
+  std::string fingerprint;          // of its files when loaded (server/model_repository.h)
   std::unique_ptr<core::MultiHeadAttention> attention;
 };
 

@@ -31,21 +31,21 @@ absl::Status WarmOnce(Batcher& batcher, const std::shared_ptr<const Model>& mode
   std::vector<float> output(static_cast<size_t>(shape.batch * shape.num_queries * c.num_hiddens));
   absl::Mutex mu;
   std::optional<absl::Status> result;
-  MHA_RETURN_IF_ERROR(batcher.Submit(WorkItem{
-      .model = model,
-      .inputs = {.batch = shape.batch,
-                 .num_queries = shape.num_queries,
-                 .num_keys = keys,
-                 .queries = queries.data(),
-                 .keys = self ? nullptr : key_data.data(),
-                 .values = self ? nullptr : value_data.data()},
-      .output = output.data(),
-      .done =
-          [&](absl::Status status, const ComputeTiming&) {
-            absl::MutexLock lock(&mu);
-            result = std::move(status);
-          },
-      .warmup = true}));
+  MHA_RETURN_IF_ERROR(
+      batcher.Submit(WorkItem{.model = model,
+                              .inputs = {.batch = shape.batch,
+                                         .num_queries = shape.num_queries,
+                                         .num_keys = keys,
+                                         .queries = queries.data(),
+                                         .keys = self ? nullptr : key_data.data(),
+                                         .values = self ? nullptr : value_data.data()},
+                              .output = output.data(),
+                              .done =
+                                  [&](absl::Status status, const ComputeTiming&) {
+                                    absl::MutexLock lock(&mu);
+                                    result = std::move(status);
+                                  },
+                              .warmup = true}));
   absl::MutexLock lock(&mu);
   mu.Await(absl::Condition(
       +[](std::optional<absl::Status>* r) { return r->has_value(); }, &result));
@@ -81,10 +81,10 @@ absl::StatusOr<absl::Duration> WarmUp(Batcher& batcher, const std::shared_ptr<co
   for (size_t i = 0; i < model->warmup.size(); ++i) {
     const WarmupShape& w = model->warmup[i];
     if (absl::Status s = WarmOnce(batcher, model, w); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("model ", model->name, ": warm-up pass ", i,
-                                                  " (batch ", w.batch, ", num_queries ",
-                                                  w.num_queries, ", num_keys ", w.num_keys,
-                                                  "): ", s.message()));
+      return absl::Status(
+          s.code(), absl::StrCat("model ", model->name, ": warm-up pass ", i, " (batch ", w.batch,
+                                 ", num_queries ", w.num_queries, ", num_keys ", w.num_keys,
+                                 "): ", s.message()));
     }
   }
   return absl::Now() - start;
@@ -234,9 +234,9 @@ ModelLifecycle::ReloadReport ModelLifecycle::Reload() {
 
 absl::Status ModelLifecycle::Load(const std::string& name) {
   if (options_.control != ModelControl::kExplicit) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "model_control is ", ModelControlName(options_.control),
-        ": loading and unloading models needs --model_control=explicit"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("model_control is ", ModelControlName(options_.control),
+                     ": loading and unloading models needs --model_control=explicit"));
   }
   absl::MutexLock lock(&mu_);
   if (stopped_) return absl::UnavailableError("the server is shutting down");
@@ -245,9 +245,9 @@ absl::Status ModelLifecycle::Load(const std::string& name) {
 
 absl::Status ModelLifecycle::Unload(const std::string& name) {
   if (options_.control != ModelControl::kExplicit) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "model_control is ", ModelControlName(options_.control),
-        ": loading and unloading models needs --model_control=explicit"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("model_control is ", ModelControlName(options_.control),
+                     ": loading and unloading models needs --model_control=explicit"));
   }
   absl::MutexLock lock(&mu_);
   if (stopped_) return absl::UnavailableError("the server is shutting down");

@@ -136,22 +136,23 @@ absl::StatusOr<std::vector<WarmupShape>> ResolveWarmup(const attention::v1::Mode
   for (int i = 0; i < proto.warmup_size(); ++i) {
     const attention::v1::WarmupConfig& w = proto.warmup(i);
     const std::string field = absl::StrCat("warmup[", i, "]");
-    const auto in_range = [&](absl::string_view name, int64_t value, int64_t low,
-                              int64_t high, absl::string_view limit) -> absl::Status {
+    const auto in_range = [&](absl::string_view name, int64_t value, int64_t low, int64_t high,
+                              absl::string_view limit) -> absl::Status {
       if (value >= low && value <= high) return absl::OkStatus();
-      return absl::InvalidArgumentError(absl::StrCat(field, ".", name, ": expected ", low,
-                                                     " to ", high, " (", limit, "), got ", value));
+      return absl::InvalidArgumentError(absl::StrCat(field, ".", name, ": expected ", low, " to ",
+                                                     high, " (", limit, "), got ", value));
     };
     MHA_RETURN_IF_ERROR(in_range("batch", w.batch(), 1, limits.max_batch_size, "max_batch_size"));
     MHA_RETURN_IF_ERROR(in_range("num_queries", w.num_queries(), 1, limits.max_sequence_length,
                                  "max_sequence_length"));
-    MHA_RETURN_IF_ERROR(in_range("num_keys", w.num_keys(), 0, limits.max_sequence_length,
-                                 "max_sequence_length"));
+    MHA_RETURN_IF_ERROR(
+        in_range("num_keys", w.num_keys(), 0, limits.max_sequence_length, "max_sequence_length"));
     if (w.num_keys() == 0 && !config.SupportsSelfAttention()) {
       return absl::InvalidArgumentError(
           absl::StrCat(field, ".num_keys: 0 (self-attention) needs d_k = d_v = d_q; give keys"));
     }
-    shapes.push_back({.batch = w.batch(), .num_queries = w.num_queries(), .num_keys = w.num_keys()});
+    shapes.push_back(
+        {.batch = w.batch(), .num_queries = w.num_queries(), .num_keys = w.num_keys()});
   }
   return shapes;
 }
@@ -194,9 +195,8 @@ absl::StatusOr<ResolvedModelConfig> ResolveModelConfig(const attention::v1::Mode
   MHA_ASSIGN_OR_RETURN(
       resolved.batching,
       ResolveBatching(proto.batching(), options.default_batching, resolved.limits));
-  MHA_ASSIGN_OR_RETURN(resolved.warmup,
-                       ResolveWarmup(proto, resolved.config, resolved.limits, resolved.batching,
-                                     options.default_warmup));
+  MHA_ASSIGN_OR_RETURN(resolved.warmup, ResolveWarmup(proto, resolved.config, resolved.limits,
+                                                      resolved.batching, options.default_warmup));
   return resolved;
 }
 
@@ -352,8 +352,8 @@ std::string ModelRepository::Fingerprint(const std::string& name) const {
     if (!it->is_regular_file(error)) continue;
     const auto size = it->file_size(error);
     const auto time = it->last_write_time(error).time_since_epoch().count();
-    files.push_back(absl::StrCat(fs::relative(it->path(), dir, error).string(), ":", size, ":",
-                                 time));
+    files.push_back(
+        absl::StrCat(fs::relative(it->path(), dir, error).string(), ":", size, ":", time));
   }
   std::sort(files.begin(), files.end());
   return absl::StrJoin(files, ";");

@@ -26,9 +26,9 @@
 
 #include <cstdint>
 #include <map>
-#include <set>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -113,10 +113,10 @@ class ModelRepository {
   const Options options_;
   mutable absl::Mutex mu_;
   struct Entry {
-    Versions versions;        // empty: not served
-    std::string fingerprint;  // of the served versions' files
-    std::string failed_fingerprint;      // of the last load that failed
-    std::string failure;                 // its error; "" after a good load
+    Versions versions;               // empty: not served
+    std::string fingerprint;         // of the served versions' files
+    std::string failed_fingerprint;  // of the last load that failed
+    std::string failure;             // its error; "" after a good load
   };
   std::map<std::string, Entry, std::less<>> models_ ABSL_GUARDED_BY(mu_);
 };

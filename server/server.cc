@@ -91,8 +91,8 @@ absl::Status ServerOptions::Validate() const {
   MHA_RETURN_IF_ERROR(NotNegative("batching.max_queue_wait", batching.max_queue_wait));
   MHA_RETURN_IF_ERROR(NotNegative("drain_timeout", drain_timeout));
   if (repository_poll < absl::Seconds(1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "repository_poll: expected >= 1 s, got ", absl::FormatDuration(repository_poll)));
+    return absl::InvalidArgumentError(absl::StrCat("repository_poll: expected >= 1 s, got ",
+                                                   absl::FormatDuration(repository_poll)));
   }
   if (model_control != ModelControl::kExplicit && !load_models.empty()) {
     return absl::InvalidArgumentError(
@@ -123,16 +123,16 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   const int threads = options.compute_threads > 0 ? options.compute_threads : AvailableCpus();
   server->threads_per_worker_ = std::max(1, threads / options.compute_workers);
 
-  MHA_ASSIGN_OR_RETURN(server->models_,
-                       ModelRepository::Create({.path = options.model_repository,
-                                                .default_limits = options.limits,
-                                                .default_batching = options.batching,
-                                                .num_threads = server->threads_per_worker_,
-                                                .default_warmup = options.default_warmup,
-                                                .only = options.model_control ==
-                                                                ModelControl::kExplicit
-                                                            ? std::optional(options.load_models)
-                                                            : std::nullopt}));
+  MHA_ASSIGN_OR_RETURN(
+      server->models_,
+      ModelRepository::Create({.path = options.model_repository,
+                               .default_limits = options.limits,
+                               .default_batching = options.batching,
+                               .num_threads = server->threads_per_worker_,
+                               .default_warmup = options.default_warmup,
+                               .only = options.model_control == ModelControl::kExplicit
+                                           ? std::optional(options.load_models)
+                                           : std::nullopt}));
   std::vector<std::string> names;
   for (const auto& model : server->models_->models()) names.push_back(model->name);
   server->metrics_ = std::make_unique<Metrics>(names);
@@ -141,9 +141,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
                          MetricsExposer::Start(HostPort(options.metrics_host, options.metrics_port),
                                                server->metrics_->registry()));
   }
-  MHA_ASSIGN_OR_RETURN(server->batcher_, Batcher::Create({.num_workers = options.compute_workers,
-                                                          .inline_max_flops = options.inline_max_flops},
-                                                         server->metrics_.get()));
+  MHA_ASSIGN_OR_RETURN(server->batcher_,
+                       Batcher::Create({.num_workers = options.compute_workers,
+                                        .inline_max_flops = options.inline_max_flops},
+                                       server->metrics_.get()));
   for (const auto& model : server->models_->models()) {
     MHA_RETURN_IF_ERROR(server->batcher_->AddModel(model, /*warming=*/true));
   }
@@ -153,9 +154,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
       server->models_.get(), server->batcher_.get(), server->metrics_.get());
   server->service_ = std::make_unique<AttentionServiceImpl>(
       server->models_.get(), server->batcher_.get(), server->metrics_.get());
-  server->inference_service_ = std::make_unique<InferenceServiceImpl>(
-      server->models_.get(), server->batcher_.get(), server->metrics_.get(),
-      server->lifecycle_.get());
+  server->inference_service_ =
+      std::make_unique<InferenceServiceImpl>(server->models_.get(), server->batcher_.get(),
+                                             server->metrics_.get(), server->lifecycle_.get());
 
   // The transport refuses bigger messages itself; each model's own limit is
   // checked in validation, so the transport allows the largest of them (of the

@@ -37,11 +37,11 @@
 namespace mha::server {
 
 struct ServerOptions {
-  std::string host = "127.0.0.1";          // loopback by default; "0.0.0.0" to serve the network
-  int32_t port = 50051;                    // 0 = pick a free port (see Server::port())
-  std::string model_repository;            // "" = the embedded "default" model
-  int compute_threads = 0;                 // total OpenMP threads for compute; 0 = AvailableCpus()
-  int compute_workers = 1;                 // concurrent forward calls; each gets threads/workers
+  std::string host = "127.0.0.1";  // loopback by default; "0.0.0.0" to serve the network
+  int32_t port = 50051;            // 0 = pick a free port (see Server::port())
+  std::string model_repository;    // "" = the embedded "default" model
+  int compute_threads = 0;         // total OpenMP threads for compute; 0 = AvailableCpus()
+  int compute_workers = 1;         // concurrent forward calls; each gets threads/workers
   // A request of at most this much work runs on the thread that received it when
   // compute is idle (server/batcher.h); 0 = never.
   double inline_max_flops = 2e6;
@@ -51,7 +51,7 @@ struct ServerOptions {
   // Model lifecycle (server/model_lifecycle.h): none, poll or explicit.
   ModelControl model_control = ModelControl::kNone;
   absl::Duration repository_poll = absl::Seconds(15);  // poll's interval
-  std::vector<std::string> load_models;  // explicit: the models loaded at start
+  std::vector<std::string> load_models;                // explicit: the models loaded at start
   ModelLimits limits;                      // defaults for limits a model config leaves at 0
   BatchingPolicy batching;                 // likewise for `batching { ... }`
   std::string metrics_host = "127.0.0.1";  // /metrics: loopback unless asked

@@ -24,7 +24,8 @@ using attention::v1::AttendResponse;
 absl::StatusOr<Admitted> AdmitAttend(const AttendRequest& request, const ModelRepository& models,
                                      const Batcher& batcher, AttendResponse* response) {
   response->set_request_id(request.request_id());
-  MHA_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, models.Find(request.model(), request.model_version()));
+  MHA_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
+                       models.Find(request.model(), request.model_version()));
   MHA_RETURN_IF_ERROR(batcher.Admit(model.get()));
   MHA_ASSIGN_OR_RETURN(ValidatedRequest validated, ValidateRequest(request, *model));
   const OutputViews outputs = PrepareResponse(validated, WantsRawResponse(request), response);
@@ -112,7 +113,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(
     grpc::CallbackServerContext* context, const attention::v1::GetModelRequest* request,
     attention::v1::ModelInfo* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::StatusOr<std::shared_ptr<const Model>> model = models_->Find(request->model(), request->model_version());
+  absl::StatusOr<std::shared_ptr<const Model>> model =
+      models_->Find(request->model(), request->model_version());
   if (model.ok()) *response = ToModelInfo(**model);
   reactor->Finish(ToGrpcStatus(model.status()));
   return reactor;

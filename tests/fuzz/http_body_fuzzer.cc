@@ -1,5 +1,6 @@
 // libFuzzer target (d): KServe v2 HTTP infer bodies -> ParseInferRequest, as the
-// HTTP front does, then EncodeInferResponse of a response built from what parsed.
+// HTTP front does, then EncodeInferResponse of a response built from what parsed;
+// every body also goes through ParseRepositoryBody (the repository extension).
 // Input layout: byte 0 picks how Inference-Header-Content-Length is set (0: absent,
 // 1: the next 4 bytes modulo the body size + 1, 2: the next 4 bytes as a signed
 // int32, possibly out of range); bytes 1-4 are that little-endian value; the rest is
@@ -194,6 +195,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::optional<int64_t> header_length;
   if (data[0] % 3 == 1) header_length = value % (body.size() + 1);
   if (data[0] % 3 == 2) header_length = static_cast<int32_t>(value);
+
+  // The repository extension's bodies: OK, or INVALID_ARGUMENT with a message.
+  const absl::StatusOr<mha::server::RepositoryBody> repository =
+      mha::server::ParseRepositoryBody(body);
+  MHA_FUZZ_CHECK(
+      repository.ok() || (repository.status().code() == absl::StatusCode::kInvalidArgument &&
+                          !repository.status().message().empty()),
+      "%s\n", repository.status().ToString().c_str());
 
   const absl::StatusOr<ModelInferRequest> request =
       mha::server::ParseInferRequest("m", "1", body, header_length);

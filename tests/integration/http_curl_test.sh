@@ -38,6 +38,8 @@ expect '"id":"r1".*"name":"output".*"shape":\[1,2,100\]' "JSON infer answers the
 expect '^[Ii]nference-[Hh]eader-[Cc]ontent-[Ll]ength: [0-9]+' "binary infer answers a binary output"
 expect '"error":"inputs\[0\] \(\\"queries\\"\)[^"]*".* 400$|needs 99 values.* 400$' "a bad shape is 400"
 expect 'unknown model.* 404$' "an unknown model is 404"
+expect '^\[\{"name":"default","state":"READY","version":"1"\}\] 200$' "the repository index"
+expect 'model_control=explicit.* 403$' "load without explicit model control is 403"
 header=$(grep -i '^inference-header-content-length' "$work/out.txt" | tr -dc '0-9')
 size=$(stat -c %s "$work/response.bin")
 if ((size != header + 800)); then

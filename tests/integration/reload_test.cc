@@ -169,8 +169,10 @@ TEST_F(ReloadTest, BrokenNewFilesKeepThePreviousVersionServing) {
   EXPECT_EQ(Reload(), "repository: reload done (loaded 0, unloaded 0, failed 2)");
   EXPECT_EQ(Answer("a").value(), before);
   EXPECT_EQ(Answer("n").status().code(), absl::StatusCode::kNotFound);
-  EXPECT_TRUE(absl::StrContains(server_->log(), "model a: load failed, the previous version "
-                                                "keeps serving: model a (" + weights + ")"))
+  EXPECT_TRUE(absl::StrContains(server_->log(),
+                                "model a: load failed, the previous version "
+                                "keeps serving: model a (" +
+                                    weights + ")"))
       << server_->log();
 
   const inference::RepositoryIndexResponse index = Index();
@@ -216,7 +218,8 @@ TEST_F(ReloadTest, ExplicitModeLoadsAndUnloadsOnRequestOnly) {
   // Bad requests name the field; a missing directory names the file.
   const grpc::Status outside = Control(true, "../a");
   EXPECT_EQ(outside.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_TRUE(absl::StrContains(outside.error_message(), "model: \"../a\"")) << outside.error_message();
+  EXPECT_TRUE(absl::StrContains(outside.error_message(), "model: \"../a\""))
+      << outside.error_message();
   const grpc::Status missing = Control(true, "z");
   EXPECT_EQ(missing.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_TRUE(absl::StrContains(missing.error_message(), "z/config.pbtxt"))
@@ -247,7 +250,8 @@ TEST_F(ReloadTest, LoadAndUnloadNeedExplicitMode) {
 TEST_F(ReloadTest, VersionFoldersServeByPolicyAndByRequest) {
   repository_.Write("m/config.pbtxt",
                     "num_hiddens: 100 num_heads: 5 version_policy { latest { num_versions: 2 } }");
-  for (int v : {1, 2, 3}) repository_.Write(absl::StrCat("m/", v, "/weights.safetensors"), ToyWeights(10 + v));
+  for (int v : {1, 2, 3})
+    repository_.Write(absl::StrCat("m/", v, "/weights.safetensors"), ToyWeights(10 + v));
   Start({});
   const core::ModelConfig toy;
   const auto expect = [&](const std::string& version, uint64_t seed) {
@@ -267,8 +271,9 @@ TEST_F(ReloadTest, VersionFoldersServeByPolicyAndByRequest) {
   EXPECT_EQ(index.models(0).version(), "2");
   EXPECT_EQ(index.models(1).version(), "3");
 
-  repository_.Write("m/config.pbtxt",
-                    "num_hiddens: 100 num_heads: 5 version_policy { specific { versions: [1, 3] } }");
+  repository_.Write(
+      "m/config.pbtxt",
+      "num_hiddens: 100 num_heads: 5 version_policy { specific { versions: [1, 3] } }");
   EXPECT_EQ(Reload(), "repository: reload done (loaded 1, unloaded 0, failed 0)");
   expect("1", 11);
   expect("", 13);
@@ -292,8 +297,9 @@ TEST(ReloadFlagsTest, BadModelControlFlagsFailStartNamingTheFlag) {
       << mode.err;
   const RunResult poll = RunServer({"--port=0", "--model_control=poll"});
   EXPECT_NE(poll.exit_code, 0);
-  EXPECT_TRUE(absl::StrContains(poll.err, "--model_control: poll and explicit need a "
-                                          "model_repository"))
+  EXPECT_TRUE(absl::StrContains(poll.err,
+                                "--model_control: poll and explicit need a "
+                                "model_repository"))
       << poll.err;
   const RunResult load = RunServer({"--port=0", "--load_models=a"});
   EXPECT_NE(load.exit_code, 0);

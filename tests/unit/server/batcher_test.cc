@@ -473,8 +473,7 @@ class BatcherInlineTest : public BatcherTest {
     returned = true;
     mu.Await(absl::Condition(&done));
     answer.output.assign(response.output().data().begin(), response.output().data().end());
-    answer.attention.assign(response.attention().data().begin(),
-                            response.attention().data().end());
+    answer.attention.assign(response.attention().data().begin(), response.attention().data().end());
     return answer;
   }
 
@@ -489,10 +488,10 @@ class BatcherInlineTest : public BatcherTest {
 TEST_F(BatcherInlineTest, SmallRequestsRunInlineAndAnswerAsTheWorkerDoes) {
   MakeRepository({.max_queue_delay = absl::ZeroDuration()});
   std::vector<AttendRequest> requests = {
-      Request(2, 4, 6, {3, 2}),            // the toy request: per-row valid_lens
-      Request(1, 5, 9, {1, 2, 3, 9, 0}),   // one valid_len per query
-      Request(2, 4, 6),                    // no mask
-      Request(1, 7, 0),                    // self-attention
+      Request(2, 4, 6, {3, 2}),           // the toy request: per-row valid_lens
+      Request(1, 5, 9, {1, 2, 3, 9, 0}),  // one valid_len per query
+      Request(2, 4, 6),                   // no mask
+      Request(1, 7, 0),                   // self-attention
       Request(3, 1, 2, {2, 0, 1}, 0.4f),  // a valid_len 0 row
   };
   requests.push_back(Request(1, 6, 0, {}, 0.2f));
@@ -545,7 +544,7 @@ TEST_F(BatcherInlineTest, SmallRequestsQueueBehindQueuedOnes) {
   MakeRepository({.max_queue_delay = absl::ZeroDuration()});
   auto batcher = MakeInlineBatcher(2e6);
   std::vector<Call> calls(3);
-  calls[0].request = Request(8, 32, 0);  // 60 MFLOP: to the worker, which it holds
+  calls[0].request = Request(8, 32, 0);            // 60 MFLOP: to the worker, which it holds
   calls[1].request = Request(8, 32, 0, {}, 0.1f);  // queued behind it
   calls[2].request = Request(2, 4, 6, {3, 2});     // small, but requests are queued
   absl::Mutex mu;

@@ -232,10 +232,9 @@ const Case kCases[] = {
      StatusCode::kResourceExhausted,
      "return_attention: B*h*Q*K = 2*5*16*16 weights exceed max_attention_elements 1000"},
     {"QueriesDataAndRaw",
-     [](AttendRequest& r) {
-       r.mutable_queries()->set_raw(std::string(16, '\0'));
-     },
-     StatusCode::kInvalidArgument, "queries: has both data (800 floats) and raw (16 bytes); send one"},
+     [](AttendRequest& r) { r.mutable_queries()->set_raw(std::string(16, '\0')); },
+     StatusCode::kInvalidArgument,
+     "queries: has both data (800 floats) and raw (16 bytes); send one"},
     {"KeysRawNotWholeFloats",
      [](AttendRequest& r) {
        ToRaw(r.mutable_keys());

@@ -167,14 +167,14 @@ TEST(ModelRepositoryTest, VersionPoliciesPickVersionFolders) {
   EXPECT_EQ(versions_of("").value(), (std::vector<int64_t>{7}));
   EXPECT_EQ(versions_of("version_policy { latest { num_versions: 2 } }").value(),
             (std::vector<int64_t>{5, 7}));
-  EXPECT_EQ(versions_of("version_policy { all {} }").value(),
-            (std::vector<int64_t>{1, 2, 5, 7}));
+  EXPECT_EQ(versions_of("version_policy { all {} }").value(), (std::vector<int64_t>{1, 2, 5, 7}));
   EXPECT_EQ(versions_of("version_policy { specific { versions: [2, 3, 5] } }").value(),
             (std::vector<int64_t>{2, 5}));
   const absl::Status none = versions_of("version_policy { specific { versions: [3] } }").status();
   EXPECT_EQ(none.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(absl::StrContains(none.message(), "version_policy: selects none of the version "
-                                                "folders (1, 2, 5, 7)"))
+  EXPECT_TRUE(absl::StrContains(none.message(),
+                                "version_policy: selects none of the version "
+                                "folders (1, 2, 5, 7)"))
       << none;
 }
 
