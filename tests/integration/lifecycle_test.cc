@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "core/safetensors.h"
 #include "gtest/gtest.h"
+#include "proto/inference/grpc_service.grpc.pb.h"
 #include "server/model_repository.h"
 #include "tests/integration/client_util.h"
 #include "tests/integration/metrics_scrape.h"
@@ -325,6 +326,32 @@ TEST_F(TlsTest, MutualTlsRefusesClientsWithoutCertificate) {
             grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(Call((*server)->target(), grpc::InsecureChannelCredentials()).error_code(),
             grpc::StatusCode::UNAVAILABLE);
+}
+
+// The repository RPCs are calls like any other: with mutual TLS, only a client
+// with a certificate loads a model.
+TEST_F(TlsTest, MutualTlsGuardsModelLoad) {
+  TempDir repository;
+  repository.Write("m/config.pbtxt", "num_hiddens: 100 num_heads: 5 seeded { seed: 1 }");
+  auto server = ServerProcess::Start(
+      {"--port=0", "--tls_cert=" + File("server.pem"), "--tls_key=" + File("server.key"),
+       "--tls_client_ca=" + File("ca.pem"), "--model_repository=" + repository.path(),
+       "--model_control=explicit"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const auto load = [&](bool with_cert) {
+    auto stub = inference::GRPCInferenceService::NewStub(
+        Channel((*server)->target(), TlsCredentials(with_cert), "", /*own_connection=*/true));
+    grpc::ClientContext context;
+    SetTimeout(&context, std::chrono::seconds(30));
+    inference::RepositoryModelLoadRequest request;
+    request.set_model_name("m");
+    inference::RepositoryModelLoadResponse response;
+    return stub->RepositoryModelLoad(&context, request, &response);
+  };
+  EXPECT_EQ(load(false).error_code(), grpc::StatusCode::UNAVAILABLE);
+  const grpc::Status loaded = load(true);
+  EXPECT_TRUE(loaded.ok()) << loaded.error_message();
+  EXPECT_TRUE(Call((*server)->target(), TlsCredentials(true)).ok());  // "" = the only model, m
 }
 
 TEST_F(TlsTest, MissingKeyFileFailsStart) {
