@@ -1,6 +1,6 @@
 // inference.GRPCInferenceService: the Open Inference Protocol (KServe v2) over gRPC
-// with Triton's extensions (ModelStreamInfer, ModelConfig, ModelStatistics,
-// RepositoryIndex), on the same port, batcher, validation, limits and metrics as
+// with Triton's extensions (ModelStreamInfer, ModelConfig, ModelStatistics, the
+// model repository), on the same port, batcher, validation, limits and metrics as
 // attention.v1 (protocol label "kserve_grpc"). server/inference_codec.h has the
 // tensor names; docs/service.md the whole contract.
 //
@@ -14,9 +14,10 @@
 //                    gets error_message (and its id) and the stream goes on
 //   ModelConfig      a Triton ModelConfig (dims without the batch dimension)
 //   ModelStatistics  from the counters /metrics exposes (ModelStatisticsSnapshot)
-//   RepositoryIndex  every served model, state READY
-// RPCs not listed (repository load/unload, shared memory, trace) answer
-// UNIMPLEMENTED.
+//   RepositoryIndex  every served version and every folder not served, with reasons
+//   RepositoryModelLoad / RepositoryModelUnload  explicit model control only
+//                    (server/model_lifecycle.h), else PERMISSION_DENIED
+// RPCs not listed (shared memory, trace) answer UNIMPLEMENTED.
 //
 // Thread safety: thread-safe; the repository, batcher and metrics must outlive it.
 #ifndef MHA_SERVER_INFERENCE_SERVICE_H_
