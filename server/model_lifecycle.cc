@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
+#include "server/abbreviate.h"
 
 namespace mha::server {
 namespace {
@@ -232,18 +233,11 @@ ModelLifecycle::ReloadReport ModelLifecycle::Reload() {
   return report;
 }
 
-absl::Status ModelLifecycle::Load(const std::string& name) {
-  if (options_.control != ModelControl::kExplicit) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("model_control is ", ModelControlName(options_.control),
-                     ": loading and unloading models needs --model_control=explicit"));
-  }
-  absl::MutexLock lock(&mu_);
-  if (stopped_) return absl::UnavailableError("the server is shutting down");
-  return LoadLocked(name);
-}
+absl::Status ModelLifecycle::Load(const std::string& name) { return Control(name, true); }
 
-absl::Status ModelLifecycle::Unload(const std::string& name) {
+absl::Status ModelLifecycle::Unload(const std::string& name) { return Control(name, false); }
+
+absl::Status ModelLifecycle::Control(const std::string& name, bool load) {
   if (options_.control != ModelControl::kExplicit) {
     return absl::PermissionDeniedError(
         absl::StrCat("model_control is ", ModelControlName(options_.control),
@@ -251,8 +245,9 @@ absl::Status ModelLifecycle::Unload(const std::string& name) {
   }
   absl::MutexLock lock(&mu_);
   if (stopped_) return absl::UnavailableError("the server is shutting down");
+  if (load) return LoadLocked(name);
   if (!models_->Find(name).ok()) {
-    return absl::NotFoundError(absl::StrCat("model: \"", name, "\" is not loaded"));
+    return absl::NotFoundError(absl::StrCat("model: \"", Abbreviate(name), "\" is not loaded"));
   }
   UnloadLocked(name);
   return absl::OkStatus();

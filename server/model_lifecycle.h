@@ -100,6 +100,8 @@ class ModelLifecycle {
   ModelControl control() const { return options_.control; }
 
  private:
+  // Load (`load`) or Unload, after their checks.
+  absl::Status Control(const std::string& name, bool load);
   // Loads, warms and swaps in `name`; logs the outcome.
   absl::Status LoadLocked(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UnloadLocked(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
