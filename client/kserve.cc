@@ -179,6 +179,7 @@ absl::StatusOr<Tensor> ToTensor(const ModelInferResponse::InferOutputTensor& out
 ModelInferRequest ToModelInferRequest(const AttendRequest& request) {
   ModelInferRequest infer;
   infer.set_model_name(request.model().empty() ? kDefaultModel : request.model());
+  infer.set_model_version(request.model_version());
   infer.set_id(request.request_id());
   if (request.causal()) (*infer.mutable_parameters())["causal"].set_bool_param(true);
   AddTensor("queries", request.queries(), &infer);

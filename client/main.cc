@@ -64,6 +64,8 @@ ABSL_FLAG(int64_t, max_message_size, kChannel.max_message_bytes,
 
 // The request (infer, bench, heatmap, heads).
 ABSL_FLAG(std::string, model, kRequest.model, "Model name; empty = the server's default model.");
+ABSL_FLAG(std::string, model_version, kRequest.model_version,
+          "Model version (a number the model serves); empty = the newest served.");
 ABSL_FLAG(int64_t, batch, kRequest.batch, "B: batch rows of generated inputs.");
 ABSL_FLAG(int64_t, num_queries, kRequest.num_queries, "Q: queries per batch row.");
 ABSL_FLAG(int64_t, num_keys, kRequest.num_keys,
@@ -266,6 +268,7 @@ mha::client::ChannelOptions ChannelFromFlags(mha::client::Protocol protocol) {
 absl::StatusOr<mha::client::RequestOptions> RequestFromFlags() {
   mha::client::RequestOptions request;
   request.model = absl::GetFlag(FLAGS_model);
+  request.model_version = absl::GetFlag(FLAGS_model_version);
   request.batch = absl::GetFlag(FLAGS_batch);
   request.num_queries = absl::GetFlag(FLAGS_num_queries);
   request.num_keys = absl::GetFlag(FLAGS_num_keys);

@@ -142,6 +142,7 @@ bool IsMasked(const AttendRequest& request, int64_t b, int64_t q, int64_t j) {
 absl::StatusOr<AttendRequest> MakeRequest(const RequestOptions& options, const ModelInfo& model) {
   AttendRequest request;
   request.set_model(options.model);
+  request.set_model_version(options.model_version);
   request.set_causal(options.causal);
   request.set_return_attention(options.return_attention);
   for (int32_t len : options.valid_lens) request.add_valid_lens(len);

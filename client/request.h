@@ -17,10 +17,11 @@
 namespace mha::client {
 
 struct RequestOptions {
-  std::string model;        // "" = the server's default model
-  int64_t batch = 2;        // B
-  int64_t num_queries = 4;  // Q
-  int64_t num_keys = 6;     // K; 0 = self-attention (keys and values omitted, K = Q)
+  std::string model;          // "" = the server's default model
+  std::string model_version;  // "" = the newest version the server serves
+  int64_t batch = 2;          // B
+  int64_t num_queries = 4;    // Q
+  int64_t num_keys = 6;       // K; 0 = self-attention (keys and values omitted, K = Q)
   std::vector<int32_t> valid_lens = {3, 2};  // empty, B or B*Q entries
   bool causal = false;
   bool return_attention = false;

@@ -1151,6 +1151,24 @@ TEST_F(ClientProtocolTest, InferPrintsTheSameOutputOverEveryProtocol) {
   }
 }
 
+// --model_version reaches the server over every protocol: the embedded model is
+// version 1; version 2 is NOT_FOUND naming model_version.
+TEST_F(ClientProtocolTest, ModelVersionReachesTheServerOverEveryProtocol) {
+  for (const char* protocol : kProtocols) {
+    SCOPED_TRACE(protocol);
+    std::vector<std::string> args = {"infer", "--model_version=1"};
+    for (const std::string& flag : Flags(protocol)) args.push_back(flag);
+    const ClientRun one = RunClient(args);
+    EXPECT_EQ(one.exit_code, 0) << Describe(one);
+    args[1] = "--model_version=2";
+    const ClientRun two = RunClient(args);
+    EXPECT_EQ(two.exit_code, 1) << Describe(two);
+    EXPECT_TRUE(absl::StrContains(two.err, "NOT_FOUND")) << two.err;
+    EXPECT_TRUE(absl::StrContains(two.err, "model_version: model default serves version(s) 1"))
+        << two.err;
+  }
+}
+
 TEST_F(ClientProtocolTest, BenchCompletesRequestsOverEveryProtocol) {
   struct Case {
     std::string protocol;

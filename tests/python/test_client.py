@@ -158,6 +158,30 @@ def test_unknown_model_is_not_found(client):
     assert error.value.code == grpc.StatusCode.NOT_FOUND
 
 
+def test_model_version_names_a_version(serve, tmp_path):
+    """Numbered version folders: "" is the newest served, a number picks that one,
+    another is NOT_FOUND naming model_version."""
+    rng = np.random.default_rng(3)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.pbtxt").write_text(
+        "num_hiddens: 8 num_heads: 2 version_policy { all {} }")
+    for version in (1, 2):
+        folder = tmp_path / "m" / str(version)
+        folder.mkdir()
+        write_safetensors(str(folder / "weights.safetensors"), {
+            name: rng.standard_normal((8, 8)).astype(np.float32)
+            for name in ("W_q.weight", "W_k.weight", "W_v.weight", "W_o.weight")})
+    target = serve(f"--model_repository={tmp_path}")
+    x = rng.standard_normal((1, 3, 8)).astype(np.float32)
+    with mha_serve.Client(target, timeout=TIMEOUT) as client:
+        newest, one, two = (client.attend(x, model="m", model_version=v) for v in ("", "1", "2"))
+        assert np.array_equal(newest, two) and not np.allclose(one, two)
+        with pytest.raises(mha_serve.Error) as error:
+            client.attend(x, model="m", model_version="3")
+    assert error.value.code == grpc.StatusCode.NOT_FOUND
+    assert "model_version: model m serves version(s) 1, 2" in error.value.details
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(queries=np.zeros((2, 4, 99))), "queries"),
     (dict(queries=np.zeros((2, 4))), "queries"),

@@ -123,9 +123,9 @@ def decode_tensor(tensor, name="tensor"):
 
 
 def _request_without_tensors(valid_lens, causal, head_mask, return_attention, model,
-                             request_id):
+                             request_id, model_version=""):
     request = pb2.AttendRequest(model=model, causal=causal, return_attention=return_attention,
-                                request_id=request_id)
+                                request_id=request_id, model_version=model_version)
     if valid_lens is not None:
         lens = np.asarray(valid_lens)
         if lens.size and lens.dtype.kind not in "iu":
@@ -138,12 +138,12 @@ def _request_without_tensors(valid_lens, causal, head_mask, return_attention, mo
 
 def build_request(queries, keys=None, values=None, valid_lens=None, causal=False,
                   head_mask=None, return_attention=False, model="", request_id="",
-                  raw=True):
+                  raw=True, model_version=""):
     """The AttendRequest of attend() as a message (keys and values None =
     self-attention). attend() sends encode_request()'s bytes instead: the same
     message, serialized with one copy of the tensors."""
     request = _request_without_tensors(valid_lens, causal, head_mask, return_attention, model,
-                                       request_id)
+                                       request_id, model_version)
     for name, value in (("queries", queries), ("keys", keys), ("values", values)):
         if value is not None:
             encode_tensor(value, name, raw, getattr(request, name))
@@ -169,13 +169,14 @@ _TENSOR_FIELDS = (("queries", 2), ("keys", 3), ("values", 4))
 
 
 def encode_request(queries, keys=None, values=None, valid_lens=None, causal=False,
-                   head_mask=None, return_attention=False, model="", request_id=""):
+                   head_mask=None, return_attention=False, model="", request_id="",
+                   model_version=""):
     """build_request()'s message, serialized. The small fields go through protobuf;
     each tensor is appended in its wire form, Tensor { shape, raw }, its bytes copied
     once, straight from the array into the message (protobuf would copy them into the
     message and again when serializing). Field order does not matter on the wire."""
     parts = [_request_without_tensors(valid_lens, causal, head_mask, return_attention, model,
-                                      request_id).SerializeToString()]
+                                      request_id, model_version).SerializeToString()]
     for (name, number), value in zip(_TENSOR_FIELDS, (queries, keys, values)):
         if value is None:
             continue
@@ -361,16 +362,18 @@ class Client:
         return self._unary("Attend", request, timeout, self._attend)
 
     def attend(self, queries, keys=None, values=None, valid_lens=None, causal=False,
-               head_mask=None, return_attention=False, model="", timeout=None):
+               head_mask=None, return_attention=False, model="", timeout=None,
+               model_version=""):
         """One Attend call.
 
         queries (B, Q, d_q); keys (B, K, d_k) and values (B, K, d_v), or neither for
         self-attention; valid_lens: None, B or B*Q key lengths; causal: query i sees
-        keys j <= i; head_mask: None or h factors. Returns the output (B, Q, p_o), or
-        (output, attention (B, h, Q, K)) when return_attention, as float32 arrays.
+        keys j <= i; head_mask: None or h factors; model_version: "" = the newest the
+        server serves, or a version number as a string. Returns the output (B, Q, p_o),
+        or (output, attention (B, h, Q, K)) when return_attention, as float32 arrays.
         """
         request = encode_request(queries, keys, values, valid_lens, causal, head_mask,
-                                 return_attention, model)
+                                 return_attention, model, model_version=model_version)
         return decode_response_bytes(self.call_bytes(request, timeout), return_attention)
 
     def stream(self, requests, timeout=None):
