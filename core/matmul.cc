@@ -122,6 +122,10 @@ void Linear::Run(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t ro
     args.Set(DNNL_ARG_BIAS, e.bias);
   }
   args.Execute(e.matmul, stream);
+  // The workspace (and its bindings) may outlive this layer: a pool shared by the
+  // versions of a model. It must not keep the layer's weights alive.
+  args.Erase(DNNL_ARG_WEIGHTS);
+  args.Erase(DNNL_ARG_BIAS);
 }
 
 std::shared_ptr<const Linear::Entry> Linear::Lookup(const Key& key) const {

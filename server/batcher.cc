@@ -53,6 +53,7 @@ void Batcher::RemoveModel(const Model* model) {
     it->second.retiring = true;
     ++retiring_;
     any_retiring_.store(true, std::memory_order_relaxed);
+    wake_for_sweep_ = true;  // an idle worker then looks every second until it goes
   }
   Sweep();
 }
@@ -63,7 +64,7 @@ std::vector<std::shared_ptr<const Model>> Batcher::SweepLocked() {
     ModelQueue& queue = it->second;
     // use_count 1: only this queue holds the model, and no one can copy it anew.
     if (queue.retiring && queue.items.empty() && queue.computing_tokens == 0 &&
-        queue.owner.use_count() == 1) {
+        queue.waiters == 0 && queue.owner.use_count() == 1) {
       unused.push_back(std::move(queue.owner));
       it = queues_.erase(it);
       --retiring_;
@@ -264,9 +265,21 @@ Batcher::Batch Batcher::TakeBatch(ModelQueue& queue) {
 Batcher::Batch Batcher::NextBatch() {
   absl::MutexLock lock(&mu_);
   while (true) {
-    mu_.Await(absl::Condition(
-        +[](Batcher* b) ABSL_NO_THREAD_SAFETY_ANALYSIS { return b->stopping_ || b->queued_ > 0; },
-        this));
+    const absl::Condition due(
+        +[](Batcher* b) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          return b->stopping_ || b->queued_ > 0 || b->wake_for_sweep_;
+        },
+        this);
+    if (retiring_ > 0 && !stopping_) {
+      // A retired model goes once its last holder lets go, which may be a front
+      // after its answer: look again every second while one waits.
+      if (!mu_.AwaitWithTimeout(due, absl::Seconds(1))) return Batch{.sweep = true};
+    } else {
+      mu_.Await(due);
+    }
+    if (std::exchange(wake_for_sweep_, false) && queued_ == 0 && !stopping_) {
+      return Batch{.sweep = true};
+    }
     ModelQueue* queue = OldestQueue();
     if (queue == nullptr) return {};  // stopping, and everything is done
     const BatchingPolicy& policy = queue->model->batching;
@@ -277,7 +290,9 @@ Batcher::Batch Batcher::NextBatch() {
         auto ready = [this, queue]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
           return stopping_ || queue->items.empty() || Full(*queue);
         };
+        ++queue->waiters;  // the condition reads the queue: SweepLocked keeps it
         mu_.AwaitWithDeadline(absl::Condition(&ready), due);
+        --queue->waiters;
         continue;
       }
     }
@@ -290,8 +305,8 @@ void Batcher::WorkerLoop() {
   while (true) {
     {
       Batch batch = NextBatch();
-      if (batch.model == nullptr) return;
-      Run(batch, &worker);
+      if (batch.model == nullptr && !batch.sweep) return;
+      if (!batch.sweep) Run(batch, &worker);
     }
     Sweep();  // after the batch's items, and their model references, are gone
   }

@@ -99,7 +99,9 @@ class Batcher {
   // Retires `model`'s queue (a reload replaced the model, or removed it): requests
   // that found the model before still queue and compute; the queue and the
   // batcher's reference go once it is empty, no forward call of it runs and no one
-  // else holds the model (checked here and after every forward call).
+  // else holds the model (checked here, after every forward call, and every second
+  // by an idle worker while a retired queue remains), and its pages go back to the
+  // system.
   void RemoveModel(const Model* model);
   bool IsReady(const Model* model) const;  // served and not warming up
   ~Batcher();                              // Shutdown()
@@ -135,6 +137,7 @@ class Batcher {
     int64_t computing_tokens = 0;  // in forward calls taken from this queue, not done
     bool warming = false;          // admits warm-up items only
     bool retiring = false;         // RemoveModel'd: erased once unused
+    int waiters = 0;               // workers awaiting a condition that reads this queue
   };
   struct Batch {
     const Model* model = nullptr;
@@ -143,6 +146,7 @@ class Batcher {
     std::vector<WorkItem> expired;    // answered DEADLINE_EXCEEDED
     std::vector<WorkItem> cancelled;  // answered CANCELLED
     int64_t tokens = 0;               // rows x padded length of the forward call
+    bool sweep = false;               // nothing to run: the worker sweeps retired queues
   };
   Batcher(const Options& options, Metrics* metrics) : options_(options), metrics_(metrics) {}
   void WorkerLoop();
@@ -182,9 +186,10 @@ class Batcher {
   mutable absl::Mutex mu_;
   std::map<const Model*, ModelQueue> queues_ ABSL_GUARDED_BY(mu_);
   int64_t queued_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t computing_ ABSL_GUARDED_BY(mu_) = 0;  // forward calls in progress, inline too
-  int64_t retiring_ ABSL_GUARDED_BY(mu_) = 0;   // queues marked retiring
-  std::atomic<bool> any_retiring_{false};       // retiring_ > 0, read without mu_
+  int64_t computing_ ABSL_GUARDED_BY(mu_) = 0;        // forward calls in progress, inline too
+  int64_t retiring_ ABSL_GUARDED_BY(mu_) = 0;         // queues marked retiring
+  std::atomic<bool> any_retiring_{false};             // retiring_ > 0, read without mu_
+  bool wake_for_sweep_ ABSL_GUARDED_BY(mu_) = false;  // RemoveModel wakes an idle worker
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> workers_;
 };

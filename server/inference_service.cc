@@ -170,7 +170,12 @@ absl::StatusOr<inference::ModelStatisticsResponse> CollectStatistics(const Model
     if (!version.empty()) {
       return absl::InvalidArgumentError("version: needs a model name");
     }
-    chosen = models.models();
+    // Counters are per model (every version together): one entry per model, under
+    // its newest version.
+    for (const auto& model : models.models()) {
+      if (!chosen.empty() && chosen.back()->name == model->name) chosen.pop_back();
+      chosen.push_back(model);
+    }
   } else {
     MHA_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, FindInferModel(models, name, version));
     chosen.push_back(model);
@@ -228,7 +233,10 @@ inference::RepositoryIndexResponse InferenceServiceImpl::Index(bool ready_only) 
     entry.set_reason(readiness.ok() ? "" : std::string(readiness.message()));
     served.insert(model->name);
   }
-  for (const std::string& name : models_->ListDirectory()) {
+  // Folders not served; none listed when the repository cannot be read now.
+  const std::vector<std::string> on_disk =
+      models_->ListDirectory().value_or(std::vector<std::string>{});
+  for (const std::string& name : on_disk) {
     if (served.contains(name)) continue;
     ModelIndex& entry = entries[{name, 0}];
     entry.set_name(name);

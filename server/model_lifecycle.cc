@@ -1,11 +1,14 @@
 #include "server/model_lifecycle.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <optional>
 #include <set>
 #include <utility>
 #include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
@@ -14,22 +17,34 @@
 namespace mha::server {
 namespace {
 
-// One warm-up pass through the batcher, as a request would run: fixed inputs in
-// [-0.5, 0.5], K 0 = self-attention.
+// Zero-filled floats from calloc: a large block comes as fresh zero pages, which a
+// warm-up pass only reads (the inputs) and so never brings into memory. A bert_base
+// batch of 32 x 256 is 25 MB of queries: a reload's warm-up does not hold it.
+struct ZeroFloats {
+  explicit ZeroFloats(int64_t n)
+      : data(static_cast<float*>(std::calloc(static_cast<size_t>(std::max<int64_t>(n, 1)),
+                                             sizeof(float)))) {}
+  ~ZeroFloats() { std::free(data); }
+  ZeroFloats(const ZeroFloats&) = delete;
+  ZeroFloats& operator=(const ZeroFloats&) = delete;
+  float* data;
+};
+
+// One warm-up pass through the batcher, as a request would run, on zero inputs
+// (the kernels' work does not depend on the values); K 0 = self-attention.
 absl::Status WarmOnce(Batcher& batcher, const std::shared_ptr<const Model>& model,
                       const WarmupShape& shape) {
   const core::ModelConfig& c = model->config;
   const bool self = shape.num_keys == 0;
   const int64_t keys = self ? shape.num_queries : shape.num_keys;
-  const auto filled = [](int64_t n) {
-    std::vector<float> v(static_cast<size_t>(n));
-    for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(i % 17) / 16.0f - 0.5f;
-    return v;
-  };
-  const std::vector<float> queries = filled(shape.batch * shape.num_queries * c.query_size);
-  const std::vector<float> key_data = filled(self ? 0 : shape.batch * keys * c.key_size);
-  const std::vector<float> value_data = filled(self ? 0 : shape.batch * keys * c.value_size);
-  std::vector<float> output(static_cast<size_t>(shape.batch * shape.num_queries * c.num_hiddens));
+  const ZeroFloats queries(shape.batch * shape.num_queries * c.query_size);
+  const ZeroFloats key_data(self ? 0 : shape.batch * keys * c.key_size);
+  const ZeroFloats value_data(self ? 0 : shape.batch * keys * c.value_size);
+  const ZeroFloats output(shape.batch * shape.num_queries * c.num_hiddens);
+  if (queries.data == nullptr || key_data.data == nullptr || value_data.data == nullptr ||
+      output.data == nullptr) {
+    return absl::ResourceExhaustedError("cannot allocate the warm-up pass's tensors");
+  }
   absl::Mutex mu;
   std::optional<absl::Status> result;
   MHA_RETURN_IF_ERROR(
@@ -37,10 +52,10 @@ absl::Status WarmOnce(Batcher& batcher, const std::shared_ptr<const Model>& mode
                               .inputs = {.batch = shape.batch,
                                          .num_queries = shape.num_queries,
                                          .num_keys = keys,
-                                         .queries = queries.data(),
-                                         .keys = self ? nullptr : key_data.data(),
-                                         .values = self ? nullptr : value_data.data()},
-                              .output = output.data(),
+                                         .queries = queries.data,
+                                         .keys = self ? nullptr : key_data.data,
+                                         .values = self ? nullptr : value_data.data},
+                              .output = output.data,
                               .done =
                                   [&](absl::Status status, const ComputeTiming&) {
                                     absl::MutexLock lock(&mu);
@@ -116,7 +131,7 @@ void ModelLifecycle::PollLoop() {
       poll_mu_.AwaitWithTimeout(absl::Condition(&stop_polling_), options_.poll_interval);
       if (stop_polling_) return;
     }
-    Reload();
+    Reload(/*log_unchanged=*/false);
   }
 }
 
@@ -200,22 +215,23 @@ void ModelLifecycle::UnloadLocked(const std::string& name) {
   Log(absl::StrCat("model ", name, ": unloaded"));
 }
 
-ModelLifecycle::ReloadReport ModelLifecycle::Reload() {
+ModelLifecycle::ReloadReport ModelLifecycle::Reload(bool log_unchanged) {
   ReloadReport report;
   absl::MutexLock lock(&mu_);
   if (stopped_ || models_->options().path.empty()) return report;
+  const absl::StatusOr<std::vector<std::string>> on_disk = models_->ListDirectory();
+  if (!on_disk.ok()) {
+    // Never read an unreadable repository as an empty one: nothing is unloaded.
+    Log(absl::StrCat("repository: ", on_disk.status().message(), "; nothing changed"));
+    return report;
+  }
+  const std::set<std::string> present(on_disk->begin(), on_disk->end());
   std::set<std::string> served;
   for (const auto& model : models_->models()) served.insert(model->name);
-  std::set<std::string> wanted;
-  if (options_.control == ModelControl::kExplicit) {
-    wanted = served;
-  } else {
-    for (const std::string& name : models_->ListDirectory()) wanted.insert(name);
-  }
-  const std::vector<std::string> on_disk = models_->ListDirectory();
-  const std::set<std::string> present(on_disk.begin(), on_disk.end());
+  const std::set<std::string>& wanted =
+      options_.control == ModelControl::kExplicit ? served : present;
   for (const std::string& name : served) {
-    if (present.contains(name) && wanted.contains(name)) continue;
+    if (present.contains(name)) continue;
     UnloadLocked(name);
     ++report.unloaded;
   }
@@ -228,8 +244,10 @@ ModelLifecycle::ReloadReport ModelLifecycle::Reload() {
       ++report.failed;
     }
   }
-  Log(absl::StrCat("repository: reload done (loaded ", report.loaded, ", unloaded ",
-                   report.unloaded, ", failed ", report.failed, ")"));
+  if (log_unchanged || report.loaded + report.unloaded + report.failed > 0) {
+    Log(absl::StrCat("repository: reload done (loaded ", report.loaded, ", unloaded ",
+                     report.unloaded, ", failed ", report.failed, ")"));
+  }
   return report;
 }
 
@@ -243,14 +261,34 @@ absl::Status ModelLifecycle::Control(const std::string& name, bool load) {
         absl::StrCat("model_control is ", ModelControlName(options_.control),
                      ": loading and unloading models needs --model_control=explicit"));
   }
+  if (name.empty() || name[0] == '.' || name.find('/') != std::string::npos ||
+      name.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model_name: \"", Abbreviate(name), "\" is not a model folder name in the repository"));
+  }
   absl::MutexLock lock(&mu_);
   if (stopped_) return absl::UnavailableError("the server is shutting down");
-  if (load) return LoadLocked(name);
-  if (!models_->Find(name).ok()) {
-    return absl::NotFoundError(absl::StrCat("model: \"", Abbreviate(name), "\" is not loaded"));
+  if (health_ == nullptr) {
+    return absl::UnavailableError(
+        "the server is still warming up its models; retry when its "
+        "health is SERVING");
   }
-  UnloadLocked(name);
-  return absl::OkStatus();
+  if (!load) {
+    if (!models_->Find(name).ok()) {
+      return absl::NotFoundError(
+          absl::StrCat("model_name: \"", Abbreviate(name), "\" is not loaded"));
+    }
+    UnloadLocked(name);
+    return absl::OkStatus();
+  }
+  // Only a folder of the repository: no state (index entry, metric series) is kept
+  // for names that are not.
+  MHA_ASSIGN_OR_RETURN(const std::vector<std::string> on_disk, models_->ListDirectory());
+  if (!absl::c_binary_search(on_disk, name)) {
+    return absl::NotFoundError(
+        absl::StrCat("model_name: no folder \"", Abbreviate(name), "\" in the model repository"));
+  }
+  return LoadLocked(name);
 }
 
 }  // namespace mha::server

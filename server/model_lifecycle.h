@@ -11,15 +11,16 @@
 //             RPCs (Load, Unload) load and unload, and Reload re-reads the models
 //             that are loaded.
 //
-// A re-read compares each model directory's files (names, sizes, modification
-// times) with those of the served model:
+// A re-read lists the repository (one that cannot be listed changes nothing) and
+// compares each model directory's files (names, sizes, modification times, version
+// folders included) with those of the served model:
 //   - a changed model loads and warms up beside the old one, then replaces it in
 //     one step (ModelRepository::Swap). Requests that found the old model before
 //     the swap finish on it; later ones get the new one. The old model is freed
-//     with its last request.
+//     after its last request (server/batcher.h RemoveModel).
 //   - a new directory loads, warms up, then serves; its health turns SERVING.
 //   - a removed directory stops being found (NOT_FOUND), its queued requests
-//     finish, and it is freed with its last request; its health NOT_SERVING.
+//     finish, and it is freed after its last request; its health NOT_SERVING.
 //   - a model that fails to load or warm up keeps its previous version serving
 //     (or stays unserved); the failure is logged with the model and file named,
 //     counted in mha_model_loads_total{result="failed"}, and shown by
@@ -80,8 +81,8 @@ class ModelLifecycle {
                  Metrics* metrics);
   ~ModelLifecycle();  // Stop()
 
-  // The health service whose per-model statuses follow loads and unloads (set once
-  // the gRPC server is built; until then none are set).
+  // The health service whose per-model statuses follow loads and unloads, set when
+  // the start-up warm-up has ended; until then Load and Unload are UNAVAILABLE.
   void SetHealth(grpc::HealthCheckServiceInterface* health);
   // kPoll: starts re-reading the repository every poll interval. Otherwise nothing.
   void StartPolling();
@@ -89,11 +90,16 @@ class ModelLifecycle {
   void Stop();
 
   // SIGHUP: re-reads the repository (kNone, kPoll) or the loaded models (kExplicit).
-  ReloadReport Reload();
-  // The repository RPCs. PERMISSION_DENIED unless kExplicit. Load (re)loads `name`
-  // from its directory and serves it once warm: the load's error, naming the file,
-  // when it fails (the previous version keeps serving). Unload: NOT_FOUND when
-  // `name` is not served.
+  // A repository that cannot be listed changes nothing (logged). The summary line is
+  // logged when something changed, or always with `log_unchanged` (SIGHUP; the
+  // poller passes false).
+  ReloadReport Reload(bool log_unchanged = true);
+  // The repository RPCs. PERMISSION_DENIED unless kExplicit; INVALID_ARGUMENT
+  // naming model_name for a name that is not a plain folder name ("", "../x");
+  // UNAVAILABLE until the start-up warm-up has ended (SetHealth). Load (re)loads
+  // `name` from its folder (NOT_FOUND when the repository has none) and serves it
+  // once warm: the load's error, naming the file, when it fails (the previous
+  // version keeps serving). Unload: NOT_FOUND when `name` is not served.
   absl::Status Load(const std::string& name);
   absl::Status Unload(const std::string& name);
 

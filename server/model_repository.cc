@@ -207,8 +207,10 @@ std::vector<int64_t> VersionFolders(const std::string& dir) {
     const std::string name = it->path().filename().string();
     int64_t version = 0;
     const auto [rest, parsed] = std::from_chars(name.data(), name.data() + name.size(), version);
+    std::error_code entry_error;
+    // Only canonical numbers ("7", not "07"): the folder is found again by its number.
     if (parsed == std::errc() && rest == name.data() + name.size() && version >= 1 &&
-        it->is_directory(error)) {
+        std::to_string(version) == name && it->is_directory(entry_error)) {
       versions.push_back(version);
     }
   }
@@ -316,7 +318,12 @@ absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(const O
     return absl::NotFoundError(
         absl::StrCat("model_repository ", options.path, ": not a directory we can read"));
   }
-  const std::vector<std::string> names = options.only.value_or(repository->ListDirectory());
+  std::vector<std::string> names;
+  if (options.only.has_value()) {
+    names = *options.only;
+  } else {
+    MHA_ASSIGN_OR_RETURN(names, repository->ListDirectory());
+  }
   for (const std::string& name : names) {
     MHA_ASSIGN_OR_RETURN(Versions versions, repository->Load(name));
     repository->Swap(std::move(versions));
@@ -328,14 +335,19 @@ absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(const O
   return repository;
 }
 
-std::vector<std::string> ModelRepository::ListDirectory() const {
+absl::StatusOr<std::vector<std::string>> ModelRepository::ListDirectory() const {
   std::vector<std::string> names;
   if (options_.path.empty()) return names;
   std::error_code error;
-  for (fs::directory_iterator it(options_.path, error), end; !error && it != end;
-       it.increment(error)) {
+  fs::directory_iterator it(options_.path, error);
+  for (const fs::directory_iterator end; !error && it != end; it.increment(error)) {
     const std::string name = it->path().filename().string();
-    if (it->is_directory(error) && !name.empty() && name[0] != '.') names.push_back(name);
+    std::error_code entry_error;  // a dangling link is skipped, not an end to the listing
+    if (it->is_directory(entry_error) && !name.empty() && name[0] != '.') names.push_back(name);
+  }
+  if (error) {
+    return absl::UnavailableError(absl::StrCat("model_repository ", options_.path,
+                                               ": cannot list the directory: ", error.message()));
   }
   std::sort(names.begin(), names.end());
   return names;
@@ -349,12 +361,15 @@ std::string ModelRepository::Fingerprint(const std::string& name) const {
   for (fs::recursive_directory_iterator it(dir, error), end; !error && it != end;
        it.increment(error)) {
     if (it.depth() >= 1) it.disable_recursion_pending();
-    if (!it->is_regular_file(error)) continue;
-    const auto size = it->file_size(error);
-    const auto time = it->last_write_time(error).time_since_epoch().count();
+    std::error_code entry_error;  // an unreadable entry is left out, not an end to the walk
+    if (!it->is_regular_file(entry_error)) continue;
+    const auto size = it->file_size(entry_error);
+    const auto time = it->last_write_time(entry_error).time_since_epoch().count();
     files.push_back(
-        absl::StrCat(fs::relative(it->path(), dir, error).string(), ":", size, ":", time));
+        absl::StrCat(fs::relative(it->path(), dir, entry_error).string(), ":", size, ":", time));
   }
+  // A folder that cannot be read fingerprints as such: a change once it reads again.
+  if (error) files.push_back(absl::StrCat("error:", error.message()));
   std::sort(files.begin(), files.end());
   return absl::StrJoin(files, ";");
 }
@@ -385,17 +400,21 @@ absl::StatusOr<ModelRepository::Versions> ModelRepository::Load(const std::strin
     entry.failure = std::string(loaded.status().message());
     return loaded.status();
   }
+  // Every model of the server computes in one pool of workspaces (one per forward
+  // call in progress, grown to the largest call): a new model or version costs its
+  // weights, not a second set of buffers.
+  const Model* pool = nullptr;
+  for (const auto& [served_name, served] : models_) {
+    if (!served.versions.empty()) {
+      pool = served.versions.back().get();
+      break;
+    }
+  }
   Versions versions;
   for (std::unique_ptr<Model>& model : *loaded) {
     model->fingerprint = fingerprint;
-    // A new version warms up and serves in the buffers of the one it replaces (or
-    // of the newest served): a reload costs the weights, not a second set of
-    // workspaces.
-    const Model* previous = nullptr;
-    for (const auto& served : entry.versions) {
-      if (previous == nullptr || served->version <= model->version) previous = served.get();
-    }
-    if (previous != nullptr) model->attention->ShareWorkspacesWith(*previous->attention);
+    if (pool != nullptr) model->attention->ShareWorkspacesWith(*pool->attention);
+    if (pool == nullptr) pool = model.get();
     versions.push_back(std::move(model));
   }
   return versions;
@@ -483,6 +502,7 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::Find(
   for (const auto& [served_name, entry] : models_) {
     if (!entry.versions.empty()) names.push_back(served_name);
   }
+  if (name.empty() && names.empty()) return absl::NotFoundError("model: no model is loaded");
   if (name.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("model: required, this server has several models and none named \"",

@@ -77,14 +77,18 @@ class ModelRepository {
   // regular files; their names, sizes and modification times are its fingerprint.
 
   // The model directories on disk now, sorted; empty for the embedded model.
-  std::vector<std::string> ListDirectory() const;
+  // Entries that cannot be read (a dangling link) are left out; UNAVAILABLE naming
+  // the repository when the directory itself cannot be listed.
+  absl::StatusOr<std::vector<std::string>> ListDirectory() const;
   // Whether `name`'s files (its version folders' too) differ from those of its
   // served versions or of its last failed load (true for a model neither served
   // nor tried).
   bool Changed(const std::string& name) const;
   // Reads `name`'s directory into new models, one per version its version_policy
-  // serves, not yet served; each shares the buffers of the served version it
-  // replaces (or of the newest served). On failure the status names the model and
+  // serves, not yet served. Every model shares one pool of workspaces
+  // (core::MultiHeadAttention::ShareWorkspacesWith): the server holds one per
+  // forward call in progress, grown to the largest call of any model, instead of a
+  // set per model. On failure the status names the model and
   // the file, and is recorded (Failures). INVALID_ARGUMENT naming `model` for a
   // name that is not a plain directory name (empty, starting with '.', holding '/').
   using Versions = std::vector<std::shared_ptr<const Model>>;  // ascending

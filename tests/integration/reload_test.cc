@@ -191,6 +191,32 @@ TEST_F(ReloadTest, BrokenNewFilesKeepThePreviousVersionServing) {
   EXPECT_EQ(Index().models(0).reason(), "");
 }
 
+// Listing trouble is not an empty repository: a dangling link is skipped, and a
+// repository that cannot be listed at all (here: moved away) unloads nothing.
+TEST_F(ReloadTest, AnUnreadableRepositoryChangesNothing) {
+  repository_.Write("a/config.pbtxt", ToyConfig(1));
+  repository_.Write("b/config.pbtxt", ToyConfig(2));
+  Start({});
+  const std::filesystem::path root(repository_.path());
+  std::filesystem::create_symlink(root / "no_such_folder", root / "0_dangling");
+  EXPECT_EQ(Reload(), "repository: reload done (loaded 0, unloaded 0, failed 0)");
+  ASSERT_TRUE(Answer("a").ok());
+  ASSERT_TRUE(Answer("b").ok());
+
+  const std::filesystem::path away = root.string() + ".away";
+  std::filesystem::rename(root, away);
+  server_->Signal(SIGHUP);
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (!absl::StrContains(server_->log(), "nothing changed") && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  std::filesystem::rename(away, root);
+  EXPECT_TRUE(absl::StrContains(server_->log(), "cannot list the directory")) << server_->log();
+  EXPECT_TRUE(Answer("a").ok());
+  EXPECT_TRUE(Answer("b").ok());
+  EXPECT_EQ(Index().models_size(), 2);
+}
+
 TEST_F(ReloadTest, ExplicitModeLoadsAndUnloadsOnRequestOnly) {
   repository_.Write("a/config.pbtxt", ToyConfig(1));
   repository_.Write("b/config.pbtxt", ToyConfig(2));
@@ -215,14 +241,14 @@ TEST_F(ReloadTest, ExplicitModeLoadsAndUnloadsOnRequestOnly) {
   ASSERT_TRUE(Control(true, "a").ok());
   EXPECT_EQ(Answer("a").value(), Answer("b").value());  // b now has a's seed
 
-  // Bad requests name the field; a missing directory names the file.
+  // Bad requests name the field; a name with no folder is NOT_FOUND.
   const grpc::Status outside = Control(true, "../a");
   EXPECT_EQ(outside.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_TRUE(absl::StrContains(outside.error_message(), "model: \"../a\""))
+  EXPECT_TRUE(absl::StrContains(outside.error_message(), "model_name: \"../a\""))
       << outside.error_message();
   const grpc::Status missing = Control(true, "z");
   EXPECT_EQ(missing.error_code(), grpc::StatusCode::NOT_FOUND);
-  EXPECT_TRUE(absl::StrContains(missing.error_message(), "z/config.pbtxt"))
+  EXPECT_TRUE(absl::StrContains(missing.error_message(), "no folder \"z\" in the model repository"))
       << missing.error_message();
   grpc::ClientContext context;
   inference::RepositoryModelLoadRequest with_parameters;

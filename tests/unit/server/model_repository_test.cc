@@ -153,7 +153,7 @@ TEST(ModelRepositoryTest, VersionPoliciesPickVersionFolders) {
   const auto versions_of = [](const std::string& policy) -> absl::StatusOr<std::vector<int64_t>> {
     TempDir dir;
     dir.Write("m/config.pbtxt", "num_hiddens: 8 num_heads: 2 seeded { seed: 1 } " + policy);
-    for (const char* folder : {"1", "2", "5", "x7", "07"}) {
+    for (const char* folder : {"1", "2", "5", "7", "x8", "08"}) {
       dir.Write(std::string("m/") + folder + "/README", "");
     }
     auto models = ModelRepository::Create({.path = dir.path(), .default_warmup = false});
@@ -163,7 +163,7 @@ TEST(ModelRepositoryTest, VersionPoliciesPickVersionFolders) {
     EXPECT_EQ((*models)->Find("m").value()->version, versions.back());  // "" = the newest
     return versions;
   };
-  // "07" is folder 7; "x7" is not a version.
+  // "x8" and "08" are not versions (a version folder is named by its number).
   EXPECT_EQ(versions_of("").value(), (std::vector<int64_t>{7}));
   EXPECT_EQ(versions_of("version_policy { latest { num_versions: 2 } }").value(),
             (std::vector<int64_t>{5, 7}));
