@@ -45,6 +45,8 @@ struct WarmupShape {
   int64_t batch = 1;
   int64_t num_queries = 1;
   int64_t num_keys = 0;
+
+  bool operator==(const WarmupShape&) const = default;
 };
 
 struct Model {
@@ -54,6 +56,7 @@ struct Model {
   ModelLimits limits;
   BatchingPolicy batching;
   std::vector<WarmupShape> warmup;  // run before the model serves (server/server.h)
+  bool default_warmup = false;      // `warmup` is DefaultWarmup's (config.pbtxt lists none)
   std::string weights_source;       // "seeded (seed 0)" or the weights path
   std::string fingerprint;          // of its files when loaded (server/model_repository.h)
   std::unique_ptr<core::MultiHeadAttention> attention;

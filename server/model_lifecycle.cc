@@ -22,8 +22,8 @@ namespace {
 // batch of 32 x 256 is 25 MB of queries: a reload's warm-up does not hold it.
 struct ZeroFloats {
   explicit ZeroFloats(int64_t n)
-      : data(static_cast<float*>(std::calloc(static_cast<size_t>(std::max<int64_t>(n, 1)),
-                                             sizeof(float)))) {}
+      : data(static_cast<float*>(
+            std::calloc(static_cast<size_t>(std::max<int64_t>(n, 1)), sizeof(float)))) {}
   ~ZeroFloats() { std::free(data); }
   ZeroFloats(const ZeroFloats&) = delete;
   ZeroFloats& operator=(const ZeroFloats&) = delete;
@@ -92,9 +92,10 @@ absl::string_view ModelControlName(ModelControl control) {
   return "none";
 }
 
-absl::StatusOr<absl::Duration> WarmUp(Batcher& batcher, const std::shared_ptr<const Model>& model) {
+absl::StatusOr<absl::Duration> WarmUp(Batcher& batcher, const std::shared_ptr<const Model>& model,
+                                      size_t passes) {
   const absl::Time start = absl::Now();
-  for (size_t i = 0; i < model->warmup.size(); ++i) {
+  for (size_t i = 0; i < std::min(passes, model->warmup.size()); ++i) {
     const WarmupShape& w = model->warmup[i];
     if (absl::Status s = WarmOnce(batcher, model, w); !s.ok()) {
       return absl::Status(
@@ -162,17 +163,33 @@ std::vector<const Model*> Release(ModelRepository::Versions versions) {
 }  // namespace
 
 absl::Status ModelLifecycle::LoadLocked(const std::string& name) {
-  const bool replacing = models_->Find(name).ok();
+  // What the served version (if any) warmed up with; no reference is kept: the
+  // batcher's retired queue must end up holding its last one.
+  bool replacing = false;
+  std::optional<std::vector<WarmupShape>> served_default_warmup;
+  if (absl::StatusOr<std::shared_ptr<const Model>> served = models_->Find(name); served.ok()) {
+    replacing = true;
+    if ((*served)->default_warmup) served_default_warmup = (*served)->warmup;
+  }
   absl::StatusOr<ModelRepository::Versions> loaded = models_->Load(name);
   absl::Status status = loaded.status();
   if (status.ok()) {
     ModelRepository::Versions versions = *std::move(loaded);
     metrics_->AddModel(name);
     absl::Duration took;
+    size_t passes = 0;
     for (const auto& model : versions) {
       status.Update(batcher_->AddModel(model, /*warming=*/true));
       if (!status.ok()) break;
-      absl::StatusOr<absl::Duration> warmed = WarmUp(*batcher_, model);
+      // The default second pass grows the shared workspaces to the largest batch the
+      // batcher may form for this model. When the version it replaces had the same
+      // default passes, they are grown already: the first pass (packing, kernels) is
+      // enough, and the reload does not hold that batch's tensors.
+      passes = model->warmup.size();
+      if (model->default_warmup && model->warmup == served_default_warmup) {
+        passes = 1;
+      }
+      absl::StatusOr<absl::Duration> warmed = WarmUp(*batcher_, model, passes);
       status.Update(warmed.status());
       if (!status.ok()) break;
       took += *warmed;
@@ -184,7 +201,6 @@ absl::Status ModelLifecycle::LoadLocked(const std::string& name) {
         numbers.push_back(model->version);
       }
       const std::string source = versions.back()->weights_source;
-      const size_t passes = versions.back()->warmup.size();
       for (const Model* old : Release(models_->Swap(std::move(versions)))) {
         batcher_->RemoveModel(old);
       }

@@ -15,7 +15,9 @@
 // compares each model directory's files (names, sizes, modification times, version
 // folders included) with those of the served model:
 //   - a changed model loads and warms up beside the old one, then replaces it in
-//     one step (ModelRepository::Swap). Requests that found the old model before
+//     one step (ModelRepository::Swap). When both have the default warm-up with the
+//     same passes, only the first runs: the second grows the workspaces, which all
+//     models share and the old version has grown. Requests that found the old model before
 //     the swap finish on it; later ones get the new one. The old model is freed
 //     after its last request (server/batcher.h RemoveModel).
 //   - a new directory loads, warms up, then serves; its health turns SERVING.
@@ -38,6 +40,7 @@
 
 #include <grpcpp/health_check_service_interface.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <thread>
@@ -59,10 +62,12 @@ enum class ModelControl { kNone, kPoll, kExplicit };
 absl::StatusOr<ModelControl> ParseModelControl(absl::string_view text);
 absl::string_view ModelControlName(ModelControl control);
 
-// Runs `model`'s warm-up passes, in order, through the batcher (they run as
-// requests do, on the compute workers), returning the time they took; the first
-// failure names the model and the pass. The model's queue must admit warm-up items.
-absl::StatusOr<absl::Duration> WarmUp(Batcher& batcher, const std::shared_ptr<const Model>& model);
+// Runs `model`'s first `passes` warm-up passes, in order, through the batcher (they
+// run as requests do, on the compute workers), returning the time they took; the
+// first failure names the model and the pass. The model's queue must admit warm-up
+// items. Inputs are zero pages (calloc), never brought into memory.
+absl::StatusOr<absl::Duration> WarmUp(Batcher& batcher, const std::shared_ptr<const Model>& model,
+                                      size_t passes = SIZE_MAX);
 
 class ModelLifecycle {
  public:

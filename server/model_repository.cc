@@ -197,6 +197,7 @@ absl::StatusOr<ResolvedModelConfig> ResolveModelConfig(const attention::v1::Mode
       ResolveBatching(proto.batching(), options.default_batching, resolved.limits));
   MHA_ASSIGN_OR_RETURN(resolved.warmup, ResolveWarmup(proto, resolved.config, resolved.limits,
                                                       resolved.batching, options.default_warmup));
+  resolved.default_warmup = proto.warmup_size() == 0 && options.default_warmup;
   return resolved;
 }
 
@@ -270,6 +271,7 @@ absl::StatusOr<std::vector<std::unique_ptr<Model>>> LoadModelVersions(
     model->limits = resolved->limits;
     model->batching = resolved->batching;
     model->warmup = resolved->warmup;
+    model->default_warmup = resolved->default_warmup;
     const fs::path weights_dir =
         folders.empty() ? fs::path(dir) : fs::path(dir) / std::to_string(version);
     core::Weights weights;
@@ -304,6 +306,7 @@ absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(const O
                          ResolveBatching({}, options.default_batching, model->limits));
     MHA_ASSIGN_OR_RETURN(model->warmup, ResolveWarmup({}, model->config, model->limits,
                                                       model->batching, options.default_warmup));
+    model->default_warmup = options.default_warmup;
     model->weights_source = absl::StrCat("seeded (seed ", kDefaultModelSeed, ")");
     MHA_ASSIGN_OR_RETURN(
         model->attention,

@@ -139,6 +139,7 @@ struct ResolvedModelConfig {
   ModelLimits limits;
   BatchingPolicy batching;
   std::vector<WarmupShape> warmup;  // each within the limits
+  bool default_warmup = false;      // `warmup` is DefaultWarmup's
 };
 // The warm-up of a model whose config.pbtxt lists none: two passes that leave the
 // first real request little to set up (docs/performance.md, "Warm start"):
