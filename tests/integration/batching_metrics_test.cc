@@ -51,8 +51,15 @@ std::vector<AttendResponse> SendConcurrently(const std::string& target,
   std::vector<std::thread> threads;
   for (size_t i = 0; i < requests.size(); ++i) {
     threads.emplace_back([&, i] {
-      auto stub = AttentionService::NewStub(
-          Channel(target, grpc::InsecureChannelCredentials(), "", /*own_connection=*/true));
+      const auto channel =
+          Channel(target, grpc::InsecureChannelCredentials(), "", /*own_connection=*/true);
+      // Connected first: a connect that fails once (it happened in a CI run, one of
+      // eight, "No such file or directory") is retried instead of failing the call,
+      // which would leave the batch a request short.
+      EXPECT_TRUE(
+          channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(30)))
+          << i;
+      auto stub = AttentionService::NewStub(channel);
       const grpc::Status status = Attend(*stub, requests[i], &responses[i]);
       EXPECT_TRUE(status.ok()) << i << ": " << status.error_message();
     });
