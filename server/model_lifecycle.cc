@@ -277,8 +277,7 @@ absl::Status ModelLifecycle::Control(const std::string& name, bool load) {
         absl::StrCat("model_control is ", ModelControlName(options_.control),
                      ": loading and unloading models needs --model_control=explicit"));
   }
-  if (name.empty() || name[0] == '.' || name.find('/') != std::string::npos ||
-      name.find('\0') != std::string::npos) {
+  if (!IsModelFolderName(name)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "model_name: \"", Abbreviate(name), "\" is not a model folder name in the repository"));
   }

@@ -170,6 +170,11 @@ std::vector<WarmupShape> DefaultWarmup(const core::ModelConfig& config, const Mo
           {.batch = rows, .num_queries = length, .num_keys = self ? 0 : length}};
 }
 
+bool IsModelFolderName(absl::string_view name) {
+  return !name.empty() && name[0] != '.' && name.find('/') == absl::string_view::npos &&
+         name.find('\0') == absl::string_view::npos;
+}
+
 absl::StatusOr<attention::v1::ModelConfig> ParseModelConfig(absl::string_view text,
                                                             absl::string_view source) {
   attention::v1::ModelConfig config;
@@ -346,7 +351,7 @@ absl::StatusOr<std::vector<std::string>> ModelRepository::ListDirectory() const 
   for (const fs::directory_iterator end; !error && it != end; it.increment(error)) {
     const std::string name = it->path().filename().string();
     std::error_code entry_error;  // a dangling link is skipped, not an end to the listing
-    if (it->is_directory(entry_error) && !name.empty() && name[0] != '.') names.push_back(name);
+    if (it->is_directory(entry_error) && IsModelFolderName(name)) names.push_back(name);
   }
   if (error) {
     return absl::UnavailableError(absl::StrCat("model_repository ", options_.path,
@@ -388,8 +393,7 @@ bool ModelRepository::Changed(const std::string& name) const {
 }
 
 absl::StatusOr<ModelRepository::Versions> ModelRepository::Load(const std::string& name) {
-  if (name.empty() || name[0] == '.' || name.find('/') != std::string::npos ||
-      name.find('\0') != std::string::npos) {
+  if (!IsModelFolderName(name)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "model: \"", Abbreviate(name), "\" is not a model directory name in the repository"));
   }

@@ -125,6 +125,10 @@ class ModelRepository {
   std::map<std::string, Entry, std::less<>> models_ ABSL_GUARDED_BY(mu_);
 };
 
+// Whether `name` can name a model folder of a repository: not empty, not starting
+// with '.' (skipped, as hidden), no '/' or NUL (it stays inside the repository).
+bool IsModelFolderName(absl::string_view name);
+
 // Parses config.pbtxt text. `source` names the file in error messages.
 absl::StatusOr<attention::v1::ModelConfig> ParseModelConfig(absl::string_view text,
                                                             absl::string_view source);
