@@ -193,6 +193,8 @@ class MultiHeadAttention::Impl {
   // The thread count follows the call's size (kFlopsPerThread), capped by
   // `max_threads` when > 0.
   int ThreadsFor(const AttentionInputs& in, int caller_threads, int max_threads = 0) const;
+  int ThreadsForFlops(double flops, int caller_threads, int max_threads) const;
+  absl::Status ForwardPaged(std::span<const PagedStep> steps, int max_threads) const;
   void ShareWorkspaces(const Impl& other) { workspaces_ = other.workspaces_; }
 
  private:
@@ -271,7 +273,10 @@ class MultiHeadAttention::Impl {
     std::vector<char> ctx;             // concatenated heads, f32 (B*Q, p_o)
     std::vector<float> qa, kt;         // additive scoring's projections
     std::vector<TaskScratch> scratch;  // one per OpenMP thread
-    Bindings bindings;                 // oneDNN arguments of the projections
+    // ForwardPaged: the steps' gathered inputs, their projections, the gathered
+    // output, f32.
+    std::vector<float> paged_in, paged_proj, paged_out;
+    Bindings bindings;  // oneDNN arguments of the projections
     std::optional<dnnl::stream> stream;
   };
   class WorkspacePool {
@@ -302,6 +307,21 @@ class MultiHeadAttention::Impl {
     WorkspacePool& pool_;
     std::unique_ptr<Workspace> ws_;
   };
+
+  // One ForwardPaged task: a block of query rows of one head of one step.
+  struct PagedTask {
+    const PagedStep* step;
+    int64_t head;
+    int64_t i0, mq;  // the step's query rows i0 .. i0 + mq
+    int64_t cached;  // keys in the step's cache before it
+    const float* q;  // the step's row 0 of the Q projection, row stride ldq
+    int64_t ldq;
+    float* ctx;  // the step's row 0 of the concatenated heads, (T, p_o)
+  };
+  void AttendPagedTask(const PagedTask& task, TaskScratch& scratch) const;
+  // Steps' new keys and values (rows at k and v, row stride ld) into their caches.
+  void StorePaged(std::span<const PagedStep> steps, const float* k, const float* v,
+                  int64_t ld) const;
 
   // Forward's phases, in order.
   static KeyLimits ComputeKeyLimits(const AttentionInputs& in);
@@ -586,6 +606,11 @@ void MultiHeadAttention::Impl::WriteContext(const Task& task, const RowStats& st
 
 int MultiHeadAttention::Impl::ThreadsFor(const AttentionInputs& in, int caller_threads,
                                          int cap) const {
+  return ThreadsForFlops(MultiHeadAttention::Flops(c_, in.batch, in.num_queries, in.num_keys),
+                         caller_threads, cap);
+}
+
+int MultiHeadAttention::Impl::ThreadsForFlops(double flops, int caller_threads, int cap) const {
   // oneDNN splits a primitive's work for the threads it asks OpenMP for and assumes
   // it gets them all, so a call never asks for more than OMP_THREAD_LIMIT: the part
   // of the output planned for threads OpenMP refuses would silently be skipped.
@@ -594,7 +619,6 @@ int MultiHeadAttention::Impl::ThreadsFor(const AttentionInputs& in, int caller_t
   if (cap > 0) max_threads = std::min(max_threads, cap);
   // Small calls run on fewer threads (kFlopsPerThread): a fork/join and a partition of
   // a tiny GEMM cost more than they save, and the cores are left to other callers.
-  const double flops = MultiHeadAttention::Flops(c_, in.batch, in.num_queries, in.num_keys);
   return static_cast<int>(
       std::clamp<double>(std::floor(flops / kFlopsPerThread), 1.0, max_threads));
 }
@@ -858,6 +882,195 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
   return absl::OkStatus();
 }
 
+// Paged attention: a query-row block of one head of one step, over its cache's
+// blocks with an online softmax. Plain loops (kernels::SmallScores/SmallContext):
+// a decode step is one query row against kBlockTokens keys per block, far below
+// what a oneDNN primitive's dispatch is worth.
+void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratch& scratch) const {
+  constexpr int64_t kBt = KvCachePool::kBlockTokens;
+  const int64_t E = c_.num_hiddens, p = c_.head_size(), mq = task.mq, h = task.head;
+  const PagedStep& step = *task.step;
+  const int64_t total = task.cached + step.new_keys();
+  // Row i sees keys [0, limit(i)); causal limits grow with the row.
+  auto limit = [&](int64_t i) {
+    return step.causal ? std::min(total, task.cached + task.i0 + i + 1) : total;
+  };
+  const int64_t max_limit = limit(mq - 1);
+  float* ctx = task.ctx + task.i0 * E + h * p;
+  if (max_limit == 0) {
+    for (int64_t i = 0; i < mq; ++i) std::fill_n(ctx + i * E, p, 0.0f);
+    return;
+  }
+  scratch.s.resize(std::max<size_t>(scratch.s.size(), mq * kBt));
+  scratch.o.resize(std::max<size_t>(scratch.o.size(), 2 * mq * p));
+  float* s = scratch.s.data();
+  float* o = scratch.o.data();
+  float* q = o + mq * p;  // this head's query rows, dense
+  for (int64_t i = 0; i < mq; ++i) {
+    std::memcpy(q + i * p, task.q + (task.i0 + i) * task.ldq + h * p, p * sizeof(float));
+  }
+  std::fill_n(o, mq * p, 0.0f);
+  RowStats stats;
+  std::fill_n(stats.max, mq, -std::numeric_limits<float>::infinity());
+  std::fill_n(stats.sum, mq, 0.0f);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(p));
+  for (int64_t j0 = 0; j0 < max_limit; j0 += kBt) {
+    const int64_t b = j0 / kBt, nk = std::min(kBt, max_limit - j0);
+    kernels::SmallScores(q, step.cache->keys(b, h), p, mq, nk, scale, s);
+    for (int64_t i = 0; i < mq; ++i) {
+      float* si = s + i * nk;
+      const int64_t seen = std::clamp<int64_t>(limit(i) - j0, 0, nk);
+      std::fill(si + seen, si + nk, -std::numeric_limits<float>::infinity());
+      const float m = std::max(stats.max[i], kernels::RowMax(si, seen));
+      if (m == -std::numeric_limits<float>::infinity()) {  // nothing seen yet
+        std::fill_n(si, nk, 0.0f);
+        continue;
+      }
+      const float factor = std::exp(stats.max[i] - m);  // 0 on the first keys
+      kernels::Scale(o + i * p, factor, p);
+      stats.sum[i] = stats.sum[i] * factor + kernels::ExpSubSum(si, m, si, nk);
+      stats.max[i] = m;
+    }
+    kernels::SmallContext(s, step.cache->values(b, h), p, mq, nk, /*accumulate=*/true, o);
+  }
+  for (int64_t i = 0; i < mq; ++i) {
+    const float inv = stats.sum[i] > 0 ? 1.0f / stats.sum[i] : 0.0f;
+    for (int64_t c = 0; c < p; ++c) ctx[i * E + c] = o[i * p + c] * inv;
+  }
+}
+
+void MultiHeadAttention::Impl::StorePaged(std::span<const PagedStep> steps, const float* k,
+                                          const float* v, int64_t ld) const {
+  constexpr int64_t kBt = KvCachePool::kBlockTokens;
+  const int64_t H = c_.num_heads, p = c_.head_size();
+  int64_t row = 0;
+  for (const PagedStep& step : steps) {
+    KvSequence& cache = *step.cache;
+    for (int64_t r = 0; r < step.new_keys(); ++r, ++row) {
+      const int64_t t = cache.size() + r, b = t / kBt, at = (t % kBt) * p;
+      for (int64_t h = 0; h < H; ++h) {
+        std::memcpy(cache.keys(b, h) + at, k + row * ld + h * p, p * sizeof(float));
+        std::memcpy(cache.values(b, h) + at, v + row * ld + h * p, p * sizeof(float));
+      }
+    }
+  }
+}
+
+absl::Status MultiHeadAttention::Impl::ForwardPaged(std::span<const PagedStep> steps,
+                                                    int max_threads) const {
+  constexpr int64_t kQueryRows = 64;  // query rows per task
+  const int64_t E = c_.num_hiddens, H = c_.num_heads;
+  const int64_t dq = c_.query_size, dk = c_.key_size, dv = c_.value_size;
+  int64_t tq = 0, tk = 0;
+  bool all_self = true;
+  double flops = 0;
+  for (const PagedStep& step : steps) {
+    tq += step.num_queries;
+    tk += step.new_keys();
+    all_self = all_self && step.keys == nullptr;
+    flops += 4.0 * static_cast<double>(step.num_queries) *
+             static_cast<double>(step.cache->size() + step.new_keys()) * static_cast<double>(E);
+  }
+  flops += 2.0 * static_cast<double>(E) * static_cast<double>(tq * dq + tk * (dk + dv) + tq * E);
+  const int caller_threads = omp_get_max_threads();
+  const int threads = ThreadsForFlops(flops, caller_threads, max_threads);
+  omp_set_num_threads(threads);
+  const absl::Cleanup restore_threads = [caller_threads] { omp_set_num_threads(caller_threads); };
+
+  WorkspaceLease lease(*workspaces_);
+  Workspace& ws = *lease;
+  auto grow = [](std::vector<float>& v, int64_t n) {
+    if (v.size() < static_cast<size_t>(n)) v.resize(n);
+  };
+  try {
+    if (!ws.stream) ws.stream.emplace(CpuEngine());
+    // Gather every step's new rows, then project them, one GEMM per weight: Q as
+    // (tq, ld) rows, K and V as (tk, ld) rows, f32. All self-attention steps (the
+    // decode case) run Q, K and V as one stacked GEMM.
+    grow(ws.paged_in, tq * dq + tk * (dk + dv));
+    float* xq = ws.paged_in.data();
+    float* xk = xq + tq * dq;
+    float* xv = xk + tk * dk;
+    int64_t qi = 0, ki = 0;
+    for (const PagedStep& step : steps) {
+      std::copy_n(step.queries, step.num_queries * dq, xq + qi * dq);
+      qi += step.num_queries;
+      if (all_self) continue;
+      const float* keys = step.keys == nullptr ? step.queries : step.keys;
+      const float* values = step.keys == nullptr ? step.queries : step.values;
+      std::copy_n(keys, step.new_keys() * dk, xk + ki * dk);
+      std::copy_n(values, step.new_keys() * dv, xv + ki * dv);
+      ki += step.new_keys();
+    }
+    const int64_t ld = all_self ? 3 * E : E;
+    grow(ws.paged_proj, all_self ? tq * ld : (tq + 2 * tk) * E);
+    float* qp = ws.paged_proj.data();
+    float* kp = all_self ? qp + E : qp + tq * E;
+    float* vp = all_self ? qp + 2 * E : kp + tk * E;
+    if (all_self) {
+      qkv_->Run(*ws.stream, ws.bindings, 1, tq, {AsActivation(xq, tq * dq, ws.xq), dq}, {qp, ld},
+                Dt::f32);
+    } else {
+      if (tq > 0) {
+        q_->Run(*ws.stream, ws.bindings, 1, tq, {AsActivation(xq, tq * dq, ws.xq), dq}, {qp, E},
+                Dt::f32);
+      }
+      if (tk > 0) {
+        k_->Run(*ws.stream, ws.bindings, 1, tk, {AsActivation(xk, tk * dk, ws.xk), dk}, {kp, E},
+                Dt::f32);
+        v_->Run(*ws.stream, ws.bindings, 1, tk, {AsActivation(xv, tk * dv, ws.xv), dv}, {vp, E},
+                Dt::f32);
+      }
+    }
+    ws.stream->wait();
+    StorePaged(steps, kp, vp, ld);
+
+    // Attention, one task per (step, head, block of query rows).
+    grow(ws.paged_out, 2 * tq * E);
+    float* ctx = ws.paged_out.data();
+    float* out = ctx + tq * E;
+    std::vector<PagedTask> tasks;
+    qi = 0;
+    for (const PagedStep& step : steps) {
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t i0 = 0; i0 < step.num_queries; i0 += kQueryRows) {
+          tasks.push_back({.step = &step,
+                           .head = h,
+                           .i0 = i0,
+                           .mq = std::min(kQueryRows, step.num_queries - i0),
+                           .cached = step.cache->size(),
+                           .q = qp + qi * ld,
+                           .ldq = ld,
+                           .ctx = ctx + qi * E});
+        }
+      }
+      qi += step.num_queries;
+    }
+    MHA_RETURN_IF_ERROR(RunTasks(static_cast<int64_t>(tasks.size()), threads, ws,
+                                 [&](int64_t t, dnnl::stream&, TaskScratch& scratch) {
+                                   AttendPagedTask(tasks[t], scratch);
+                                 }));
+    if (tq > 0) {
+      o_lin_->Run(*ws.stream, ws.bindings, 1, tq, {AsActivation(ctx, tq * E, ws.xq), E}, {out, E},
+                  Dt::f32);
+      ws.stream->wait();
+    }
+    qi = 0;
+    for (const PagedStep& step : steps) {
+      std::copy_n(out + qi * E, step.num_queries * E, step.output);
+      qi += step.num_queries;
+      step.cache->Append(step.new_keys());
+    }
+  } catch (const dnnl::error& e) {
+    return absl::InternalError(DnnlMessage(e));
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("out of memory in MultiHeadAttention::ForwardPaged");
+  } catch (const std::exception& e) {
+    return absl::InternalError(e.what());
+  }
+  return absl::OkStatus();
+}
+
 MultiHeadAttention::MultiHeadAttention(const ModelConfig& config, const Options& options,
                                        std::unique_ptr<Impl> impl)
     : config_(config), options_(options), impl_(std::move(impl)) {}
@@ -930,6 +1143,59 @@ absl::Status MultiHeadAttention::Forward(const AttentionInputs& inputs, float* o
                                        max_threads));
   }
   return absl::OkStatus();
+}
+
+absl::Status MultiHeadAttention::ForwardPaged(std::span<const PagedStep> steps,
+                                              int max_threads) const {
+  const ModelConfig& c = config_;
+  if (c.scoring != Scoring::kDotProduct) {
+    return absl::InvalidArgumentError(
+        "scoring: attention sessions need dot-product scoring; this model is additive");
+  }
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const PagedStep& s = steps[i];
+    auto error = [i](const char* field, const std::string& what) {
+      return absl::InvalidArgumentError(absl::StrCat("step ", i, ": ", field, ": ", what));
+    };
+    if (s.cache == nullptr) return error("cache", "missing");
+    if (s.cache->num_heads() != c.num_heads || s.cache->head_size() != c.head_size()) {
+      return error("cache", absl::StrCat("made for ", s.cache->num_heads(), " heads of ",
+                                         s.cache->head_size(), ", the model has ", c.num_heads,
+                                         " of ", c.head_size()));
+    }
+    if (s.num_queries < 0)
+      return error("queries", absl::StrCat("expected >= 0 rows, got ", s.num_queries));
+    if (s.num_queries > 0 && (s.queries == nullptr || s.output == nullptr)) {
+      return error("queries, output", "missing");
+    }
+    if ((s.keys == nullptr) != (s.values == nullptr)) {
+      return error("keys, values", "give both or neither (neither = self-attention)");
+    }
+    if (s.keys == nullptr) {
+      if (!c.SupportsSelfAttention()) {
+        return error("keys",
+                     absl::StrCat("required: the model's key_size ", c.key_size, " / value_size ",
+                                  c.value_size, " differ from query_size ", c.query_size));
+      }
+    } else if (s.num_keys < 0) {
+      return error("keys", absl::StrCat("expected >= 0 rows, got ", s.num_keys));
+    }
+    if (s.causal && s.new_keys() != s.num_queries) {
+      return error("keys",
+                   absl::StrCat("a causal step appends as many keys as it has queries, got ",
+                                s.new_keys(), " keys for ", s.num_queries, " queries"));
+    }
+    if (s.cache->size() + s.new_keys() > s.cache->capacity()) {
+      return error("cache", absl::StrCat("room for ", s.cache->capacity() - s.cache->size(),
+                                         " more tokens, the step appends ", s.new_keys(),
+                                         " (Reserve first)"));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (steps[j].cache == s.cache) return error("cache", absl::StrCat("also step ", j, "'s"));
+    }
+  }
+  if (steps.empty()) return absl::OkStatus();
+  return impl_->ForwardPaged(steps, max_threads);
 }
 
 double MultiHeadAttention::Flops(const ModelConfig& c, int64_t batch, int64_t num_queries,

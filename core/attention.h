@@ -45,6 +45,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/config.h"
+#include "core/kv_cache.h"
 #include "core/valid_lens.h"
 #include "core/weights.h"
 
@@ -65,6 +66,26 @@ struct AttentionInputs {
   bool self_attention() const { return keys == nullptr; }
   // valid_lens read through its layout (core/valid_lens.h).
   ValidLens lens() const { return ValidLens(valid_lens, batch, num_queries, num_keys); }
+};
+
+// One step of one attention session (ForwardPaged): new tokens of one sequence
+// whose earlier keys and values are already projected in `cache`.
+struct PagedStep {
+  int64_t num_queries = 0;         // T; 0 (cross only): the step only appends
+  const float* queries = nullptr;  // (T, d_q)
+  // New keys and values, appended to the cache before the queries attend: T_k rows
+  // of (T_k, d_k) and (T_k, d_v); keys == nullptr: self-attention, the queries are
+  // also the keys and values (T_k = T).
+  int64_t num_keys = 0;
+  const float* keys = nullptr;
+  const float* values = nullptr;
+  // Query i (position n + i, n = cache->size() before the step) sees key positions
+  // <= n + i; needs T_k == T. Else every query sees every cached key.
+  bool causal = false;
+  KvSequence* cache = nullptr;  // room reserved for T_k more tokens; appended to
+  float* output = nullptr;      // (T, p_o)
+
+  int64_t new_keys() const { return keys == nullptr ? num_queries : num_keys; }
 };
 
 class MultiHeadAttention {
@@ -99,6 +120,15 @@ class MultiHeadAttention {
   // would use alone).
   absl::Status Forward(const AttentionInputs& inputs, float* output, float* attention = nullptr,
                        int max_threads = 0) const;
+
+  // Attention over cached keys and values (attention sessions): every step's new
+  // keys and values are projected (one GEMM over all steps' tokens) into its cache,
+  // then each step's queries attend, head by head, over its own cache's blocks (no
+  // padding to the longest), and one GEMM applies W_o to every step's rows. A
+  // self-attention step fed in chunks gives the rows of one causal Forward on the
+  // whole sequence. Dot-product scoring only; the cache is f32 for every precision.
+  // INVALID_ARGUMENT names the step and field; the caches are unchanged on error.
+  absl::Status ForwardPaged(std::span<const PagedStep> steps, int max_threads = 0) const;
 
   // The OpenMP threads a call on `inputs` uses: one per 16 MFLOP of work, at least
   // one, at most Options::num_threads (or the caller's omp_get_max_threads()).

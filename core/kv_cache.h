@@ -1,0 +1,113 @@
+// The key/value cache of attention sessions: projected keys and values kept per
+// head in fixed-size blocks, handed out by one pool under one byte budget.
+//
+// A block holds kBlockTokens tokens of one sequence, f32, head-major so that each
+// head's keys (and values) of the block are one dense (kBlockTokens, p) matrix:
+//   keys   (h, kBlockTokens, p)   at block + 0
+//   values (h, kBlockTokens, p)   at block + h * kBlockTokens * p
+// A sequence is a list of blocks; token t is row t % kBlockTokens of block
+// t / kBlockTokens. Nothing is padded to the longest sequence, and a sequence's
+// last block is its only partly used one (at most kBlockTokens - 1 tokens of
+// slack per sequence).
+//
+// The pool keeps released blocks for reuse, up to `retain_bytes` of them, because
+// first-touching fresh pages costs far more than the arithmetic of a decode step;
+// beyond that it returns them to the system (blocks are their own mappings), so
+// memory goes back once sessions end.
+//
+//   KvCachePool pool(/*budget_bytes=*/1 << 30);
+//   KvSequence seq(&pool, /*num_heads=*/12, /*head_size=*/64);
+//   absl::Status s = seq.Reserve(128);   // RESOURCE_EXHAUSTED over the budget
+//   ... MultiHeadAttention::ForwardPaged writes rows size()..size()+127, Append(128)
+//
+// Thread safety: the pool is thread-safe; a KvSequence is used by one thread at a
+// time (a session runs one step at a time).
+#ifndef MHA_CORE_KV_CACHE_H_
+#define MHA_CORE_KV_CACHE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+
+namespace mha::core {
+
+class KvCachePool {
+ public:
+  // Tokens per block: 32 keeps a bert_base block at 192 KiB (keys and values of
+  // 12 heads of 64) and a decode step's per-block overhead small next to its
+  // 32 x p multiply-adds per head.
+  static constexpr int64_t kBlockTokens = 32;
+
+  explicit KvCachePool(int64_t budget_bytes, int64_t retain_bytes = int64_t{16} << 20);
+  ~KvCachePool();
+  KvCachePool(const KvCachePool&) = delete;
+  KvCachePool& operator=(const KvCachePool&) = delete;
+
+  int64_t budget_bytes() const { return budget_; }
+  int64_t used_bytes() const;      // in blocks held by sequences
+  int64_t retained_bytes() const;  // released, kept for reuse
+
+ private:
+  friend class KvSequence;
+  // A zero-filled-or-reused block of `bytes`; nullptr when the budget would be
+  // exceeded (or the system refuses memory).
+  float* Allocate(size_t bytes);
+  void Release(float* block, size_t bytes);
+
+  const int64_t budget_;
+  const int64_t retain_;
+  mutable absl::Mutex mu_;
+  int64_t used_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t retained_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<size_t, std::vector<float*>> free_ ABSL_GUARDED_BY(mu_);  // by block size
+};
+
+// One sequence's cached keys and values. Releases its blocks when destroyed.
+class KvSequence {
+ public:
+  KvSequence(KvCachePool* pool, int64_t num_heads, int64_t head_size);
+  ~KvSequence();
+  KvSequence(const KvSequence&) = delete;
+  KvSequence& operator=(const KvSequence&) = delete;
+
+  // Makes room for `tokens` more tokens after size(). RESOURCE_EXHAUSTED naming the
+  // pool's budget when its blocks would exceed it; the sequence is then unchanged.
+  absl::Status Reserve(int64_t tokens);
+  // Tokens written (ForwardPaged writes rows size().. and then appends them).
+  int64_t size() const { return size_; }
+  int64_t capacity() const {
+    return static_cast<int64_t>(blocks_.size()) * KvCachePool::kBlockTokens;
+  }
+  int64_t bytes() const { return static_cast<int64_t>(blocks_.size() * block_bytes()); }
+  void Append(int64_t tokens) { size_ += tokens; }
+
+  int64_t num_heads() const { return num_heads_; }
+  int64_t head_size() const { return head_size_; }
+  // Block b's keys (kBlockTokens, p) of head h; values likewise.
+  float* keys(int64_t b, int64_t h) const {
+    return blocks_[b] + h * KvCachePool::kBlockTokens * head_size_;
+  }
+  float* values(int64_t b, int64_t h) const {
+    return blocks_[b] + (num_heads_ + h) * KvCachePool::kBlockTokens * head_size_;
+  }
+
+ private:
+  size_t block_bytes() const {
+    return static_cast<size_t>(2 * num_heads_ * KvCachePool::kBlockTokens * head_size_) *
+           sizeof(float);
+  }
+
+  KvCachePool* const pool_;
+  const int64_t num_heads_, head_size_;
+  std::vector<float*> blocks_;
+  int64_t size_ = 0;
+};
+
+}  // namespace mha::core
+
+#endif  // MHA_CORE_KV_CACHE_H_

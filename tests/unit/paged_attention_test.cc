@@ -1,0 +1,316 @@
+// MultiHeadAttention::ForwardPaged (attention over a KvSequence's blocks) against
+// the stateless Forward on the whole sequence, and against the double-precision
+// reference; KvCachePool's budget and block reuse.
+#include <algorithm>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/attention.h"
+#include "core/kv_cache.h"
+#include "core/reference.h"
+#include "gtest/gtest.h"
+#include "tests/unit/test_util.h"
+
+namespace mha::core {
+namespace {
+
+using ::mha::testing::MaxAbsDiff;
+using ::mha::testing::RandomVector;
+
+// Paged steps against a stateless Forward of the same f32 layer: both sum the same
+// products in different orders (plain loops vs oneDNN's GEMMs).
+constexpr double kSameLayerTolerance = 1e-5;
+// Against the double-precision reference, as attention_test's f32 cases.
+constexpr double kReferenceTolerance = 1e-4;
+constexpr int64_t kBudget = int64_t{1} << 30;
+constexpr float kNone = 0;
+
+ModelConfig Toy(bool bias) {
+  ModelConfig c;  // p_o 100, h 5
+  c.bias = bias;
+  return c;
+}
+
+ModelConfig BertBase(bool bias) {
+  ModelConfig c;
+  c.num_hiddens = c.query_size = c.key_size = c.value_size = 768;
+  c.num_heads = 12;
+  c.bias = bias;
+  return c;
+}
+
+struct Layer {
+  ModelConfig config;
+  Weights weights;
+  std::unique_ptr<MultiHeadAttention> mha;
+};
+
+Layer Make(const ModelConfig& config, uint64_t seed = 3) {
+  Weights w = SeededWeights(config, seed);
+  auto mha = MultiHeadAttention::Create(config, w);
+  EXPECT_TRUE(mha.ok()) << mha.status();
+  return {config, std::move(w), std::move(mha).value()};
+}
+
+// Feeds `x` (n, d) to a self-attention session in chunks of the given sizes.
+std::vector<float> SelfSession(const Layer& layer, KvCachePool& pool, const std::vector<float>& x,
+                               const std::vector<int64_t>& chunks) {
+  const int64_t d = layer.config.query_size, E = layer.config.num_hiddens;
+  KvSequence seq(&pool, layer.config.num_heads, layer.config.head_size());
+  std::vector<float> out;
+  int64_t at = 0;
+  for (int64_t t : chunks) {
+    EXPECT_TRUE(seq.Reserve(t).ok());
+    std::vector<float> y(t * E);
+    const PagedStep step{.num_queries = t,
+                         .queries = x.data() + at * d,
+                         .causal = true,
+                         .cache = &seq,
+                         .output = y.data()};
+    const absl::Status s = layer.mha->ForwardPaged({&step, 1});
+    EXPECT_TRUE(s.ok()) << s;
+    out.insert(out.end(), y.begin(), y.end());
+    at += t;
+  }
+  EXPECT_EQ(seq.size(), at);
+  return out;
+}
+
+std::vector<float> StatelessCausal(const Layer& layer, const std::vector<float>& x, int64_t n) {
+  std::vector<float> out(n * layer.config.num_hiddens);
+  const AttentionInputs in{
+      .batch = 1, .num_queries = n, .num_keys = n, .queries = x.data(), .causal = true};
+  EXPECT_TRUE(layer.mha->Forward(in, out.data()).ok());
+  return out;
+}
+
+class PagedSelfTest : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
+
+TEST_P(PagedSelfTest, AnyChunkingEqualsOneCausalForward) {
+  const auto [bert, bias] = GetParam();
+  const Layer layer = Make(bert ? BertBase(bias) : Toy(bias));
+  const int64_t n = 75;  // crosses two block boundaries
+  std::mt19937_64 rng(7);
+  const std::vector<float> x = RandomVector(rng, n * layer.config.query_size);
+  const std::vector<float> want = StatelessCausal(layer, x, n);
+  const AttentionInputs in{
+      .batch = 1, .num_queries = n, .num_keys = n, .queries = x.data(), .causal = true};
+  const ReferenceResult ref = ReferenceForward(layer.config, layer.weights, in);
+  KvCachePool pool(kBudget);
+  const std::vector<std::vector<int64_t>> chunkings = {
+      std::vector<int64_t>(n, 1), {n}, {1, 31, 1, 32, 10}, {40, 35}, {17, 17, 17, 24}};
+  for (const auto& chunks : chunkings) {
+    const std::vector<float> got = SelfSession(layer, pool, x, chunks);
+    EXPECT_LE(MaxAbsDiff(got, want), kSameLayerTolerance) << chunks.size() << " chunks";
+    EXPECT_LE(MaxAbsDiff(got, ref.output), kReferenceTolerance) << chunks.size() << " chunks";
+  }
+  EXPECT_EQ(pool.used_bytes(), 0);  // every sequence gave its blocks back
+}
+
+INSTANTIATE_TEST_SUITE_P(ToyAndBertBase, PagedSelfTest,
+                         ::testing::Combine(::testing::Bool(), ::testing::Bool()));
+
+// Cross-attention: keys and values appended in chunks, queries at several points,
+// each against a stateless Forward on every key appended so far.
+TEST(PagedCrossTest, QueriesSeeEveryKeyAppendedSoFar) {
+  for (bool bias : {false, true}) {
+    ModelConfig c = Toy(bias);
+    c.key_size = 40;
+    c.value_size = 60;
+    const Layer layer = Make(c);
+    std::mt19937_64 rng(11);
+    KvCachePool pool(kBudget);
+    KvSequence seq(&pool, c.num_heads, c.head_size());
+    std::vector<float> keys, values;
+    for (int64_t tk : {5, 0, 40, 1}) {
+      const int64_t tq = tk == 0 ? 3 : (tk % 2) + 1;
+      const std::vector<float> k = RandomVector(rng, tk * c.key_size);
+      const std::vector<float> v = RandomVector(rng, tk * c.value_size);
+      const std::vector<float> q = RandomVector(rng, tq * c.query_size);
+      keys.insert(keys.end(), k.begin(), k.end());
+      values.insert(values.end(), v.begin(), v.end());
+      ASSERT_TRUE(seq.Reserve(tk).ok());
+      std::vector<float> got(tq * c.num_hiddens);
+      const PagedStep step{.num_queries = tq,
+                           .queries = q.data(),
+                           .num_keys = tk,
+                           // keys == nullptr means self-attention: a cross step
+                           // without new keys still points somewhere.
+                           .keys = tk > 0 ? k.data() : &kNone,
+                           .values = tk > 0 ? v.data() : &kNone,
+                           .cache = &seq,
+                           .output = got.data()};
+      const absl::Status s = layer.mha->ForwardPaged({&step, 1});
+      ASSERT_TRUE(s.ok()) << s;
+      const int64_t all = static_cast<int64_t>(keys.size()) / c.key_size;
+      ASSERT_EQ(seq.size(), all);
+      std::vector<float> want(tq * c.num_hiddens);
+      const AttentionInputs in{.batch = 1,
+                               .num_queries = tq,
+                               .num_keys = all,
+                               .queries = q.data(),
+                               .keys = keys.data(),
+                               .values = values.data()};
+      ASSERT_TRUE(layer.mha->Forward(in, want.data()).ok());
+      EXPECT_LE(MaxAbsDiff(got, want), kSameLayerTolerance) << "after " << all << " keys";
+    }
+    // An append-only step: no queries, no output.
+    const std::vector<float> k = RandomVector(rng, 3 * c.key_size);
+    const std::vector<float> v = RandomVector(rng, 3 * c.value_size);
+    ASSERT_TRUE(seq.Reserve(3).ok());
+    const PagedStep append{.num_keys = 3, .keys = k.data(), .values = v.data(), .cache = &seq};
+    ASSERT_TRUE(layer.mha->ForwardPaged({&append, 1}).ok());
+    EXPECT_EQ(seq.size(), 49);
+  }
+}
+
+TEST(PagedCrossTest, CausalStepsEqualOneCausalForward) {
+  ModelConfig c = Toy(true);
+  c.key_size = c.value_size = 30;
+  const Layer layer = Make(c);
+  std::mt19937_64 rng(5);
+  const int64_t n = 40;
+  const std::vector<float> q = RandomVector(rng, n * c.query_size);
+  const std::vector<float> kv = RandomVector(rng, n * c.key_size);
+  std::vector<float> want(n * c.num_hiddens);
+  const AttentionInputs in{.batch = 1,
+                           .num_queries = n,
+                           .num_keys = n,
+                           .queries = q.data(),
+                           .keys = kv.data(),
+                           .values = kv.data(),
+                           .causal = true};
+  ASSERT_TRUE(layer.mha->Forward(in, want.data()).ok());
+  KvCachePool pool(kBudget);
+  KvSequence seq(&pool, c.num_heads, c.head_size());
+  std::vector<float> got(n * c.num_hiddens);
+  int64_t at = 0;
+  for (int64_t t : {1, 2, 4, 8, 16, 9}) {
+    ASSERT_TRUE(seq.Reserve(t).ok());
+    const PagedStep step{.num_queries = t,
+                         .queries = q.data() + at * c.query_size,
+                         .num_keys = t,
+                         .keys = kv.data() + at * c.key_size,
+                         .values = kv.data() + at * c.value_size,
+                         .causal = true,
+                         .cache = &seq,
+                         .output = got.data() + at * c.num_hiddens};
+    ASSERT_TRUE(layer.mha->ForwardPaged({&step, 1}).ok());
+    at += t;
+  }
+  ASSERT_EQ(at, n);
+  EXPECT_LE(MaxAbsDiff(got, want), kSameLayerTolerance);
+}
+
+// Steps of different sequences in one call (continuous batching) stay apart: each
+// equals the same step run alone.
+TEST(PagedBatchTest, InterleavedSequencesStayApart) {
+  const Layer layer = Make(BertBase(true));
+  const int64_t d = layer.config.query_size, E = layer.config.num_hiddens;
+  std::mt19937_64 rng(9);
+  const std::vector<int64_t> prefix = {3, 70, 33};
+  std::vector<std::vector<float>> x;
+  for (int64_t n : prefix) x.push_back(RandomVector(rng, (n + 2) * d));
+  KvCachePool pool(kBudget);
+  auto run = [&](bool together) {
+    std::vector<std::unique_ptr<KvSequence>> seqs;
+    std::vector<std::vector<float>> outs(prefix.size());
+    for (size_t i = 0; i < prefix.size(); ++i) {
+      seqs.push_back(std::make_unique<KvSequence>(&pool, 12, 64));
+      EXPECT_TRUE(seqs[i]->Reserve(prefix[i] + 2).ok());
+      std::vector<float> y(prefix[i] * E);
+      const PagedStep prefill{.num_queries = prefix[i],
+                              .queries = x[i].data(),
+                              .causal = true,
+                              .cache = seqs[i].get(),
+                              .output = y.data()};
+      EXPECT_TRUE(layer.mha->ForwardPaged({&prefill, 1}).ok());
+    }
+    // Then two decode steps; the second is one call over all sequences, or each alone.
+    for (int64_t step = 0; step < 2; ++step) {
+      std::vector<PagedStep> steps;
+      for (size_t i = 0; i < prefix.size(); ++i) {
+        outs[i].resize((step + 1) * E);
+        steps.push_back({.num_queries = 1,
+                         .queries = x[i].data() + (prefix[i] + step) * d,
+                         .causal = true,
+                         .cache = seqs[i].get(),
+                         .output = outs[i].data() + step * E});
+      }
+      if (together) {
+        EXPECT_TRUE(layer.mha->ForwardPaged(steps).ok());
+      } else {
+        for (const PagedStep& s : steps) EXPECT_TRUE(layer.mha->ForwardPaged({&s, 1}).ok());
+      }
+    }
+    return outs;
+  };
+  const auto alone = run(false);
+  const auto together = run(true);
+  for (size_t i = 0; i < prefix.size(); ++i) {
+    EXPECT_LE(MaxAbsDiff(together[i], alone[i]), 1e-6) << "sequence " << i;
+    const std::vector<float> full = StatelessCausal(layer, x[i], prefix[i] + 2);
+    const std::vector<float> last(full.end() - 2 * E, full.end());
+    EXPECT_LE(MaxAbsDiff(together[i], last), kSameLayerTolerance) << "sequence " << i;
+  }
+}
+
+TEST(PagedBatchTest, BadStepsAreRefusedNamingTheField) {
+  const Layer layer = Make(Toy(false));
+  KvCachePool pool(kBudget);
+  KvSequence seq(&pool, 5, 20);
+  std::vector<float> x(4 * 100), y(4 * 100);
+  PagedStep step{.num_queries = 2, .queries = x.data(), .cache = &seq, .output = y.data()};
+  absl::Status s = layer.mha->ForwardPaged({&step, 1});  // nothing reserved
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("Reserve"), std::string::npos) << s;
+  ASSERT_TRUE(seq.Reserve(4).ok());
+  step.keys = x.data();  // keys without values
+  step.num_keys = 2;
+  s = layer.mha->ForwardPaged({&step, 1});
+  EXPECT_NE(s.message().find("keys, values"), std::string::npos) << s;
+  step.values = x.data();
+  step.num_keys = 1;
+  step.causal = true;
+  s = layer.mha->ForwardPaged({&step, 1});
+  EXPECT_NE(s.message().find("causal"), std::string::npos) << s;
+  const PagedStep twice[] = {
+      {.num_queries = 1, .queries = x.data(), .cache = &seq, .output = y.data()},
+      {.num_queries = 1, .queries = x.data(), .cache = &seq, .output = y.data()}};
+  s = layer.mha->ForwardPaged(twice);
+  EXPECT_NE(s.message().find("step 1: cache"), std::string::npos) << s;
+  EXPECT_EQ(seq.size(), 0);  // nothing appended by a refused call
+}
+
+TEST(KvCachePoolTest, BudgetRefusesWithoutPartialBlocksAndReusesReleasedOnes) {
+  // Toy blocks: 2 x 5 heads x 32 tokens x 20 floats = 25,600 bytes.
+  constexpr int64_t kBlock = 2 * 5 * 32 * 20 * 4;
+  KvCachePool pool(3 * kBlock, /*retain_bytes=*/kBlock);
+  auto a = std::make_unique<KvSequence>(&pool, 5, 20);
+  ASSERT_TRUE(a->Reserve(64).ok());  // two blocks
+  EXPECT_EQ(pool.used_bytes(), 2 * kBlock);
+  {
+    KvSequence b(&pool, 5, 20);
+    const absl::Status s = b.Reserve(40);  // two more blocks: over the budget
+    EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_NE(s.message().find("budget"), std::string::npos) << s;
+    EXPECT_EQ(b.capacity(), 0);
+    EXPECT_EQ(pool.used_bytes(), 2 * kBlock);
+    ASSERT_TRUE(b.Reserve(32).ok());  // one fits
+  }
+  EXPECT_EQ(pool.used_bytes(), 2 * kBlock);
+  EXPECT_EQ(pool.retained_bytes(), kBlock);  // kept for the next sequence
+  {
+    KvSequence c(&pool, 5, 20);
+    ASSERT_TRUE(c.Reserve(1).ok());
+    EXPECT_EQ(pool.retained_bytes(), 0);  // reused, not mapped anew
+  }
+  a.reset();
+  EXPECT_EQ(pool.used_bytes(), 0);
+  EXPECT_EQ(pool.retained_bytes(), kBlock);  // the rest went back to the system
+}
+
+}  // namespace
+}  // namespace mha::core
