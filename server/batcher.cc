@@ -12,6 +12,9 @@ namespace mha::server {
 namespace {
 
 bool CanShare(const WorkItem& a, const WorkItem& b) {
+  // Session steps share a call with each other only (ForwardPaged), never padded.
+  if ((a.step != nullptr) != (b.step != nullptr)) return false;
+  if (a.step != nullptr) return true;
   if (a.attention != nullptr || b.attention != nullptr) return false;
   return CanMerge(a.inputs, b.inputs);
 }
@@ -146,8 +149,13 @@ bool Batcher::RunsInline(const ModelQueue& queue, const WorkItem& item) const {
   const BatchingPolicy& policy = queue.model->batching;
   if (policy.enabled && policy.max_queue_delay > absl::ZeroDuration()) return false;
   const core::AttentionInputs& in = item.inputs;
-  return core::MultiHeadAttention::Flops(queue.model->config, in.batch, in.num_queries,
-                                         in.num_keys) <= options_.inline_max_flops;
+  double flops =
+      core::MultiHeadAttention::Flops(queue.model->config, in.batch, in.num_queries, in.num_keys);
+  if (item.step != nullptr) {  // its queries also attend to every cached key
+    flops += 4.0 * static_cast<double>(in.num_queries * item.step->cache->size() *
+                                       queue.model->config.num_hiddens);
+  }
+  return flops <= options_.inline_max_flops;
 }
 
 absl::Status Batcher::Submit(WorkItem item) {
@@ -365,6 +373,12 @@ void Batcher::AnswerDropped(Batch& batch, absl::Time now) {
 
 absl::Status Batcher::Compute(const Batch& batch, Worker* worker) {
   const core::MultiHeadAttention& attention = *batch.model->attention;
+  if (batch.items.front().step != nullptr) {  // session steps (CanShare: all of them)
+    if (batch.items.size() == 1) return attention.ForwardPaged({batch.items.front().step, 1});
+    worker->steps.clear();
+    for (const WorkItem& item : batch.items) worker->steps.push_back(*item.step);
+    return attention.ForwardPaged(worker->steps);
+  }
   if (batch.items.size() == 1) {
     const WorkItem& item = batch.items.front();
     return attention.Forward(item.inputs, item.output, item.attention);

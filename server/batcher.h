@@ -26,6 +26,11 @@
 //     compute time per token (a moving average over its recent calls), over the
 //     workers. An idle model admits any request; until it has computed once, only
 //     max_queue_size applies.
+//   - Session steps (WorkItem::step, server/session.h) of different sessions of a
+//     model merge with each other, never with requests: continuous batching, one
+//     core::MultiHeadAttention::ForwardPaged call whose projections are one GEMM
+//     over every step's new tokens and whose attention runs per session over its
+//     own cached blocks, unpadded.
 //   - policy.enabled = false: one request per forward call, no waiting.
 //
 // Inline execution (Options::inline_max_flops): a request of at most that much
@@ -170,6 +175,7 @@ class Batcher {
   struct Worker {
     BatchMerger merger;
     std::vector<BatchPart> parts;
+    std::vector<core::PagedStep> steps;
   };
   void Run(Batch& batch, Worker* worker);
   // Answers the batch's expired and cancelled items; they are never computed.

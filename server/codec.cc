@@ -69,22 +69,6 @@ bool AnyNonFinite(const float* data, int64_t n) {
   return any != 0;
 }
 
-absl::Status CheckFinite(absl::string_view field, const TensorView& tensor) {
-  const float* data = tensor.data;
-  const int64_t n = tensor.size;
-  if (!AnyNonFinite(data, n)) return absl::OkStatus();
-  for (int64_t i = 0; i < n; ++i) {  // find the first one, for the message
-    if (!std::isfinite(data[i])) {
-      const int64_t features = tensor.shape[2], positions = tensor.shape[1];
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": non-finite value ", data[i], " at index ", i, " (batch ",
-                       i / (features * positions), ", position ", (i / features) % positions,
-                       ", feature ", i % features, ")"));
-    }
-  }
-  return absl::OkStatus();
-}
-
 struct Dims {
   int64_t batch = 0, queries = 0, keys = 0;  // B, Q, K
 };
@@ -182,9 +166,24 @@ core::AttentionInputs Views(const RequestView& request, const Dims& dims) {
   };
 }
 
+absl::Status CheckRequestBytes(int64_t bytes, const Model& model) {
+  if (bytes > model.limits.max_request_bytes) {
+    return OverLimit("request: size in bytes", bytes, "max_request_bytes",
+                     model.limits.max_request_bytes, model);
+  }
+  return absl::OkStatus();
+}
+
+void SetShape(std::initializer_list<int64_t> dims, Tensor* tensor) {
+  tensor->clear_shape();
+  for (int64_t d : dims) tensor->add_shape(d);
+}
+
+}  // namespace
+
 // A tensor's values as a view, from data or from raw (little-endian float32 bytes).
-absl::StatusOr<std::optional<TensorView>> ViewOf(absl::string_view field, bool present,
-                                                 const Tensor& tensor) {
+absl::StatusOr<std::optional<TensorView>> ViewTensor(absl::string_view field, bool present,
+                                                     const Tensor& tensor) {
   static_assert(std::endian::native == std::endian::little, "raw is read in place");
   if (!present) return std::nullopt;
   TensorView view{.shape = absl::MakeConstSpan(tensor.shape().data(), tensor.shape_size())};
@@ -194,9 +193,9 @@ absl::StatusOr<std::optional<TensorView>> ViewOf(absl::string_view field, bool p
     return view;
   }
   if (tensor.data_size() > 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": has both data (", tensor.data_size(), " floats) and raw (",
-                     tensor.raw().size(), " bytes); send one"));
+    return absl::InvalidArgumentError(absl::StrCat(field, ": has both data (", tensor.data_size(),
+                                                   " floats) and raw (", tensor.raw().size(),
+                                                   " bytes); send one"));
   }
   if (tensor.raw().size() % sizeof(float) != 0) {
     return absl::InvalidArgumentError(
@@ -213,8 +212,24 @@ absl::StatusOr<std::optional<TensorView>> ViewOf(absl::string_view field, bool p
   return view;
 }
 
+absl::Status CheckFiniteValues(absl::string_view field, const TensorView& tensor) {
+  const float* data = tensor.data;
+  const int64_t n = tensor.size;
+  if (!AnyNonFinite(data, n)) return absl::OkStatus();
+  for (int64_t i = 0; i < n; ++i) {  // find the first one, for the message
+    if (!std::isfinite(data[i])) {
+      const int64_t features = tensor.shape[2], positions = tensor.shape[1];
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": non-finite value ", data[i], " at index ", i, " (batch ",
+                       i / (features * positions), ", position ", (i / features) % positions,
+                       ", feature ", i % features, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Sizes `tensor` for `elements` zeroed floats, in raw or in data, and returns them.
-float* Allocate(int64_t elements, bool raw, Tensor* tensor) {
+float* AllocateTensor(int64_t elements, bool raw, Tensor* tensor) {
   if (raw) {
     tensor->mutable_raw()->assign(static_cast<size_t>(elements) * sizeof(float), '\0');
     return reinterpret_cast<float*>(tensor->mutable_raw()->data());
@@ -223,21 +238,6 @@ float* Allocate(int64_t elements, bool raw, Tensor* tensor) {
   return tensor->mutable_data()->mutable_data();
 }
 
-absl::Status CheckRequestBytes(int64_t bytes, const Model& model) {
-  if (bytes > model.limits.max_request_bytes) {
-    return OverLimit("request: size in bytes", bytes, "max_request_bytes",
-                     model.limits.max_request_bytes, model);
-  }
-  return absl::OkStatus();
-}
-
-void SetShape(std::initializer_list<int64_t> dims, Tensor* tensor) {
-  tensor->clear_shape();
-  for (int64_t d : dims) tensor->add_shape(d);
-}
-
-}  // namespace
-
 absl::StatusOr<ValidatedRequest> Validate(const RequestView& request, const Model& model) {
   MHA_RETURN_IF_ERROR(CheckRequestBytes(request.bytes, model));
   MHA_ASSIGN_OR_RETURN(const Dims dims, DecodeShapes(request, model));
@@ -245,10 +245,10 @@ absl::StatusOr<ValidatedRequest> Validate(const RequestView& request, const Mode
   ValidatedRequest out{.model = &model,
                        .inputs = Views(request, dims),
                        .return_attention = request.return_attention};
-  MHA_RETURN_IF_ERROR(CheckFinite("queries", *request.queries));
+  MHA_RETURN_IF_ERROR(CheckFiniteValues("queries", *request.queries));
   if (request.keys.has_value()) {
-    MHA_RETURN_IF_ERROR(CheckFinite("keys", *request.keys));
-    MHA_RETURN_IF_ERROR(CheckFinite("values", *request.values));
+    MHA_RETURN_IF_ERROR(CheckFiniteValues("keys", *request.keys));
+    MHA_RETURN_IF_ERROR(CheckFiniteValues("values", *request.values));
   }
   // valid_lens and head_mask (counts, ranges, finiteness): the core's rules.
   MHA_RETURN_IF_ERROR(model.attention->CheckInputs(out.inputs));
@@ -259,11 +259,11 @@ absl::StatusOr<ValidatedRequest> ValidateRequest(const AttendRequest& request, c
   const auto bytes = static_cast<int64_t>(request.ByteSizeLong());
   MHA_RETURN_IF_ERROR(CheckRequestBytes(bytes, model));
   MHA_ASSIGN_OR_RETURN(std::optional<TensorView> queries,
-                       ViewOf("queries", request.has_queries(), request.queries()));
+                       ViewTensor("queries", request.has_queries(), request.queries()));
   MHA_ASSIGN_OR_RETURN(std::optional<TensorView> keys,
-                       ViewOf("keys", request.has_keys(), request.keys()));
+                       ViewTensor("keys", request.has_keys(), request.keys()));
   MHA_ASSIGN_OR_RETURN(std::optional<TensorView> values,
-                       ViewOf("values", request.has_values(), request.values()));
+                       ViewTensor("values", request.has_values(), request.values()));
   return Validate(
       RequestView{
           .bytes = bytes,
@@ -285,11 +285,11 @@ OutputViews PrepareResponse(const ValidatedRequest& request, bool raw, AttendRes
   OutputViews views;
   Tensor* output = response->mutable_output();
   SetShape({in.batch, in.num_queries, request.model->config.num_hiddens}, output);
-  views.output = Allocate(request.output_elements(), raw, output);
+  views.output = AllocateTensor(request.output_elements(), raw, output);
   if (request.return_attention) {
     Tensor* weights = response->mutable_attention();
     SetShape({in.batch, request.model->config.num_heads, in.num_queries, in.num_keys}, weights);
-    views.attention = Allocate(request.attention_elements(), raw, weights);
+    views.attention = AllocateTensor(request.attention_elements(), raw, weights);
   }
   return views;
 }

@@ -84,6 +84,17 @@ struct ValidatedRequest {
 // The checks above, for any front. The result points where `request` does.
 absl::StatusOr<ValidatedRequest> Validate(const RequestView& request, const Model& model);
 
+// A tensor's values as a view, from data or from raw (little-endian float32 bytes);
+// nullopt when not `present`. INVALID_ARGUMENT naming `field` when both are set or
+// raw is not whole float32s.
+absl::StatusOr<std::optional<TensorView>> ViewTensor(absl::string_view field, bool present,
+                                                     const attention::v1::Tensor& tensor);
+// INVALID_ARGUMENT naming the first non-finite value of a rank-3 tensor and its
+// (batch, position, feature).
+absl::Status CheckFiniteValues(absl::string_view field, const TensorView& tensor);
+// Sizes `tensor` for `elements` zeroed floats, in raw or in data, and returns them.
+float* AllocateTensor(int64_t elements, bool raw, attention::v1::Tensor* tensor);
+
 // Decodes `request` for `model` (found by the caller). The result points into
 // `request`, which must outlive it.
 absl::StatusOr<ValidatedRequest> ValidateRequest(const attention::v1::AttendRequest& request,

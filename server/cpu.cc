@@ -1,8 +1,10 @@
 #include "server/cpu.h"
 
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <fstream>
 #include <string>
@@ -33,6 +35,21 @@ int CgroupCpus() {
 }
 
 }  // namespace
+
+int64_t AvailableMemoryBytes() {
+  int64_t bytes = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  for (const char* path :
+       {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream f(path);
+    std::string limit;
+    if (!(f >> limit)) continue;
+    // "max" (v2) or a huge number (v1) when unlimited.
+    const int64_t value = std::strtoll(limit.c_str(), nullptr, 10);
+    if (limit != "max" && value > 0) bytes = std::min(bytes, value);
+    break;
+  }
+  return bytes;
+}
 
 int AvailableCpus() {
   int cpus = 1;

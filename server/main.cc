@@ -141,6 +141,13 @@ ABSL_FLAG(int64_t, max_attention_elements, kLimits.max_attention_elements,
           "Default limit on B*h*Q*K attention weights returned by return_attention.");
 ABSL_FLAG(absl::Duration, drain_timeout, kDefaults.drain_timeout,
           "On SIGTERM/SIGINT: how long in-flight calls may take to finish.");
+ABSL_FLAG(int64_t, session_cache_bytes, 0,
+          "AttendSession: bytes of projected keys and values every session together may "
+          "cache; a step over it gets RESOURCE_EXHAUSTED. 0 = a quarter of the memory the "
+          "process may use (cgroup limit or RAM).");
+ABSL_FLAG(absl::Duration, session_idle_timeout, kDefaults.session_idle_timeout,
+          "AttendSession: a session with no message for this long after its last response "
+          "ends with DEADLINE_EXCEEDED and its cache is released.");
 ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate chain; enables TLS with --tls_key.");
 ABSL_FLAG(std::string, tls_key, "", "PEM server private key.");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -197,6 +204,8 @@ int main(int argc, char** argv) {
   options.limits.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   options.limits.max_attention_elements = absl::GetFlag(FLAGS_max_attention_elements);
   options.drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
+  options.session_cache_bytes = absl::GetFlag(FLAGS_session_cache_bytes);
+  options.session_idle_timeout = absl::GetFlag(FLAGS_session_idle_timeout);
   options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);

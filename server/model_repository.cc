@@ -43,6 +43,7 @@ absl::StatusOr<ModelLimits> ResolveLimits(const attention::v1::ModelLimitsConfig
       {"max_sequence_length", {config.max_sequence_length(), &limits.max_sequence_length}},
       {"max_request_bytes", {config.max_request_bytes(), &limits.max_request_bytes}},
       {"max_attention_elements", {config.max_attention_elements(), &limits.max_attention_elements}},
+      {"max_session_tokens", {config.max_session_tokens(), &limits.max_session_tokens}},
   };
   for (const auto& [name, value] : fields) {
     if (value.first < 0) {

@@ -90,6 +90,11 @@ absl::Status ServerOptions::Validate() const {
   MHA_RETURN_IF_ERROR(NotNegative("batching.max_queue_delay", batching.max_queue_delay));
   MHA_RETURN_IF_ERROR(NotNegative("batching.max_queue_wait", batching.max_queue_wait));
   MHA_RETURN_IF_ERROR(NotNegative("drain_timeout", drain_timeout));
+  MHA_RETURN_IF_ERROR(AtLeast("session_cache_bytes", session_cache_bytes, 0));
+  if (session_idle_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("session_idle_timeout: expected > 0, got ",
+                                                   absl::FormatDuration(session_idle_timeout)));
+  }
   if (repository_poll < absl::Seconds(1)) {
     return absl::InvalidArgumentError(absl::StrCat("repository_poll: expected >= 1 s, got ",
                                                    absl::FormatDuration(repository_poll)));
@@ -152,8 +157,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
       ModelLifecycle::Options{.control = options.model_control,
                               .poll_interval = options.repository_poll},
       server->models_.get(), server->batcher_.get(), server->metrics_.get());
-  server->service_ = std::make_unique<AttentionServiceImpl>(
-      server->models_.get(), server->batcher_.get(), server->metrics_.get());
+  server->sessions_ = std::make_unique<SessionManager>(
+      SessionOptions{.cache_bytes = options.session_cache_bytes > 0 ? options.session_cache_bytes
+                                                                    : AvailableMemoryBytes() / 4,
+                     .idle_timeout = options.session_idle_timeout},
+      server->models_.get(), server->batcher_.get(), *server->metrics_->registry());
+  server->service_ =
+      std::make_unique<AttentionServiceImpl>(server->models_.get(), server->batcher_.get(),
+                                             server->metrics_.get(), server->sessions_.get());
   server->inference_service_ =
       std::make_unique<InferenceServiceImpl>(server->models_.get(), server->batcher_.get(),
                                              server->metrics_.get(), server->lifecycle_.get());
@@ -252,6 +263,9 @@ void Server::Shutdown() {
   if (lifecycle_ != nullptr) lifecycle_->Stop();
   if (inference_service_ != nullptr) inference_service_->SetNotReady();
   if (http_ != nullptr) http_->Stop();
+  // Sessions waiting for their next message end now; computing ones after their
+  // step's response (server/session.h). gRPC's shutdown below waits for them.
+  if (sessions_ != nullptr) sessions_->Shutdown();
   if (grpc_server_ != nullptr) {
     // Turns every status NOT_SERVING and ignores later updates.
     if (auto* health = grpc_server_->GetHealthCheckService()) health->Shutdown();

@@ -33,6 +33,7 @@
 #include "server/model_lifecycle.h"
 #include "server/model_repository.h"
 #include "server/service.h"
+#include "server/session.h"
 
 namespace mha::server {
 
@@ -60,6 +61,10 @@ struct ServerOptions {
   int32_t http_port = -1;  // -1 = off; 0 = pick a free port
   int http_threads = 64;   // connections served at once
   absl::Duration drain_timeout = absl::Seconds(10);
+  // Attention sessions (server/session.h): the K/V cache's byte budget (0 = a
+  // quarter of AvailableMemoryBytes, server/cpu.h) and the idle timeout.
+  int64_t session_cache_bytes = 0;
+  absl::Duration session_idle_timeout = absl::Seconds(60);
   // TLS: PEM file paths. cert + key enable TLS; client_ca also requires and
   // verifies client certificates (mutual TLS). All empty: plaintext.
   std::string tls_cert;
@@ -127,6 +132,7 @@ class Server {
   std::unique_ptr<MetricsExposer> exposer_;
   std::unique_ptr<Batcher> batcher_;
   std::unique_ptr<ModelLifecycle> lifecycle_;
+  std::unique_ptr<SessionManager> sessions_;  // destroyed after grpc_server_
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<InferenceServiceImpl> inference_service_;
   std::unique_ptr<grpc::Server> grpc_server_;

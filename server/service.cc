@@ -109,6 +109,12 @@ grpc::ServerBidiReactor<AttendRequest, AttendResponse>* AttentionServiceImpl::At
   return new OrderedStreamReactor<AttendFront>(context, models_, batcher_, metrics_);
 }
 
+grpc::ServerBidiReactor<attention::v1::SessionRequest, attention::v1::SessionResponse>*
+AttentionServiceImpl::AttendSession(grpc::CallbackServerContext* context) {
+  if (sessions_ != nullptr) return sessions_->Open(context);
+  return attention::v1::AttentionService::CallbackService::AttendSession(context);  // UNIMPLEMENTED
+}
+
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(
     grpc::CallbackServerContext* context, const attention::v1::GetModelRequest* request,
     attention::v1::ModelInfo* response) {

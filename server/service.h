@@ -23,6 +23,7 @@
 #include "server/batcher.h"
 #include "server/metrics.h"
 #include "server/model_repository.h"
+#include "server/session.h"
 #include "server/stream_reactor.h"
 
 namespace mha::server {
@@ -32,14 +33,18 @@ attention::v1::ModelInfo ToModelInfo(const Model& model);
 
 class AttentionServiceImpl final : public attention::v1::AttentionService::CallbackService {
  public:
-  AttentionServiceImpl(const ModelRepository* models, Batcher* batcher, Metrics* metrics)
-      : models_(models), batcher_(batcher), metrics_(metrics) {}
+  // `sessions` serves AttendSession (nullptr: UNIMPLEMENTED).
+  AttentionServiceImpl(const ModelRepository* models, Batcher* batcher, Metrics* metrics,
+                       SessionManager* sessions)
+      : models_(models), batcher_(batcher), metrics_(metrics), sessions_(sessions) {}
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const attention::v1::AttendRequest* request,
                                    attention::v1::AttendResponse* response) override;
   grpc::ServerBidiReactor<attention::v1::AttendRequest, attention::v1::AttendResponse>*
   AttendStream(grpc::CallbackServerContext* context) override;
+  grpc::ServerBidiReactor<attention::v1::SessionRequest, attention::v1::SessionResponse>*
+  AttendSession(grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* context,
                                      const attention::v1::GetModelRequest* request,
                                      attention::v1::ModelInfo* response) override;
@@ -51,6 +56,7 @@ class AttentionServiceImpl final : public attention::v1::AttentionService::Callb
   const ModelRepository* models_;
   Batcher* batcher_;
   Metrics* metrics_;
+  SessionManager* sessions_;
 };
 
 }  // namespace mha::server

@@ -40,6 +40,11 @@ struct WorkItem {
   absl::Time enqueued;  // set by Submit
   // A warm-up pass (server/server.h): admitted while the model is still warming up.
   bool warmup = false;
+  // A session step (server/session.h), owned by the session: computed with
+  // core::MultiHeadAttention::ForwardPaged instead of Forward, merged only with
+  // other steps, never padded. `inputs` then says only B = 1, Q = T and K = the
+  // step's new keys, for the batcher's accounting; `output` is unused.
+  const core::PagedStep* step = nullptr;
 
   int64_t rows() const { return inputs.batch; }
   // The sequence length the request pads a merged call to: max(Q, K).

@@ -1,0 +1,368 @@
+// AttendSession on the real server process over loopback: sessions fed in any
+// chunking equal stateless Attend on the whole sequence; cross-attention sessions;
+// interleaved sessions; the cache budget, token limit and idle timeout, each ending
+// only its own stream; bad steps; SIGTERM with sessions open.
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "tests/integration/client_util.h"
+#include "tests/integration/metrics_scrape.h"
+#include "tests/integration/server_process.h"
+
+namespace mha::testing {
+namespace {
+
+using attention::v1::SessionRequest;
+using attention::v1::SessionResponse;
+
+// Server steps (paged, plain-loop attention) against a stateless Attend of the same
+// f32 layer (oneDNN's GEMMs): the same sums in different orders.
+constexpr float kTolerance = 1e-5f;
+
+// (1, n, d) of uniform values in [-1, 1).
+std::vector<float> Random(int64_t n, int64_t d, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> v(static_cast<size_t>(n * d));
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+Tensor Rows(const std::vector<float>& x, int64_t d, int64_t from, int64_t count) {
+  Tensor t;
+  for (int64_t s : {int64_t{1}, count, d}) t.add_shape(s);
+  t.mutable_data()->Add(x.begin() + from * d, x.begin() + (from + count) * d);
+  return t;
+}
+
+// One open session: a synchronous stream, a step at a time.
+class Session {
+ public:
+  Session(AttentionService::Stub& stub, const std::string& model, bool causal,
+          attention::v1::SessionKind kind = attention::v1::SELF)
+      : stream_(stub.AttendSession(&context_)) {
+    first_.set_model(model);
+    first_.set_causal(causal);
+    first_.set_kind(kind);
+  }
+  // Sends `request` (the first gets the session's settings) and reads its answer;
+  // nullopt when the stream ended instead (status() then says why).
+  std::optional<SessionResponse> Step(SessionRequest request) {
+    if (!sent_) {
+      request.set_model(first_.model());
+      request.set_causal(first_.causal());
+      request.set_kind(first_.kind());
+      sent_ = true;
+    }
+    SessionResponse response;
+    if (!stream_->Write(request) || !stream_->Read(&response)) return std::nullopt;
+    return response;
+  }
+  std::optional<SessionResponse> SelfStep(const std::vector<float>& x, int64_t d, int64_t from,
+                                          int64_t count) {
+    SessionRequest request;
+    *request.mutable_queries() = Rows(x, d, from, count);
+    return Step(std::move(request));
+  }
+  grpc::Status Close() {
+    stream_->WritesDone();
+    SessionResponse ignored;
+    while (stream_->Read(&ignored)) {
+    }
+    return stream_->Finish();
+  }
+  // After a Step returned nullopt.
+  grpc::Status status() { return stream_->Finish(); }
+
+ private:
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<SessionRequest, SessionResponse>> stream_;
+  SessionRequest first_;
+  bool sent_ = false;
+};
+
+std::vector<float> StatelessCausal(AttentionService::Stub& stub, const std::string& model,
+                                   const std::vector<float>& x, int64_t n, int64_t d) {
+  AttendRequest request;
+  request.set_model(model);
+  *request.mutable_queries() = Rows(x, d, 0, n);
+  request.set_causal(true);
+  AttendResponse response;
+  const grpc::Status status = Attend(stub, request, &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return {response.output().data().begin(), response.output().data().end()};
+}
+
+class SessionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    repository_.Write("toy/config.pbtxt", "num_hiddens: 100 num_heads: 5 seeded { seed: 0 }");
+    repository_.Write("toy_bias/config.pbtxt",
+                      "num_hiddens: 100 num_heads: 5 bias: true seeded { seed: 2 }");
+    repository_.Write("bert/config.pbtxt",
+                      "num_hiddens: 768 num_heads: 12 bias: true seeded { seed: 1 }");
+    repository_.Write("bert_nobias/config.pbtxt",
+                      "num_hiddens: 768 num_heads: 12 seeded { seed: 4 }");
+    repository_.Write("cross/config.pbtxt",
+                      "num_hiddens: 8 num_heads: 2 query_size: 4 key_size: 6 value_size: 3 "
+                      "bias: true seeded { seed: 3 }");
+    repository_.Write("short/config.pbtxt",
+                      "num_hiddens: 100 num_heads: 5 seeded { seed: 0 } "
+                      "limits { max_session_tokens: 40 }");
+  }
+  void Start(std::vector<std::string> args = {}) {
+    args.insert(args.begin(),
+                {"--port=0", "--default_warmup=false", "--model_repository=" + repository_.path()});
+    auto server = ServerProcess::Start(args);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    stub_ = Connect(server_->target());
+  }
+  void TearDown() override {
+    if (server_ == nullptr) return;
+    stub_.reset();
+    server_->Signal(SIGTERM);
+    const std::optional<int> status = server_->WaitForExit(absl::Seconds(30));
+    ASSERT_TRUE(status.has_value()) << "server did not exit";
+    EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << server_->log();
+  }
+  // -1 when /metrics cannot be read or lacks the series.
+  double Metric(const std::string& series) {
+    const absl::StatusOr<std::string> text = ScrapeMetrics(server_->metrics_port());
+    if (!text.ok()) return -1;
+    return FindMetric(*text, series).value_or(-1);
+  }
+
+  TempDir repository_;
+  std::unique_ptr<ServerProcess> server_;
+  std::unique_ptr<AttentionService::Stub> stub_;
+};
+
+TEST_F(SessionTest, AnyChunkingEqualsStatelessCausalAttend) {
+  Start();
+  for (const auto& [model, d] : std::vector<std::pair<std::string, int64_t>>{
+           {"toy", 100}, {"toy_bias", 100}, {"bert", 768}, {"bert_nobias", 768}}) {
+    const int64_t n = 70;  // over two 32-token blocks
+    const std::vector<float> x = Random(n, d, 17);
+    const std::vector<float> want = StatelessCausal(*stub_, model, x, n, d);
+    ASSERT_EQ(static_cast<int64_t>(want.size()), n * (d == 100 ? 100 : 768));
+    for (const std::vector<int64_t>& chunks :
+         {std::vector<int64_t>(n, 1), std::vector<int64_t>{n}, std::vector<int64_t>{33, 1, 36},
+          std::vector<int64_t>{5, 27, 32, 6}}) {
+      Session session(*stub_, model, /*causal=*/true);
+      std::vector<float> got;
+      int64_t at = 0;
+      for (int64_t t : chunks) {
+        std::optional<SessionResponse> r = session.SelfStep(x, d, at, t);
+        ASSERT_TRUE(r.has_value()) << model << ": " << session.status().error_message();
+        at += t;
+        EXPECT_EQ(r->context_tokens(), at);
+        ASSERT_EQ(r->output().shape(1), t);
+        got.insert(got.end(), r->output().data().begin(), r->output().data().end());
+      }
+      EXPECT_LE(MaxAbsDiff(got, want), kTolerance) << model << " in " << chunks.size() << " chunks";
+      EXPECT_TRUE(session.Close().ok());
+    }
+  }
+}
+
+TEST_F(SessionTest, CrossSessionEqualsAttendOnTheKeysSoFar) {
+  Start();
+  Session session(*stub_, "cross", /*causal=*/false, attention::v1::CROSS);
+  std::vector<float> keys, values;
+  uint64_t seed = 1;
+  for (int64_t tk : {7, 0, 40, 2}) {
+    const std::vector<float> k = Random(tk, 6, seed++), v = Random(tk, 3, seed++);
+    keys.insert(keys.end(), k.begin(), k.end());
+    values.insert(values.end(), v.begin(), v.end());
+    SessionRequest step;
+    if (tk > 0) {
+      *step.mutable_keys() = Rows(k, 6, 0, tk);
+      *step.mutable_values() = Rows(v, 3, 0, tk);
+    }
+    // The second step sends no keys; the first only appends.
+    const int64_t tq = tk == 7 ? 0 : 3;
+    const std::vector<float> q = Random(tq, 4, seed++);
+    if (tq > 0) *step.mutable_queries() = Rows(q, 4, 0, tq);
+    std::optional<SessionResponse> r = session.Step(step);
+    ASSERT_TRUE(r.has_value()) << session.status().error_message();
+    const int64_t all = static_cast<int64_t>(keys.size()) / 6;
+    EXPECT_EQ(r->context_tokens(), all);
+    ASSERT_EQ(r->output().shape(1), tq);
+    if (tq == 0) continue;
+    AttendRequest request;
+    request.set_model("cross");
+    *request.mutable_queries() = Rows(q, 4, 0, tq);
+    *request.mutable_keys() = Rows(keys, 6, 0, all);
+    *request.mutable_values() = Rows(values, 3, 0, all);
+    AttendResponse want;
+    ASSERT_TRUE(Attend(*stub_, request, &want).ok());
+    EXPECT_LE(MaxAbsDiff(r->output().data(), want.output().data()), kTolerance)
+        << "after " << all << " keys";
+  }
+  EXPECT_TRUE(session.Close().ok());
+}
+
+// Four sessions decode at once, from four threads: steps of different sessions
+// are batched together, and each still equals its own stateless answer.
+TEST_F(SessionTest, InterleavedSessionsStayApart) {
+  Start();
+  constexpr int kSessions = 4;
+  constexpr int64_t kPrefix = 20, kDecode = 24, kD = 768;
+  std::vector<std::vector<float>> inputs, got(kSessions);
+  for (int i = 0; i < kSessions; ++i) inputs.push_back(Random(kPrefix + kDecode, kD, 100 + i));
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(kSessions);
+  for (int i = 0; i < kSessions; ++i) {
+    threads.emplace_back([&, i] {
+      auto stub = Connect(server_->target());
+      Session session(*stub, "bert", /*causal=*/true);
+      std::optional<SessionResponse> r = session.SelfStep(inputs[i], kD, 0, kPrefix);
+      for (int64_t t = 0; r.has_value(); ++t) {
+        got[i].insert(got[i].end(), r->output().data().begin(), r->output().data().end());
+        if (t == kDecode) break;
+        r = session.SelfStep(inputs[i], kD, kPrefix + t, 1);
+      }
+      if (!r.has_value()) errors[i] = session.status().error_message();
+      if (!session.Close().ok()) errors[i] += " close failed";
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kSessions; ++i) {
+    EXPECT_EQ(errors[i], "") << "session " << i;
+    const std::vector<float> want =
+        StatelessCausal(*stub_, "bert", inputs[i], kPrefix + kDecode, kD);
+    EXPECT_LE(MaxAbsDiff(got[i], want), kTolerance) << "session " << i;
+  }
+  // Steps ran merged at least once (mean rows per forward call above 1).
+  const double calls = Metric("mha_batch_size_count{model=\"bert\"}");
+  const double rows = Metric("mha_batch_size_sum{model=\"bert\"}");
+  EXPECT_GT(rows, calls) << "no two steps ever shared a forward call";
+}
+
+// Each limit ends only the stream that meets it, naming the limit.
+TEST_F(SessionTest, LimitsEndOnlyTheirOwnSession) {
+  // Toy blocks are 2 x 5 heads x 32 tokens x 20 floats = 25,600 bytes: 5 blocks.
+  Start({"--session_cache_bytes=128000", "--session_idle_timeout=1s"});
+  const std::vector<float> x = Random(200, 100, 5);
+  Session a(*stub_, "toy", true);
+  ASSERT_TRUE(a.SelfStep(x, 100, 0, 96).has_value());  // 3 blocks
+  EXPECT_EQ(Metric("mha_session_cache_bytes"), 3 * 25600);
+
+  Session b(*stub_, "toy", true);
+  ASSERT_TRUE(b.SelfStep(x, 100, 0, 40).has_value());    // blocks 4 and 5
+  EXPECT_FALSE(b.SelfStep(x, 100, 40, 30).has_value());  // needs a 6th
+  grpc::Status status = b.status();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_TRUE(absl::StrContains(status.error_message(), "--session_cache_bytes"))
+      << status.error_message();
+  EXPECT_TRUE(absl::StartsWith(status.error_message(), "step 1: ")) << status.error_message();
+  EXPECT_EQ(Metric("mha_session_cache_bytes"), 3 * 25600);  // b's went back
+
+  Session c(*stub_, "short", true);  // max_session_tokens 40
+  ASSERT_TRUE(c.SelfStep(x, 100, 0, 32).has_value());
+  EXPECT_FALSE(c.SelfStep(x, 100, 32, 9).has_value());
+  status = c.status();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_TRUE(absl::StrContains(status.error_message(), "max_session_tokens 40"))
+      << status.error_message();
+
+  // a, still stepping every 200 ms, outlives d, which goes idle past 1 s.
+  Session d(*stub_, "toy", true);
+  ASSERT_TRUE(d.SelfStep(x, 100, 0, 1).has_value());
+  for (int64_t t = 96; t < 104; ++t) {
+    ASSERT_TRUE(a.SelfStep(x, 100, t, 1).has_value()) << a.status().error_message();
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  EXPECT_FALSE(d.SelfStep(x, 100, 1, 1).has_value());
+  status = d.status();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_TRUE(absl::StrContains(status.error_message(), "--session_idle_timeout"))
+      << status.error_message();
+  EXPECT_TRUE(a.Close().ok());
+  EXPECT_EQ(Metric("mha_session_ends_total{reason=\"cache_budget\"}"), 1);
+  EXPECT_EQ(Metric("mha_session_ends_total{reason=\"token_limit\"}"), 1);
+  EXPECT_EQ(Metric("mha_session_ends_total{reason=\"idle_timeout\"}"), 1);
+  EXPECT_EQ(Metric("mha_sessions_active"), 0);
+  EXPECT_EQ(Metric("mha_session_cache_bytes"), 0);
+  EXPECT_EQ(Metric("mha_session_cached_tokens"), 0);
+}
+
+TEST_F(SessionTest, BadStepsEndTheStreamNamingTheField) {
+  Start();
+  const std::vector<float> x = Random(4, 100, 6);
+  struct Case {
+    std::string name;
+    std::function<void(SessionRequest&)> second;  // the second message
+    std::string field;
+  };
+  const std::vector<Case> cases = {
+      {"model later", [](SessionRequest& r) { r.set_model("toy"); }, "model:"},
+      {"keys in SELF", [&](SessionRequest& r) { *r.mutable_keys() = Rows(x, 100, 0, 1); }, "keys:"},
+      {"no queries", [](SessionRequest& r) { r.clear_queries(); }, "queries:"},
+      {"wrong width", [&](SessionRequest& r) { *r.mutable_queries() = Rows(x, 50, 0, 1); },
+       "queries:"},
+      {"nan", [](SessionRequest& r) { r.mutable_queries()->set_data(3, NAN); }, "queries:"},
+  };
+  for (const Case& c : cases) {
+    Session session(*stub_, "toy", true);
+    ASSERT_TRUE(session.SelfStep(x, 100, 0, 2).has_value());
+    SessionRequest second;
+    *second.mutable_queries() = Rows(x, 100, 2, 1);
+    c.second(second);
+    EXPECT_FALSE(session.Step(second).has_value()) << c.name;
+    const grpc::Status status = session.status();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.name;
+    EXPECT_TRUE(absl::StartsWith(status.error_message(), "step 1: " + c.field))
+        << c.name << ": " << status.error_message();
+  }
+  Session unknown(*stub_, "nope", true);
+  EXPECT_FALSE(unknown.SelfStep(x, 100, 0, 1).has_value());
+  EXPECT_EQ(unknown.status().error_code(), grpc::StatusCode::NOT_FOUND);
+  // The server still serves, and every session's cache went back.
+  Session fine(*stub_, "toy", true);
+  EXPECT_TRUE(fine.SelfStep(x, 100, 0, 4).has_value());
+  EXPECT_TRUE(fine.Close().ok());
+  EXPECT_EQ(Metric("mha_session_cache_bytes"), 0);
+}
+
+// SIGTERM: a session waiting for its next message ends at once, one computing
+// gets its step's answer first; both end UNAVAILABLE and the server exits 0.
+TEST_F(SessionTest, SigtermEndsEverySessionCleanly) {
+  Start({"--compute_workers=1"});
+  const std::vector<float> x = Random(2048, 768, 7);
+  Session idle(*stub_, "toy", true);
+  ASSERT_TRUE(idle.SelfStep(Random(2, 100, 8), 100, 0, 2).has_value());
+  auto stub = Connect(server_->target());
+  Session busy(*stub, "bert", true);
+  std::optional<SessionResponse> answer;
+  std::thread prefill([&] { answer = busy.SelfStep(x, 768, 0, 2048); });
+  absl::SleepFor(absl::Milliseconds(30));  // the prefill is computing (hundreds of ms)
+  server_->Signal(SIGTERM);
+  prefill.join();
+  EXPECT_TRUE(answer.has_value()) << busy.status().error_message();
+  if (answer.has_value()) {
+    EXPECT_EQ(answer->context_tokens(), 2048);
+    EXPECT_FALSE(busy.SelfStep(x, 768, 2048, 1).has_value());
+    EXPECT_EQ(busy.status().error_code(), grpc::StatusCode::UNAVAILABLE);
+  }
+  EXPECT_FALSE(idle.SelfStep(Random(2, 100, 8), 100, 0, 1).has_value());
+  const grpc::Status status = idle.status();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_TRUE(absl::StrContains(status.error_message(), "shutting down")) << status.error_message();
+  // TearDown waits for the exit and checks it is 0.
+}
+
+}  // namespace
+}  // namespace mha::testing
