@@ -882,6 +882,20 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
   return absl::OkStatus();
 }
 
+namespace {
+
+// The rows ForwardPaged's GEMMs run on for n rows: the next power of two up to 64,
+// then the next multiple of 64. Small GEMMs are bound by reading the weights, so
+// the padding costs little; the primitives are at most 7 + n / 64 per weight.
+int64_t PagedRows(int64_t n) {
+  if (n > 64) return (n + 63) / 64 * 64;
+  int64_t rows = 1;
+  while (rows < n) rows *= 2;
+  return rows;
+}
+
+}  // namespace
+
 // Paged attention: a query-row block of one head of one step, over its cache's
 // blocks with an online softmax. Plain loops (kernels::SmallScores/SmallContext):
 // a decode step is one query row against kBlockTokens keys per block, far below
@@ -986,11 +1000,15 @@ absl::Status MultiHeadAttention::Impl::ForwardPaged(std::span<const PagedStep> s
     if (!ws.stream) ws.stream.emplace(CpuEngine());
     // Gather every step's new rows, then project them, one GEMM per weight: Q as
     // (tq, ld) rows, K and V as (tk, ld) rows, f32. All self-attention steps (the
-    // decode case) run Q, K and V as one stacked GEMM.
-    grow(ws.paged_in, tq * dq + tk * (dk + dv));
+    // decode case) run Q, K and V as one stacked GEMM. The GEMMs run on row counts
+    // padded to a few sizes (PagedRows, zero rows): a continuously batched call's
+    // row count changes from call to call, and a primitive per count would cost its
+    // creation on the request path and memory for each.
+    const int64_t pq = PagedRows(tq), pk = PagedRows(tk);
+    grow(ws.paged_in, pq * dq + pk * (dk + dv));
     float* xq = ws.paged_in.data();
-    float* xk = xq + tq * dq;
-    float* xv = xk + tk * dk;
+    float* xk = xq + pq * dq;
+    float* xv = xk + pk * dk;
     int64_t qi = 0, ki = 0;
     for (const PagedStep& step : steps) {
       std::copy_n(step.queries, step.num_queries * dq, xq + qi * dq);
@@ -1002,23 +1020,28 @@ absl::Status MultiHeadAttention::Impl::ForwardPaged(std::span<const PagedStep> s
       std::copy_n(values, step.new_keys() * dv, xv + ki * dv);
       ki += step.new_keys();
     }
+    std::fill(xq + tq * dq, xq + pq * dq, 0.0f);
+    if (!all_self) {
+      std::fill(xk + tk * dk, xk + pk * dk, 0.0f);
+      std::fill(xv + tk * dv, xv + pk * dv, 0.0f);
+    }
     const int64_t ld = all_self ? 3 * E : E;
-    grow(ws.paged_proj, all_self ? tq * ld : (tq + 2 * tk) * E);
+    grow(ws.paged_proj, all_self ? pq * ld : (pq + 2 * pk) * E);
     float* qp = ws.paged_proj.data();
-    float* kp = all_self ? qp + E : qp + tq * E;
-    float* vp = all_self ? qp + 2 * E : kp + tk * E;
+    float* kp = all_self ? qp + E : qp + pq * E;
+    float* vp = all_self ? qp + 2 * E : kp + pk * E;
     if (all_self) {
-      qkv_->Run(*ws.stream, ws.bindings, 1, tq, {AsActivation(xq, tq * dq, ws.xq), dq}, {qp, ld},
+      qkv_->Run(*ws.stream, ws.bindings, 1, pq, {AsActivation(xq, pq * dq, ws.xq), dq}, {qp, ld},
                 Dt::f32);
     } else {
       if (tq > 0) {
-        q_->Run(*ws.stream, ws.bindings, 1, tq, {AsActivation(xq, tq * dq, ws.xq), dq}, {qp, E},
+        q_->Run(*ws.stream, ws.bindings, 1, pq, {AsActivation(xq, pq * dq, ws.xq), dq}, {qp, E},
                 Dt::f32);
       }
       if (tk > 0) {
-        k_->Run(*ws.stream, ws.bindings, 1, tk, {AsActivation(xk, tk * dk, ws.xk), dk}, {kp, E},
+        k_->Run(*ws.stream, ws.bindings, 1, pk, {AsActivation(xk, pk * dk, ws.xk), dk}, {kp, E},
                 Dt::f32);
-        v_->Run(*ws.stream, ws.bindings, 1, tk, {AsActivation(xv, tk * dv, ws.xv), dv}, {vp, E},
+        v_->Run(*ws.stream, ws.bindings, 1, pk, {AsActivation(xv, pk * dv, ws.xv), dv}, {vp, E},
                 Dt::f32);
       }
     }
@@ -1026,9 +1049,10 @@ absl::Status MultiHeadAttention::Impl::ForwardPaged(std::span<const PagedStep> s
     StorePaged(steps, kp, vp, ld);
 
     // Attention, one task per (step, head, block of query rows).
-    grow(ws.paged_out, 2 * tq * E);
+    grow(ws.paged_out, 2 * pq * E);
     float* ctx = ws.paged_out.data();
-    float* out = ctx + tq * E;
+    float* out = ctx + pq * E;
+    std::fill(ctx + tq * E, ctx + pq * E, 0.0f);
     std::vector<PagedTask> tasks;
     qi = 0;
     for (const PagedStep& step : steps) {
@@ -1051,7 +1075,7 @@ absl::Status MultiHeadAttention::Impl::ForwardPaged(std::span<const PagedStep> s
                                    AttendPagedTask(tasks[t], scratch);
                                  }));
     if (tq > 0) {
-      o_lin_->Run(*ws.stream, ws.bindings, 1, tq, {AsActivation(ctx, tq * E, ws.xq), E}, {out, E},
+      o_lin_->Run(*ws.stream, ws.bindings, 1, pq, {AsActivation(ctx, pq * E, ws.xq), E}, {out, E},
                   Dt::f32);
       ws.stream->wait();
     }

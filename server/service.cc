@@ -76,6 +76,7 @@ attention::v1::ModelInfo ToModelInfo(const Model& model) {
   limits->set_max_sequence_length(model.limits.max_sequence_length);
   limits->set_max_request_bytes(model.limits.max_request_bytes);
   limits->set_max_attention_elements(model.limits.max_attention_elements);
+  limits->set_max_session_tokens(model.limits.session_tokens());
   return info;
 }
 

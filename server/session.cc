@@ -1,5 +1,6 @@
 #include "server/session.h"
 
+#include <malloc.h>
 #include <prometheus/counter.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
@@ -340,8 +341,15 @@ bool SessionManager::Add(Session* session) {
 }
 
 void SessionManager::Remove(Session* session) {
-  absl::MutexLock lock(&mu_);
-  if (sessions_.erase(session) > 0) metrics_->active.Decrement();
+  {
+    absl::MutexLock lock(&mu_);
+    if (sessions_.erase(session) > 0) metrics_->active.Decrement();
+    if (!sessions_.empty()) return;
+  }
+  // The last session is gone: its messages, buffers and blocks were freed across
+  // gRPC's threads' malloc arenas; give those pages back so that memory after a
+  // burst of sessions returns to what it was (a few milliseconds, once per burst).
+  malloc_trim(0);
 }
 
 void SessionManager::ReapIdle() {

@@ -105,8 +105,8 @@ TEST(WarmupTest, HealthIsNotServingUntilTheWarmupHasRun) {
       << status.error_message();
 
   const absl::Time deadline = absl::Now() + absl::Seconds(120);
-  while (CheckHealth(target, "", &health).ok() &&
-         health.status() != HealthCheckResponse::SERVING && absl::Now() < deadline) {
+  while (CheckHealth(target, "", &health).ok() && health.status() != HealthCheckResponse::SERVING &&
+         absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(20));
   }
   ASSERT_EQ(health.status(), HealthCheckResponse::SERVING);
@@ -214,7 +214,7 @@ TEST(StartupTest, SafetensorsWeightsAreServed) {
   EXPECT_LE(MaxAbsDiff(response.output().data(), CoreForward(config, 42, request).output), 1e-5f);
 }
 
-TEST(DeployModelsTest, ServesToyAndBertBase) {
+TEST(DeployModelsTest, ServesToyBertBaseAndDecoder) {
   auto server = ServerProcess::Start(
       {"--port=0", "--model_repository=" + std::string(MHA_SOURCE_DIR) + "/deploy/models"});
   ASSERT_TRUE(server.ok()) << server.status();
@@ -222,13 +222,19 @@ TEST(DeployModelsTest, ServesToyAndBertBase) {
   grpc::ClientContext list_context;
   attention::v1::ListModelsResponse list;
   ASSERT_TRUE(stub->ListModels(&list_context, {}, &list).ok());
-  ASSERT_EQ(list.models_size(), 2);
+  ASSERT_EQ(list.models_size(), 3);
   EXPECT_EQ(list.models(0).name(), "bert_base");
   EXPECT_EQ(list.models(0).num_hiddens(), 768);
   EXPECT_EQ(list.models(0).num_heads(), 12);
   EXPECT_TRUE(list.models(0).bias());
   EXPECT_EQ(list.models(0).limits().max_sequence_length(), 512);
-  EXPECT_EQ(list.models(1).name(), "toy");
+  EXPECT_EQ(list.models(1).name(), "decoder");
+  EXPECT_EQ(list.models(1).num_hiddens(), 768);
+  EXPECT_EQ(list.models(1).num_heads(), 12);
+  EXPECT_TRUE(list.models(1).bias());
+  EXPECT_EQ(list.models(1).limits().max_sequence_length(), 4096);
+  EXPECT_EQ(list.models(1).limits().max_session_tokens(), 4096);
+  EXPECT_EQ(list.models(2).name(), "toy");
 
   AttendRequest toy = ToyRequest();
   toy.set_model("toy");
@@ -333,10 +339,10 @@ TEST_F(TlsTest, MutualTlsRefusesClientsWithoutCertificate) {
 TEST_F(TlsTest, MutualTlsGuardsModelLoad) {
   TempDir repository;
   repository.Write("m/config.pbtxt", "num_hiddens: 100 num_heads: 5 seeded { seed: 1 }");
-  auto server = ServerProcess::Start(
-      {"--port=0", "--tls_cert=" + File("server.pem"), "--tls_key=" + File("server.key"),
-       "--tls_client_ca=" + File("ca.pem"), "--model_repository=" + repository.path(),
-       "--model_control=explicit"});
+  auto server =
+      ServerProcess::Start({"--port=0", "--tls_cert=" + File("server.pem"),
+                            "--tls_key=" + File("server.key"), "--tls_client_ca=" + File("ca.pem"),
+                            "--model_repository=" + repository.path(), "--model_control=explicit"});
   ASSERT_TRUE(server.ok()) << server.status();
   const auto load = [&](bool with_cert) {
     auto stub = inference::GRPCInferenceService::NewStub(

@@ -135,7 +135,7 @@ def default_target(serve):
 
 @pytest.fixture(scope="session")
 def deploy_target(serve):
-    """deploy/models: toy and bert_base."""
+    """deploy/models: toy, bert_base and decoder."""
     return serve(f"--model_repository={os.path.join(SOURCE, 'deploy', 'models')}")
 
 

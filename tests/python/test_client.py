@@ -34,7 +34,7 @@ def test_installed_into_the_venv():
 def test_models_and_model(deploy_target):
     with mha_serve.Client(deploy_target, timeout=TIMEOUT) as client:
         models = client.models()
-        assert [m.name for m in models] == ["bert_base", "toy"]
+        assert [m.name for m in models] == ["bert_base", "decoder", "toy"]
         bert = client.model("bert_base")
         assert (bert.num_hiddens, bert.num_heads, bert.head_size) == (768, 12, 64)
         assert (bert.query_size, bert.key_size, bert.value_size) == (768, 768, 768)
