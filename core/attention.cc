@@ -53,6 +53,10 @@ constexpr double kFlopsPerThread = 16e6;
 // primitive's look-up, binding and dispatch cost more than the arithmetic.
 constexpr int64_t kSmallBlockMacs = 8192;
 
+// ForwardPaged: one thread per this many bytes of weights and cached keys and
+// values read (bert_base's weights are 9 MiB), when that is more than its FLOPs get.
+constexpr double kPagedBytesPerThread = 4 << 20;
+
 // Options::query_block at most: a task keeps its rows' softmax state on the stack.
 constexpr int64_t kMaxQueryBlock = 256;
 
@@ -897,7 +901,8 @@ int64_t PagedRows(int64_t n) {
 }  // namespace
 
 // Paged attention: a query-row block of one head of one step, over its cache's
-// blocks with an online softmax. Plain loops (kernels::SmallScores/SmallContext):
+// blocks with an online softmax. Plain loops (kernels::TransposedScores,
+// SmallContext):
 // a decode step is one query row against kBlockTokens keys per block, far below
 // what a oneDNN primitive's dispatch is worth.
 void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratch& scratch) const {
@@ -930,7 +935,7 @@ void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratc
   const float scale = 1.0f / std::sqrt(static_cast<float>(p));
   for (int64_t j0 = 0; j0 < max_limit; j0 += kBt) {
     const int64_t b = j0 / kBt, nk = std::min(kBt, max_limit - j0);
-    kernels::SmallScores(q, step.cache->keys(b, h), p, mq, nk, scale, s);
+    kernels::TransposedScores(q, step.cache->keys(b, h), kBt, p, mq, nk, scale, s);
     for (int64_t i = 0; i < mq; ++i) {
       float* si = s + i * nk;
       const int64_t seen = std::clamp<int64_t>(limit(i) - j0, 0, nk);
@@ -961,10 +966,12 @@ void MultiHeadAttention::Impl::StorePaged(std::span<const PagedStep> steps, cons
   for (const PagedStep& step : steps) {
     KvSequence& cache = *step.cache;
     for (int64_t r = 0; r < step.new_keys(); ++r, ++row) {
-      const int64_t t = cache.size() + r, b = t / kBt, at = (t % kBt) * p;
+      const int64_t t = cache.size() + r, b = t / kBt, col = t % kBt;
       for (int64_t h = 0; h < H; ++h) {
-        std::memcpy(cache.keys(b, h) + at, k + row * ld + h * p, p * sizeof(float));
-        std::memcpy(cache.values(b, h) + at, v + row * ld + h * p, p * sizeof(float));
+        float* kt = cache.keys(b, h) + col;
+        const float* key = k + row * ld + h * p;
+        for (int64_t c = 0; c < p; ++c) kt[c * kBt] = key[c];
+        std::memcpy(cache.values(b, h) + col * p, v + row * ld + h * p, p * sizeof(float));
       }
     }
   }
@@ -986,6 +993,15 @@ absl::Status MultiHeadAttention::Impl::ForwardPaged(std::span<const PagedStep> s
              static_cast<double>(step.cache->size() + step.new_keys()) * static_cast<double>(E);
   }
   flops += 2.0 * static_cast<double>(E) * static_cast<double>(tq * dq + tk * (dk + dv) + tq * E);
+  // A decode step does ~1 FLOP per byte it reads, of the weights and of the cached
+  // keys and values: memory bound, so it gets threads for its bytes
+  // (kPagedBytesPerThread) where its FLOPs alone would keep it on one.
+  double bytes = static_cast<double>((dq + dk + dv + E) * E * SizeOf(act_));
+  for (const PagedStep& step : steps) {
+    bytes += static_cast<double>(step.num_queries > 0 ? step.cache->size() : 0) * 2.0 *
+             static_cast<double>(E) * sizeof(float);
+  }
+  flops = std::max(flops, bytes / kPagedBytesPerThread * kFlopsPerThread);
   const int caller_threads = omp_get_max_threads();
   const int threads = ThreadsForFlops(flops, caller_threads, max_threads);
   omp_set_num_threads(threads);

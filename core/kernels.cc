@@ -99,8 +99,8 @@ MHA_MULTIVERSION void AdditiveScores(const float* qa, const float* kt, int64_t l
   }
 }
 
-MHA_MULTIVERSION void SmallScores(const float* q, const float* k, int64_t p, int64_t mq,
-                                  int64_t nk, float scale, float* s) {
+MHA_MULTIVERSION void SmallScores(const float* q, const float* k, int64_t p, int64_t mq, int64_t nk,
+                                  float scale, float* s) {
   for (int64_t i = 0; i < mq; ++i) {
     const float* qi = q + i * p;
     for (int64_t j = 0; j < nk; ++j) {
@@ -123,6 +123,20 @@ MHA_MULTIVERSION void SmallContext(const float* probs, const float* v, int64_t p
       const float* vj = v + j * p;
 #pragma omp simd
       for (int64_t c = 0; c < p; ++c) oi[c] += w * vj[c];
+    }
+  }
+}
+
+MHA_MULTIVERSION void TransposedScores(const float* q, const float* kt, int64_t ld, int64_t p,
+                                       int64_t mq, int64_t nk, float scale, float* s) {
+  for (int64_t i = 0; i < mq; ++i) {
+    float* si = s + i * nk;
+    std::fill_n(si, nk, 0.0f);
+    for (int64_t c = 0; c < p; ++c) {
+      const float qc = scale * q[i * p + c];
+      const float* row = kt + c * ld;
+#pragma omp simd
+      for (int64_t j = 0; j < nk; ++j) si[j] += qc * row[j];
     }
   }
 }

@@ -35,6 +35,13 @@ void SmallScores(const float* q, const float* k, int64_t p, int64_t mq, int64_t 
 void SmallContext(const float* probs, const float* v, int64_t p, int64_t mq, int64_t nk,
                   bool accumulate, float* o);
 
+// Scores against keys stored transposed (the K/V cache's blocks, core/kv_cache.h):
+//   s (mq, nk) = scale * q (mq, p) kt[:, :nk], kt (p, ld) with key j in column j.
+// Vectorised across keys, so one query costs p multiply-adds per vector of keys
+// instead of a dot product (and a horizontal sum) per key.
+void TransposedScores(const float* q, const float* kt, int64_t ld, int64_t p, int64_t mq,
+                      int64_t nk, float scale, float* s);
+
 void Scale(float* x, float factor, int64_t n);  // x *= factor
 void ToBf16(const float* x, uint16_t* y, int64_t n);
 

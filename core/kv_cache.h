@@ -2,10 +2,11 @@
 // head in fixed-size blocks, handed out by one pool under one byte budget.
 //
 // A block holds kBlockTokens tokens of one sequence, f32, head-major so that each
-// head's keys (and values) of the block are one dense (kBlockTokens, p) matrix:
-//   keys   (h, kBlockTokens, p)   at block + 0
-//   values (h, kBlockTokens, p)   at block + h * kBlockTokens * p
-// A sequence is a list of blocks; token t is row t % kBlockTokens of block
+// head's keys (and values) of the block are one dense matrix; keys transposed, so
+// that a query's scores against a block vectorise across its keys:
+//   keys   (h, p, kBlockTokens)   at block + 0; token r of the block in column r
+//   values (h, kBlockTokens, p)   at block + h * kBlockTokens * p; token r in row r
+// A sequence is a list of blocks; token t is column (row) t % kBlockTokens of block
 // t / kBlockTokens. Nothing is padded to the longest sequence, and a sequence's
 // last block is its only partly used one (at most kBlockTokens - 1 tokens of
 // slack per sequence).
@@ -88,7 +89,8 @@ class KvSequence {
 
   int64_t num_heads() const { return num_heads_; }
   int64_t head_size() const { return head_size_; }
-  // Block b's keys (kBlockTokens, p) of head h; values likewise.
+  // Block b's keys of head h, (p, kBlockTokens) transposed; its values,
+  // (kBlockTokens, p).
   float* keys(int64_t b, int64_t h) const {
     return blocks_[b] + h * KvCachePool::kBlockTokens * head_size_;
   }

@@ -15,10 +15,10 @@
 #include <map>
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace mha::core {
 
@@ -58,10 +58,10 @@ class SafetensorsFile {
   SafetensorsFile() = default;
   absl::Status Parse();
 
-  std::string source_;            // path, or "<buffer>"
-  void* map_ = nullptr;           // mmap base, when mapped
+  std::string source_;   // path, or "<buffer>"
+  void* map_ = nullptr;  // mmap base, when mapped
   size_t map_size_ = 0;
-  std::string owned_;             // the bytes, when built from a buffer
+  std::string owned_;  // the bytes, when built from a buffer
   const std::byte* bytes_ = nullptr;
   size_t size_ = 0;
   std::map<std::string, TensorView> tensors_;

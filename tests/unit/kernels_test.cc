@@ -46,8 +46,8 @@ TEST(KernelsTest, OverflowedScoresGiveNan) {
 // tails) and with accumulation; a NaN or inf in v reaches the context as oneDNN's
 // GEMM would carry it (0 x inf is NaN).
 TEST(KernelsTest, SmallBlockProductsMatchDoubleLoops) {
-  for (const auto [p, mq, nk] : {std::array<int64_t, 3>{20, 4, 6}, {64, 3, 17}, {1, 1, 1},
-                                 {33, 7, 5}}) {
+  for (const auto [p, mq, nk] :
+       {std::array<int64_t, 3>{20, 4, 6}, {64, 3, 17}, {1, 1, 1}, {33, 7, 5}}) {
     SCOPED_TRACE(testing::Message() << "p " << p << " mq " << mq << " nk " << nk);
     std::vector<float> q(mq * p), k(nk * p), v(nk * p);
     for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.7f * static_cast<float>(i));
@@ -63,6 +63,15 @@ TEST(KernelsTest, SmallBlockProductsMatchDoubleLoops) {
         EXPECT_NEAR(s[i * nk + j], scale * dot, 1e-5) << i << "," << j;
       }
     }
+    // The same keys transposed into a (p, ld) block with spare columns.
+    const int64_t ld = nk + 3;
+    std::vector<float> kt(p * ld, kInf);
+    for (int64_t j = 0; j < nk; ++j) {
+      for (int64_t c = 0; c < p; ++c) kt[c * ld + j] = k[j * p + c];
+    }
+    std::vector<float> st(mq * nk);
+    TransposedScores(q.data(), kt.data(), ld, p, mq, nk, scale, st.data());
+    for (size_t i = 0; i < s.size(); ++i) EXPECT_NEAR(st[i], s[i], 1e-5) << i;
     std::vector<float> o(mq * p, 100.0f);  // overwritten, not accumulated
     SmallContext(s.data(), v.data(), p, mq, nk, /*accumulate=*/false, o.data());
     std::vector<float> twice = o;
