@@ -34,6 +34,7 @@ const mha::client::ChannelOptions kChannel;
 const mha::client::RequestOptions kRequest;
 const mha::client::BenchOptions kBench;
 const mha::client::HeatmapOptions kHeatmap;
+const mha::client::DecodeOptions kDecode;
 }  // namespace
 
 // Connection (every verb).
@@ -58,11 +59,12 @@ ABSL_FLAG(std::string, tls_key, kChannel.tls_key, "PEM client private key for mu
 ABSL_FLAG(std::string, tls_server_name, kChannel.tls_server_name,
           "Name to verify in the server certificate instead of the target's host.");
 ABSL_FLAG(absl::Duration, timeout, kChannel.timeout,
-          "Deadline of every call (a duration with a unit: 500ms, 10s, 2m).");
+          "Deadline of every call (a duration with a unit: 500ms, 10s, 2m); decode: of every "
+          "step (a session's stream gets --timeout x (1 + --decode_tokens)).");
 ABSL_FLAG(int64_t, max_message_size, kChannel.max_message_bytes,
           "Largest message sent or received, in bytes (gRPC's client default is 4 MiB).");
 
-// The request (infer, bench, heatmap, heads).
+// The request (infer, bench, heatmap, heads; decode: model, model_version, seed).
 ABSL_FLAG(std::string, model, kRequest.model, "Model name; empty = the server's default model.");
 ABSL_FLAG(std::string, model_version, kRequest.model_version,
           "Model version (a number the model serves); empty = the newest served.");
@@ -77,7 +79,8 @@ ABSL_FLAG(bool, causal, kRequest.causal, "Causal mask: query i sees keys j <= i.
 ABSL_FLAG(uint64_t, seed, kRequest.seed,
           "Seed of the generated inputs and of Poisson intervals. Inputs: SplitMix64 from the "
           "seed (base/splitmix64.h), each value (z >> 11) * 2^-53 * 2 - 1 as a float; queries "
-          "(B, Q, d_q), then keys and values (B, K, d_k / d_v), row-major, from one stream.");
+          "(B, Q, d_q), then keys and values (B, K, d_k / d_v), row-major, from one stream. "
+          "decode: session s's tokens (1, P + N, d_q) from seed + s.");
 ABSL_FLAG(std::string, input, "",
           "Inputs from files instead of generated ones: one .safetensors (tensors queries, "
           "keys, values, valid_lens) or .npy files: queries (self-attention) or "
@@ -129,7 +132,8 @@ ABSL_FLAG(int64_t, max_errors, kBench.max_errors,
           "bench: failed requests per step, codes not in --allow_errors, that end the step "
           "and the run early; 0 = no limit.");
 ABSL_FLAG(std::string, json, "",
-          "bench, heads, heatmap: write a JSON report (heatmap: the image layout) to FILE.");
+          "bench, heads, heatmap, decode: write a JSON report (heatmap: the image layout) to "
+          "FILE.");
 ABSL_FLAG(std::string, csv, "", "bench: write a CSV report (one row per step) to FILE.");
 ABSL_FLAG(bool, progress, true, "bench: print progress per window on stderr.");
 
@@ -148,6 +152,18 @@ ABSL_FLAG(int64_t, prune, 0,
 ABSL_FLAG(std::string, service, "",
           "health: the service name to check; empty = the server and every model.");
 
+// decode.
+ABSL_FLAG(int64_t, sessions, kDecode.sessions,
+          "decode: S, sessions at once (a thread each), each a causal self-attention session.");
+ABSL_FLAG(int64_t, prefill, kDecode.prefill,
+          "decode: P, tokens of each session's first step (1, P, d_q).");
+ABSL_FLAG(int64_t, decode_tokens, kDecode.decode_tokens,
+          "decode: N, steps of one new token after the prefill.");
+ABSL_FLAG(bool, stateless, kDecode.stateless,
+          "decode: unary Attend instead of AttendSession: the prefill as causal "
+          "self-attention, then per step the new token as the query and every token so far "
+          "(itself included) as keys and values.");
+
 namespace {
 
 constexpr char kUsage[] =
@@ -163,11 +179,16 @@ constexpr char kUsage[] =
     "  heatmap  attention weights of one batch row as a PNG, one map per head\n"
     "  heads    head importance: drop each head (head_mask), rank by output change\n"
     "  health   grpc.health.v1 Check of the server and every model\n"
+    "  decode   autoregressive decoding: --sessions=S causal self-attention sessions\n"
+    "           (AttendSession), each a prefill of --prefill=P tokens then\n"
+    "           --decode_tokens=N steps of one; --stateless sends the same tokens through\n"
+    "           Attend, all keys and values every step. Latency by context length,\n"
+    "           decode tokens/s; --json\n"
     "infer and bench speak --protocol (attention, kserve or http); the others attention.\n"
-    "Errors print one line, 'error: CODE: message', and exit 1; bench also exits 1 when a\n"
-    "step measured nothing or a request failed with a code not in --allow_errors. Usage\n"
-    "errors (a flag's value, flags that disagree, an argument too many) print\n"
-    "'error: --flag: message' and exit 2.";
+    "Errors print one line, 'error: CODE: message', and exit 1 (decode: its first failed\n"
+    "step, naming session and step); bench also exits 1 when a step measured nothing or a\n"
+    "request failed with a code not in --allow_errors. Usage errors (a flag's value, flags\n"
+    "that disagree, an argument too many) print 'error: --flag: message' and exit 2.";
 
 absl::StatusOr<std::vector<int32_t>> ParseValidLens(const std::string& text) {
   std::vector<int32_t> lens;
@@ -322,6 +343,19 @@ absl::Status RunVerb(const std::string& verb, const mha::client::ChannelOptions&
   if (verb == "health") {
     return client::Health(channel, {.service = absl::GetFlag(FLAGS_service)}, std::cout);
   }
+  if (verb == "decode") {
+    client::DecodeCommandOptions options;
+    options.decode.model = absl::GetFlag(FLAGS_model);
+    options.decode.model_version = absl::GetFlag(FLAGS_model_version);
+    options.decode.sessions = absl::GetFlag(FLAGS_sessions);
+    options.decode.prefill = absl::GetFlag(FLAGS_prefill);
+    options.decode.decode_tokens = absl::GetFlag(FLAGS_decode_tokens);
+    options.decode.stateless = absl::GetFlag(FLAGS_stateless);
+    options.decode.seed = absl::GetFlag(FLAGS_seed);
+    MHA_RETURN_IF_ERROR(client::CheckDecodeOptions(options.decode));
+    options.json = absl::GetFlag(FLAGS_json);
+    return client::Decode(channel, options, std::cout);
+  }
   MHA_ASSIGN_OR_RETURN(const client::RequestOptions request, RequestFromFlags());
 
   if (verb == "infer") {
@@ -388,9 +422,10 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
   const std::vector<std::string> args = mha::ParseCommandLineOrExit(argc, argv);
 
-  const std::vector<std::string> verbs = {"infer", "bench", "heatmap", "heads", "health"};
+  const std::vector<std::string> verbs = {"infer", "bench", "heatmap", "heads", "health", "decode"};
   if (args.empty() || std::find(verbs.begin(), verbs.end(), args[0]) == verbs.end()) {
-    std::fprintf(stderr, "error: expected one verb (infer, bench, heatmap, heads, health)%s\n%s\n",
+    std::fprintf(stderr,
+                 "error: expected one verb (infer, bench, heatmap, heads, health, decode)%s\n%s\n",
                  args.empty() ? "" : absl::StrCat(", got '", args[0], "'").c_str(), kUsage);
     return 2;
   }

@@ -65,14 +65,6 @@ std::string CallName(Protocol protocol, Mode mode) {
   }
 }
 
-// "p_o 100, h 5, f32"; metadata-derived models (kserve, http) may lack h and precision.
-std::string ModelSizes(const attention::v1::ModelInfo& m) {
-  std::string sizes = absl::StrFormat("p_o %d, h %s", m.num_hiddens(),
-                                      m.num_heads() > 0 ? absl::StrCat(m.num_heads()) : "?");
-  if (!m.precision().empty()) absl::StrAppend(&sizes, ", ", m.precision());
-  return sizes;
-}
-
 constexpr char kClearLine[] = "\r\033[K";
 
 }  // namespace
@@ -302,6 +294,13 @@ absl::Status CheckBenchReport(const BenchReport& report) {
     }
   }
   return absl::OkStatus();
+}
+
+std::string ModelSizes(const attention::v1::ModelInfo& m) {
+  std::string sizes = absl::StrFormat("p_o %d, h %s", m.num_hiddens(),
+                                      m.num_heads() > 0 ? absl::StrCat(m.num_heads()) : "?");
+  if (!m.precision().empty()) absl::StrAppend(&sizes, ", ", m.precision());
+  return sizes;
 }
 
 absl::Status WriteText(const std::string& path, const std::string& text) {

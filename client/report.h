@@ -46,6 +46,10 @@ std::string ToCsv(const BenchReport& report);
 // nothing).
 absl::Status CheckBenchReport(const BenchReport& report);
 
+// "p_o 100, h 5, f32"; models described by Open Inference Protocol metadata may
+// lack h ("?") and precision (left out).
+std::string ModelSizes(const attention::v1::ModelInfo& model);
+
 // Writes `text` to `path`; INVALID_ARGUMENT naming the path on failure.
 absl::Status WriteText(const std::string& path, const std::string& text);
 

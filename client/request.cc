@@ -15,17 +15,6 @@ using attention::v1::AttendRequest;
 using attention::v1::ModelInfo;
 using attention::v1::Tensor;
 
-// `shape`'s values, row-major, from `inputs` (base/splitmix64.h).
-void FillSigned(SplitMix64& inputs, const std::vector<int64_t>& shape, Tensor* tensor) {
-  int64_t n = 1;
-  for (int64_t d : shape) {
-    tensor->add_shape(d);
-    n *= d;
-  }
-  tensor->mutable_data()->Reserve(static_cast<int>(n));
-  for (int64_t i = 0; i < n; ++i) tensor->add_data(inputs.Signed());
-}
-
 absl::Status ToTensor(const Array& array, absl::string_view what, Tensor* tensor) {
   if (array.shape.size() != 3) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": expected rank 3, got shape (",
@@ -108,6 +97,16 @@ absl::Status CheckValidLensCount(absl::Span<const int32_t> lens, int64_t batch,
 }
 
 }  // namespace
+
+void FillSigned(SplitMix64& inputs, const std::vector<int64_t>& shape, Tensor* tensor) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    tensor->add_shape(d);
+    n *= d;
+  }
+  tensor->mutable_data()->Reserve(static_cast<int>(n));
+  for (int64_t i = 0; i < n; ++i) tensor->add_data(inputs.Signed());
+}
 
 absl::Status CheckRequestOptions(const RequestOptions& options) {
   MHA_RETURN_IF_ERROR(CheckAtLeast("batch", options.batch, 1));

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "base/splitmix64.h"
 #include "proto/attention.pb.h"
 
 namespace mha::client {
@@ -42,6 +43,11 @@ absl::Status CheckRequestOptions(const RequestOptions& options);
 // the inputs disagree with `model`'s sizes or with each other.
 absl::StatusOr<attention::v1::AttendRequest> MakeRequest(const RequestOptions& options,
                                                          const attention::v1::ModelInfo& model);
+
+// Appends `shape` to tensor->shape and prod(shape) values inputs.Signed(),
+// row-major, to tensor->data: how every generated input is made (decode too).
+void FillSigned(SplitMix64& inputs, const std::vector<int64_t>& shape,
+                attention::v1::Tensor* tensor);
 
 // "(2, 4, 100)".
 std::string ShapeString(const attention::v1::Tensor& tensor);

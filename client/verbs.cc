@@ -383,4 +383,21 @@ absl::Status Health(const ChannelOptions& channel, const HealthOptions& options,
   return absl::OkStatus();
 }
 
+absl::Status Decode(const ChannelOptions& channel, const DecodeCommandOptions& options,
+                    std::ostream& out) {
+  DecodeOptions decode = options.decode;
+  decode.timeout = channel.timeout;
+  MHA_RETURN_IF_ERROR(CheckDecodeOptions(decode));
+  MHA_ASSIGN_OR_RETURN(Session session, Open(channel, decode.model));
+  MHA_ASSIGN_OR_RETURN(DecodeReport report,
+                       RunDecode(decode, session.connection->channel(), session.model));
+  report.target = channel.targets.empty() ? channel.target : absl::StrJoin(channel.targets, ",");
+  PrintDecodeTable(report, out);
+  if (!options.json.empty()) {
+    MHA_RETURN_IF_ERROR(WriteText(options.json, DecodeJson(report)));
+    out << "wrote " << options.json << "\n";
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace mha::client

@@ -9,6 +9,8 @@
 //   heatmap  attention weights of one batch row as a PNG (heatmap.h)
 //   heads    head importance: drop one head at a time with head_mask
 //   health   grpc.health.v1 Check of the server and of every model
+//   decode   autoregressive decoding: AttendSession sessions, or the same tokens
+//            through unary Attend (decode.h)
 #ifndef MHA_CLIENT_VERBS_H_
 #define MHA_CLIENT_VERBS_H_
 
@@ -18,6 +20,7 @@
 #include "absl/status/status.h"
 #include "client/bench.h"
 #include "client/channel.h"
+#include "client/decode.h"
 #include "client/heatmap.h"
 #include "client/request.h"
 
@@ -60,6 +63,14 @@ struct HealthOptions {
 };
 // UNAVAILABLE naming the services that are not SERVING.
 absl::Status Health(const ChannelOptions& channel, const HealthOptions& options, std::ostream& out);
+
+struct DecodeCommandOptions {
+  DecodeOptions decode;  // its timeout is the channel's
+  std::string json;      // report file, when set
+};
+// Fails with the first failed step's status (the run stops there); no table then.
+absl::Status Decode(const ChannelOptions& channel, const DecodeCommandOptions& options,
+                    std::ostream& out);
 
 }  // namespace mha::client
 
