@@ -26,8 +26,10 @@ test_packages=(
   libgtest-dev libgmock-dev libbenchmark-dev openssl
   # the HTTP front's examples (docs/service.md) are run with curl
   curl
-  # the e2e test: a real Prometheus server (and promtool) scraping ours
-  prometheus
+  # the e2e tests: a real Prometheus server (and promtool) scraping ours, and HAProxy
+  # (2.6) in front of three servers (tests/e2e/proxy_test.py; haproxy -c on
+  # deploy/haproxy). The test runs it in the foreground; its system service is unused.
+  prometheus haproxy
   # fuzzing (cmake --preset fuzz): clang with libFuzzer and its sanitizer runtimes,
   # and LLVM's OpenMP runtime for clang's -fopenmp
   clang libclang-rt-14-dev libomp-14-dev

@@ -5,7 +5,10 @@
         Dockerfile, deploy/k8s/*.yaml and deploy/compose.yaml against the server's
         defaults (from `attention_server --help`): ports, probes, Services, the drain
         timeout against the grace periods, the security context, the model ConfigMap
-        against deploy/models, Prometheus and Grafana wiring. Then mutates the loaded
+        against deploy/models, Prometheus and Grafana wiring, and compose's "replicas"
+        profile against deploy/haproxy/haproxy.cfg (HTTP/2 both sides, round robin,
+        every replica and only them, timeouts above the replicas'
+        --session_idle_timeout). Then mutates the loaded
         files (a wrong probe port, a short grace period, ...) and checks that each
         mutation is caught, so the checks cannot silently pass.
     check_deploy.py configmap SOURCE_DIR SERVER_BINARY
@@ -38,7 +41,7 @@ def server_defaults(binary):
     for match in re.finditer(r"--(\w+) \((.*?)\);\s+default: (.*?);", text, re.S):
         defaults[match.group(1)] = match.group(3).strip('"')
     for flag in ("port", "metrics_port", "host", "metrics_host", "drain_timeout",
-                 "model_repository"):
+                 "model_repository", "session_idle_timeout"):
         if flag not in defaults:
             raise SystemExit(f"attention_server --help lists no --{flag}:\n{text}")
     return defaults
@@ -88,6 +91,154 @@ def exec_form(value):
     return json.loads(value)
 
 
+def read_haproxy(path):
+    """haproxy.cfg as a list of sections, each {"header": [words], "lines": [[words]]}:
+    a section starts at an unindented line; comments and blank lines are dropped."""
+    sections = []
+    with open(path) as f:
+        for raw in f:
+            line = raw.split("#", 1)[0].rstrip()
+            if not line.strip():
+                continue
+            words = line.split()
+            if not raw[0].isspace():
+                sections.append({"header": words, "lines": []})
+            elif not sections:
+                raise ValueError(f"{path}: {line.strip()!r} before any section")
+            else:
+                sections[-1]["lines"].append(words)
+    return sections
+
+
+def render_haproxy(sections):
+    """The text of read_haproxy()'s sections (one blank line between sections)."""
+    return "\n".join(" ".join(s["header"]) + "\n" +
+                     "".join("    " + " ".join(words) + "\n" for words in s["lines"])
+                     for s in sections)
+
+
+def haproxy_seconds(value):
+    """An HAProxy time ("90s", "5m", "500ms"; a bare number is milliseconds) in seconds."""
+    units = {"us": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600, "d": 86400}
+    match = re.fullmatch(r"(\d+)(us|ms|s|m|h|d)?", value)
+    if not match:
+        raise ValueError(f"not an HAProxy time: {value!r}")
+    return int(match.group(1)) * units[match.group(2) or "ms"]
+
+
+def haproxy_sections(cfg, keyword):
+    return [s for s in cfg if s["header"][0] == keyword]
+
+
+def haproxy_directives(section, *prefix):
+    """The lines of `section` that start with the words `prefix`."""
+    return [w for w in section["lines"] if w[:len(prefix)] == list(prefix)]
+
+
+def check_haproxy(cfg, replicas, proxy, defaults, entrypoint, cmd):
+    """Compose's "replicas" profile (the `replicas` services and `proxy`, the haproxy
+    service) against haproxy.cfg (read_haproxy). Returns the disagreements."""
+    errors = []
+
+    def expect(condition, message):
+        if not condition:
+            errors.append(message)
+
+    where = "deploy/haproxy/haproxy.cfg"
+    expect(len(replicas) == 3, f"compose replicas profile: {len(replicas)} replicas "
+                               f"({sorted(replicas)}), expected 3")
+    replica_flags = {}
+    for name, replica in sorted(replicas.items()):
+        flags = parse_flags(entrypoint[1:] + replica.get("command", cmd), defaults)
+        replica_flags[name] = flags
+        expect(replica.get("profiles") == ["replicas"],
+               f"compose {name}: profiles {replica.get('profiles')}, expected [replicas]")
+        expect(str(replica.get("image", "")).split(":")[0] == "mha-serve",
+               f"compose {name}: image {replica.get('image')}, expected mha-serve")
+        mounts = [str(v).split(":") for v in replica.get("volumes", [])]
+        expect(any(m[0] == "./models" and m[1] == flags["model_repository"] for m in mounts),
+               f"compose {name}: ./models is not mounted at {flags['model_repository']}")
+        grace = replica.get("stop_grace_period", "10s")
+        expect(seconds(grace) > seconds(flags["drain_timeout"]),
+               f"compose {name}: stop_grace_period {grace} <= --drain_timeout "
+               f"{flags['drain_timeout']}")
+        expect(not replica.get("ports"),
+               f"compose {name}: publishes {replica.get('ports')}; clients go through haproxy")
+    if proxy is None:
+        return errors + ["compose: the replicas profile has no haproxy service"]
+    expect(proxy.get("profiles") == ["replicas"],
+           f"compose haproxy: profiles {proxy.get('profiles')}, expected [replicas]")
+    mounts = {str(v).split(":")[0]: str(v).split(":")[1] for v in proxy.get("volumes", [])}
+    expect(mounts.get("./haproxy/haproxy.cfg") == "/usr/local/etc/haproxy/haproxy.cfg",
+           f"compose haproxy: ./haproxy/haproxy.cfg mounted at "
+           f"{mounts.get('./haproxy/haproxy.cfg')}, the image reads "
+           "/usr/local/etc/haproxy/haproxy.cfg")
+    depends = proxy.get("depends_on", {})
+    expect(set(depends) == set(replicas),
+           f"compose haproxy: depends_on {sorted(depends)}, the replicas are {sorted(replicas)}")
+    if cfg is None:
+        return errors + [f"{where} is missing"]
+
+    sections = {k: haproxy_sections(cfg, k) for k in ("defaults", "frontend", "backend")}
+    if len(sections["frontend"]) != 1 or len(sections["backend"]) != 1:
+        return errors + [f"{where}: expected one frontend and one backend"]
+    (frontend,), (backend,) = sections["frontend"], sections["backend"]
+
+    def setting(section, *prefix):
+        """The words after `prefix` in `section`, else in the defaults (last wins)."""
+        for s in (section, *reversed(sections["defaults"])):
+            found = haproxy_directives(s, *prefix)
+            if found:
+                return found[-1][len(prefix):]
+        return None
+
+    for section in (frontend, backend):
+        expect(setting(section, "mode") == ["http"],
+               f"{where}: {' '.join(section['header'])} is not mode http (per-call balancing "
+               "needs HTTP)")
+    binds = haproxy_directives(frontend, "bind")
+    expect(len(binds) == 1, f"{where}: frontend has {len(binds)} bind lines, expected 1")
+    if binds:
+        bind = binds[0]
+        expect("proto" in bind and bind[bind.index("proto") + 1:][:1] == ["h2"],
+               f"{where}: {' '.join(bind)}: the frontend must speak HTTP/2 (proto h2)")
+        port = bind[1].rsplit(":", 1)[-1]
+        published = [str(p).rsplit(":", 1)[-1].split("/")[0] for p in proxy.get("ports", [])]
+        expect(port in published,
+               f"compose haproxy: the bind port {port} is not published {proxy.get('ports')}")
+    expect(setting(frontend, "default_backend") == [backend["header"][1]],
+           f"{where}: the frontend's default_backend is not {backend['header'][1]}")
+    expect(setting(backend, "balance") == ["roundrobin"],
+           f"{where}: balance {setting(backend, 'balance')}, expected roundrobin (per call)")
+    default_server = [w for line in haproxy_directives(backend, "default-server")
+                      for w in line[1:]]
+    servers = {}
+    for line in haproxy_directives(backend, "server"):
+        options = default_server + line[3:]
+        host, _, port = line[2].rpartition(":")
+        servers[host] = port
+        expect("proto" in options and options[options.index("proto") + 1:][:1] == ["h2"],
+               f"{where}: server {line[1]} is not proto h2 (gRPC needs HTTP/2 to the replica)")
+        if host in replica_flags:
+            expect(port == replica_flags[host]["port"],
+                   f"{where}: server {line[1]} dials {host}:{port}, {host} listens on "
+                   f"--port={replica_flags[host]['port']}")
+    expect(set(servers) == set(replicas),
+           f"{where}: servers {sorted(servers)}, the compose replicas are {sorted(replicas)}")
+    idle = max([seconds(f["session_idle_timeout"]) for f in replica_flags.values()] or [0])
+    for side, section in (("client", frontend), ("server", backend)):
+        value = setting(section, "timeout", side)
+        try:
+            timeout = haproxy_seconds(value[0]) if value else float("inf")
+        except ValueError as e:
+            errors.append(f"{where}: timeout {side}: {e}")
+            continue
+        expect(timeout > idle,
+               f"{where}: timeout {side} {value[0] if value else None} <= the replicas' "
+               f"--session_idle_timeout ({idle:g}s): the proxy would end idle sessions first")
+    return errors
+
+
 def load(source):
     """Everything the checks read, as plain data (so mutations are easy)."""
     deploy = os.path.join(source, "deploy")
@@ -114,6 +265,8 @@ def load(source):
         if os.path.isfile(config):
             files["models"][name] = open(config).read()
     files["dashboards_dir"] = sorted(os.listdir(os.path.join(deploy, "grafana", "dashboards")))
+    haproxy = os.path.join(deploy, "haproxy", "haproxy.cfg")
+    files["haproxy"] = read_haproxy(haproxy) if os.path.isfile(haproxy) else None
     return files
 
 
@@ -366,6 +519,11 @@ def check(files, defaults):
                and f"--target=server:{compose_flags['port']}" in argv,
                f"compose load: {argv}, expected attention_client bench "
                f"--target=server:{compose_flags['port']}")
+    replicas = {n: v for n, v in services.items()
+                if n != "haproxy" and "replicas" in (v.get("profiles") or [])}
+    if replicas or "haproxy" in services:
+        errors += check_haproxy(files["haproxy"], replicas, services.get("haproxy"), defaults,
+                                entrypoint, cmd)
     return errors
 
 
@@ -395,7 +553,21 @@ MUTATIONS = {
     .update(targets=["server:9465"]),
     "compose port": lambda f: f["compose"]["services"]["server"]["command"]
     .append("--metrics_port=9999"),
+    "replica missing": lambda f: f["compose"]["services"].pop("replica-3"),
+    "replica port": lambda f: f["compose"]["services"].update(
+        {"replica-2": dict(f["compose"]["services"]["replica-2"],
+                           command=["--port=6000", "--model_repository=/models"])}),
+    "haproxy http/1.1 to replicas": lambda f: _haproxy_line(f, "default-server")
+    .__delitem__(slice(1, 3)),
+    "haproxy balance": lambda f: _haproxy_line(f, "balance").__setitem__(1, "source"),
+    "haproxy timeout": lambda f: _haproxy_line(f, "timeout", "server").__setitem__(2, "30s"),
+    "haproxy bind port": lambda f: _haproxy_line(f, "bind").__setitem__(1, ":50053"),
 }
+
+
+def _haproxy_line(files, *prefix):
+    """The first line of haproxy.cfg starting with the words `prefix` (a mutable list)."""
+    return next(w for s in files["haproxy"] for w in s["lines"] if w[:len(prefix)] == list(prefix))
 
 
 def cmd_manifests(source, binary):
