@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
+#include "core/kv_cache.h"
 #include "server/abbreviate.h"
 
 namespace mha::server {
@@ -30,6 +31,22 @@ struct ZeroFloats {
   float* data;
 };
 
+// Submits `item` as a warm-up item and waits for its answer.
+absl::Status SubmitAndWait(Batcher& batcher, WorkItem item) {
+  absl::Mutex mu;
+  std::optional<absl::Status> result;
+  item.warmup = true;
+  item.done = [&](absl::Status status, const ComputeTiming&) {
+    absl::MutexLock lock(&mu);
+    result = std::move(status);
+  };
+  MHA_RETURN_IF_ERROR(batcher.Submit(std::move(item)));
+  absl::MutexLock lock(&mu);
+  mu.Await(absl::Condition(
+      +[](std::optional<absl::Status>* r) { return r->has_value(); }, &result));
+  return *result;
+}
+
 // One warm-up pass through the batcher, as a request would run, on zero inputs
 // (the kernels' work does not depend on the values); K 0 = self-attention.
 absl::Status WarmOnce(Batcher& batcher, const std::shared_ptr<const Model>& model,
@@ -45,27 +62,52 @@ absl::Status WarmOnce(Batcher& batcher, const std::shared_ptr<const Model>& mode
       output.data == nullptr) {
     return absl::ResourceExhaustedError("cannot allocate the warm-up pass's tensors");
   }
-  absl::Mutex mu;
-  std::optional<absl::Status> result;
-  MHA_RETURN_IF_ERROR(
-      batcher.Submit(WorkItem{.model = model,
-                              .inputs = {.batch = shape.batch,
-                                         .num_queries = shape.num_queries,
-                                         .num_keys = keys,
-                                         .queries = queries.data,
-                                         .keys = self ? nullptr : key_data.data,
-                                         .values = self ? nullptr : value_data.data},
-                              .output = output.data,
-                              .done =
-                                  [&](absl::Status status, const ComputeTiming&) {
-                                    absl::MutexLock lock(&mu);
-                                    result = std::move(status);
-                                  },
-                              .warmup = true}));
-  absl::MutexLock lock(&mu);
-  mu.Await(absl::Condition(
-      +[](std::optional<absl::Status>* r) { return r->has_value(); }, &result));
-  return *result;
+  return SubmitAndWait(batcher, WorkItem{.model = model,
+                                         .inputs = {.batch = shape.batch,
+                                                    .num_queries = shape.num_queries,
+                                                    .num_keys = keys,
+                                                    .queries = queries.data,
+                                                    .keys = self ? nullptr : key_data.data,
+                                                    .values = self ? nullptr : value_data.data},
+                                         .output = output.data});
+}
+
+// Session steps (server/session.h) of 1, 2, 4, ... 64 new tokens (up to the
+// batch limit), each on a fresh cache: their projections run on padded row counts
+// (core: ForwardPaged), so these are the primitives continuously batched decode
+// steps use, made before the first session needs them. Models that cannot serve
+// sessions (additive scoring) skip it.
+absl::Status WarmSessionSteps(Batcher& batcher, const std::shared_ptr<const Model>& model) {
+  const core::ModelConfig& c = model->config;
+  if (c.scoring != core::Scoring::kDotProduct) return absl::OkStatus();
+  const bool self = c.SupportsSelfAttention();
+  const int64_t most = std::min<int64_t>(64, model->batching.max_batch_size);
+  core::KvCachePool pool(2 * most * c.num_hiddens * int64_t{sizeof(float)} *
+                         core::KvCachePool::kBlockTokens);
+  for (int64_t rows = 1; rows <= most; rows *= 2) {
+    const ZeroFloats queries(rows * c.query_size);
+    const ZeroFloats keys(self ? 0 : rows * c.key_size);
+    const ZeroFloats values(self ? 0 : rows * c.value_size);
+    const ZeroFloats output(rows * c.num_hiddens);
+    if (queries.data == nullptr || keys.data == nullptr || values.data == nullptr ||
+        output.data == nullptr) {
+      return absl::ResourceExhaustedError("cannot allocate the session warm-up's tensors");
+    }
+    core::KvSequence cache(&pool, c.num_heads, c.head_size());
+    MHA_RETURN_IF_ERROR(cache.Reserve(rows));
+    const core::PagedStep step{.num_queries = rows,
+                               .queries = queries.data,
+                               .num_keys = rows,
+                               .keys = self ? nullptr : keys.data,
+                               .values = self ? nullptr : values.data,
+                               .cache = &cache,
+                               .output = output.data};
+    MHA_RETURN_IF_ERROR(SubmitAndWait(
+        batcher, WorkItem{.model = model,
+                          .inputs = {.batch = 1, .num_queries = rows, .num_keys = rows},
+                          .step = &step}));
+  }
+  return absl::OkStatus();
 }
 
 void Log(const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); }
@@ -103,6 +145,10 @@ absl::StatusOr<absl::Duration> WarmUp(Batcher& batcher, const std::shared_ptr<co
                                  ", num_queries ", w.num_queries, ", num_keys ", w.num_keys,
                                  "): ", s.message()));
     }
+  }
+  if (absl::Status s = WarmSessionSteps(batcher, model); !s.ok()) {
+    return absl::Status(
+        s.code(), absl::StrCat("model ", model->name, ": session warm-up steps: ", s.message()));
   }
   return absl::Now() - start;
 }

@@ -63,9 +63,11 @@ absl::StatusOr<ModelControl> ParseModelControl(absl::string_view text);
 absl::string_view ModelControlName(ModelControl control);
 
 // Runs `model`'s first `passes` warm-up passes, in order, through the batcher (they
-// run as requests do, on the compute workers), returning the time they took; the
-// first failure names the model and the pass. The model's queue must admit warm-up
-// items. Inputs are zero pages (calloc), never brought into memory.
+// run as requests do, on the compute workers), then session steps of 1, 2, 4, ...
+// 64 tokens (the row counts continuously batched decode steps run on), returning
+// the time they took; the first failure names the model and the pass. The model's
+// queue must admit warm-up items. Inputs are zero pages (calloc), never brought
+// into memory.
 absl::StatusOr<absl::Duration> WarmUp(Batcher& batcher, const std::shared_ptr<const Model>& model,
                                       size_t passes = SIZE_MAX);
 
