@@ -933,9 +933,15 @@ void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratc
   std::fill_n(stats.max, mq, -std::numeric_limits<float>::infinity());
   std::fill_n(stats.sum, mq, 0.0f);
   const float scale = 1.0f / std::sqrt(static_cast<float>(p));
+  const KvSequence& cache = *step.cache;
+  const bool bf16 = cache.bf16();
   for (int64_t j0 = 0; j0 < max_limit; j0 += kBt) {
     const int64_t b = j0 / kBt, nk = std::min(kBt, max_limit - j0);
-    kernels::TransposedScores(q, step.cache->keys(b, h), kBt, p, mq, nk, scale, s);
+    if (bf16) {
+      kernels::TransposedScoresBf16(q, cache.keys<uint16_t>(b, h), kBt, p, mq, nk, scale, s);
+    } else {
+      kernels::TransposedScores(q, cache.keys<float>(b, h), kBt, p, mq, nk, scale, s);
+    }
     for (int64_t i = 0; i < mq; ++i) {
       float* si = s + i * nk;
       const int64_t seen = std::clamp<int64_t>(limit(i) - j0, 0, nk);
@@ -950,7 +956,11 @@ void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratc
       stats.sum[i] = stats.sum[i] * factor + kernels::ExpSubSum(si, m, si, nk);
       stats.max[i] = m;
     }
-    kernels::SmallContext(s, step.cache->values(b, h), p, mq, nk, /*accumulate=*/true, o);
+    if (bf16) {
+      kernels::SmallContextBf16(s, cache.values<uint16_t>(b, h), p, mq, nk, o);
+    } else {
+      kernels::SmallContext(s, cache.values<float>(b, h), p, mq, nk, /*accumulate=*/true, o);
+    }
   }
   for (int64_t i = 0; i < mq; ++i) {
     const float inv = stats.sum[i] > 0 ? 1.0f / stats.sum[i] : 0.0f;
@@ -968,10 +978,17 @@ void MultiHeadAttention::Impl::StorePaged(std::span<const PagedStep> steps, cons
     for (int64_t r = 0; r < step.new_keys(); ++r, ++row) {
       const int64_t t = cache.size() + r, b = t / kBt, col = t % kBt;
       for (int64_t h = 0; h < H; ++h) {
-        float* kt = cache.keys(b, h) + col;
         const float* key = k + row * ld + h * p;
-        for (int64_t c = 0; c < p; ++c) kt[c * kBt] = key[c];
-        std::memcpy(cache.values(b, h) + col * p, v + row * ld + h * p, p * sizeof(float));
+        const float* value = v + row * ld + h * p;
+        if (cache.bf16()) {
+          uint16_t* kt = cache.keys<uint16_t>(b, h) + col;
+          for (int64_t c = 0; c < p; ++c) kernels::ToBf16(key + c, kt + c * kBt, 1);
+          kernels::ToBf16(value, cache.values<uint16_t>(b, h) + col * p, p);
+        } else {
+          float* kt = cache.keys<float>(b, h) + col;
+          for (int64_t c = 0; c < p; ++c) kt[c * kBt] = key[c];
+          std::memcpy(cache.values<float>(b, h) + col * p, value, p * sizeof(float));
+        }
       }
     }
   }
@@ -1198,6 +1215,10 @@ absl::Status MultiHeadAttention::ForwardPaged(std::span<const PagedStep> steps,
       return absl::InvalidArgumentError(absl::StrCat("step ", i, ": ", field, ": ", what));
     };
     if (s.cache == nullptr) return error("cache", "missing");
+    if (s.cache->bf16() != (c.precision == Precision::kBf16)) {
+      return error("cache", absl::StrCat("holds ", s.cache->bf16() ? "bf16" : "f32",
+                                         ", the model's cache is ", PrecisionName(c.precision)));
+    }
     if (s.cache->num_heads() != c.num_heads || s.cache->head_size() != c.head_size()) {
       return error("cache", absl::StrCat("made for ", s.cache->num_heads(), " heads of ",
                                          s.cache->head_size(), ", the model has ", c.num_heads,

@@ -126,7 +126,8 @@ class MultiHeadAttention {
   // then each step's queries attend, head by head, over its own cache's blocks (no
   // padding to the longest), and one GEMM applies W_o to every step's rows. A
   // self-attention step fed in chunks gives the rows of one causal Forward on the
-  // whole sequence. Dot-product scoring only; the cache is f32 for every precision.
+  // whole sequence. Dot-product scoring only; the cache holds f32, or bf16 for a
+  // bf16 model (KvSequence's bf16 flag must match the model's precision).
   // INVALID_ARGUMENT names the step and field; the caches are unchanged on error.
   absl::Status ForwardPaged(std::span<const PagedStep> steps, int max_threads = 0) const;
 

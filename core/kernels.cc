@@ -141,6 +141,38 @@ MHA_MULTIVERSION void TransposedScores(const float* q, const float* kt, int64_t 
   }
 }
 
+namespace {
+inline float FromBf16(uint16_t bits) { return std::bit_cast<float>(uint32_t{bits} << 16); }
+}  // namespace
+
+MHA_MULTIVERSION void TransposedScoresBf16(const float* q, const uint16_t* kt, int64_t ld,
+                                           int64_t p, int64_t mq, int64_t nk, float scale,
+                                           float* s) {
+  for (int64_t i = 0; i < mq; ++i) {
+    float* si = s + i * nk;
+    std::fill_n(si, nk, 0.0f);
+    for (int64_t c = 0; c < p; ++c) {
+      const float qc = scale * q[i * p + c];
+      const uint16_t* row = kt + c * ld;
+#pragma omp simd
+      for (int64_t j = 0; j < nk; ++j) si[j] += qc * FromBf16(row[j]);
+    }
+  }
+}
+
+MHA_MULTIVERSION void SmallContextBf16(const float* probs, const uint16_t* v, int64_t p, int64_t mq,
+                                       int64_t nk, float* o) {
+  for (int64_t i = 0; i < mq; ++i) {
+    float* oi = o + i * p;
+    for (int64_t j = 0; j < nk; ++j) {
+      const float w = probs[i * nk + j];
+      const uint16_t* vj = v + j * p;
+#pragma omp simd
+      for (int64_t c = 0; c < p; ++c) oi[c] += w * FromBf16(vj[c]);
+    }
+  }
+}
+
 MHA_MULTIVERSION void Scale(float* x, float factor, int64_t n) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) x[j] *= factor;

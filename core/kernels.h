@@ -42,6 +42,13 @@ void SmallContext(const float* probs, const float* v, int64_t p, int64_t mq, int
 void TransposedScores(const float* q, const float* kt, int64_t ld, int64_t p, int64_t mq,
                       int64_t nk, float scale, float* s);
 
+// The same against bfloat16 keys, and SmallContext against bfloat16 values (the K/V
+// cache of a bf16 model); products and sums in f32.
+void TransposedScoresBf16(const float* q, const uint16_t* kt, int64_t ld, int64_t p, int64_t mq,
+                          int64_t nk, float scale, float* s);
+void SmallContextBf16(const float* probs, const uint16_t* v, int64_t p, int64_t mq, int64_t nk,
+                      float* o);  // accumulates
+
 void Scale(float* x, float factor, int64_t n);  // x *= factor
 void ToBf16(const float* x, uint16_t* y, int64_t n);
 

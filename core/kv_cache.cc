@@ -62,8 +62,8 @@ void KvCachePool::Release(float* block, size_t bytes) {
   munmap(block, bytes);
 }
 
-KvSequence::KvSequence(KvCachePool* pool, int64_t num_heads, int64_t head_size)
-    : pool_(pool), num_heads_(num_heads), head_size_(head_size) {}
+KvSequence::KvSequence(KvCachePool* pool, int64_t num_heads, int64_t head_size, bool bf16)
+    : pool_(pool), num_heads_(num_heads), head_size_(head_size), bf16_(bf16) {}
 
 KvSequence::~KvSequence() {
   for (float* block : blocks_) pool_->Release(block, block_bytes());

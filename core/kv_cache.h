@@ -1,7 +1,8 @@
 // The key/value cache of attention sessions: projected keys and values kept per
 // head in fixed-size blocks, handed out by one pool under one byte budget.
 //
-// A block holds kBlockTokens tokens of one sequence, f32, head-major so that each
+// A block holds kBlockTokens tokens of one sequence, f32 (bf16 for a bf16 model's
+// sequence: half the bytes), head-major so that each
 // head's keys (and values) of the block are one dense matrix; keys transposed, so
 // that a query's scores against a block vectorise across its keys:
 //   keys   (h, p, kBlockTokens)   at block + 0; token r of the block in column r
@@ -71,7 +72,8 @@ class KvCachePool {
 // One sequence's cached keys and values. Releases its blocks when destroyed.
 class KvSequence {
  public:
-  KvSequence(KvCachePool* pool, int64_t num_heads, int64_t head_size);
+  // `bf16`: elements are bfloat16 (uint16_t), else float.
+  KvSequence(KvCachePool* pool, int64_t num_heads, int64_t head_size, bool bf16 = false);
   ~KvSequence();
   KvSequence(const KvSequence&) = delete;
   KvSequence& operator=(const KvSequence&) = delete;
@@ -89,23 +91,28 @@ class KvSequence {
 
   int64_t num_heads() const { return num_heads_; }
   int64_t head_size() const { return head_size_; }
+  bool bf16() const { return bf16_; }
   // Block b's keys of head h, (p, kBlockTokens) transposed; its values,
-  // (kBlockTokens, p).
-  float* keys(int64_t b, int64_t h) const {
-    return blocks_[b] + h * KvCachePool::kBlockTokens * head_size_;
+  // (kBlockTokens, p). T is float, or uint16_t for a bf16 sequence.
+  template <typename T>
+  T* keys(int64_t b, int64_t h) const {
+    return reinterpret_cast<T*>(blocks_[b]) + h * KvCachePool::kBlockTokens * head_size_;
   }
-  float* values(int64_t b, int64_t h) const {
-    return blocks_[b] + (num_heads_ + h) * KvCachePool::kBlockTokens * head_size_;
+  template <typename T>
+  T* values(int64_t b, int64_t h) const {
+    return reinterpret_cast<T*>(blocks_[b]) +
+           (num_heads_ + h) * KvCachePool::kBlockTokens * head_size_;
   }
 
  private:
   size_t block_bytes() const {
     return static_cast<size_t>(2 * num_heads_ * KvCachePool::kBlockTokens * head_size_) *
-           sizeof(float);
+           (bf16_ ? 2 : 4);
   }
 
   KvCachePool* const pool_;
   const int64_t num_heads_, head_size_;
+  const bool bf16_;
   std::vector<float*> blocks_;
   int64_t size_ = 0;
 };

@@ -93,7 +93,8 @@ absl::Status WarmSessionSteps(Batcher& batcher, const std::shared_ptr<const Mode
         output.data == nullptr) {
       return absl::ResourceExhaustedError("cannot allocate the session warm-up's tensors");
     }
-    core::KvSequence cache(&pool, c.num_heads, c.head_size());
+    core::KvSequence cache(&pool, c.num_heads, c.head_size(),
+                           c.precision == core::Precision::kBf16);
     MHA_RETURN_IF_ERROR(cache.Reserve(rows));
     const core::PagedStep step{.num_queries = rows,
                                .queries = queries.data,

@@ -213,8 +213,10 @@ class SessionManager::Session final
     }
     input_ = *input;
     const core::ModelConfig& c = model_->config;
-    if (first)
-      cache_ = std::make_unique<core::KvSequence>(&manager_->pool_, c.num_heads, c.head_size());
+    if (first) {
+      cache_ = std::make_unique<core::KvSequence>(&manager_->pool_, c.num_heads, c.head_size(),
+                                                  c.precision == core::Precision::kBf16);
+    }
     if (absl::Status s = cache_->Reserve(input_.num_keys); !s.ok()) {
       reason_ = EndReason::kCacheBudget;
       return absl::ResourceExhaustedError(absl::StrCat("--session_cache_bytes: ", s.message(),

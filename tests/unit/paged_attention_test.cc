@@ -284,6 +284,39 @@ TEST(PagedBatchTest, BadStepsAreRefusedNamingTheField) {
   EXPECT_EQ(seq.size(), 0);  // nothing appended by a refused call
 }
 
+// A bf16 model keeps its cache in bf16: half the bytes, and steps within bf16's
+// rounding of the stateless bf16 Forward.
+TEST(PagedBf16Test, Bf16ModelsCacheBf16) {
+  ModelConfig c = BertBase(true);
+  c.precision = Precision::kBf16;
+  const Layer layer = Make(c);
+  const int64_t n = 40;
+  std::mt19937_64 rng(3);
+  const std::vector<float> x = RandomVector(rng, n * c.query_size);
+  const std::vector<float> want = StatelessCausal(layer, x, n);
+  KvCachePool pool(kBudget);
+  KvSequence seq(&pool, c.num_heads, c.head_size(), /*bf16=*/true);
+  ASSERT_TRUE(seq.Reserve(n).ok());
+  EXPECT_EQ(seq.bytes(), 2 * (2 * 12 * 32 * 64 * 2));  // two blocks of 2-byte elements
+  std::vector<float> got(n * c.num_hiddens);
+  for (int64_t at = 0, t = 8; at < n; at += t) {
+    const PagedStep step{.num_queries = t,
+                         .queries = x.data() + at * c.query_size,
+                         .causal = true,
+                         .cache = &seq,
+                         .output = got.data() + at * c.num_hiddens};
+    const absl::Status s = layer.mha->ForwardPaged({&step, 1});
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  // bf16 rounds every operand to 8 significant bits, as attention_test's bf16 cases.
+  EXPECT_LE(MaxAbsDiff(got, want), 1.0 / 32);
+  KvSequence f32(&pool, c.num_heads, c.head_size());
+  ASSERT_TRUE(f32.Reserve(1).ok());
+  std::vector<float> y(c.num_hiddens);
+  const PagedStep wrong{.num_queries = 1, .queries = x.data(), .cache = &f32, .output = y.data()};
+  EXPECT_EQ(layer.mha->ForwardPaged({&wrong, 1}).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(KvCachePoolTest, BudgetRefusesWithoutPartialBlocksAndReusesReleasedOnes) {
   // Toy blocks: 2 x 5 heads x 32 tokens x 20 floats = 25,600 bytes.
   constexpr int64_t kBlock = 2 * 5 * 32 * 20 * 4;
