@@ -1,6 +1,6 @@
-// What the request fuzzers (request_fuzzer, inference_request_fuzzer) share: the
-// model repository they validate against (small models, made once per process) and
-// the checks every validated request must pass.
+// What the request fuzzers (request_fuzzer, inference_request_fuzzer,
+// session_request_fuzzer) share: the model repository they validate against (small
+// models, made once per process) and the checks every validated request must pass.
 #ifndef MHA_TESTS_FUZZ_FUZZ_MODELS_H_
 #define MHA_TESTS_FUZZ_FUZZ_MODELS_H_
 
@@ -21,8 +21,10 @@ namespace mha::fuzzing {
 
 using mha::server::ModelRepository;
 
-// Three models: "default" self-attends with d = 4; "cross" has d_q, d_k, d_v all
-// different and biases; "tight" has small explicit limits.
+// Six models: "default" self-attends with d = 4; "cross" has d_q, d_k, d_v all
+// different and biases; "tight" has small explicit limits; "short" (self, biases)
+// caps a session at 12 tokens (limits.max_session_tokens); "half" computes in bf16;
+// "additive" scores additively (sessions refuse it).
 inline const ModelRepository& Repository() {
   static const ModelRepository* repository = [] {
     std::string dir = (std::filesystem::temp_directory_path() / "mha_request_fuzzer.XXXXXX");
@@ -35,6 +37,12 @@ inline const ModelRepository& Repository() {
         {"tight",
          "num_hiddens: 4 num_heads: 1 seeded { seed: 3 } limits { max_batch_size: 2 "
          "max_sequence_length: 8 max_request_bytes: 512 max_attention_elements: 32 }"},
+        {"short",
+         "num_hiddens: 4 num_heads: 1 bias: true seeded { seed: 4 } limits { "
+         "max_session_tokens: 12 max_request_bytes: 1024 }"},
+        {"half", "num_hiddens: 4 num_heads: 2 precision: \"bf16\" seeded { seed: 5 }"},
+        {"additive",
+         "num_hiddens: 4 num_heads: 2 scoring: ADDITIVE additive_hidden: 3 seeded { seed: 6 }"},
     };
     for (const auto& [name, config] : models) {
       std::filesystem::create_directories(std::filesystem::path(dir) / name);

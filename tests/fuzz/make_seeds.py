@@ -233,10 +233,98 @@ def inference_request_seeds():
     }
 
 
+def session_request(model=b"", kind=None, causal=False, queries=None, keys=None, values=None,
+                    model_version=b""):
+    """attention.v1.SessionRequest: model 1, kind 2, causal 3, queries 4, keys 5,
+    values 6, model_version 7."""
+    out = field(1, 2, model) if model else b""
+    if kind is not None:
+        out += field(2, 0, varint(kind))
+    if causal:
+        out += field(3, 0, varint(1))
+    for number, t in ((4, queries), (5, keys), (6, values)):
+        if t is not None:
+            out += field(number, 2, t)
+    if model_version:
+        out += field(7, 2, model_version)
+    return out
+
+
+def session(*messages):
+    # session_request_fuzzer.cc: the stream's messages, each a varint length and its
+    # bytes (protobuf's delimited format).
+    return b"".join(varint(len(m)) + m for m in messages)
+
+
+def rows(n, d, offset=0, raw=False):
+    """A (1, n, d) tensor of rows offset .. offset + n of one fixed sequence."""
+    data = [((i * 37) % 17 - 8) / 8.0 for i in range(offset * d, (offset + n) * d)]
+    return tensor([1, n, d], data=data, raw=raw)
+
+
+def self_chunks(model, d, chunks, causal=True, raw=False):
+    out, at = [], 0
+    for n in chunks:
+        first = not out
+        out.append(session_request(model=model if first else b"", causal=causal and first,
+                                   queries=rows(n, d, at, raw)))
+        at += n
+    return session(*out)
+
+
+def session_request_seeds():
+    # Models in fuzz_models.h: default (d 4, h 2), cross (p_o 6, h 3, d_q 3, d_k 5,
+    # d_v 2), short (d 4, h 1, max_session_tokens 12), half (d 4, bf16), additive.
+    # The fuzzer's cache budget is 6 KiB: 6 blocks (192 tokens) of d 4, 4 of cross.
+    CROSS = 1
+    cross_steps = [
+        session_request(model=b"cross", kind=CROSS, keys=rows(5, 5), values=rows(5, 2)),
+        session_request(queries=rows(2, 3)),
+        session_request(queries=rows(1, 3, 2), keys=rows(3, 5, 5), values=rows(3, 2, 5)),
+        session_request(queries=tensor([1, 0, 3], data=[]), keys=rows(1, 5, 8),
+                        values=rows(1, 2, 8)),
+    ]
+    return {
+        "self_causal_chunked": self_chunks(b"", 4, [3, 1, 1, 4]),
+        "self_whole_then_decode": self_chunks(b"default", 4, [30, 1, 1, 1]),
+        "self_noncausal_raw": self_chunks(b"default", 4, [2, 2, 1], causal=False, raw=True),
+        "self_across_blocks": self_chunks(b"default", 4, [31, 2, 40]),
+        "self_over_budget": self_chunks(b"default", 4, [100, 100]),
+        "short_over_token_limit": self_chunks(b"short", 4, [8, 4, 1]),
+        "half_bf16": self_chunks(b"half", 4, [5, 1, 1]),
+        "cross_chunked": session(*cross_steps),
+        "cross_causal": session(
+            session_request(model=b"cross", kind=CROSS, causal=True, queries=rows(2, 3),
+                            keys=rows(2, 5), values=rows(2, 2)),
+            session_request(queries=rows(1, 3, 2), keys=rows(1, 5, 2), values=rows(1, 2, 2)),
+            session_request(queries=rows(3, 3, 3), keys=rows(3, 5, 3), values=rows(3, 2, 3))),
+        "cross_raw_then_truncated": session(
+            session_request(model=b"cross", kind=CROSS, queries=rows(1, 3, raw=True),
+                            keys=rows(2, 5, raw=True), values=rows(2, 2, raw=True)),
+            session_request(queries=rows(1, 3, 1))) + b"\x40\x22",
+        "cross_keys_without_values": session(
+            session_request(model=b"cross", kind=CROSS, queries=rows(1, 3), keys=rows(1, 5))),
+        "self_on_cross_model": session(session_request(model=b"cross", queries=rows(1, 3))),
+        "kind_unknown": session(session_request(kind=7, queries=rows(1, 4))),
+        "model_in_second": session(session_request(queries=rows(1, 4)),
+                                   session_request(model=b"default", queries=rows(1, 4, 1))),
+        "additive": session(session_request(model=b"additive", queries=rows(1, 4))),
+        "nan_in_second": session(
+            session_request(queries=rows(2, 4)),
+            session_request(queries=tensor([1, 1, 4], data=[0.0, float("nan"), 1.0, 2.0]))),
+        "huge_shape": session(session_request(
+            queries=tensor([1, 1 << 40, 100], data=[0.0] * 100))),
+        "negative_t": session(session_request(queries=tensor([1, -1, 4], data=[0.0] * 4))),
+        "raw_odd_bytes": session(session_request(
+            queries=field(1, 2, b"".join(varint(d) for d in [1, 1, 4])) + field(3, 2, b"\0" * 15))),
+    }
+
+
 def main():
     for target, seeds in (("request", request_seeds()), ("safetensors", safetensors_seeds()),
                           ("config", config_seeds()), ("http_body", http_body_seeds()),
-                          ("inference_request", inference_request_seeds())):
+                          ("inference_request", inference_request_seeds()),
+                          ("session_request", session_request_seeds())):
         folder = os.path.join(HERE, "corpus", target)
         os.makedirs(folder, exist_ok=True)
         for name, data in seeds.items():

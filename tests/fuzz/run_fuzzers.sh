@@ -5,7 +5,8 @@
 # The committed seeds (tests/fuzz/corpus/<target>) are read, never written: new
 # inputs go to a scratch corpus, crash/leak/timeout inputs to $MHA_FUZZ_OUT
 # (default: a temporary directory), which is printed. Exit status 1 if any target
-# found a crash, a leak or a timeout.
+# found a crash, a leak or a timeout. MHA_FUZZ_TARGETS (default: every target) picks
+# some, e.g. MHA_FUZZ_TARGETS=session_request.
 set -uo pipefail
 seconds="${1:?usage: run_fuzzers.sh SECONDS [BUILD_DIR]}"
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -16,10 +17,12 @@ export OMP_NUM_THREADS=1
 # Our code checks its own invariants with abort(); UBSan must stop too.
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 
-declare -A max_len=([request]=4096 [safetensors]=4096 [config]=2048 [http_body]=8192 [inference_request]=4096)
+declare -A max_len=([request]=4096 [safetensors]=4096 [config]=2048 [http_body]=8192 [inference_request]=4096
+  [session_request]=4096)
 status=0
 printf '%-12s %8s %10s %8s %8s %8s  %s\n' target seconds execs exec/s cov ft result
-for target in request safetensors config http_body inference_request; do
+targets="${MHA_FUZZ_TARGETS:-request safetensors config http_body inference_request session_request}"
+for target in $targets; do
   binary="$build/tests/fuzz/${target}_fuzzer"
   if [[ ! -x "$binary" ]]; then
     echo "missing $binary (cmake --preset fuzz && cmake --build --preset fuzz)" >&2

@@ -8,7 +8,9 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/attention.h"
@@ -135,6 +137,76 @@ inline void WriteValidationModels(const TempDir& dir) {
             "num_hiddens: 100 num_heads: 5 seeded { seed: 0 } "
             "limits { max_request_bytes: 2000 }");
 }
+
+// (1, count, d): rows from .. from + count of the row-major (n, d) sequence `x`.
+inline Tensor Rows(const std::vector<float>& x, int64_t d, int64_t from, int64_t count) {
+  Tensor t;
+  for (int64_t s : {int64_t{1}, count, d}) t.add_shape(s);
+  t.mutable_data()->Add(x.begin() + from * d, x.begin() + (from + count) * d);
+  return t;
+}
+
+// One open AttendSession stream, used synchronously: a step at a time. The stream
+// starts (the server opens its session) when this is made.
+class Session {
+ public:
+  // Step puts `model`, `causal` and `kind` into the stream's first message.
+  Session(AttentionService::Stub& stub, const std::string& model, bool causal,
+          attention::v1::SessionKind kind = attention::v1::SELF,
+          std::chrono::milliseconds timeout = std::chrono::seconds(120))
+      : Session(stub, timeout) {
+    first_.emplace();
+    first_->set_model(model);
+    first_->set_causal(causal);
+    first_->set_kind(kind);
+  }
+  // Step sends every message exactly as given (hostile input).
+  explicit Session(AttentionService::Stub& stub,
+                   std::chrono::milliseconds timeout = std::chrono::seconds(120)) {
+    SetTimeout(&context_, timeout);
+    stream_ = stub.AttendSession(&context_);
+  }
+
+  // Sends `request` and reads its answer; nullopt when the stream ended instead
+  // (status() then says why).
+  std::optional<attention::v1::SessionResponse> Step(attention::v1::SessionRequest request) {
+    if (first_.has_value()) {
+      request.set_model(first_->model());
+      request.set_causal(first_->causal());
+      request.set_kind(first_->kind());
+      first_.reset();
+    }
+    attention::v1::SessionResponse response;
+    if (!stream_->Write(request) || !stream_->Read(&response)) return std::nullopt;
+    return response;
+  }
+  // A SELF step of rows from .. from + count of `x`, (n, d).
+  std::optional<attention::v1::SessionResponse> SelfStep(const std::vector<float>& x, int64_t d,
+                                                         int64_t from, int64_t count) {
+    attention::v1::SessionRequest request;
+    *request.mutable_queries() = Rows(x, d, from, count);
+    return Step(std::move(request));
+  }
+  // Half-closes, reads what is left and returns the stream's status.
+  grpc::Status Close() {
+    stream_->WritesDone();
+    attention::v1::SessionResponse ignored;
+    while (stream_->Read(&ignored)) {
+    }
+    return stream_->Finish();
+  }
+  // Abandons the stream: the client cancels it.
+  void Cancel() { context_.TryCancel(); }
+  // After a Step returned nullopt, or after Cancel.
+  grpc::Status status() { return stream_->Finish(); }
+
+ private:
+  grpc::ClientContext context_;
+  std::unique_ptr<
+      grpc::ClientReaderWriter<attention::v1::SessionRequest, attention::v1::SessionResponse>>
+      stream_;
+  std::optional<attention::v1::SessionRequest> first_;  // settings, until the first Step
+};
 
 template <typename A, typename B>
 float MaxAbsDiff(const A& a, const B& b) {

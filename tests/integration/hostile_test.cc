@@ -1,10 +1,12 @@
 // Hostile input against the real server (label `integration`): malformed and
 // garbage protobuf frames, raw HTTP/2 abuse, shapes, NaN/Inf, valid_lens and
 // head_mask abuse, enormous attention weights, unknown models, 10,000 streams
-// opened and abandoned, and clients that never read. Each case checks the
-// canonical code (and a message substring), then that the server's RSS stays within
-// a budget and that a normal request succeeds right after; every test ends with a
-// clean SIGTERM drain (exit 0, so no sanitizer report either).
+// opened and abandoned, clients that never read, and hostile AttendSession streams
+// (lying shapes, unknown kinds, oversized steps, 200 sessions abandoned before their
+// first message). Each case checks the canonical code (and a message substring),
+// then that the server's RSS stays within a budget and that a normal request
+// succeeds right after; every test ends with a clean SIGTERM drain (exit 0, so no
+// sanitizer report either).
 #include <grpcpp/generic/generic_stub.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -14,14 +16,19 @@
 #include <functional>
 #include <future>
 #include <limits>
+#include <optional>
 #include <random>
+#include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "tests/integration/client_util.h"
+#include "tests/integration/metrics_scrape.h"
 #include "tests/integration/net_util.h"
 #include "tests/integration/server_process.h"
 
@@ -45,12 +52,17 @@ constexpr int64_t kRssBudgetKib = 384 * 1024;
 // limit) whose weights would overflow a gRPC message.
 class HostileTest : public ::testing::Test {
  protected:
+  // The models served; a derived fixture may add some.
+  virtual void WriteModels(const TempDir& repository) {
+    repository.Write("default/config.pbtxt", "num_hiddens: 100 num_heads: 5 seeded { seed: 0 }");
+    repository.Write("wide/config.pbtxt",
+                     "num_hiddens: 4 num_heads: 4 seeded { seed: 1 } limits { "
+                     "max_sequence_length: 65536 max_attention_elements: 1099511627776 }");
+  }
+
   void SetUp() override {
     repository_ = std::make_unique<TempDir>();
-    repository_->Write("default/config.pbtxt", "num_hiddens: 100 num_heads: 5 seeded { seed: 0 }");
-    repository_->Write("wide/config.pbtxt",
-                       "num_hiddens: 4 num_heads: 4 seeded { seed: 1 } limits { "
-                       "max_sequence_length: 65536 max_attention_elements: 1099511627776 }");
+    WriteModels(*repository_);
     auto server = ServerProcess::Start(
         {"--port=0", "--compute_threads=2", "--model_repository=" + repository_->path(),
          "--max_batch_size=8", "--max_sequence_length=1024",
@@ -878,6 +890,244 @@ TEST_F(HostileTest, UnaryClientsThatNeverReadTheirSocket) {
   cq.Shutdown();
   while (cq.Next(&tag, &ok)) {
   }
+}
+
+// ---------------------------------------------------------------------------
+// AttendSession: hostile steps end their own stream with the canonical code (the
+// message "step N: <field>: ..."); the server keeps serving Attend and sessions,
+// and releases every session's cache.
+
+using attention::v1::SessionRequest;
+using attention::v1::SessionResponse;
+
+// HostileTest's models and "small_requests" (the toy sizes, max_request_bytes 4096).
+class HostileSessionTest : public HostileTest {
+ protected:
+  void WriteModels(const TempDir& repository) override {
+    HostileTest::WriteModels(repository);
+    repository.Write("small_requests/config.pbtxt",
+                     "num_hiddens: 100 num_heads: 5 seeded { seed: 0 } "
+                     "limits { max_request_bytes: 4096 }");
+  }
+
+  // -1 when /metrics cannot be read or lacks the series.
+  double Metric(const std::string& series) {
+    const absl::StatusOr<std::string> text = ScrapeMetrics(server_->metrics_port());
+    if (!text.ok()) return -1;
+    return FindMetric(*text, series).value_or(-1);
+  }
+
+  // Polls (up to `timeout`) until `series` reads `want`; its last value.
+  double AwaitMetric(const std::string& series, double want,
+                     absl::Duration timeout = absl::Seconds(5)) {
+    const absl::Time deadline = absl::Now() + timeout;
+    double value = Metric(series);
+    while (value != want && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(50));
+      value = Metric(series);
+    }
+    return value;
+  }
+
+  // A normal causal SELF session on "default": a 3-token prefill and one decode
+  // step, then a clean close; afterwards no session is open and no cache is held.
+  void ExpectSessionWorks() {
+    auto stub = Connect(server_->target());
+    Session session(*stub, "default", /*causal=*/true, attention::v1::SELF,
+                    std::chrono::seconds(30));
+    std::vector<float> x(4 * 100);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.1f * static_cast<float>(i));
+    for (const auto& [from, count] : {std::pair<int64_t, int64_t>{0, 3}, {3, 1}}) {
+      const std::optional<SessionResponse> r = session.SelfStep(x, 100, from, count);
+      ASSERT_TRUE(r.has_value()) << session.status().error_message();
+      EXPECT_EQ(r->context_tokens(), from + count);
+      ASSERT_EQ(r->output().shape_size(), 3);
+      EXPECT_EQ(r->output().shape(1), count);
+      ASSERT_EQ(r->output().data_size(), count * 100);
+      for (float v : r->output().data()) ASSERT_TRUE(std::isfinite(v));
+    }
+    const grpc::Status status = session.Close();
+    EXPECT_TRUE(status.ok()) << status.error_code() << " " << status.error_message();
+    EXPECT_EQ(AwaitMetric("mha_sessions_active", 0), 0);
+    EXPECT_EQ(AwaitMetric("mha_session_cache_bytes", 0), 0);
+  }
+};
+
+// One hostile stream: its messages, sent in order, every one but the last answered;
+// the last ends the stream with `code` and a message starting with `message`.
+struct SessionCase {
+  std::string name;
+  std::function<std::vector<SessionRequest>()> messages;
+  StatusCode code;
+  std::string message;  // prefix of the status message; "" = any
+};
+void PrintTo(const SessionCase& c, std::ostream* os) { *os << c.name; }
+
+class HostileSessionCaseTest : public HostileSessionTest,
+                               public ::testing::WithParamInterface<SessionCase> {};
+
+TEST_P(HostileSessionCaseTest, EndsItsStreamWithItsCodeAndTheServerServesOn) {
+  const SessionCase& c = GetParam();
+  const std::vector<SessionRequest> messages = c.messages();
+  auto stub = Connect(server_->target());
+  Session session(*stub, std::chrono::seconds(60));
+  for (size_t i = 0; i + 1 < messages.size(); ++i) {
+    ASSERT_TRUE(session.Step(messages[i]).has_value())
+        << "message " << i << ": " << session.status().error_message();
+  }
+  EXPECT_FALSE(session.Step(messages.back()).has_value()) << "the hostile message was answered";
+  const grpc::Status status = session.status();
+  EXPECT_EQ(status.error_code(), c.code) << status.error_message().substr(0, 500);
+  EXPECT_TRUE(absl::StartsWith(status.error_message(), c.message))
+      << "message: " << status.error_message().substr(0, 500) << "\nexpected: " << c.message;
+  EXPECT_LE(status.error_message().size(), 512u);
+  ExpectServerHealthy();  // a normal Attend, and memory within budget
+  ExpectSessionWorks();
+}
+
+// (1, t, d) queries of `count` values 0.5 (count = t * d unless lying).
+SessionRequest WithSessionQueries(std::vector<int64_t> shape, int64_t count) {
+  SessionRequest r;
+  Tensor* q = r.mutable_queries();
+  for (int64_t d : shape) q->add_shape(d);
+  q->mutable_data()->Resize(static_cast<int>(count), 0.5f);
+  return r;
+}
+
+// A valid first CROSS step on "default" (d = 100): 2 queries over 2 new keys.
+SessionRequest CrossFirst() {
+  SessionRequest r;
+  r.set_kind(attention::v1::CROSS);
+  *r.mutable_queries() = MakeTensor({1, 2, 100});
+  *r.mutable_keys() = MakeTensor({1, 2, 100}, 1.0f);
+  *r.mutable_values() = MakeTensor({1, 2, 100}, 2.0f);
+  return r;
+}
+
+const SessionCase kSessionCases[] = {
+    {"ShapeFarLargerThanData",
+     [] { return std::vector{WithSessionQueries({1, int64_t{1} << 40, 100}, 100)}; },
+     StatusCode::INVALID_ARGUMENT,
+     "step 0: queries: shape (1, 1099511627776, 100) does not match its 100 values"},
+    {"ShapeProductOverflows",
+     [] {
+       return std::vector{
+           WithSessionQueries({1, std::numeric_limits<int64_t>::max(), 100}, 100)};
+     },
+     StatusCode::INVALID_ARGUMENT, "step 0: queries: shape (1, 9223372036854775807, 100)"},
+    {"NegativeT", [] { return std::vector{WithSessionQueries({1, -3, 100}, 300)}; },
+     StatusCode::INVALID_ARGUMENT,
+     "step 0: queries: expected shape (1, T, 100) with T >= 1, got (1, -3, 100)"},
+    {"NegativeTInLaterStep",
+     [] {
+       return std::vector{WithSessionQueries({1, 2, 100}, 200),
+                          WithSessionQueries({1, -1, 100}, 100)};
+     },
+     StatusCode::INVALID_ARGUMENT, "step 1: queries: expected shape (1, T, 100) with T >= 1"},
+    {"RawNotAMultipleOfFour",
+     [] {
+       SessionRequest r;
+       for (int64_t d : {1, 1, 100}) r.mutable_queries()->add_shape(d);
+       r.mutable_queries()->set_raw(std::string(401, '\0'));
+       return std::vector{r};
+     },
+     StatusCode::INVALID_ARGUMENT,
+     "step 0: queries.raw: 401 bytes is not a whole number of float32 values"},
+    {"UnknownKind",
+     [] {
+       SessionRequest r = WithSessionQueries({1, 1, 100}, 100);
+       r.set_kind(static_cast<attention::v1::SessionKind>(7));
+       return std::vector{r};
+     },
+     StatusCode::INVALID_ARGUMENT, "step 0: kind: expected SELF (0) or CROSS (1), got 7"},
+    {"CrossKeysWithoutValues",
+     [] {
+       SessionRequest second;
+       *second.mutable_queries() = MakeTensor({1, 1, 100});
+       *second.mutable_keys() = MakeTensor({1, 1, 100});
+       return std::vector{CrossFirst(), second};
+     },
+     StatusCode::INVALID_ARGUMENT, "step 1: values: required when keys are given"},
+    {"CrossValuesWithoutKeys",
+     [] {
+       SessionRequest r = CrossFirst();
+       r.clear_keys();
+       return std::vector{r};
+     },
+     StatusCode::INVALID_ARGUMENT, "step 0: keys: required when values are given"},
+    {"NanInLaterStep",
+     [] {
+       SessionRequest second = WithSessionQueries({1, 1, 100}, 100);
+       second.mutable_queries()->set_data(42, std::numeric_limits<float>::quiet_NaN());
+       return std::vector{WithSessionQueries({1, 2, 100}, 200), second};
+     },
+     StatusCode::INVALID_ARGUMENT, "step 1: queries: non-finite value nan at index 42"},
+    // The model's own limit (4096 bytes) below the server's transport limit: the
+    // session codec refuses it.
+    {"OverModelMaxRequestBytes",
+     [] {
+       SessionRequest r = WithSessionQueries({1, 20, 100}, 2000);
+       r.set_model("small_requests");
+       return std::vector{r};
+     },
+     StatusCode::RESOURCE_EXHAUSTED, "step 0: request: size in bytes 80"},
+    // Over the server's max_request_bytes (4 MiB), its gRPC receive limit: gRPC
+    // refuses it with its own message, after a step that was answered.
+    {"OverServerMaxRequestBytes",
+     [] {
+       SessionRequest big;
+       for (int64_t d : {int64_t{1}, int64_t{10500}, int64_t{100}}) {
+         big.mutable_queries()->add_shape(d);
+       }
+       big.mutable_queries()->set_raw(std::string(10500 * 100 * 4, '\0'));
+       return std::vector{WithSessionQueries({1, 2, 100}, 200), big};
+     },
+     StatusCode::RESOURCE_EXHAUSTED, "Received message larger than max"},
+};
+
+INSTANTIATE_TEST_SUITE_P(Cases, HostileSessionCaseTest, ::testing::ValuesIn(kSessionCases),
+                         [](const ::testing::TestParamInfo<SessionCase>& info) {
+                           return info.param.name;
+                         });
+
+// 200 sessions opened and abandoned before their first message (the client
+// cancels): the server saw each open, ends each, and then serves the next session;
+// no session stays open.
+TEST_F(HostileSessionTest, TwoHundredSessionsAbandonedBeforeTheirFirstMessage) {
+  constexpr int kSessions = 200;
+  auto stub = AttentionService::NewStub(
+      Channel(server_->target(), grpc::InsecureChannelCredentials(), "", true));
+  const double opened_before = Metric("mha_sessions_total");
+  {
+    std::vector<std::unique_ptr<Session>> sessions;
+    for (int i = 0; i < kSessions; ++i) {
+      sessions.push_back(std::make_unique<Session>(*stub, std::chrono::seconds(60)));
+    }
+    EXPECT_EQ(AwaitMetric("mha_sessions_active", kSessions, absl::Seconds(10)), kSessions);
+    EXPECT_EQ(Metric("mha_sessions_total"), opened_before + kSessions);
+    for (auto& session : sessions) session->Cancel();
+    for (auto& session : sessions) {
+      EXPECT_EQ(session->status().error_code(), StatusCode::CANCELLED);
+    }
+  }
+  EXPECT_EQ(AwaitMetric("mha_sessions_active", 0), 0);
+  ExpectSessionWorks();
+  ExpectServerHealthy();
+  EXPECT_EQ(Metric("mha_session_cached_tokens"), 0);
+}
+
+// A client that opens a session and half-closes at once ends it cleanly: OK, no
+// message, nothing held.
+TEST_F(HostileSessionTest, SessionHalfClosedAtOnceEndsOk) {
+  auto stub = Connect(server_->target());
+  const double client_ends = Metric("mha_session_ends_total{reason=\"client\"}");
+  Session session(*stub, std::chrono::seconds(30));
+  const grpc::Status status = session.Close();
+  EXPECT_TRUE(status.ok()) << status.error_code() << " " << status.error_message();
+  EXPECT_EQ(AwaitMetric("mha_session_ends_total{reason=\"client\"}", client_ends + 1),
+            client_ends + 1);
+  EXPECT_EQ(AwaitMetric("mha_sessions_active", 0), 0);
+  ExpectSessionWorks();
 }
 
 }  // namespace

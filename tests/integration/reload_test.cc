@@ -168,6 +168,60 @@ TEST_F(ReloadTest, SighupSwapsChangedModelsLoadsNewOnesAndUnloadsRemovedOnes) {
   EXPECT_EQ(Reload(), "repository: reload done (loaded 0, unloaded 0, failed 0)");
 }
 
+// A session keeps the model version it started with: after a reload swapped the
+// model, its steps still equal the old weights' stateless answers, and a session
+// opened after the reload gets the new ones.
+TEST_F(ReloadTest, SessionsKeepTheirVersionAcrossAReload) {
+  repository_.Write("a/config.pbtxt", ToyConfig(1));
+  Start({});
+  const Tensor tokens = MakeTensor({1, 6, 100});
+  auto step = [](grpc::ClientReaderWriter<attention::v1::SessionRequest,
+                                          attention::v1::SessionResponse>& stream,
+                 const Tensor& all, int64_t from, int64_t count, bool first) {
+    attention::v1::SessionRequest request;
+    if (first) {
+      request.set_model("a");
+      request.set_causal(true);
+    }
+    Tensor* q = request.mutable_queries();
+    for (int64_t d : {int64_t{1}, count, int64_t{100}}) q->add_shape(d);
+    q->mutable_data()->Add(all.data().begin() + from * 100,
+                           all.data().begin() + (from + count) * 100);
+    attention::v1::SessionResponse response;
+    EXPECT_TRUE(stream.Write(request) && stream.Read(&response));
+    return std::vector<float>(response.output().data().begin(), response.output().data().end());
+  };
+  // The stateless answer of the model now served: causal self-attention on all 6.
+  auto stateless = [&] {
+    AttendRequest request;
+    request.set_model("a");
+    *request.mutable_queries() = tokens;
+    request.set_causal(true);
+    AttendResponse response;
+    EXPECT_TRUE(Attend(*stub_, request, &response).ok());
+    return std::vector<float>(response.output().data().end() - 100, response.output().data().end());
+  };
+  const std::vector<float> old_last = stateless();
+
+  grpc::ClientContext old_context;
+  auto old_session = stub_->AttendSession(&old_context);
+  step(*old_session, tokens, 0, 5, /*first=*/true);
+  repository_.Write("a/config.pbtxt", ToyConfig(7));
+  EXPECT_EQ(Reload(), "repository: reload done (loaded 1, unloaded 0, failed 0)");
+  const std::vector<float> new_last = stateless();
+  ASSERT_GT(MaxAbsDiff(old_last, new_last), 1e-3f) << "the reload changed nothing";
+
+  EXPECT_LE(MaxAbsDiff(step(*old_session, tokens, 5, 1, false), old_last), 1e-5f);
+  grpc::ClientContext new_context;
+  auto new_session = stub_->AttendSession(&new_context);
+  step(*new_session, tokens, 0, 5, /*first=*/true);
+  EXPECT_LE(MaxAbsDiff(step(*new_session, tokens, 5, 1, false), new_last), 1e-5f);
+  for (auto* session : {old_session.get(), new_session.get()}) {
+    session->WritesDone();
+    EXPECT_TRUE(session->Finish().ok());
+  }
+}
+
 TEST_F(ReloadTest, BrokenNewFilesKeepThePreviousVersionServing) {
   repository_.Write("a/config.pbtxt", ToyConfig(1));
   Start({});

@@ -25,7 +25,16 @@ namespace {
 using attention::v1::SessionRequest;
 using attention::v1::SessionResponse;
 
+#ifdef MHA_SANITIZED
+// Ten times slower, and the sanitizer's allocator and shadow memory keep what is
+// freed: fewer sessions, and RSS is printed but not checked (the pool and the
+// session counts still are).
+constexpr int kSessions = 200;
+constexpr bool kCheckRss = false;
+#else
 constexpr int kSessions = 1000;
+constexpr bool kCheckRss = true;
+#endif
 constexpr int kConcurrent = 8;
 constexpr int64_t kPrefill = 200;  // 7 blocks of 32 tokens
 
@@ -81,8 +90,8 @@ int64_t SettledKib(const ServerProcess& server) {
 }
 
 void Report(const char* what, int64_t before, int64_t after) {
-  std::printf("%s: RSS %lld KiB -> %lld KiB (%+.1f%%)\n", what, static_cast<long long>(before),
-              static_cast<long long>(after),
+  std::printf("%d %s: RSS %lld KiB -> %lld KiB (%+.1f%%)\n", kSessions, what,
+              static_cast<long long>(before), static_cast<long long>(after),
               100.0 * static_cast<double>(after - before) / static_cast<double>(before));
 }
 
@@ -105,8 +114,10 @@ TEST(SessionMemoryTest, AbandonedSessionsGiveTheirMemoryBack) {
   ASSERT_TRUE(RunSessions(*server, prefill, kSessions, 1));
   const int64_t after_sequential = SettledKib(*server);
   ASSERT_GT(after_sequential, 0) << "sessions or cache blocks left over";
-  Report("1,000 sessions one at a time", after_first, after_sequential);
-  EXPECT_LE(after_sequential, after_first * 11 / 10);
+  Report("sessions one at a time", after_first, after_sequential);
+  if (kCheckRss) {
+    EXPECT_LE(after_sequential, after_first * 11 / 10);
+  }
 
   // Concurrent sessions first grow the server once to what that concurrency needs
   // (gRPC's threads and their malloc arenas, call arenas, workspaces for merged
@@ -119,9 +130,11 @@ TEST(SessionMemoryTest, AbandonedSessionsGiveTheirMemoryBack) {
   ASSERT_TRUE(RunSessions(*server, prefill, kSessions, kConcurrent));
   const int64_t after_concurrent = SettledKib(*server);
   ASSERT_GT(after_concurrent, 0) << "sessions or cache blocks left over";
-  Report("1,000 sessions 8 at a time", after_sequential, after_warm);
-  Report("1,000 more 8 at a time", after_warm, after_concurrent);
-  EXPECT_LE(after_concurrent, after_warm * 105 / 100);
+  Report("as many 8 at a time", after_sequential, after_warm);
+  Report("as many more 8 at a time", after_warm, after_concurrent);
+  if (kCheckRss) {
+    EXPECT_LE(after_concurrent, after_warm * 105 / 100);
+  }
 
   const int total = 1 + 3 * kSessions;
   EXPECT_EQ(Scrape(*server, "mha_sessions_total"), total);

@@ -87,7 +87,7 @@ def one_line_error(done, code, status):
 
 def test_several_models_and_no_model_names_them(deploy_target):
     line = one_line_error(run(f"--target={deploy_target}"), 2, "INVALID_ARGUMENT: ")
-    assert "--model=" in line and "bert_base, toy" in line
+    assert "--model=" in line and "bert_base, decoder, toy" in line
 
 
 def test_server_down_is_one_unavailable_line():
