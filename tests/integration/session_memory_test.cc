@@ -29,7 +29,7 @@ using attention::v1::SessionResponse;
 // Ten times slower, and the sanitizer's allocator and shadow memory keep what is
 // freed: fewer sessions, and RSS is printed but not checked (the pool and the
 // session counts still are).
-constexpr int kSessions = 200;
+constexpr int kSessions = 50;
 constexpr bool kCheckRss = false;
 #else
 constexpr int kSessions = 1000;
