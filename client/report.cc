@@ -189,14 +189,7 @@ std::string ToJson(const BenchReport& report) {
   json root = {
       {"protocol", ProtocolName(report.protocol)},
       {"target", report.target},
-      {"model",
-       {{"name", m.name()},
-        {"num_hiddens", m.num_hiddens()},
-        {"num_heads", m.num_heads()},
-        {"query_size", m.query_size()},
-        {"key_size", m.key_size()},
-        {"value_size", m.value_size()},
-        {"precision", m.precision()}}},
+      {"model", ModelJson(m)},
       {"request",
        {{"batch", report.batch},
         {"num_queries", report.num_queries},
@@ -294,6 +287,13 @@ absl::Status CheckBenchReport(const BenchReport& report) {
     }
   }
   return absl::OkStatus();
+}
+
+nlohmann::json ModelJson(const attention::v1::ModelInfo& m) {
+  return {{"name", m.name()},           {"num_hiddens", m.num_hiddens()},
+          {"num_heads", m.num_heads()}, {"query_size", m.query_size()},
+          {"key_size", m.key_size()},   {"value_size", m.value_size()},
+          {"precision", m.precision()}};
 }
 
 std::string ModelSizes(const attention::v1::ModelInfo& m) {

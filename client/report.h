@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "client/bench.h"
+#include "nlohmann/json_fwd.hpp"
 
 namespace mha::client {
 
@@ -49,6 +50,9 @@ absl::Status CheckBenchReport(const BenchReport& report);
 // "p_o 100, h 5, f32"; models described by Open Inference Protocol metadata may
 // lack h ("?") and precision (left out).
 std::string ModelSizes(const attention::v1::ModelInfo& model);
+
+// The "model" object of the JSON reports (bench, decode): name and sizes.
+nlohmann::json ModelJson(const attention::v1::ModelInfo& model);
 
 // Writes `text` to `path`; INVALID_ARGUMENT naming the path on failure.
 absl::Status WriteText(const std::string& path, const std::string& text);

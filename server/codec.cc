@@ -166,14 +166,6 @@ core::AttentionInputs Views(const RequestView& request, const Dims& dims) {
   };
 }
 
-absl::Status CheckRequestBytes(int64_t bytes, const Model& model) {
-  if (bytes > model.limits.max_request_bytes) {
-    return OverLimit("request: size in bytes", bytes, "max_request_bytes",
-                     model.limits.max_request_bytes, model);
-  }
-  return absl::OkStatus();
-}
-
 void SetShape(std::initializer_list<int64_t> dims, Tensor* tensor) {
   tensor->clear_shape();
   for (int64_t d : dims) tensor->add_shape(d);
@@ -236,6 +228,14 @@ float* AllocateTensor(int64_t elements, bool raw, Tensor* tensor) {
   }
   tensor->mutable_data()->Resize(static_cast<int>(elements), 0.0f);
   return tensor->mutable_data()->mutable_data();
+}
+
+absl::Status CheckRequestBytes(int64_t bytes, const Model& model) {
+  if (bytes > model.limits.max_request_bytes) {
+    return OverLimit("request: size in bytes", bytes, "max_request_bytes",
+                     model.limits.max_request_bytes, model);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<ValidatedRequest> Validate(const RequestView& request, const Model& model) {

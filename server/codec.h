@@ -84,6 +84,10 @@ struct ValidatedRequest {
 // The checks above, for any front. The result points where `request` does.
 absl::StatusOr<ValidatedRequest> Validate(const RequestView& request, const Model& model);
 
+// RESOURCE_EXHAUSTED naming max_request_bytes when a request of `bytes` (serialized)
+// is over the model's limit.
+absl::Status CheckRequestBytes(int64_t bytes, const Model& model);
+
 // A tensor's values as a view, from data or from raw (little-endian float32 bytes);
 // nullopt when not `present`. INVALID_ARGUMENT naming `field` when both are set or
 // raw is not whole float32s.

@@ -34,9 +34,6 @@ constexpr std::array<int64_t, 4> kContextBounds = {64, 512, 2048, 4096};
 constexpr std::array<const char*, 5> kContextLabels = {"le64", "le512", "le2048", "le4096",
                                                        "gt4096"};
 
-// A CROSS step without new keys still points at some: nullptr keys mean SELF.
-constexpr float kNoKeys = 0;
-
 }  // namespace
 
 struct SessionManager::Metrics {
@@ -228,17 +225,8 @@ class SessionManager::Session final
                                                        " tokens"));
     }
     manager_->metrics_->cache_bytes.Set(static_cast<double>(manager_->pool_.used_bytes()));
-    const bool self = settings_.kind == attention::v1::SELF;
-    step_ = core::PagedStep{
-        .num_queries = input_.num_queries,
-        .queries = input_.queries,
-        .num_keys = input_.num_keys,
-        .keys = self ? nullptr : (input_.keys != nullptr ? input_.keys : &kNoKeys),
-        .values = self ? nullptr : (input_.values != nullptr ? input_.values : &kNoKeys),
-        .causal = settings_.causal,
-        .cache = cache_.get(),
-        .output = PrepareSessionResponse(input_, *model_, &response_),
-    };
+    step_ = ToPagedStep(input_, settings_, cache_.get(),
+                        PrepareSessionResponse(input_, *model_, &response_));
     return manager_->batcher_->Submit(WorkItem{
         .model = model_,
         .inputs = {.batch = 1,

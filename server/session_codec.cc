@@ -41,12 +41,7 @@ absl::StatusOr<SessionStepInput> DecodeSessionStep(const SessionRequest& request
                                                    const SessionSettings& settings,
                                                    const Model& model, int64_t cached) {
   const core::ModelConfig& c = model.config;
-  const auto bytes = static_cast<int64_t>(request.ByteSizeLong());
-  if (bytes > model.limits.max_request_bytes) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("request: size in bytes ", bytes, " exceeds max_request_bytes ",
-                     model.limits.max_request_bytes, " of model ", model.name));
-  }
+  MHA_RETURN_IF_ERROR(CheckRequestBytes(static_cast<int64_t>(request.ByteSizeLong()), model));
   if (!first && (!request.model().empty() || !request.model_version().empty())) {
     return absl::InvalidArgumentError(
         "model: set only in a session's first message (a session keeps its model)");
@@ -121,6 +116,22 @@ absl::StatusOr<SessionStepInput> DecodeSessionStep(const SessionRequest& request
     MHA_RETURN_IF_ERROR(CheckFiniteValues("values", *values));
   }
   return step;
+}
+
+core::PagedStep ToPagedStep(const SessionStepInput& step, const SessionSettings& settings,
+                            core::KvSequence* cache, float* output) {
+  static constexpr float kNoKeys = 0;
+  const bool self = settings.kind == attention::v1::SELF;
+  return core::PagedStep{
+      .num_queries = step.num_queries,
+      .queries = step.queries,
+      .num_keys = step.num_keys,
+      .keys = self ? nullptr : (step.keys != nullptr ? step.keys : &kNoKeys),
+      .values = self ? nullptr : (step.values != nullptr ? step.values : &kNoKeys),
+      .causal = settings.causal,
+      .cache = cache,
+      .output = output,
+  };
 }
 
 float* PrepareSessionResponse(const SessionStepInput& step, const Model& model,

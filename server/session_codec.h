@@ -25,6 +25,8 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
+#include "core/attention.h"
+#include "core/kv_cache.h"
 #include "proto/attention.pb.h"
 #include "server/model.h"
 
@@ -55,6 +57,12 @@ absl::StatusOr<SessionStepInput> DecodeSessionStep(const attention::v1::SessionR
 
 // The settings a first message asks for.
 SessionSettings SettingsOf(const attention::v1::SessionRequest& first);
+
+// The core step of a decoded step, appending to `cache` and writing `output`.
+// (A CROSS step without new keys still points its keys at something: nullptr keys
+// mean self-attention to the core.)
+core::PagedStep ToPagedStep(const SessionStepInput& step, const SessionSettings& settings,
+                            core::KvSequence* cache, float* output);
 
 // Sizes response.output (1, T, p_o) zeroed, raw or data as the step came, and
 // returns its values.

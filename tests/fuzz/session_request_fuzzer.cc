@@ -65,8 +65,6 @@ constexpr int64_t kBudgetBytes = 6 << 10;
 // comparison when within kReferenceBound.
 constexpr float kFiniteBound = 1e4f;
 constexpr float kReferenceBound = 16.0f;
-// A CROSS step without new keys still points at some (server/session.cc's kNoKeys).
-constexpr float kNoKeys = 0;
 
 // The floats a request tensor holds (its data or its raw bytes), for range checks.
 struct Storage {
@@ -399,16 +397,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const std::vector<uint32_t> snapshot = Snapshot(*cache);
 
     SessionResponse response;
-    mha::core::PagedStep paged{
-        .num_queries = step.num_queries,
-        .queries = step.queries,
-        .num_keys = step.num_keys,
-        .keys = self ? nullptr : (step.keys != nullptr ? step.keys : &kNoKeys),
-        .values = self ? nullptr : (step.values != nullptr ? step.values : &kNoKeys),
-        .causal = settings.causal,
-        .cache = cache.get(),
-        .output = mha::server::PrepareSessionResponse(step, *model, &response),
-    };
+    mha::core::PagedStep paged = mha::server::ToPagedStep(
+        step, settings, cache.get(), mha::server::PrepareSessionResponse(step, *model, &response));
     const attention::v1::Tensor& out = response.output();
     MHA_FUZZ_CHECK(out.shape_size() == 3 && out.shape(0) == 1 && out.shape(1) == step.num_queries &&
                    out.shape(2) == c.num_hiddens);
