@@ -291,7 +291,9 @@ Batcher::Batch Batcher::NextBatch() {
     ModelQueue* queue = OldestQueue();
     if (queue == nullptr) return {};  // stopping, and everything is done
     const BatchingPolicy& policy = queue->model->batching;
-    if (!stopping_ && policy.enabled && !Full(*queue)) {
+    // Warm-up items are due at once: nothing can join them (requests for a warming
+    // model are refused), so waiting the batching delay would only stretch start-up.
+    if (!stopping_ && policy.enabled && !Full(*queue) && !queue->items.front().warmup) {
       const absl::Time due = queue->items.front().enqueued + policy.max_queue_delay;
       if (absl::Now() < due) {
         // Wait for a full batch, the delay, or another worker taking the queue.

@@ -90,6 +90,9 @@ TEST(BatchingTest, ConcurrentMixedLengthRequestsGetTheSameAnswerBatchedOrNot) {
   EXPECT_EQ(MetricValue(text, R"(mha_batch_size_sum{model="default"})"), 12);
   EXPECT_EQ(MetricValue(text, R"(mha_compute_duration_seconds_count{model="default"})"), 1);
   EXPECT_EQ(MetricValue(text, R"(mha_queue_duration_seconds_count{model="default"})"), 8);
+  // The warm-up's passes ran at once: nothing can join them, so none waited the 5 s
+  // batching delay for company.
+  EXPECT_LT(MetricValue(text, R"(mha_model_warmup_seconds{model="default"})"), 5.0);
 }
 
 TEST(BatchingTest, FullQueueAndExpiredDeadlineAnswerWithTheirCodes) {
