@@ -935,8 +935,24 @@ void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratc
   const float scale = 1.0f / std::sqrt(static_cast<float>(p));
   const KvSequence& cache = *step.cache;
   const bool bf16 = cache.bf16();
+  // The next block's keys and values for this head are fetched while this one is
+  // worked on: each block is a mapping of its own, so the hardware prefetchers, which
+  // stop at page boundaries, never run ahead into it.
+  const int64_t head_bytes = kBt * p * (bf16 ? 2 : 4);
   for (int64_t j0 = 0; j0 < max_limit; j0 += kBt) {
     const int64_t b = j0 / kBt, nk = std::min(kBt, max_limit - j0);
+    if (j0 + kBt < max_limit) {
+      const void* k = bf16 ? static_cast<const void*>(cache.keys<uint16_t>(b + 1, h))
+                           : static_cast<const void*>(cache.keys<float>(b + 1, h));
+      const void* v = bf16 ? static_cast<const void*>(cache.values<uint16_t>(b + 1, h))
+                           : static_cast<const void*>(cache.values<float>(b + 1, h));
+      const char* next_keys = static_cast<const char*>(k);
+      const char* next_values = static_cast<const char*>(v);
+      for (int64_t offset = 0; offset < head_bytes; offset += 64) {
+        __builtin_prefetch(next_keys + offset);
+        __builtin_prefetch(next_values + offset);
+      }
+    }
     if (bf16) {
       kernels::TransposedScoresBf16(q, cache.keys<uint16_t>(b, h), kBt, p, mq, nk, scale, s);
     } else {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 // Function multiversioning: one body, compiled for AVX-512, AVX2 and baseline x86-64;
@@ -113,64 +114,154 @@ MHA_MULTIVERSION void SmallScores(const float* q, const float* k, int64_t p, int
   }
 }
 
+namespace {
+inline float FromBf16(uint16_t bits) { return std::bit_cast<float>(uint32_t{bits} << 16); }
+}  // namespace
+
+namespace {
+
+// Sixteen floats: one AVX-512 register (two AVX2 or four SSE registers in the other
+// clones). The paged kernels below keep their running sums in these, so the sums
+// stay in registers across a block's features or keys; a loop over a float array
+// would load and store them at every step, one dependent round trip through memory
+// each.
+typedef float Floats16 __attribute__((vector_size(64)));
+typedef uint16_t Halves16 __attribute__((vector_size(32)));
+typedef uint32_t Words16 __attribute__((vector_size(64)));
+
+// Inlined into each clone (compiled for its instruction set), not called from it.
+#define MHA_INLINE inline __attribute__((always_inline))
+
+// acc += w * x[0, 16), x f32 or bfloat16 (the high half of an f32). Vectors go by
+// reference: passed by value they would change the ABI between the clones.
+MHA_INLINE void Fma16(Floats16& acc, float w, const float* x) {
+  Floats16 v;
+  std::memcpy(&v, x, sizeof v);
+  acc += w * v;
+}
+MHA_INLINE void Fma16(Floats16& acc, float w, const uint16_t* x) {
+  Halves16 h;
+  std::memcpy(&h, x, sizeof h);
+  const Words16 bits = __builtin_convertvector(h, Words16) << 16;
+  Floats16 v;
+  std::memcpy(&v, &bits, sizeof v);
+  acc += w * v;
+}
+MHA_INLINE void Load16(const float* x, Floats16& v) { std::memcpy(&v, x, sizeof v); }
+MHA_INLINE void Store16(float* x, const Floats16& v) { std::memcpy(x, &v, sizeof v); }
+MHA_INLINE float Widen(float x) { return x; }
+MHA_INLINE float Widen(uint16_t x) { return FromBf16(x); }
+
+// s[0, nk) = scale * q (p) kt[:, :nk], one query row against keys stored transposed.
+// Each group of 32 keys sums in eight registers: two vectors of keys times four
+// interleaved partial sums over the features, so the multiply-adds form eight short
+// chains instead of two long ones. Keys past the last whole group take a plain loop.
+template <typename T>
+MHA_INLINE void TransposedScoresRow(const float* q, const T* kt, int64_t ld, int64_t p, int64_t nk,
+                                    float scale, float* s) {
+  int64_t j0 = 0;
+  for (; j0 + 32 <= nk; j0 += 32) {
+    Floats16 a0 = {}, a1 = {}, b0 = {}, b1 = {}, c0 = {}, c1 = {}, d0 = {}, d1 = {};
+    int64_t c = 0;
+    for (; c + 4 <= p; c += 4) {
+      const T* r = kt + c * ld + j0;
+      Fma16(a0, q[c], r);
+      Fma16(a1, q[c], r + 16);
+      Fma16(b0, q[c + 1], r + ld);
+      Fma16(b1, q[c + 1], r + ld + 16);
+      Fma16(c0, q[c + 2], r + 2 * ld);
+      Fma16(c1, q[c + 2], r + 2 * ld + 16);
+      Fma16(d0, q[c + 3], r + 3 * ld);
+      Fma16(d1, q[c + 3], r + 3 * ld + 16);
+    }
+    for (; c < p; ++c) {
+      const T* r = kt + c * ld + j0;
+      Fma16(a0, q[c], r);
+      Fma16(a1, q[c], r + 16);
+    }
+    Store16(s + j0, scale * ((a0 + b0) + (c0 + d0)));
+    Store16(s + j0 + 16, scale * ((a1 + b1) + (c1 + d1)));
+  }
+  if (j0 == nk) return;
+  std::fill(s + j0, s + nk, 0.0f);
+  for (int64_t c = 0; c < p; ++c) {
+    const float qc = scale * q[c];
+    const T* row = kt + c * ld;
+#pragma omp simd
+    for (int64_t j = j0; j < nk; ++j) s[j] += qc * Widen(row[j]);
+  }
+}
+
+// o (p) += w (nk) v (nk, p), one row. Each group of 64 columns sums in eight
+// registers (four vectors of columns times two interleaved partial sums over the
+// keys); columns past the last whole group take a plain loop.
+template <typename T>
+MHA_INLINE void ContextRow(const float* w, const T* v, int64_t p, int64_t nk, float* o) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= p; c0 += 64) {
+    Floats16 a0, a1, a2, a3;
+    Load16(o + c0, a0);
+    Load16(o + c0 + 16, a1);
+    Load16(o + c0 + 32, a2);
+    Load16(o + c0 + 48, a3);
+    Floats16 b0 = {}, b1 = {}, b2 = {}, b3 = {};
+    int64_t j = 0;
+    for (; j + 2 <= nk; j += 2) {
+      const T* r = v + j * p + c0;
+      Fma16(a0, w[j], r);
+      Fma16(a1, w[j], r + 16);
+      Fma16(a2, w[j], r + 32);
+      Fma16(a3, w[j], r + 48);
+      Fma16(b0, w[j + 1], r + p);
+      Fma16(b1, w[j + 1], r + p + 16);
+      Fma16(b2, w[j + 1], r + p + 32);
+      Fma16(b3, w[j + 1], r + p + 48);
+    }
+    if (j < nk) {
+      const T* r = v + j * p + c0;
+      Fma16(a0, w[j], r);
+      Fma16(a1, w[j], r + 16);
+      Fma16(a2, w[j], r + 32);
+      Fma16(a3, w[j], r + 48);
+    }
+    Store16(o + c0, a0 + b0);
+    Store16(o + c0 + 16, a1 + b1);
+    Store16(o + c0 + 32, a2 + b2);
+    Store16(o + c0 + 48, a3 + b3);
+  }
+  if (c0 == p) return;
+  for (int64_t j = 0; j < nk; ++j) {
+    const float wj = w[j];
+    const T* vj = v + j * p;
+#pragma omp simd
+    for (int64_t c = c0; c < p; ++c) o[c] += wj * Widen(vj[c]);
+  }
+}
+
+}  // namespace
+
 MHA_MULTIVERSION void SmallContext(const float* probs, const float* v, int64_t p, int64_t mq,
                                    int64_t nk, bool accumulate, float* o) {
   for (int64_t i = 0; i < mq; ++i) {
-    float* oi = o + i * p;
-    if (!accumulate) std::fill_n(oi, p, 0.0f);
-    for (int64_t j = 0; j < nk; ++j) {
-      const float w = probs[i * nk + j];
-      const float* vj = v + j * p;
-#pragma omp simd
-      for (int64_t c = 0; c < p; ++c) oi[c] += w * vj[c];
-    }
+    if (!accumulate) std::fill_n(o + i * p, p, 0.0f);
+    ContextRow(probs + i * nk, v, p, nk, o + i * p);
   }
 }
 
 MHA_MULTIVERSION void TransposedScores(const float* q, const float* kt, int64_t ld, int64_t p,
                                        int64_t mq, int64_t nk, float scale, float* s) {
-  for (int64_t i = 0; i < mq; ++i) {
-    float* si = s + i * nk;
-    std::fill_n(si, nk, 0.0f);
-    for (int64_t c = 0; c < p; ++c) {
-      const float qc = scale * q[i * p + c];
-      const float* row = kt + c * ld;
-#pragma omp simd
-      for (int64_t j = 0; j < nk; ++j) si[j] += qc * row[j];
-    }
-  }
+  for (int64_t i = 0; i < mq; ++i) TransposedScoresRow(q + i * p, kt, ld, p, nk, scale, s + i * nk);
 }
-
-namespace {
-inline float FromBf16(uint16_t bits) { return std::bit_cast<float>(uint32_t{bits} << 16); }
-}  // namespace
 
 MHA_MULTIVERSION void TransposedScoresBf16(const float* q, const uint16_t* kt, int64_t ld,
                                            int64_t p, int64_t mq, int64_t nk, float scale,
                                            float* s) {
-  for (int64_t i = 0; i < mq; ++i) {
-    float* si = s + i * nk;
-    std::fill_n(si, nk, 0.0f);
-    for (int64_t c = 0; c < p; ++c) {
-      const float qc = scale * q[i * p + c];
-      const uint16_t* row = kt + c * ld;
-#pragma omp simd
-      for (int64_t j = 0; j < nk; ++j) si[j] += qc * FromBf16(row[j]);
-    }
-  }
+  for (int64_t i = 0; i < mq; ++i) TransposedScoresRow(q + i * p, kt, ld, p, nk, scale, s + i * nk);
 }
 
 MHA_MULTIVERSION void SmallContextBf16(const float* probs, const uint16_t* v, int64_t p, int64_t mq,
                                        int64_t nk, float* o) {
-  for (int64_t i = 0; i < mq; ++i) {
-    float* oi = o + i * p;
-    for (int64_t j = 0; j < nk; ++j) {
-      const float w = probs[i * nk + j];
-      const uint16_t* vj = v + j * p;
-#pragma omp simd
-      for (int64_t c = 0; c < p; ++c) oi[c] += w * FromBf16(vj[c]);
-    }
-  }
+  for (int64_t i = 0; i < mq; ++i) ContextRow(probs + i * nk, v, p, nk, o + i * p);
 }
 
 MHA_MULTIVERSION void Scale(float* x, float factor, int64_t n) {

@@ -6,16 +6,19 @@
 //   /usr/bin/time -v build/release/tests/bench/mha_core_bench --benchmark_filter=memory_16k
 //   build/release/tests/bench/mha_core_bench --benchmark_filter=Rows/   (service ceiling)
 //   build/release/tests/bench/mha_core_bench --benchmark_filter=Additive/ (additive scoring)
+//   build/release/tests/bench/mha_core_bench --benchmark_filter=Decode/   (session steps)
 //
 // Threads: OMP_NUM_THREADS, else every core. Compare with PyTorch on the same shapes:
 // tests/bench/compare_torch.py --ours FILE (FILE from --benchmark_out=FILE
 // --benchmark_out_format=json).
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "benchmark/benchmark.h"
 #include "core/attention.h"
+#include "core/kv_cache.h"
 
 namespace mha::core {
 namespace {
@@ -164,6 +167,66 @@ BENCHMARK(BM_ToyRequests)
     ->Arg(1)
     ->Arg(8)
     ->Arg(32)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+
+// One decode step per session (ForwardPaged): `sessions` self-attention sessions
+// of the decoder model's size (768, 12 heads, bias), each prefilled to `context`
+// tokens, then each iteration adds one token to every session in one call, as the
+// batcher merges decode steps. 64 steps per repetition, so the context grows by
+// at most 64. tokens/s counts the sessions' new tokens.
+//   build/release/tests/bench/mha_core_bench --benchmark_filter=Decode/
+void BM_DecodeStep(benchmark::State& state) {
+  const int64_t sessions = state.range(0), context = state.range(1);
+  const ModelConfig config{.num_hiddens = 768,
+                           .num_heads = 12,
+                           .query_size = 768,
+                           .key_size = 768,
+                           .value_size = 768,
+                           .bias = true};
+  auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 5)).value();
+  const int64_t steps = 64;
+  KvCachePool pool(sessions * (context + steps + KvCachePool::kBlockTokens) * 2 * 768 * 4);
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> prefill(context * 768), token(sessions * 768);
+  for (float& v : prefill) v = dist(rng);
+  for (float& v : token) v = dist(rng);
+  std::vector<float> prefill_out(prefill.size()), out(token.size());
+  std::vector<std::unique_ptr<KvSequence>> caches;
+  for (int64_t s = 0; s < sessions; ++s) {
+    caches.push_back(std::make_unique<KvSequence>(&pool, 12, 64));
+    if (!caches.back()->Reserve(context).ok()) return state.SkipWithError("pool");
+    const PagedStep step{.num_queries = context,
+                         .queries = prefill.data(),
+                         .causal = true,
+                         .cache = caches.back().get(),
+                         .output = prefill_out.data()};
+    if (!mha->ForwardPaged({&step, 1}).ok()) return state.SkipWithError("prefill");
+  }
+  std::vector<PagedStep> batch(sessions);
+  for (auto _ : state) {
+    for (int64_t s = 0; s < sessions; ++s) {
+      if (!caches[s]->Reserve(1).ok()) return state.SkipWithError("pool");
+      batch[s] = {.num_queries = 1,
+                  .queries = token.data() + s * 768,
+                  .causal = true,
+                  .cache = caches[s].get(),
+                  .output = out.data() + s * 768};
+    }
+    if (!mha->ForwardPaged(batch).ok()) return state.SkipWithError("ForwardPaged");
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(sessions),
+                                                  benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_DecodeStep)
+    ->Name("Decode/step")
+    ->ArgNames({"sessions", "context"})
+    ->ArgsProduct({{1, 12}, {64, 512, 2048}})
+    ->Iterations(64)
+    ->Repetitions(5)
+    ->ReportAggregatesOnly()
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 

@@ -43,11 +43,19 @@ TEST(KernelsTest, OverflowedScoresGiveNan) {
 // s[j] = sum_a w[a] tanh(qa[a] + kt[a * ld + j]), against std::tanh in double, over
 // arguments from 0 (where 1 - exp(-2|x|) cancels) to past tanh's saturation.
 // The small-block products against double-precision loops, on odd sizes (vector
-// tails) and with accumulation; a NaN or inf in v reaches the context as oneDNN's
+// tails, register groups and their tails) and with accumulation; a NaN or inf in v reaches the context as oneDNN's
 // GEMM would carry it (0 x inf is NaN).
 TEST(KernelsTest, SmallBlockProductsMatchDoubleLoops) {
   for (const auto [p, mq, nk] :
-       {std::array<int64_t, 3>{20, 4, 6}, {64, 3, 17}, {1, 1, 1}, {33, 7, 5}}) {
+       {std::array<int64_t, 3>{20, 4, 6},
+        {64, 3, 17},
+        {1, 1, 1},
+        {33, 7, 5},
+        // The register-blocked paths: whole groups of 32 keys and of 64 columns,
+        // with feature, key and column tails past them.
+        {64, 1, 32},
+        {128, 2, 70},
+        {67, 3, 45}}) {
     SCOPED_TRACE(testing::Message() << "p " << p << " mq " << mq << " nk " << nk);
     std::vector<float> q(mq * p), k(nk * p), v(nk * p);
     for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.7f * static_cast<float>(i));
