@@ -323,6 +323,20 @@ class MultiHeadAttention::Impl {
     float* ctx;  // the step's row 0 of the concatenated heads, (T, p_o)
   };
   void AttendPagedTask(const PagedTask& task, TaskScratch& scratch) const;
+  // ForwardPaged's phases, in order. PagedWork: the FLOPs the steps count as for
+  // their threads. ProjectPaged: the steps' new rows through the projections.
+  // AttendPaged: every (step, head, block of query rows) into ctx ((padded_rows, p_o)).
+  struct PagedProjections {
+    // Row r of Q at q + r * ld; of the new keys and values likewise.
+    float* q = nullptr;
+    float* k = nullptr;
+    float* v = nullptr;
+    int64_t rows = 0, padded_rows = 0, ld = 0;  // query rows, as projected (PagedRows)
+  };
+  double PagedWork(std::span<const PagedStep> steps) const;
+  PagedProjections ProjectPaged(std::span<const PagedStep> steps, Workspace& ws) const;
+  absl::Status AttendPaged(std::span<const PagedStep> steps, const PagedProjections& proj,
+                           int threads, Workspace& ws, float* ctx) const;
   // Steps' new keys and values (rows at k and v, row stride ld) into their caches.
   void StorePaged(std::span<const PagedStep> steps, const float* k, const float* v,
                   int64_t ld) const;
@@ -386,11 +400,13 @@ class MultiHeadAttention::Impl {
   }
   // x (n floats) in act_: x itself for f32, else a bf16 copy in `tmp`.
   const void* AsActivation(const float* x, int64_t n, std::vector<char>& tmp) const;
-  // Grows (never shrinks) a buffer; contents are not preserved.
-  static void Grow(std::vector<char>& buf, size_t bytes) {
-    if (buf.size() < bytes) {
-      buf = std::vector<char>();
-      buf.resize(bytes);
+  // Grows (never shrinks) a buffer to at least n elements; contents are not
+  // preserved.
+  template <typename T>
+  static void Grow(std::vector<T>& buf, size_t n) {
+    if (buf.size() < n) {
+      buf = std::vector<T>();
+      buf.resize(n);
     }
   }
 
@@ -1010,125 +1026,145 @@ void MultiHeadAttention::Impl::StorePaged(std::span<const PagedStep> steps, cons
   }
 }
 
-absl::Status MultiHeadAttention::Impl::ForwardPaged(std::span<const PagedStep> steps,
-                                                    int max_threads) const {
-  constexpr int64_t kQueryRows = 64;  // query rows per task
-  const int64_t E = c_.num_hiddens, H = c_.num_heads;
+double MultiHeadAttention::Impl::PagedWork(std::span<const PagedStep> steps) const {
+  const int64_t E = c_.num_hiddens;
+  int64_t tq = 0, tk = 0;
+  double flops = 0;
+  // A decode step does ~1 FLOP per byte it reads, of the weights and of the cached
+  // keys and values: memory bound, so it gets threads for its bytes
+  // (kPagedBytesPerThread) where its FLOPs alone would keep it on one.
+  double bytes =
+      static_cast<double>((c_.query_size + c_.key_size + c_.value_size + E) * E * SizeOf(act_));
+  for (const PagedStep& step : steps) {
+    tq += step.num_queries;
+    tk += step.new_keys();
+    const double seen = static_cast<double>(step.cache->size() + step.new_keys());
+    flops += 4.0 * static_cast<double>(step.num_queries) * seen * static_cast<double>(E);
+    if (step.num_queries > 0) {
+      bytes +=
+          static_cast<double>(step.cache->size()) * 2.0 * static_cast<double>(E) * sizeof(float);
+    }
+  }
+  flops += 2.0 * static_cast<double>(E) *
+           static_cast<double>(tq * c_.query_size + tk * (c_.key_size + c_.value_size) + tq * E);
+  return std::max(flops, bytes / kPagedBytesPerThread * kFlopsPerThread);
+}
+
+MultiHeadAttention::Impl::PagedProjections MultiHeadAttention::Impl::ProjectPaged(
+    std::span<const PagedStep> steps, Workspace& ws) const {
+  const int64_t E = c_.num_hiddens;
   const int64_t dq = c_.query_size, dk = c_.key_size, dv = c_.value_size;
   int64_t tq = 0, tk = 0;
   bool all_self = true;
-  double flops = 0;
   for (const PagedStep& step : steps) {
     tq += step.num_queries;
     tk += step.new_keys();
     all_self = all_self && step.keys == nullptr;
-    flops += 4.0 * static_cast<double>(step.num_queries) *
-             static_cast<double>(step.cache->size() + step.new_keys()) * static_cast<double>(E);
   }
-  flops += 2.0 * static_cast<double>(E) * static_cast<double>(tq * dq + tk * (dk + dv) + tq * E);
-  // A decode step does ~1 FLOP per byte it reads, of the weights and of the cached
-  // keys and values: memory bound, so it gets threads for its bytes
-  // (kPagedBytesPerThread) where its FLOPs alone would keep it on one.
-  double bytes = static_cast<double>((dq + dk + dv + E) * E * SizeOf(act_));
+  // Gather every step's new rows, then project them, one GEMM per weight: Q as
+  // (tq, ld) rows, K and V as (tk, ld) rows, f32. All self-attention steps (the
+  // decode case) run Q, K and V as one stacked GEMM. The GEMMs run on row counts
+  // padded to a few sizes (PagedRows, zero rows): a continuously batched call's row
+  // count changes from call to call, and a primitive per count would cost its
+  // creation on the request path and memory for each.
+  const int64_t pq = PagedRows(tq), pk = PagedRows(tk);
+  Grow(ws.paged_in, pq * dq + pk * (dk + dv));
+  float* xq = ws.paged_in.data();
+  float* xk = xq + pq * dq;
+  float* xv = xk + pk * dk;
+  int64_t qi = 0, ki = 0;
   for (const PagedStep& step : steps) {
-    bytes += static_cast<double>(step.num_queries > 0 ? step.cache->size() : 0) * 2.0 *
-             static_cast<double>(E) * sizeof(float);
+    std::copy_n(step.queries, step.num_queries * dq, xq + qi * dq);
+    qi += step.num_queries;
+    if (all_self) continue;
+    const float* keys = step.keys == nullptr ? step.queries : step.keys;
+    const float* values = step.keys == nullptr ? step.queries : step.values;
+    std::copy_n(keys, step.new_keys() * dk, xk + ki * dk);
+    std::copy_n(values, step.new_keys() * dv, xv + ki * dv);
+    ki += step.new_keys();
   }
-  flops = std::max(flops, bytes / kPagedBytesPerThread * kFlopsPerThread);
+  std::fill(xq + tq * dq, xq + pq * dq, 0.0f);
+  if (!all_self) {
+    std::fill(xk + tk * dk, xk + pk * dk, 0.0f);
+    std::fill(xv + tk * dv, xv + pk * dv, 0.0f);
+  }
+  PagedProjections proj{.rows = tq, .padded_rows = pq, .ld = all_self ? 3 * E : E};
+  Grow(ws.paged_proj, all_self ? pq * proj.ld : (pq + 2 * pk) * E);
+  proj.q = ws.paged_proj.data();
+  proj.k = all_self ? proj.q + E : proj.q + pq * E;
+  proj.v = all_self ? proj.q + 2 * E : proj.k + pk * E;
+  if (all_self) {
+    qkv_->Run(*ws.stream, ws.bindings, 1, pq, {AsActivation(xq, pq * dq, ws.xq), dq},
+              {proj.q, proj.ld}, Dt::f32);
+  } else {
+    if (tq > 0) {
+      q_->Run(*ws.stream, ws.bindings, 1, pq, {AsActivation(xq, pq * dq, ws.xq), dq}, {proj.q, E},
+              Dt::f32);
+    }
+    if (tk > 0) {
+      k_->Run(*ws.stream, ws.bindings, 1, pk, {AsActivation(xk, pk * dk, ws.xk), dk}, {proj.k, E},
+              Dt::f32);
+      v_->Run(*ws.stream, ws.bindings, 1, pk, {AsActivation(xv, pk * dv, ws.xv), dv}, {proj.v, E},
+              Dt::f32);
+    }
+  }
+  ws.stream->wait();
+  return proj;
+}
+
+absl::Status MultiHeadAttention::Impl::AttendPaged(std::span<const PagedStep> steps,
+                                                   const PagedProjections& proj, int threads,
+                                                   Workspace& ws, float* ctx) const {
+  constexpr int64_t kQueryRows = 64;  // query rows per task
+  const int64_t E = c_.num_hiddens;
+  std::fill(ctx + proj.rows * E, ctx + proj.padded_rows * E, 0.0f);
+  std::vector<PagedTask> tasks;
+  int64_t qi = 0;
+  for (const PagedStep& step : steps) {
+    for (int64_t h = 0; h < c_.num_heads; ++h) {
+      for (int64_t i0 = 0; i0 < step.num_queries; i0 += kQueryRows) {
+        tasks.push_back({.step = &step,
+                         .head = h,
+                         .i0 = i0,
+                         .mq = std::min(kQueryRows, step.num_queries - i0),
+                         .cached = step.cache->size(),
+                         .q = proj.q + qi * proj.ld,
+                         .ldq = proj.ld,
+                         .ctx = ctx + qi * E});
+      }
+    }
+    qi += step.num_queries;
+  }
+  return RunTasks(
+      static_cast<int64_t>(tasks.size()), threads, ws,
+      [&](int64_t t, dnnl::stream&, TaskScratch& scratch) { AttendPagedTask(tasks[t], scratch); });
+}
+
+absl::Status MultiHeadAttention::Impl::ForwardPaged(std::span<const PagedStep> steps,
+                                                    int max_threads) const {
+  const int64_t E = c_.num_hiddens;
   const int caller_threads = omp_get_max_threads();
-  const int threads = ThreadsForFlops(flops, caller_threads, max_threads);
+  const int threads = ThreadsForFlops(PagedWork(steps), caller_threads, max_threads);
   omp_set_num_threads(threads);
   const absl::Cleanup restore_threads = [caller_threads] { omp_set_num_threads(caller_threads); };
 
   WorkspaceLease lease(*workspaces_);
   Workspace& ws = *lease;
-  auto grow = [](std::vector<float>& v, int64_t n) {
-    if (v.size() < static_cast<size_t>(n)) v.resize(n);
-  };
   try {
     if (!ws.stream) ws.stream.emplace(CpuEngine());
-    // Gather every step's new rows, then project them, one GEMM per weight: Q as
-    // (tq, ld) rows, K and V as (tk, ld) rows, f32. All self-attention steps (the
-    // decode case) run Q, K and V as one stacked GEMM. The GEMMs run on row counts
-    // padded to a few sizes (PagedRows, zero rows): a continuously batched call's
-    // row count changes from call to call, and a primitive per count would cost its
-    // creation on the request path and memory for each.
-    const int64_t pq = PagedRows(tq), pk = PagedRows(tk);
-    grow(ws.paged_in, pq * dq + pk * (dk + dv));
-    float* xq = ws.paged_in.data();
-    float* xk = xq + pq * dq;
-    float* xv = xk + pk * dk;
-    int64_t qi = 0, ki = 0;
-    for (const PagedStep& step : steps) {
-      std::copy_n(step.queries, step.num_queries * dq, xq + qi * dq);
-      qi += step.num_queries;
-      if (all_self) continue;
-      const float* keys = step.keys == nullptr ? step.queries : step.keys;
-      const float* values = step.keys == nullptr ? step.queries : step.values;
-      std::copy_n(keys, step.new_keys() * dk, xk + ki * dk);
-      std::copy_n(values, step.new_keys() * dv, xv + ki * dv);
-      ki += step.new_keys();
-    }
-    std::fill(xq + tq * dq, xq + pq * dq, 0.0f);
-    if (!all_self) {
-      std::fill(xk + tk * dk, xk + pk * dk, 0.0f);
-      std::fill(xv + tk * dv, xv + pk * dv, 0.0f);
-    }
-    const int64_t ld = all_self ? 3 * E : E;
-    grow(ws.paged_proj, all_self ? pq * ld : (pq + 2 * pk) * E);
-    float* qp = ws.paged_proj.data();
-    float* kp = all_self ? qp + E : qp + pq * E;
-    float* vp = all_self ? qp + 2 * E : kp + pk * E;
-    if (all_self) {
-      qkv_->Run(*ws.stream, ws.bindings, 1, pq, {AsActivation(xq, pq * dq, ws.xq), dq}, {qp, ld},
-                Dt::f32);
-    } else {
-      if (tq > 0) {
-        q_->Run(*ws.stream, ws.bindings, 1, pq, {AsActivation(xq, pq * dq, ws.xq), dq}, {qp, E},
-                Dt::f32);
-      }
-      if (tk > 0) {
-        k_->Run(*ws.stream, ws.bindings, 1, pk, {AsActivation(xk, pk * dk, ws.xk), dk}, {kp, E},
-                Dt::f32);
-        v_->Run(*ws.stream, ws.bindings, 1, pk, {AsActivation(xv, pk * dv, ws.xv), dv}, {vp, E},
-                Dt::f32);
-      }
-    }
-    ws.stream->wait();
-    StorePaged(steps, kp, vp, ld);
-
-    // Attention, one task per (step, head, block of query rows).
-    grow(ws.paged_out, 2 * pq * E);
+    const PagedProjections proj = ProjectPaged(steps, ws);
+    StorePaged(steps, proj.k, proj.v, proj.ld);
+    const int64_t pq = proj.padded_rows;
+    Grow(ws.paged_out, 2 * pq * E);
     float* ctx = ws.paged_out.data();
     float* out = ctx + pq * E;
-    std::fill(ctx + tq * E, ctx + pq * E, 0.0f);
-    std::vector<PagedTask> tasks;
-    qi = 0;
-    for (const PagedStep& step : steps) {
-      for (int64_t h = 0; h < H; ++h) {
-        for (int64_t i0 = 0; i0 < step.num_queries; i0 += kQueryRows) {
-          tasks.push_back({.step = &step,
-                           .head = h,
-                           .i0 = i0,
-                           .mq = std::min(kQueryRows, step.num_queries - i0),
-                           .cached = step.cache->size(),
-                           .q = qp + qi * ld,
-                           .ldq = ld,
-                           .ctx = ctx + qi * E});
-        }
-      }
-      qi += step.num_queries;
-    }
-    MHA_RETURN_IF_ERROR(RunTasks(static_cast<int64_t>(tasks.size()), threads, ws,
-                                 [&](int64_t t, dnnl::stream&, TaskScratch& scratch) {
-                                   AttendPagedTask(tasks[t], scratch);
-                                 }));
-    if (tq > 0) {
+    MHA_RETURN_IF_ERROR(AttendPaged(steps, proj, threads, ws, ctx));
+    if (proj.rows > 0) {
       o_lin_->Run(*ws.stream, ws.bindings, 1, pq, {AsActivation(ctx, pq * E, ws.xq), E}, {out, E},
                   Dt::f32);
       ws.stream->wait();
     }
-    qi = 0;
+    int64_t qi = 0;
     for (const PagedStep& step : steps) {
       std::copy_n(out + qi * E, step.num_queries * E, step.output);
       qi += step.num_queries;
