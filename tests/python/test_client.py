@@ -148,6 +148,56 @@ def test_stream_error_after_the_answers_before_it(client):
     assert "request 1" in error.value.details and "queries" in error.value.details
 
 
+@pytest.mark.parametrize("chunks", [[1] * 9, [4, 1, 3, 1]])
+def test_session_equals_causal_attend(deploy_target, chunks):
+    """A self-attention session (the decoder model: 768, 12 heads, biases) fed token by
+    token or in chunks answers the rows of one causal Attend over every token, 1e-5."""
+    (x,) = mha_serve.uniform_inputs(11, [(1, sum(chunks), 768)])
+    with mha_serve.Client(deploy_target, timeout=TIMEOUT) as client:
+        expected = client.attend(x, causal=True, model="decoder")[0]
+        outputs, start = [], 0
+        with client.session(model="decoder", causal=True) as session:
+            for n in chunks:
+                outputs.append(session.step(x[0, start:start + n]))
+                start += n
+                assert session.context_tokens == start
+                assert session.timing.compute_us > 0
+            batched = session.step(x[:, :1])  # (1, T, d) in, (1, T, p_o) out
+        assert batched.shape == (1, 1, 768)
+    assert max_diff(np.concatenate(outputs), expected) <= 1e-5
+
+
+def test_cross_session_attends_to_every_key_appended(client):
+    q, k, v = mha_serve.uniform_inputs(12, [(1, 3, 100), (1, 7, 100), (1, 7, 100)])
+    with client.session(kind="cross") as session:
+        appended = session.step(keys=k[0, :4], values=v[0, :4])  # append only
+        assert appended.shape == (0, 100) and session.context_tokens == 4
+        first = session.step(q[0])
+        second = session.step(q[0], keys=k[0, 4:], values=v[0, 4:])
+    assert max_diff(first, client.attend(q, k[:, :4], v[:, :4])[0]) <= 1e-5
+    assert max_diff(second, client.attend(q, k, v)[0]) <= 1e-5
+
+
+def test_session_errors_name_the_field_and_end_the_session(client):
+    (x,) = mha_serve.uniform_inputs(13, [(1, 2, 100)])
+    session = client.session()
+    session.step(x[0])
+    with pytest.raises(mha_serve.Error) as error:
+        session.step(x[0, :, :99])
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.rpc == "AttendSession"
+    assert "step 1" in error.value.details and "queries" in error.value.details
+    with pytest.raises(ValueError, match="closed"):
+        session.step(x[0])
+    with pytest.raises(mha_serve.Error) as error:
+        with client.session(model="no_such_model") as s:
+            s.step(x[0])
+    assert error.value.code == grpc.StatusCode.NOT_FOUND
+    assert "no_such_model" in error.value.details
+    with pytest.raises(ValueError, match="kind"):
+        client.session(kind="sideways")
+
+
 def test_unknown_model_is_not_found(client):
     with pytest.raises(mha_serve.Error) as error:
         client.attend(np.zeros((1, 1, 100)), model="no_such_model")
@@ -207,7 +257,8 @@ def test_server_down_is_unavailable():
     target = f"127.0.0.1:{free_port()}"
     with mha_serve.Client(target, timeout=TIMEOUT) as client:
         for call in (client.models, lambda: client.attend(np.zeros((1, 1, 4))),
-                     lambda: list(client.stream([dict(queries=np.zeros((1, 1, 4)))]))):
+                     lambda: list(client.stream([dict(queries=np.zeros((1, 1, 4)))])),
+                     lambda: client.session().step(np.zeros((1, 4)))):
             with pytest.raises(mha_serve.Error) as error:
                 call()
             assert error.value.code == grpc.StatusCode.UNAVAILABLE

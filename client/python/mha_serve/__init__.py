@@ -3,6 +3,8 @@
     import mha_serve
     with mha_serve.Client("127.0.0.1:50051") as client:          # mha_serve.client
         output = client.attend(queries, keys, values, valid_lens=[3, 2])
+        with client.session(model="decoder", causal=True) as session:  # AttendSession
+            output = session.step(token)
 
     attn = mha_serve.RemoteMultiheadAttention("127.0.0.1:50051")  # mha_serve.nn (torch)
     output, weights = attn(x, x, x, key_padding_mask=padding)
@@ -13,7 +15,7 @@
 Command line: `mha-serve-client` (= `python -m mha_serve`, mha_serve.cli) sends one
 request; `python -m mha_serve.export` exports a PyTorch module as a model folder.
 
-Client, Error, ModelInfo and RemoteMultiheadAttention load on first use, so that
+Client, Error, ModelInfo, Session and RemoteMultiheadAttention load on first use, so that
 `import mha_serve` needs neither grpc nor torch (the CLI reports a missing grpc in
 one line, and the exporter needs no grpc).
 """
@@ -23,10 +25,10 @@ from .toy import uniform_inputs
 
 __version__ = "0.1.0"
 __all__ = ["Client", "Error", "ModelInfo", "ModelLimits", "RemoteMultiheadAttention",
-           "export", "uniform_inputs"]
+           "Session", "export", "uniform_inputs"]
 
 _LAZY = {"Client": "client", "Error": "client", "ModelInfo": "client",
-         "ModelLimits": "client", "RemoteMultiheadAttention": "nn"}
+         "ModelLimits": "client", "RemoteMultiheadAttention": "nn", "Session": "client"}
 
 
 def __getattr__(name):

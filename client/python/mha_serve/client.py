@@ -8,6 +8,9 @@
         out, weights = client.attend(queries, return_attention=True)   # self-attention
         for out in client.stream(dict(queries=q) for q in batches):   # AttendStream
             ...
+        with client.session(model="decoder", causal=True) as s:       # AttendSession
+            out = s.step(prefix)             # (T, d): the server caches its keys
+            out = s.step(next_token)         # (1, d): attends to every token so far
 
 Arrays are numpy (anything np.asarray takes: lists, CPU torch tensors); their values
 are sent as little-endian float32 in C order, and answers come back as float32 numpy
@@ -27,6 +30,7 @@ decode_response_bytes(serialized response, return_attention), what attend() uses
 
 import dataclasses
 import math
+import queue
 
 import grpc
 import numpy as np
@@ -316,6 +320,10 @@ class Client:
         self._attend = self._channel.unary_unary("/attention.v1.AttentionService/Attend")
         self._attend_stream = self._channel.stream_stream(
             "/attention.v1.AttentionService/AttendStream")
+        self._attend_session = self._channel.stream_stream(
+            "/attention.v1.AttentionService/AttendSession",
+            request_serializer=pb2.SessionRequest.SerializeToString,
+            response_deserializer=pb2.SessionResponse.FromString)
 
     def close(self):
         self._channel.close()
@@ -404,3 +412,106 @@ class Client:
             call.cancel()
         if failure:
             raise failure[0]
+
+    def session(self, model="", kind="self", causal=False, model_version="", timeout=None):
+        """Opens an AttendSession stream: a Session whose keys and values the server
+        keeps between steps (docs/service.md "Sessions"). kind: "self" (each step's
+        queries are also its keys and values) or "cross" (steps append keys and values
+        of their own); causal: query n + i sees keys <= n + i. timeout: the whole
+        session's deadline in seconds (None = the client's)."""
+        return Session(self, model, kind, causal, model_version,
+                       self.timeout if timeout is None else timeout)
+
+
+_END = object()  # ends a Session's request iterator: the client half-closes
+
+
+class Session:
+    """One attention session: one AttendSession stream, whose cache of keys and values
+    the server holds until the session closes (close(), the end of a `with` block, an
+    error, or the server's idle timeout).
+
+        with client.session(model="decoder", causal=True) as s:
+            out = s.step(prefix)         # (T, d_q) -> (T, p_o); or (1, T, d_q) -> (1, T, p_o)
+            out = s.step(token)          # attends to the prefix and itself
+            s.context_tokens             # keys cached after the last step
+        with client.session(model="m", kind="cross") as s:
+            s.step(keys=k, values=v)     # append only: an empty (0, p_o) output
+            out = s.step(queries)        # attends to every key appended so far
+
+    Steps run one at a time, in order; a failed step raises Error (rpc
+    "AttendSession") and ends the session, as the server ends its stream.
+    """
+
+    def __init__(self, client, model, kind, causal, model_version, timeout):
+        kinds = {"self": pb2.SELF, "cross": pb2.CROSS}
+        if kind not in kinds:
+            raise ValueError(f"kind: expected 'self' or 'cross', got {kind!r}")
+        self._client = client
+        self._first = pb2.SessionRequest(model=model, kind=kinds[kind], causal=causal,
+                                         model_version=model_version)
+        self._requests = queue.Queue()
+        self._responses = client._attend_session(iter(self._requests.get, _END),
+                                                 timeout=timeout)
+        self._closed = False
+        self.context_tokens = 0  # keys cached after the last step
+        self.timing = None  # the last step's attention.v1.Timing (queue and compute time)
+
+    def step(self, queries=None, keys=None, values=None):
+        """One step: queries (T, d_q) or (1, T, d_q), and in a cross session keys and
+        values (T_k, d) or (1, T_k, d) to append first. Returns the output in the
+        queries' rank: (T, p_o) or (1, T, p_o); (0, p_o) for an append-only step."""
+        if self._closed:
+            raise ValueError("the session is closed")
+        request = self._first if self._first is not None else pb2.SessionRequest()
+        self._first = None
+        arrays = {name: _float32(value, name)
+                  for name, value in (("queries", queries), ("keys", keys), ("values", values))
+                  if value is not None}
+        lead = arrays.get("queries", arrays.get("keys"))
+        unbatched = lead is None or lead.ndim == 2  # answer in the queries' rank
+        for name, array in arrays.items():
+            encode_tensor(array[np.newaxis] if array.ndim == 2 else array, name,
+                          tensor=getattr(request, name))
+        self._requests.put(request)
+        try:
+            response = next(self._responses)
+        except StopIteration:  # the server ended the stream without an answer
+            self._closed = True
+            raise Error(grpc.StatusCode.INTERNAL, "the session ended without an answer",
+                        "AttendSession") from None
+        except grpc.RpcError as error:
+            self._closed = True
+            raise self._client._error(error, "AttendSession") from None
+        self.context_tokens = response.context_tokens
+        self.timing = response.timing
+        output = decode_tensor(response.output, "output")
+        return output[0] if unbatched and output.ndim == 3 else output
+
+    def close(self):
+        """Half-closes the stream and waits for the server to end it; the server then
+        frees the session's cache. Raises Error if the server ended it with an error."""
+        if self._closed:
+            return
+        self._closed = True
+        self._requests.put(_END)
+        try:
+            for _ in self._responses:
+                pass
+        except grpc.RpcError as error:
+            raise self._client._error(error, "AttendSession") from None
+
+    def cancel(self):
+        """Ends the session at once (CANCELLED on the server)."""
+        self._closed = True
+        self._responses.cancel()
+        self._requests.put(_END)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        if exc_type is None:
+            self.close()
+        else:
+            self.cancel()
