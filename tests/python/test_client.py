@@ -5,6 +5,8 @@ import os
 import socket
 import subprocess
 import sysconfig
+import threading
+import time
 
 import grpc
 import numpy as np
@@ -180,6 +182,13 @@ def test_cross_session_attends_to_every_key_appended(client):
 
 def test_session_errors_name_the_field_and_end_the_session(client):
     (x,) = mha_serve.uniform_inputs(13, [(1, 2, 100)])
+    threads = threading.active_count()
+    # An argument that cannot be sent fails before any message: the settings still go
+    # with the first step that is sent (a cross session, which a self one would refuse).
+    with client.session(kind="cross") as session:
+        with pytest.raises(TypeError):
+            session.step(keys=np.array([["a"]]), values=x[0])
+        assert session.step(keys=x[0], values=x[0]).shape == (0, 100)
     session = client.session()
     session.step(x[0])
     with pytest.raises(mha_serve.Error) as error:
@@ -196,6 +205,11 @@ def test_session_errors_name_the_field_and_end_the_session(client):
     assert "no_such_model" in error.value.details
     with pytest.raises(ValueError, match="kind"):
         client.session(kind="sideways")
+    # Ended sessions leave no thread behind (gRPC's thread that sends the steps).
+    deadline = time.monotonic() + TIMEOUT
+    while threading.active_count() > threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= threads
 
 
 def test_unknown_model_is_not_found(client):

@@ -417,10 +417,11 @@ class Client:
         """Opens an AttendSession stream: a Session whose keys and values the server
         keeps between steps (docs/service.md "Sessions"). kind: "self" (each step's
         queries are also its keys and values) or "cross" (steps append keys and values
-        of their own); causal: query n + i sees keys <= n + i. timeout: the whole
-        session's deadline in seconds (None = the client's)."""
-        return Session(self, model, kind, causal, model_version,
-                       self.timeout if timeout is None else timeout)
+        of their own); causal: query n + i sees keys <= n + i. timeout: a deadline for
+        the whole session in seconds; None (the default) sets none, as a session lasts
+        as long as its steps keep coming (the server ends one idle for longer than its
+        --session_idle_timeout)."""
+        return Session(self, model, kind, causal, model_version, timeout)
 
 
 _END = object()  # ends a Session's request iterator: the client half-closes
@@ -428,8 +429,8 @@ _END = object()  # ends a Session's request iterator: the client half-closes
 
 class Session:
     """One attention session: one AttendSession stream, whose cache of keys and values
-    the server holds until the session closes (close(), the end of a `with` block, an
-    error, or the server's idle timeout).
+    the server holds until the session ends (close(), the end of a `with` block, a
+    failed step, cancel(), or the server's idle timeout).
 
         with client.session(model="decoder", causal=True) as s:
             out = s.step(prefix)         # (T, d_q) -> (T, p_o); or (1, T, d_q) -> (1, T, p_o)
@@ -440,7 +441,9 @@ class Session:
             out = s.step(queries)        # attends to every key appended so far
 
     Steps run one at a time, in order; a failed step raises Error (rpc
-    "AttendSession") and ends the session, as the server ends its stream.
+    "AttendSession") and ends the session, as the server ends its stream. A step
+    interrupted on the client (KeyboardInterrupt, ...) cancels the session: its
+    answer could no longer be told from the next step's.
     """
 
     def __init__(self, client, model, kind, causal, model_version, timeout):
@@ -448,41 +451,49 @@ class Session:
         if kind not in kinds:
             raise ValueError(f"kind: expected 'self' or 'cross', got {kind!r}")
         self._client = client
-        self._first = pb2.SessionRequest(model=model, kind=kinds[kind], causal=causal,
-                                         model_version=model_version)
+        # Sent with the first step only: the server reads the settings from it.
+        self._settings = pb2.SessionRequest(model=model, kind=kinds[kind], causal=causal,
+                                            model_version=model_version)
         self._requests = queue.Queue()
         self._responses = client._attend_session(iter(self._requests.get, _END),
                                                  timeout=timeout)
-        self._closed = False
+        self._closed = False  # no more steps
+        self._half_closed = False  # _END queued: gRPC's sending thread has returned
         self.context_tokens = 0  # keys cached after the last step
         self.timing = None  # the last step's attention.v1.Timing (queue and compute time)
 
     def step(self, queries=None, keys=None, values=None):
         """One step: queries (T, d_q) or (1, T, d_q), and in a cross session keys and
-        values (T_k, d) or (1, T_k, d) to append first. Returns the output in the
-        queries' rank: (T, p_o) or (1, T, p_o); (0, p_o) for an append-only step."""
+        values (T_k, d) or (1, T_k, d) to append first. Returns the output in the rank
+        of the queries (of the keys for an append-only step): (T, p_o) or (1, T, p_o),
+        (0, p_o) or (1, 0, p_o) when there are no queries."""
         if self._closed:
             raise ValueError("the session is closed")
-        request = self._first if self._first is not None else pb2.SessionRequest()
-        self._first = None
         arrays = {name: _float32(value, name)
                   for name, value in (("queries", queries), ("keys", keys), ("values", values))
                   if value is not None}
         lead = arrays.get("queries", arrays.get("keys"))
-        unbatched = lead is None or lead.ndim == 2  # answer in the queries' rank
+        unbatched = lead is None or lead.ndim == 2
+        request = pb2.SessionRequest()
+        if self._settings is not None:
+            request.CopyFrom(self._settings)
         for name, array in arrays.items():
             encode_tensor(array[np.newaxis] if array.ndim == 2 else array, name,
                           tensor=getattr(request, name))
         self._requests.put(request)
+        self._settings = None
         try:
             response = next(self._responses)
         except StopIteration:  # the server ended the stream without an answer
-            self._closed = True
+            self._end()
             raise Error(grpc.StatusCode.INTERNAL, "the session ended without an answer",
                         "AttendSession") from None
         except grpc.RpcError as error:
-            self._closed = True
+            self._end()
             raise self._client._error(error, "AttendSession") from None
+        except BaseException:
+            self.cancel()
+            raise
         self.context_tokens = response.context_tokens
         self.timing = response.timing
         output = decode_tensor(response.output, "output")
@@ -492,9 +503,9 @@ class Session:
         """Half-closes the stream and waits for the server to end it; the server then
         frees the session's cache. Raises Error if the server ended it with an error."""
         if self._closed:
+            self._end()
             return
-        self._closed = True
-        self._requests.put(_END)
+        self._end()
         try:
             for _ in self._responses:
                 pass
@@ -503,9 +514,15 @@ class Session:
 
     def cancel(self):
         """Ends the session at once (CANCELLED on the server)."""
-        self._closed = True
         self._responses.cancel()
-        self._requests.put(_END)
+        self._end()
+
+    def _end(self):
+        """No more steps; lets gRPC's thread that sends them return (once)."""
+        self._closed = True
+        if not self._half_closed:
+            self._half_closed = True
+            self._requests.put(_END)
 
     def __enter__(self):
         return self
