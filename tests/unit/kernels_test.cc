@@ -1,7 +1,9 @@
 #include "core/kernels.h"
 
 #include <array>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -43,19 +45,18 @@ TEST(KernelsTest, OverflowedScoresGiveNan) {
 // s[j] = sum_a w[a] tanh(qa[a] + kt[a * ld + j]), against std::tanh in double, over
 // arguments from 0 (where 1 - exp(-2|x|) cancels) to past tanh's saturation.
 // The small-block products against double-precision loops, on odd sizes (vector
-// tails, register groups and their tails) and with accumulation; a NaN or inf in v reaches the context as oneDNN's
-// GEMM would carry it (0 x inf is NaN).
+// tails, register groups and their tails) and with accumulation; a NaN or inf in v reaches the
+// context as oneDNN's GEMM would carry it (0 x inf is NaN).
 TEST(KernelsTest, SmallBlockProductsMatchDoubleLoops) {
-  for (const auto [p, mq, nk] :
-       {std::array<int64_t, 3>{20, 4, 6},
-        {64, 3, 17},
-        {1, 1, 1},
-        {33, 7, 5},
-        // The register-blocked paths: whole groups of 32 keys and of 64 columns,
-        // with feature, key and column tails past them.
-        {64, 1, 32},
-        {128, 2, 70},
-        {67, 3, 45}}) {
+  for (const auto [p, mq, nk] : {std::array<int64_t, 3>{20, 4, 6},
+                                 {64, 3, 17},
+                                 {1, 1, 1},
+                                 {33, 7, 5},
+                                 // The register-blocked paths: whole groups of 32 keys and of 64
+                                 // columns, with feature, key and column tails past them.
+                                 {64, 1, 32},
+                                 {128, 2, 70},
+                                 {67, 3, 45}}) {
     SCOPED_TRACE(testing::Message() << "p " << p << " mq " << mq << " nk " << nk);
     std::vector<float> q(mq * p), k(nk * p), v(nk * p);
     for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.7f * static_cast<float>(i));
@@ -98,6 +99,37 @@ TEST(KernelsTest, SmallBlockProductsMatchDoubleLoops) {
   float o = 0.0f;
   SmallContext(probs.data(), v.data(), 1, 1, 2, /*accumulate=*/false, &o);
   EXPECT_TRUE(std::isnan(o));
+}
+
+// The bfloat16 cache's kernels read the same values as the f32 ones once widened:
+// on keys and values that bfloat16 holds exactly, they give the f32 kernels' answers
+// (vector groups of keys and columns, and their tails).
+TEST(KernelsTest, Bf16CacheKernelsEqualTheF32OnesOnTheSameValues) {
+  for (const auto [p, mq, nk] : {std::array<int64_t, 3>{64, 1, 32}, {128, 2, 70}, {67, 3, 45}}) {
+    SCOPED_TRACE(testing::Message() << "p " << p << " mq " << mq << " nk " << nk);
+    const int64_t ld = nk + 3;
+    std::vector<float> q(mq * p), kt(p * ld), v(nk * p), probs(mq * nk);
+    for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.7f * static_cast<float>(i));
+    for (size_t i = 0; i < kt.size(); ++i) kt[i] = std::cos(0.3f * static_cast<float>(i));
+    for (size_t i = 0; i < v.size(); ++i) v[i] = std::sin(0.11f * static_cast<float>(i) + 1);
+    for (size_t i = 0; i < probs.size(); ++i) probs[i] = 0.01f * static_cast<float>(i % 17);
+    std::vector<uint16_t> kt16(kt.size()), v16(v.size());
+    ToBf16(kt.data(), kt16.data(), static_cast<int64_t>(kt.size()));
+    ToBf16(v.data(), v16.data(), static_cast<int64_t>(v.size()));
+    auto widen = [](const std::vector<uint16_t>& h, std::vector<float>& f) {
+      for (size_t i = 0; i < h.size(); ++i) f[i] = std::bit_cast<float>(uint32_t{h[i]} << 16);
+    };
+    widen(kt16, kt);
+    widen(v16, v);
+    std::vector<float> s(mq * nk), s16(mq * nk);
+    TransposedScores(q.data(), kt.data(), ld, p, mq, nk, 0.125f, s.data());
+    TransposedScoresBf16(q.data(), kt16.data(), ld, p, mq, nk, 0.125f, s16.data());
+    for (size_t i = 0; i < s.size(); ++i) EXPECT_NEAR(s16[i], s[i], 1e-6) << i;
+    std::vector<float> o(mq * p, 0.5f), o16 = o;
+    SmallContext(probs.data(), v.data(), p, mq, nk, /*accumulate=*/true, o.data());
+    SmallContextBf16(probs.data(), v16.data(), p, mq, nk, o16.data());
+    for (size_t i = 0; i < o.size(); ++i) EXPECT_NEAR(o16[i], o[i], 1e-6) << i;
+  }
 }
 
 TEST(KernelsTest, AdditiveScoresMatchStdTanh) {
