@@ -17,8 +17,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "base/splitmix64.h"
 #include "client/heatmap.h"
 #include "client/kserve.h"
+#include "client/request.h"
 #include "client/tensor_io.h"
 #include "core/attention.h"
 #include "core/safetensors.h"
@@ -184,6 +186,10 @@ TEST(ClientUsageTest, UsageErrorsExitTwoNamingTheFlag) {
       {{"infer", "--output=out.txt"}, "error: --output: expected a .npy or .safetensors file"},
       {{"infer", "--tls_cert=client.pem"}, "error: --tls_cert and --tls_key go together"},
       {{"infer", "--targets=localhost"}, "error: --targets: expected host:port, got localhost"},
+      {{"decode", "--sessions=0"}, "error: --sessions: must be >= 1, got 0"},
+      {{"decode", "--sessions=5000"}, "error: --sessions: at most 4096 (a thread each), got 5000"},
+      {{"decode", "--prefill=0"}, "error: --prefill: must be >= 1, got 0"},
+      {{"decode", "--decode_tokens=0"}, "error: --decode_tokens: must be >= 1, got 0"},
   };
   for (const auto& [args, expected] : cases) {
     SCOPED_TRACE(absl::StrJoin(args, " "));
@@ -340,6 +346,108 @@ TEST_F(ClientTest, MessageSizeErrorsNameMaxMessageSize) {
       << run.err;
   EXPECT_TRUE(
       absl::EndsWith(run.err, "(the client's limit, --max_message_size=200000: raise it)\n"))
+      << run.err;
+}
+
+// decode's sessions draw their tokens as the client documents (client/decode.h):
+// session s's P + N tokens from SplitMix64(seed + s). The core's causal forward over
+// all of them, rows P .. P + N - 1 summed over every session, is what the decode
+// steps' outputs must add up to, with or without the server's cache.
+struct DecodeSum {
+  double sum = 0;
+  double sum_abs = 0;
+};
+DecodeSum ExpectedDecodeSum(int64_t sessions, int64_t prefill, int64_t steps) {
+  DecodeSum expected;
+  for (int64_t s = 0; s < sessions; ++s) {
+    SplitMix64 inputs(static_cast<uint64_t>(s));
+    AttendRequest request;
+    client::FillSigned(inputs, {1, prefill + steps, kToy.query_size}, request.mutable_queries());
+    request.set_causal(true);
+    const CoreResult core = CoreForward(kToy, 0, request);
+    for (size_t i = static_cast<size_t>(prefill * kToy.num_hiddens); i < core.output.size(); ++i) {
+      expected.sum += core.output[i];
+      expected.sum_abs += std::abs(core.output[i]);
+    }
+  }
+  return expected;
+}
+
+TEST_F(ClientTest, DecodeSessionsAddUpToTheCoreWithAndWithoutTheCache) {
+  constexpr int64_t kSessions = 3, kPrefill = 5, kSteps = 7;
+  const DecodeSum expected = ExpectedDecodeSum(kSessions, kPrefill, kSteps);
+  ASSERT_GT(expected.sum_abs, 1.0);
+  for (const bool stateless : {false, true}) {
+    SCOPED_TRACE(stateless ? "--stateless" : "sessions");
+    std::vector<std::string> args = {"decode",
+                                     TargetFlag(),
+                                     absl::StrCat("--sessions=", kSessions),
+                                     absl::StrCat("--prefill=", kPrefill),
+                                     absl::StrCat("--decode_tokens=", kSteps),
+                                     "--json=" + Path("decode.json")};
+    if (stateless) args.push_back("--stateless");
+    const ClientRun run = RunClient(args);
+    ASSERT_EQ(run.exit_code, 0) << Describe(run);
+    EXPECT_TRUE(absl::StrContains(run.out, "decode: 21 tokens in ")) << run.out;
+    EXPECT_TRUE(absl::StrContains(
+        run.out, stateless ? "calls: 24 Attend\n" : "calls: 3 AttendSession stream(s), 24 steps\n"))
+        << run.out;
+
+    const json report = json::parse(ReadFile(Path("decode.json")));
+    EXPECT_EQ(report["call"], stateless ? "Attend" : "AttendSession");
+    EXPECT_EQ(report["stateless"], stateless);
+    EXPECT_EQ(report["calls"], stateless ? kSessions * (1 + kSteps) : kSessions);
+    EXPECT_EQ(report["prefill_steps"]["count"], kSessions);
+    EXPECT_EQ(report["decode"]["tokens"], kSessions * kSteps);
+    EXPECT_GT(report["decode"]["tokens_per_s"].get<double>(), 0);
+    // Contexts 6 .. 12 after each step: every step in the first bucket.
+    ASSERT_EQ(report["decode_buckets"].size(), 1u) << report.dump(2);
+    EXPECT_EQ(report["decode_buckets"][0]["label"], "<=64");
+    EXPECT_EQ(report["decode_buckets"][0]["count"], kSessions * kSteps);
+    const double p50 = report["decode_buckets"][0]["latency_us"]["p50"];
+    EXPECT_GT(p50, 0);
+    EXPECT_LE(p50, report["decode_buckets"][0]["latency_us"]["max"].get<double>());
+    EXPECT_GE(report["decode_buckets"][0]["server"]["compute_us"].get<double>(), 0);
+    // f32 sums of 2,100 values, each within 1e-5 of the core's.
+    EXPECT_NEAR(report["output_sum"].get<double>(), expected.sum, 1e-5 * expected.sum_abs)
+        << "expected " << expected.sum;
+  }
+}
+
+TEST(ClientDecodeTest, AStepOverTheTokenLimitFailsTheRunNamingSessionAndStep) {
+  TempDir repository;
+  repository.Write("short/config.pbtxt",
+                   "num_hiddens: 8 num_heads: 2 seeded { seed: 1 } "
+                   "limits { max_sequence_length: 8 }");
+  repository.Write("cross/config.pbtxt",
+                   "num_hiddens: 8 num_heads: 2 query_size: 4 key_size: 6 value_size: 3 "
+                   "seeded { seed: 1 }");
+  auto server = ServerProcess::Start({"--port=0", "--model_repository=" + repository.path()});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string target = "--target=" + (*server)->target();
+
+  // Contexts 6, 7, 8, then 9: the fourth decode step is over the limit of 8.
+  ClientRun run = RunClient(
+      {"decode", target, "--model=short", "--sessions=2", "--prefill=5", "--decode_tokens=6"});
+  EXPECT_EQ(run.exit_code, 1) << Describe(run);
+  EXPECT_TRUE(absl::StartsWith(run.err, "error: RESOURCE_EXHAUSTED: AttendSession: session "))
+      << run.err;
+  EXPECT_TRUE(absl::StrContains(run.err, ", decode step 4 of 6 (context 9): ")) << run.err;
+  EXPECT_TRUE(absl::StrContains(run.err, "max_sequence_length 8")) << run.err;
+  EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;
+  EXPECT_FALSE(absl::StrContains(run.out, "tokens/s")) << "no table after a failure\n" << run.out;
+
+  // Within the limit the same model decodes.
+  run = RunClient(
+      {"decode", target, "--model=short", "--sessions=2", "--prefill=5", "--decode_tokens=3"});
+  EXPECT_EQ(run.exit_code, 0) << Describe(run);
+
+  // A model that cannot self-attend is refused before any session opens.
+  run = RunClient({"decode", target, "--model=cross"});
+  EXPECT_EQ(run.exit_code, 1) << Describe(run);
+  EXPECT_TRUE(absl::StartsWith(run.err,
+                               "error: INVALID_ARGUMENT: model cross has d_q 4, d_k 6, d_v 3 and "
+                               "cannot self-attend"))
       << run.err;
 }
 
