@@ -11,7 +11,7 @@ import numpy as np
 import mha_serve
 
 from conftest import CLIENT, TIMEOUT, VENV
-from test_client import free_port
+from test_client import refused_target  # noqa: F401 (a fixture)
 
 ROW = re.compile(r"^\[(\d+), (\d+), :4\] =( [+-]\d\.\d{5}){4}$")
 
@@ -90,8 +90,8 @@ def test_several_models_and_no_model_names_them(deploy_target):
     assert "--model=" in line and "bert_base, decoder, toy" in line
 
 
-def test_server_down_is_one_unavailable_line():
-    target = f"127.0.0.1:{free_port()}"
+def test_server_down_is_one_unavailable_line(refused_target):
+    target = refused_target
     line = one_line_error(run(f"--target={target}"), 1, "UNAVAILABLE: GetModel: ")
     assert target in line
 

@@ -261,14 +261,18 @@ def test_bad_input_is_invalid_argument_naming_the_field(client, kwargs, field):
     assert not isinstance(error.value, grpc.RpcError)
 
 
-def free_port():
+@pytest.fixture
+def refused_target():
+    """127.0.0.1:PORT where nothing listens: a socket holds the port, bound but not
+    listening, for the test's length, so connections are refused and no other
+    process (tests run in parallel) can start listening there meanwhile."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def test_server_down_is_unavailable():
-    target = f"127.0.0.1:{free_port()}"
+def test_server_down_is_unavailable(refused_target):
+    target = refused_target
     with mha_serve.Client(target, timeout=TIMEOUT) as client:
         for call in (client.models, lambda: client.attend(np.zeros((1, 1, 4))),
                      lambda: list(client.stream([dict(queries=np.zeros((1, 1, 4)))])),
