@@ -47,6 +47,39 @@ def free_port():
         return s.getsockname()[1]
 
 
+def start_prometheus(config, work):
+    """Starts Prometheus on a free port; returns (process, address) once it is ready.
+    The port is picked, then bound by Prometheus: another process (tests run in
+    parallel) may take it between the two, so a start that fails to bind is tried
+    again on another port."""
+    log_path = os.path.join(work, "prometheus.log")
+    for _ in range(3):
+        address = f"127.0.0.1:{free_port()}"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={work}/data",
+                 f"--web.listen-address={address}", "--log.level=warn"],
+                stdout=subprocess.DEVNULL, stderr=log)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://{address}/-/ready", timeout=2) as reply:
+                    if reply.status == 200:
+                        return proc, address
+            except OSError:
+                pass  # not listening yet
+            time.sleep(0.2)
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)
+            raise RuntimeError(f"prometheus on {address} not ready in 60 s: " +
+                               open(log_path).read())
+        text = open(log_path).read()
+        if "address already in use" not in text:
+            raise RuntimeError(f"prometheus exited: {text}")
+    raise RuntimeError(f"prometheus found no free port in 3 tries: {text}")
+
+
 def query(prometheus, expr):
     url = f"http://{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
     with urllib.request.urlopen(url, timeout=5) as reply:
@@ -68,11 +101,7 @@ def main():
             f.write(SCRAPE_CONFIG.format(port=server.metrics_port))
         subprocess.run(["promtool", "check", "config", config], check=True)
 
-        address = f"127.0.0.1:{free_port()}"
-        prometheus = subprocess.Popen(
-            ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={work}/data",
-             f"--web.listen-address={address}", "--log.level=warn"],
-            stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "prometheus.log"), "w"))
+        prometheus, address = start_prometheus(config, work)
 
         queries, keys = uniform_inputs(0, [(2, 4, 100), (2, 6, 100)])
         with mha_serve.Client(target, timeout=60) as client:
