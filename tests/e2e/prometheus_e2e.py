@@ -11,7 +11,6 @@ Prometheus's HTTP API for mha_requests_total until it holds exactly what was sen
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ sys.path.insert(0, os.path.join(REPO, "client", "python"))
 
 import mha_serve  # noqa: E402  (the source tree's package; stubs generated at import)
 from mha_serve.toy import uniform_inputs  # noqa: E402
-from server_harness import start_server, stop_server  # noqa: E402
+from server_harness import free_port, start_server, stop_server  # noqa: E402
 
 SENT_OK = 17
 SENT_INVALID = 4
@@ -39,12 +38,6 @@ scrape_configs:
     static_configs:
       - targets: ["127.0.0.1:{port}"]
 """
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_prometheus(config, work):

@@ -63,7 +63,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "deploy"))
 
 from check_deploy import read_haproxy, render_haproxy  # noqa: E402
 from reload_test import ServerLog, TestFailure, check, max_diff  # noqa: E402
-from server_harness import start_server, stop_server  # noqa: E402  (reload_test's path)
+from server_harness import free_port, start_server, stop_server  # noqa: E402  (reload_test's path)
 
 REPLICAS = 3
 MODELS = {  # name: (config.pbtxt, d = d_q = d_k = d_v, prefill P, decode steps)
@@ -93,12 +93,6 @@ def find_haproxy():
     raise TestFailure("haproxy not found (PATH, /usr/sbin, /usr/local/sbin): this test runs "
                       "Debian's HAProxy 2.6; install it with scripts/deps.sh "
                       "(apt-get install haproxy)")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def with_parent(argv):

@@ -3,8 +3,19 @@
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import time
+
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that was free a moment ago. Another process may bind it
+    before the caller's program does (tests run in parallel): callers that start a
+    server on it retry on another port when that happens."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_server(binary, args=(), timeout=30.0):
