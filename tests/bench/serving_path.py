@@ -15,8 +15,17 @@ run (A B, B A, A B, ...) so that neither always runs first:
              (one fresh server per run; Python client, timed around the call, after a
              toy-model call has set up the connection and the client's first call)
   health_p99 Health p99 while bert_base (8, 128) requests run at concurrency 8
+  floor      the floor under health and core: the same bench steps against
+             transport_floor (tests/bench/transport_floor.cc), a gRPC server that answers
+             Attend with zeros and does nothing else. Its toy / Health ratio is the most
+             health could read if attention_server cost nothing but gRPC; its bert_base
+             (8, 128) p50 / core Forward is the least that core's ratio could read above
+             1, with glibc's allocator as attention_server has it and with large
+             blocks kept (no mmap, no trim: no page faults under the copies).
+             Printed as figures, not targets. Not in the default --only.
 
     tests/bench/serving_path.sh [--runs=5] [--duration=2] [--only=health,batching,...]
+    tests/bench/serving_path.sh --only=floor
 """
 
 import argparse
@@ -36,13 +45,15 @@ BERT_TARGET_ROWS = 8
 class Server:
     """An attention_server on a free loopback port, ready when it prints `listening on`."""
 
-    def __init__(self, build, flags, log_dir, name):
+    def __init__(self, build, flags, log_dir, name, command=None, env=None):
         self.out = open(os.path.join(log_dir, name + ".out"), "w+")
         self.err = open(os.path.join(log_dir, name + ".err"), "w+")
-        self.proc = subprocess.Popen(
-            [os.path.join(build, "server", "attention_server"), "--port=0", "--metrics_port=-1",
-             "--http_port=-1", "--model_repository=" + os.path.join(ROOT, "deploy", "models")]
-            + flags, stdout=self.out, stderr=self.err, cwd=ROOT)
+        if command is None:
+            command = [os.path.join(build, "server", "attention_server"), "--port=0",
+                       "--metrics_port=-1", "--http_port=-1",
+                       "--model_repository=" + os.path.join(ROOT, "deploy", "models")]
+        self.proc = subprocess.Popen(command + flags, stdout=self.out, stderr=self.err, cwd=ROOT,
+                                     env=None if env is None else dict(os.environ, **env))
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             self.out.seek(0)
@@ -129,14 +140,17 @@ def core_forward_ms(opts):
     return result["real_time"] * scale
 
 
+def bert_core_args(opts):
+    """bert_base (8, 128) self-attention requests, one at a time."""
+    return ["--model=bert_base", f"--batch={BERT_TARGET_ROWS}", "--num_queries=128",
+            "--num_keys=0", "--valid_lens=none", "--concurrency=1", f"--duration={opts.duration}s"]
+
+
 def measure_core(a, opts, tmp):
     ratios = []
-    args = ["--model=bert_base", f"--batch={BERT_TARGET_ROWS}", "--num_queries=128",
-            "--num_keys=0", "--valid_lens=none", "--concurrency=1",
-            f"--duration={opts.duration}s"]
     for _ in range(opts.runs):
-        served = bench(opts.build, a.target, args, tmp + "/core.json")["latency_us"]["p50"] / 1e3
-        ratios.append(served / core_forward_ms(opts))
+        served = bench(opts.build, a.target, bert_core_args(opts), tmp + "/core.json")
+        ratios.append(served["latency_us"]["p50"] / 1e3 / core_forward_ms(opts))
     return ratio_line("bert_base (8, 128) p50 / core Forward", ratios, 1.1, better="lower")
 
 
@@ -184,6 +198,45 @@ def measure_health_p99(a, opts, tmp):
     return ratio_line("Health p99 ms beside bert_base (8, 128) c 8", p99s, 5, better="lower")
 
 
+def figure_line(name, figures, unit=""):
+    runs = " ".join(f"{f:.2f}" for f in figures)
+    print(f"{name:<44} {statistics.median(figures):6.2f}{unit}  (runs {runs})", flush=True)
+
+
+def measure_floor(a, opts, tmp):
+    """The health and core ratios' floors, from transport_floor beside server `a`."""
+    binary = [os.path.join(opts.build, "tests", "bench", "transport_floor")]
+    flags = ["--models_from=" + a.target]
+    floor = Server(opts.build, flags, tmp, "floor", command=binary)
+    kept = Server(opts.build, flags, tmp, "floor_kept", command=binary,
+                  env={"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432:"
+                                         "glibc.malloc.trim_threshold=67108864"})
+    toy_args = ["--model=toy", "--concurrency=64", f"--duration={opts.duration}s"]
+    toy_health, health_real, bert_core, kept_core = [], [], [], []
+    try:
+        for run in range(opts.runs):
+            toy, health = alternated(
+                run, lambda: bench(opts.build, floor.target, toy_args, tmp + "/ft.json"),
+                lambda: bench(opts.build, floor.target, toy_args, tmp + "/fh.json", rpc="health"))
+            toy_health.append(toy["requests_per_s"] / health["requests_per_s"])
+            real = bench(opts.build, a.target, toy_args, tmp + "/rh.json", rpc="health")
+            health_real.append(real["requests_per_s"] / health["requests_per_s"])
+            p50s = alternated(
+                run, lambda: bench(opts.build, floor.target, bert_core_args(opts), tmp + "/fc.json"),
+                lambda: bench(opts.build, kept.target, bert_core_args(opts), tmp + "/kc.json"))
+            core = core_forward_ms(opts)
+            bert_core.append(p50s[0]["latency_us"]["p50"] / 1e3 / core)
+            kept_core.append(p50s[1]["latency_us"]["p50"] / 1e3 / core)
+    finally:
+        floor.stop()
+        kept.stop()
+    figure_line("floor: toy req/s / Health req/s, c 64", toy_health)
+    figure_line("Health req/s, attention_server / floor", health_real)
+    figure_line("floor: bert_base (8, 128) p50 / core Forward", bert_core)
+    figure_line("  the same, large blocks kept", kept_core)
+    return True
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -200,7 +253,7 @@ def main():
     print(f"{os.cpu_count()} CPUs shared by server and client; {opts.runs} alternated runs; "
           f"logs in {tmp}", flush=True)
     results = []
-    if only & {"health", "batching", "core", "health_p99"}:
+    if only & {"health", "batching", "core", "health_p99", "floor"}:
         extra = opts.server_flags.split()
         a = Server(opts.build, extra, tmp, "batching_on")
         b = Server(opts.build, extra + ["--batching=false"], tmp, "batching_off")
@@ -213,6 +266,8 @@ def main():
                 results.append(measure_core(a, opts, tmp))
             if "health_p99" in only:
                 results.append(measure_health_p99(a, opts, tmp))
+            if "floor" in only:
+                results.append(measure_floor(a, opts, tmp))
         finally:
             a.stop()
             b.stop()
