@@ -74,7 +74,8 @@ class Shared {
   const ModelInfo& model() const { return model_; }
   AttentionService::Stub& stub() { return *stub_; }  // gRPC stubs are thread-safe
 
-  // Every session calls this once, prefilled or failed, and returns when all have:
+  // Every stateless session's thread calls this once, prefilled or failed, and
+  // returns when all have (SessionDriver keeps the same barrier in its loop):
   // the decode phase starts for all at once, so that no decode step shares the
   // server with another session's prefill and the phase's wall time is the
   // decode's. A server that holds some sessions back until others end would keep
@@ -209,125 +210,234 @@ std::string DecodeStepName(int64_t n, int64_t steps, int64_t context) {
   return absl::StrCat("decode step ", n + 1, " of ", steps, " (context ", context, ")");
 }
 
-// One AttendSession stream, one step at a time, tracked by `shared` while open.
-// Whatever happens, the stream is finished (Finish called once) by the time the
-// object goes: a stream that did not end cleanly is cancelled first.
-class SessionStream {
+// The sessions over AttendSession (SELF, causal: the prefill, then one token a
+// step), every stream driven by the calling thread over one completion queue.
+// A thread per session, blocked in a synchronous stream, cost the client about
+// 50 us of CPU a token at 16 sessions, most of it thread wake-ups, on cores the
+// benchmarks share with the server (docs/performance.md, "Sessions").
+//
+// Each stream has one operation in flight at a time (start, write, read, writes
+// done, the read that must find no further response, finish), and its Session is
+// that operation's tag. Every stream is finished (Finish called once, its status
+// read) before Run returns; a failed step fails the run (Shared::Fail keeps the
+// first failure and cancels every stream still in flight).
+class SessionDriver {
  public:
-  SessionStream(Shared& shared, absl::Duration deadline) : shared_(shared) {
-    SetTimeout(&context_, deadline);
-    shared_.Track(&context_);
-    stream_ = shared_.stub().AttendSession(&context_);
-  }
-  ~SessionStream() {
-    Cancel();
-    shared_.Untrack(&context_);
-  }
-  SessionStream(const SessionStream&) = delete;
-  SessionStream& operator=(const SessionStream&) = delete;
+  SessionDriver(Shared& shared, std::vector<SessionResult>& results)
+      : shared_(shared), results_(results) {}
 
-  // Sends one step and reads its response. A stream that breaks ends with the
-  // server's status (the first failed step's), or CANCELLED when the run failed.
-  absl::Status Step(const SessionRequest& request, SessionResponse* response) {
-    if (stream_->Write(request) && stream_->Read(response)) return absl::OkStatus();
-    return Finish("the server ended the session without answering the step");
-  }
-
-  // Half-closes and expects the server to end the stream with OK and no further
-  // response.
-  absl::Status Close() {
-    stream_->WritesDone();
-    SessionResponse extra;
-    if (stream_->Read(&extra)) {
-      Cancel();
-      return absl::InternalError("the server sent a response no step asked for");
+  void Run() {
+    const DecodeOptions& o = shared_.options();
+    for (int64_t s = 0; s < o.sessions; ++s) {
+      auto session = std::make_unique<Session>();
+      session->index = s;
+      session->result = &results_[static_cast<size_t>(s)];
+      session->tokens = SessionTokens(o, s, shared_.model().query_size());
+      // The stream is one call carrying N + 1 steps: --timeout for each.
+      SetTimeout(&session->context, o.timeout * (o.decode_tokens + 1));
+      shared_.Track(&session->context);
+      session->stream = shared_.stub().PrepareAsyncAttendSession(&session->context, &queue_);
+      session->op = Op::kStart;
+      session->stream->StartCall(session.get());
+      sessions_.push_back(std::move(session));
     }
-    return Finish("");
-  }
-
-  // Ends the stream now (another session failed, or a response was wrong).
-  void Cancel() {
-    if (finished_) return;
-    context_.TryCancel();
-    stream_->Finish();  // CANCELLED: the stream is given up
-    finished_ = true;
+    while (unfinished_ > 0) {
+      void* tag = nullptr;
+      bool ok = false;
+      // At the prefill barrier, the run fails after --timeout of waiting for the
+      // other sessions' prefills, as a threaded session's barrier would.
+      const bool waiting = prefilled_ > 0 && !decoding_ && !shared_.failed();
+      const auto next = queue_.AsyncNext(
+          &tag, &ok, absl::ToChronoTime(waiting ? barrier_deadline_ : absl::InfiniteFuture()));
+      if (next == grpc::CompletionQueue::TIMEOUT) {
+        Fail(absl::DeadlineExceededError(absl::StrCat(
+            "decode: ", prefilled_, " of ", o.sessions, " sessions prefilled, but the others had ",
+            "not --timeout (", absl::FormatDuration(o.timeout), ") later: does the server run ",
+            o.sessions, " sessions at once?")));
+        continue;
+      }
+      if (next != grpc::CompletionQueue::GOT_EVENT) break;  // shut down: cannot happen here
+      Advance(*static_cast<Session*>(tag), ok);
+    }
+    queue_.Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (queue_.Next(&tag, &ok)) {
+    }
   }
 
  private:
-  // The stream's status; INTERNAL `if_ok` when it ended OK but should not have.
-  absl::Status Finish(absl::string_view if_ok) {
-    finished_ = true;
-    const absl::Status status = FromGrpcStatus(stream_->Finish());
-    if (status.ok() && !if_ok.empty()) return absl::InternalError(if_ok);
-    return status;
+  enum class Op { kStart, kWrite, kRead, kWritesDone, kReadExtra, kFinish, kIdle };
+
+  struct Session {
+    int64_t index = 0;
+    SessionResult* result = nullptr;
+    Tensor tokens;  // (1, P + N, d_q)
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientAsyncReaderWriter<SessionRequest, SessionResponse>> stream;
+    Op op = Op::kIdle;
+    SessionRequest request;
+    SessionResponse response;
+    grpc::Status status;
+    int64_t step = -1;  // -1: the prefill; n: decode step n
+    int64_t start_ns = 0;
+    std::string if_ok;  // the error when the stream ends OK where it should not
+  };
+
+  static constexpr absl::string_view kCall = "AttendSession";
+
+  std::string StepName(const Session& session) const {
+    const DecodeOptions& o = shared_.options();
+    if (session.step < 0) return PrefillName(o.prefill);
+    if (session.step >= o.decode_tokens) return "end of the session";
+    return DecodeStepName(session.step, o.decode_tokens, o.prefill + session.step + 1);
+  }
+
+  void Advance(Session& session, bool ok) {
+    switch (session.op) {
+      case Op::kStart:
+        if (!ok) return Finish(session, "the server ended the session without answering the step");
+        return SendPrefill(session);
+      case Op::kWrite:
+        if (!ok) return Finish(session, "the server ended the session without answering the step");
+        session.op = Op::kRead;
+        return session.stream->Read(&session.response, &session);
+      case Op::kRead:
+        if (!ok) return Finish(session, "the server ended the session without answering the step");
+        return Answered(session);
+      case Op::kWritesDone:
+        session.op = Op::kReadExtra;
+        return session.stream->Read(&session.response, &session);
+      case Op::kReadExtra:
+        if (ok) {
+          session.context.TryCancel();
+          Fail(InStep(absl::InternalError("the server sent a response no step asked for"), kCall,
+                      session.index, StepName(session)));
+          return Finish(session, "");
+        }
+        return Finish(session, "");
+      case Op::kFinish:
+        return Finished(session);
+      case Op::kIdle:
+        return;
+    }
+  }
+
+  void SendPrefill(Session& session) {
+    const DecodeOptions& o = shared_.options();
+    SessionRequest& request = session.request;
+    request.set_model(o.model);
+    request.set_model_version(o.model_version);
+    request.set_kind(attention::v1::SELF);
+    request.set_causal(true);
+    CopyRows(session.tokens, 0, o.prefill, request.mutable_queries());
+    Send(session);
+  }
+
+  // Decode step session.step: one token.
+  void SendStep(Session& session) {
+    const DecodeOptions& o = shared_.options();
+    CopyRows(session.tokens, o.prefill + session.step, 1, session.request.mutable_queries());
+    Send(session);
+  }
+
+  void Send(Session& session) {
+    session.op = Op::kWrite;
+    session.start_ns = SteadyNowNs();
+    session.stream->Write(session.request, &session);
+  }
+
+  // A step's response: `context` keys cached after it, an output row per new token.
+  void Answered(Session& session) {
+    const DecodeOptions& o = shared_.options();
+    const Sample sample = TimedSample(session.start_ns, session.response.timing());
+    const bool prefill = session.step < 0;
+    const int64_t context = o.prefill + session.step + 1;
+    const int64_t new_tokens = prefill ? o.prefill : 1;
+    double unused_sum = 0;
+    absl::Status checked =
+        session.response.context_tokens() == context
+            ? CheckOutput(session.response.output(), new_tokens, shared_.model().num_hiddens(),
+                          prefill ? &unused_sum : &session.result->output_sum)
+            : absl::InternalError(absl::StrCat("the server reports context_tokens ",
+                                               session.response.context_tokens(), ", expected ",
+                                               context));
+    if (!checked.ok()) {
+      Fail(InStep(checked, kCall, session.index, StepName(session)));
+      return Finish(session, "");
+    }
+    if (prefill) {
+      session.result->prefill = sample;
+      session.op = Op::kIdle;
+      // Options are the first message's: later ones carry only their tokens.
+      session.request.Clear();
+      if (++prefilled_ == 1) barrier_deadline_ = absl::Now() + o.timeout;
+      if (prefilled_ == o.sessions) StartDecoding();
+      return;
+    }
+    session.result->steps.push_back({context, sample});
+    Next(session);
+  }
+
+  // Every session prefilled: the decode phase starts for all at once, so that no
+  // decode step shares the server with another session's prefill.
+  void StartDecoding() {
+    decoding_ = true;
+    for (auto& session : sessions_) {
+      if (session->op != Op::kIdle) continue;
+      session->result->decode_start_ns = SteadyNowNs();
+      Next(*session);
+    }
+  }
+
+  // The session's next decode step, or its half-close after the last.
+  void Next(Session& session) {
+    const DecodeOptions& o = shared_.options();
+    ++session.step;
+    if (shared_.failed()) return Finish(session, "");
+    if (session.step < o.decode_tokens) return SendStep(session);
+    session.result->decode_end_ns = SteadyNowNs();
+    session.op = Op::kWritesDone;
+    session.stream->WritesDone(&session);
+  }
+
+  void Finish(Session& session, absl::string_view if_ok) {
+    session.if_ok = std::string(if_ok);
+    session.op = Op::kFinish;
+    session.stream->Finish(&session.status, &session);
+  }
+
+  void Finished(Session& session) {
+    session.op = Op::kIdle;
+    session.stream.reset();
+    --unfinished_;
+    shared_.Untrack(&session.context);
+    absl::Status status = FromGrpcStatus(session.status);
+    if (status.ok() && !session.if_ok.empty()) status = absl::InternalError(session.if_ok);
+    if (!status.ok()) Fail(InStep(status, kCall, session.index, StepName(session)));
+  }
+
+  // Fails the run (the first failure is kept) and ends the sessions that wait at
+  // the prefill barrier; those with an operation in flight end when it does.
+  void Fail(const absl::Status& status) {
+    shared_.Fail(status);
+    for (auto& session : sessions_) {
+      if (session->op == Op::kIdle && session->stream != nullptr) {
+        session->context.TryCancel();
+        Finish(*session, "");
+      }
+    }
   }
 
   Shared& shared_;
-  grpc::ClientContext context_;
-  std::unique_ptr<grpc::ClientReaderWriter<SessionRequest, SessionResponse>> stream_;
-  bool finished_ = false;
+  std::vector<SessionResult>& results_;
+  grpc::CompletionQueue queue_;
+  std::vector<std::unique_ptr<Session>> sessions_;
+  int64_t unfinished_ = static_cast<int64_t>(results_.size());
+  int64_t prefilled_ = 0;
+  absl::Time barrier_deadline_;  // set by the first prefill
+  bool decoding_ = false;
 };
-
-// A session over AttendSession: SELF, causal, the prefill then one token a step.
-void StatefulSession(Shared& shared, int64_t s, SessionResult& result) {
-  const DecodeOptions& o = shared.options();
-  const int64_t p_o = shared.model().num_hiddens();
-  const Tensor tokens = SessionTokens(o, s, shared.model().query_size());
-  // The stream is one call carrying N + 1 steps: --timeout for each.
-  SessionStream stream(shared, o.timeout * (o.decode_tokens + 1));
-  constexpr absl::string_view kCall = "AttendSession";
-
-  // Sends a step of `new_tokens` and checks its answer: `context` keys cached
-  // after it, an output row per new token.
-  double unused_sum = 0;
-  auto step = [&](const SessionRequest& request, int64_t new_tokens, int64_t context,
-                  double* sum) -> absl::StatusOr<Sample> {
-    SessionResponse response;
-    const int64_t start_ns = SteadyNowNs();
-    MHA_RETURN_IF_ERROR(stream.Step(request, &response));
-    const Sample sample = TimedSample(start_ns, response.timing());
-    if (response.context_tokens() != context) {
-      return absl::InternalError(absl::StrCat("the server reports context_tokens ",
-                                              response.context_tokens(), ", expected ", context));
-    }
-    MHA_RETURN_IF_ERROR(CheckOutput(response.output(), new_tokens, p_o, sum));
-    return sample;
-  };
-
-  SessionRequest request;
-  request.set_model(o.model);
-  request.set_model_version(o.model_version);
-  request.set_kind(attention::v1::SELF);
-  request.set_causal(true);
-  CopyRows(tokens, 0, o.prefill, request.mutable_queries());
-  absl::StatusOr<Sample> prefill = step(request, o.prefill, o.prefill, &unused_sum);
-  if (prefill.ok()) {
-    result.prefill = *prefill;
-  } else {
-    shared.Fail(InStep(prefill.status(), kCall, s, PrefillName(o.prefill)));
-  }
-  shared.PrefillDone(s);
-  if (shared.failed()) return;  // the destructor cancels the stream
-
-  // Options are the first message's: later ones carry only their tokens.
-  request.Clear();
-  result.decode_start_ns = SteadyNowNs();
-  for (int64_t n = 0; n < o.decode_tokens && !shared.failed(); ++n) {
-    const int64_t context = o.prefill + n + 1;
-    CopyRows(tokens, o.prefill + n, 1, request.mutable_queries());
-    absl::StatusOr<Sample> sample = step(request, 1, context, &result.output_sum);
-    if (!sample.ok()) {
-      shared.Fail(InStep(sample.status(), kCall, s, DecodeStepName(n, o.decode_tokens, context)));
-      return;
-    }
-    result.steps.push_back({context, *sample});
-  }
-  result.decode_end_ns = SteadyNowNs();
-  if (shared.failed()) return;
-  if (absl::Status closed = stream.Close(); !closed.ok()) {
-    shared.Fail(InStep(closed, kCall, s, "end of the session"));
-  }
-}
 
 absl::StatusOr<AttendResponse> Attend(Shared& shared, const AttendRequest& request) {
   grpc::ClientContext context;
@@ -454,7 +564,7 @@ absl::Status CheckDecodeOptions(const DecodeOptions& options) {
   MHA_RETURN_IF_ERROR(CheckAtLeast("sessions", options.sessions, 1));
   if (options.sessions > kMaxDecodeSessions) {
     return UsageError(absl::StrCat("--sessions: at most ", kMaxDecodeSessions,
-                                   " (a thread each), got ", options.sessions));
+                                   " (--stateless runs a thread each), got ", options.sessions));
   }
   MHA_RETURN_IF_ERROR(CheckAtLeast("prefill", options.prefill, 1));
   MHA_RETURN_IF_ERROR(CheckAtLeast("decode_tokens", options.decode_tokens, 1));
@@ -473,18 +583,15 @@ absl::StatusOr<DecodeReport> RunDecode(const DecodeOptions& options,
   }
   Shared shared(options, channel, model);
   std::vector<SessionResult> results(static_cast<size_t>(options.sessions));
-  {
+  if (!options.stateless) {
+    SessionDriver(shared, results).Run();
+  } else {
     std::vector<std::jthread> threads;
     threads.reserve(results.size());
     for (int64_t s = 0; s < options.sessions; ++s) {
       try {
-        threads.emplace_back([&shared, &results, s, stateless = options.stateless] {
-          SessionResult& result = results[static_cast<size_t>(s)];
-          if (stateless) {
-            StatelessSession(shared, s, result);
-          } else {
-            StatefulSession(shared, s, result);
-          }
+        threads.emplace_back([&shared, &results, s] {
+          StatelessSession(shared, s, results[static_cast<size_t>(s)]);
         });
       } catch (const std::system_error& e) {  // out of threads: stop those started
         shared.Fail(absl::ResourceExhaustedError(

@@ -154,7 +154,8 @@ ABSL_FLAG(std::string, service, "",
 
 // decode.
 ABSL_FLAG(int64_t, sessions, kDecode.sessions,
-          "decode: S, sessions at once (a thread each), each a causal self-attention session.");
+          "decode: S, sessions at once, each a causal self-attention session (one thread "
+          "drives every stream; --stateless runs a thread each).");
 ABSL_FLAG(int64_t, prefill, kDecode.prefill,
           "decode: P, tokens of each session's first step (1, P, d_q).");
 ABSL_FLAG(int64_t, decode_tokens, kDecode.decode_tokens,

@@ -187,7 +187,8 @@ TEST(ClientUsageTest, UsageErrorsExitTwoNamingTheFlag) {
       {{"infer", "--tls_cert=client.pem"}, "error: --tls_cert and --tls_key go together"},
       {{"infer", "--targets=localhost"}, "error: --targets: expected host:port, got localhost"},
       {{"decode", "--sessions=0"}, "error: --sessions: must be >= 1, got 0"},
-      {{"decode", "--sessions=5000"}, "error: --sessions: at most 4096 (a thread each), got 5000"},
+      {{"decode", "--sessions=5000"},
+       "error: --sessions: at most 4096 (--stateless runs a thread each), got 5000"},
       {{"decode", "--prefill=0"}, "error: --prefill: must be >= 1, got 0"},
       {{"decode", "--decode_tokens=0"}, "error: --decode_tokens: must be >= 1, got 0"},
   };
@@ -599,6 +600,35 @@ TEST_F(ClientTest, BenchMaxRequestsBoundsTheMeasuredRequests) {
 
 // Requests that outlast every window (a 512-wide model, 8 x 512 tokens, against
 // 10 ms windows): the step measured nothing, and bench says so and fails.
+// The server killed in the middle of the decode phase: the run ends at once with
+// the first failure, UNAVAILABLE naming a session and its step, and prints no
+// table. Every stream was finished for the client to exit on its own.
+TEST(ClientDecodeTest, AServerThatDiesEndsTheRunNamingSessionAndStep) {
+  TempDir repository;
+  repository.Write("long/config.pbtxt",
+                   "num_hiddens: 16 num_heads: 2 seeded { seed: 1 } "
+                   "limits { max_sequence_length: 1000000 }");
+  auto server = ServerProcess::Start({"--port=0", "--model_repository=" + repository.path()});
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::thread killer([&] {
+    absl::SleepFor(absl::Milliseconds(1500));
+    (*server)->Signal(SIGKILL);
+  });
+  const absl::Time start = absl::Now();
+  const ClientRun run =
+      RunClient({"decode", "--target=" + (*server)->target(), "--model=long", "--sessions=4",
+                 "--prefill=4", "--decode_tokens=1000000", "--timeout=60s"});
+  const absl::Duration elapsed = absl::Now() - start;
+  killer.join();
+  (*server)->WaitForExit(absl::Seconds(10));
+  EXPECT_EQ(run.exit_code, 1) << Describe(run);
+  EXPECT_TRUE(absl::StartsWith(run.err, "error: UNAVAILABLE: AttendSession: session ")) << run.err;
+  EXPECT_TRUE(absl::StrContains(run.err, ", decode step ")) << run.err;
+  EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;
+  EXPECT_FALSE(absl::StrContains(run.out, "tokens/s")) << run.out;
+  EXPECT_LT(elapsed, absl::Seconds(10)) << "the run outlived its server by " << elapsed;
+}
+
 TEST(ClientBenchTest, AStepThatMeasuredNothingFailsTheRun) {
   TempDir repository;
   repository.Write("wide/config.pbtxt", "num_hiddens: 512 num_heads: 8 seeded { seed: 1 }");
