@@ -319,6 +319,81 @@ struct BinaryPart {
   size_t used = 0;
 };
 
+// The input's "shape" into `tensor` and `input` (shape, elements, bytes).
+absl::Status ParseShape(const Json& json, ModelInferRequest::InferInputTensor* tensor,
+                        InputSpec* input) {
+  const auto shape = json.find("shape");
+  const std::string shape_field = absl::StrCat(input->label, ".shape");
+  if (shape == json.end()) return Invalid(shape_field, "required");
+  if (!shape->is_array()) return Expected(shape_field, "an array of integers", *shape);
+  for (const Json& dim : *shape) {
+    if (!dim.is_number_integer() ||
+        (dim.is_number_unsigned() &&
+         dim.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))) {
+      return Invalid(shape_field, absl::StrCat("expected an array of integers, got an array with ",
+                                               Describe(dim)));
+    }
+    tensor->add_shape(dim.get<int64_t>());
+  }
+  input->shape = absl::MakeConstSpan(tensor->shape().data(), tensor->shape_size());
+  if (std::any_of(input->shape.begin(), input->shape.end(), [](int64_t d) { return d < 0; })) {
+    return Invalid(shape_field,
+                   absl::StrCat("dimensions must be >= 0, got ", ShapeString(input->shape)));
+  }
+  const auto size = Size(input->shape, input->type->size);
+  if (!size.has_value()) {
+    return Invalid(shape_field, absl::StrCat(ShapeString(input->shape), " of ", input->type->name,
+                                             " is more than 2^63 bytes"));
+  }
+  std::tie(input->elements, input->bytes) = *size;
+  return absl::OkStatus();
+}
+
+// The input's "parameters" into `tensor`, less binary_data_size, which is returned
+// (nullopt when absent: the values are in "data").
+absl::StatusOr<std::optional<int64_t>> ParseInputParameters(
+    const Json& json, const InputSpec& input, ModelInferRequest::InferInputTensor* tensor) {
+  const auto parameters = json.find("parameters");
+  if (parameters == json.end()) return std::nullopt;
+  const std::string field = absl::StrCat(input.label, ".parameters");
+  MHA_RETURN_IF_ERROR(ParseParameters(field, *parameters, tensor->mutable_parameters()));
+  const auto it = tensor->parameters().find("binary_data_size");
+  if (it == tensor->parameters().end()) return std::nullopt;
+  if (!it->second.has_int64_param() || it->second.int64_param() < 0) {
+    return Invalid(absl::StrCat(field, ".binary_data_size"),
+                   absl::StrCat("expected an integer >= 0, got ",
+                                Describe(parameters->at("binary_data_size"))));
+  }
+  const int64_t binary_size = it->second.int64_param();
+  tensor->mutable_parameters()->erase("binary_data_size");
+  return binary_size;
+}
+
+// The input's `binary_size` bytes, the next ones of the request's binary part, into
+// `raw`.
+absl::Status TakeBinaryData(const InputSpec& input, int64_t binary_size, BinaryPart* binary,
+                            std::string* raw) {
+  const std::string size_field = absl::StrCat(input.label, ".parameters.binary_data_size");
+  if (binary_size != input.bytes) {
+    return Invalid(size_field,
+                   absl::StrCat("shape ", ShapeString(input.shape), " of ", input.type->name,
+                                " is ", input.bytes, " bytes, got ", binary_size));
+  }
+  const size_t left = binary->bytes.size() - binary->used;
+  if (static_cast<uint64_t>(binary_size) > left) {
+    return Invalid(size_field,
+                   binary->present
+                       ? absl::StrCat(binary_size, " bytes, but only ", left,
+                                      " bytes of binary data are left after the JSON header")
+                       : absl::StrCat(binary_size,
+                                      " bytes, but the request has no binary data (no "
+                                      "Inference-Header-Content-Length header)"));
+  }
+  raw->assign(binary->bytes.data() + binary->used, binary_size);
+  binary->used += binary_size;
+  return absl::OkStatus();
+}
+
 absl::Status ParseInput(size_t index, const Json& json, BinaryPart* binary,
                         ModelInferRequest* request) {
   const std::string at = absl::StrCat("inputs[", index, "]");
@@ -344,47 +419,9 @@ absl::Status ParseInput(size_t index, const Json& json, BinaryPart* binary,
     return Invalid(datatype_field, absl::StrCat("expected one of ", DataTypeNames(), ", got ",
                                                 Quote(tensor->datatype())));
   }
-
-  const auto shape = json.find("shape");
-  const std::string shape_field = absl::StrCat(input.label, ".shape");
-  if (shape == json.end()) return Invalid(shape_field, "required");
-  if (!shape->is_array()) return Expected(shape_field, "an array of integers", *shape);
-  for (const Json& dim : *shape) {
-    if (!dim.is_number_integer() ||
-        (dim.is_number_unsigned() &&
-         dim.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))) {
-      return Invalid(shape_field, absl::StrCat("expected an array of integers, got an array with ",
-                                               Describe(dim)));
-    }
-    tensor->add_shape(dim.get<int64_t>());
-  }
-  input.shape = absl::MakeConstSpan(tensor->shape().data(), tensor->shape_size());
-  if (std::any_of(input.shape.begin(), input.shape.end(), [](int64_t d) { return d < 0; })) {
-    return Invalid(shape_field,
-                   absl::StrCat("dimensions must be >= 0, got ", ShapeString(input.shape)));
-  }
-  const auto size = Size(input.shape, input.type->size);
-  if (!size.has_value()) {
-    return Invalid(shape_field, absl::StrCat(ShapeString(input.shape), " of ", input.type->name,
-                                             " is more than 2^63 bytes"));
-  }
-  std::tie(input.elements, input.bytes) = *size;
-
-  std::optional<int64_t> binary_size;
-  if (const auto parameters = json.find("parameters"); parameters != json.end()) {
-    const std::string field = absl::StrCat(input.label, ".parameters");
-    MHA_RETURN_IF_ERROR(ParseParameters(field, *parameters, tensor->mutable_parameters()));
-    if (const auto it = tensor->parameters().find("binary_data_size");
-        it != tensor->parameters().end()) {
-      if (!it->second.has_int64_param() || it->second.int64_param() < 0) {
-        return Invalid(absl::StrCat(field, ".binary_data_size"),
-                       absl::StrCat("expected an integer >= 0, got ",
-                                    Describe(parameters->at("binary_data_size"))));
-      }
-      binary_size = it->second.int64_param();
-      tensor->mutable_parameters()->erase("binary_data_size");
-    }
-  }
+  MHA_RETURN_IF_ERROR(ParseShape(json, tensor, &input));
+  MHA_ASSIGN_OR_RETURN(const std::optional<int64_t> binary_size,
+                       ParseInputParameters(json, input, tensor));
 
   std::string* raw = request->add_raw_input_contents();
   const auto data = json.find("data");
@@ -394,28 +431,10 @@ absl::Status ParseInput(size_t index, const Json& json, BinaryPart* binary,
     }
     return AppendData(input, *data, raw);
   }
-  const std::string size_field = absl::StrCat(input.label, ".parameters.binary_data_size");
   if (data != json.end()) {
     return Invalid(input.label, "has both data and parameters.binary_data_size; send one");
   }
-  if (*binary_size != input.bytes) {
-    return Invalid(size_field,
-                   absl::StrCat("shape ", ShapeString(input.shape), " of ", input.type->name,
-                                " is ", input.bytes, " bytes, got ", *binary_size));
-  }
-  const size_t left = binary->bytes.size() - binary->used;
-  if (static_cast<uint64_t>(*binary_size) > left) {
-    return Invalid(size_field,
-                   binary->present
-                       ? absl::StrCat(*binary_size, " bytes, but only ", left,
-                                      " bytes of binary data are left after the JSON header")
-                       : absl::StrCat(*binary_size,
-                                      " bytes, but the request has no binary data (no "
-                                      "Inference-Header-Content-Length header)"));
-  }
-  raw->assign(binary->bytes.data() + binary->used, *binary_size);
-  binary->used += *binary_size;
-  return absl::OkStatus();
+  return TakeBinaryData(input, *binary_size, binary, raw);
 }
 
 absl::Status ParseOutput(size_t index, const Json& json, ModelInferRequest* request) {

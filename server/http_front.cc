@@ -73,6 +73,44 @@ absl::StatusOr<std::optional<int64_t>> HeaderLength(const httplib::Request& req)
   return length;
 }
 
+// POST .../models/{name}[/versions/{v}]/infer: decodes the request, waits on the
+// HTTP thread for its forward pass, and fills `res` with the answer.
+absl::Status Infer(const HttpFront::Services& s, const std::string& model,
+                   const httplib::Request& req, httplib::Response& res, Meter& meter) {
+  MHA_ASSIGN_OR_RETURN(const std::optional<int64_t> header_length, HeaderLength(req));
+  MHA_ASSIGN_OR_RETURN(const inference::ModelInferRequest request,
+                       ParseInferRequest(model, req.matches[2].str(), req.body, header_length));
+  InferDecoded decoded;
+  inference::ModelInferResponse response;
+  MHA_ASSIGN_OR_RETURN(const Admitted admitted,
+                       AdmitInfer(request, *s.models, *s.batcher, &decoded, &response));
+  meter.Accepted(admitted.request);
+  // A mutex rather than absl::Notification, whose already-notified fast path
+  // takes no lock: ThreadSanitizer sees the hand-off only through the lock.
+  absl::Mutex mu;
+  bool computed = false;
+  absl::Status result;
+  MHA_RETURN_IF_ERROR(s.batcher->Submit(MakeWorkItem(
+      admitted, absl::InfiniteFuture(), nullptr, [&](absl::Status status, const ComputeTiming&) {
+        absl::MutexLock lock(&mu);
+        result = std::move(status);
+        computed = true;
+      })));
+  {
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(&computed));
+  }
+  MHA_RETURN_IF_ERROR(result);
+  MHA_ASSIGN_OR_RETURN(HttpBody body, EncodeInferResponse(request, response));
+  res.status = 200;
+  if (body.header_length >= 0) {
+    res.set_header("Inference-Header-Content-Length", std::to_string(body.header_length));
+  }
+  res.body = std::move(body.body);
+  res.set_header("Content-Type", body.content_type);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 int HttpStatusOf(absl::StatusCode code) {
@@ -161,6 +199,12 @@ void HttpFront::Stop() {
 }
 
 void HttpFront::Route() {
+  RouteMetadata();
+  RouteRepository();
+  RouteInfer();
+}
+
+void HttpFront::RouteMetadata() {
   httplib::Server& server = *server_;
   const Services s = services_;
   server.Get("/v2/health/live", [](const httplib::Request&, httplib::Response& res) {
@@ -214,49 +258,18 @@ void HttpFront::Route() {
         if (!stats.ok()) return SendError(stats.status(), res);
         SendProto(*stats, res);
       });
-  RouteRepository();
-  server.Post(absl::StrCat(kModelPath, "/infer"), [s](const httplib::Request& req,
-                                                      httplib::Response& res) {
-    const std::string model = req.matches[1].str();
-    Meter meter(s.metrics, Protocol::kKserveHttp);
-    absl::Status status = [&]() -> absl::Status {
-      MHA_ASSIGN_OR_RETURN(const std::optional<int64_t> header_length, HeaderLength(req));
-      MHA_ASSIGN_OR_RETURN(const inference::ModelInferRequest request,
-                           ParseInferRequest(model, req.matches[2].str(), req.body, header_length));
-      InferDecoded decoded;
-      inference::ModelInferResponse response;
-      MHA_ASSIGN_OR_RETURN(const Admitted admitted,
-                           AdmitInfer(request, *s.models, *s.batcher, &decoded, &response));
-      meter.Accepted(admitted.request);
-      // A mutex rather than absl::Notification, whose already-notified fast path
-      // takes no lock: ThreadSanitizer sees the hand-off only through the lock.
-      absl::Mutex mu;
-      bool computed = false;
-      absl::Status result;
-      MHA_RETURN_IF_ERROR(
-          s.batcher->Submit(MakeWorkItem(admitted, absl::InfiniteFuture(), nullptr,
-                                         [&](absl::Status status, const ComputeTiming&) {
-                                           absl::MutexLock lock(&mu);
-                                           result = std::move(status);
-                                           computed = true;
-                                         })));
-      {
-        absl::MutexLock lock(&mu);
-        mu.Await(absl::Condition(&computed));
-      }
-      MHA_RETURN_IF_ERROR(result);
-      MHA_ASSIGN_OR_RETURN(HttpBody body, EncodeInferResponse(request, response));
-      res.status = 200;
-      if (body.header_length >= 0) {
-        res.set_header("Inference-Header-Content-Length", std::to_string(body.header_length));
-      }
-      res.body = std::move(body.body);
-      res.set_header("Content-Type", body.content_type);
-      return absl::OkStatus();
-    }();
-    meter.Answered(status, *s.models, model);
-    if (!status.ok()) SendError(status, res);
-  });
+}
+
+void HttpFront::RouteInfer() {
+  const Services s = services_;
+  server_->Post(absl::StrCat(kModelPath, "/infer"),
+                [s](const httplib::Request& req, httplib::Response& res) {
+                  const std::string model = req.matches[1].str();
+                  Meter meter(s.metrics, Protocol::kKserveHttp);
+                  const absl::Status status = Infer(s, model, req, res, meter);
+                  meter.Answered(status, *s.models, model);
+                  if (!status.ok()) SendError(status, res);
+                });
 }
 
 void HttpFront::RouteRepository() {

@@ -77,10 +77,14 @@ class HttpFront {
 
  private:
   HttpFront() = default;
-  void Route();
+  void Route();  // every route below
+  // Health, server and model metadata, model config and statistics (GET).
+  void RouteMetadata();
   // /v2/repository/index, and .../models/{name}/load and /unload (Triton's
   // repository extension; the body may hold {"parameters": {}} and nothing else).
   void RouteRepository();
+  // .../infer (POST): the HTTP thread waits for the batcher's forward pass.
+  void RouteInfer();
 
   Services services_{};
   std::unique_ptr<httplib::Server> server_;

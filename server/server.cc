@@ -118,6 +118,70 @@ absl::Status ServerOptions::Validate() const {
   return absl::OkStatus();
 }
 
+// The batcher, the models' lifecycle, the session manager and the RPC services.
+absl::Status Server::StartServices() {
+  MHA_ASSIGN_OR_RETURN(batcher_, Batcher::Create({.num_workers = options_.compute_workers,
+                                                  .inline_max_flops = options_.inline_max_flops},
+                                                 metrics_.get()));
+  for (const auto& model : models_->models()) {
+    MHA_RETURN_IF_ERROR(batcher_->AddModel(model, /*warming=*/true));
+  }
+  lifecycle_ = std::make_unique<ModelLifecycle>(
+      ModelLifecycle::Options{.control = options_.model_control,
+                              .poll_interval = options_.repository_poll},
+      models_.get(), batcher_.get(), metrics_.get());
+  sessions_ = std::make_unique<SessionManager>(
+      SessionOptions{.cache_bytes = options_.session_cache_bytes > 0 ? options_.session_cache_bytes
+                                                                     : AvailableMemoryBytes() / 4,
+                     .idle_timeout = options_.session_idle_timeout},
+      models_.get(), batcher_.get(), *metrics_->registry());
+  service_ = std::make_unique<AttentionServiceImpl>(models_.get(), batcher_.get(), metrics_.get(),
+                                                    sessions_.get());
+  inference_service_ = std::make_unique<InferenceServiceImpl>(models_.get(), batcher_.get(),
+                                                              metrics_.get(), lifecycle_.get());
+  return absl::OkStatus();
+}
+
+// Builds and starts the gRPC server on options_.host:port with both services;
+// UNAVAILABLE naming the address when it cannot listen.
+absl::Status Server::StartGrpc(const std::shared_ptr<grpc::ServerCredentials>& credentials,
+                               int64_t max_receive) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  // gRPC sets SO_REUSEPORT by default, which would let a second server bind a busy
+  // port and take half of its connections; a port in use fails start-up instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.AddListeningPort(HostPort(options_.host, options_.port), credentials, &port_);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(max_receive, INT_MAX)));
+  builder.SetMaxSendMessageSize(INT_MAX);
+  builder.RegisterService(service_.get());
+  builder.RegisterService(inference_service_.get());
+  grpc_server_ = builder.BuildAndStart();
+  if (grpc_server_ == nullptr || port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("port: cannot listen on ",
+                                               HostPort(options_.host, options_.port),
+                                               " (address in use, or a bad host or TLS key pair)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Server::StartHttp(int64_t max_receive) {
+  if (options_.http_port < 0) return absl::OkStatus();
+  MHA_ASSIGN_OR_RETURN(http_, HttpFront::Start({.host = options_.host,
+                                                .port = options_.http_port,
+                                                .threads = options_.http_threads,
+                                                .max_body_bytes = max_receive,
+                                                .tls_cert = options_.tls_cert,
+                                                .tls_key = options_.tls_key,
+                                                .tls_client_ca = options_.tls_client_ca},
+                                               {.models = models_.get(),
+                                                .batcher = batcher_.get(),
+                                                .metrics = metrics_.get(),
+                                                .inference = inference_service_.get()}));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& options) {
   MHA_RETURN_IF_ERROR(options.Validate());
   std::unique_ptr<Server> server(new Server());
@@ -146,29 +210,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
                          MetricsExposer::Start(HostPort(options.metrics_host, options.metrics_port),
                                                server->metrics_->registry()));
   }
-  MHA_ASSIGN_OR_RETURN(server->batcher_,
-                       Batcher::Create({.num_workers = options.compute_workers,
-                                        .inline_max_flops = options.inline_max_flops},
-                                       server->metrics_.get()));
-  for (const auto& model : server->models_->models()) {
-    MHA_RETURN_IF_ERROR(server->batcher_->AddModel(model, /*warming=*/true));
-  }
-  server->lifecycle_ = std::make_unique<ModelLifecycle>(
-      ModelLifecycle::Options{.control = options.model_control,
-                              .poll_interval = options.repository_poll},
-      server->models_.get(), server->batcher_.get(), server->metrics_.get());
-  server->sessions_ = std::make_unique<SessionManager>(
-      SessionOptions{.cache_bytes = options.session_cache_bytes > 0 ? options.session_cache_bytes
-                                                                    : AvailableMemoryBytes() / 4,
-                     .idle_timeout = options.session_idle_timeout},
-      server->models_.get(), server->batcher_.get(), *server->metrics_->registry());
-  server->service_ =
-      std::make_unique<AttentionServiceImpl>(server->models_.get(), server->batcher_.get(),
-                                             server->metrics_.get(), server->sessions_.get());
-  server->inference_service_ =
-      std::make_unique<InferenceServiceImpl>(server->models_.get(), server->batcher_.get(),
-                                             server->metrics_.get(), server->lifecycle_.get());
-
+  MHA_RETURN_IF_ERROR(server->StartServices());
   // The transport refuses bigger messages itself; each model's own limit is
   // checked in validation, so the transport allows the largest of them (of the
   // models loaded at start-up: a model loaded later that allows more is held to
@@ -177,38 +219,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   for (const auto& model : server->models_->models()) {
     max_receive = std::max(max_receive, model->limits.max_request_bytes);
   }
-
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  // gRPC sets SO_REUSEPORT by default, which would let a second server bind a busy
-  // port and take half of its connections; a port in use fails start-up instead.
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.AddListeningPort(HostPort(options.host, options.port), credentials, &server->port_);
-  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(max_receive, INT_MAX)));
-  builder.SetMaxSendMessageSize(INT_MAX);
-  builder.RegisterService(server->service_.get());
-  builder.RegisterService(server->inference_service_.get());
-  server->grpc_server_ = builder.BuildAndStart();
-  if (server->grpc_server_ == nullptr || server->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("port: cannot listen on ",
-                                               HostPort(options.host, options.port),
-                                               " (address in use, or a bad host or TLS key pair)"));
-  }
-  if (options.http_port >= 0) {
-    MHA_ASSIGN_OR_RETURN(server->http_,
-                         HttpFront::Start({.host = options.host,
-                                           .port = options.http_port,
-                                           .threads = options.http_threads,
-                                           .max_body_bytes = max_receive,
-                                           .tls_cert = options.tls_cert,
-                                           .tls_key = options.tls_key,
-                                           .tls_client_ca = options.tls_client_ca},
-                                          {.models = server->models_.get(),
-                                           .batcher = server->batcher_.get(),
-                                           .metrics = server->metrics_.get(),
-                                           .inference = server->inference_service_.get()}));
-  }
+  MHA_RETURN_IF_ERROR(server->StartGrpc(credentials, max_receive));
+  MHA_RETURN_IF_ERROR(server->StartHttp(max_receive));
   // gRPC's health service starts with "" SERVING: not so until the warm-up is done.
   grpc::HealthCheckServiceInterface* health = server->grpc_server_->GetHealthCheckService();
   health->SetServingStatus(false);

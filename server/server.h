@@ -139,6 +139,12 @@ class Server {
   std::unique_ptr<HttpFront> http_;
   bool shut_down_ = false;
 
+  // Create's steps after the models and metrics: each sets members or fails.
+  absl::Status StartServices();
+  absl::Status StartGrpc(const std::shared_ptr<grpc::ServerCredentials>& credentials,
+                         int64_t max_receive);
+  absl::Status StartHttp(int64_t max_receive);  // when options_.http_port >= 0
+
   // The warm-up thread and what it found.
   void Warm();
   std::thread warmup_thread_;
