@@ -610,16 +610,25 @@ TEST(ClientDecodeTest, AServerThatDiesEndsTheRunNamingSessionAndStep) {
                    "limits { max_sequence_length: 1000000 }");
   auto server = ServerProcess::Start({"--port=0", "--model_repository=" + repository.path()});
   ASSERT_TRUE(server.ok()) << server.status();
+  // The kill comes once the server holds more than the 4 prefills' 16 tokens: the
+  // decode phase is under way (however slow the build, as under ThreadSanitizer).
+  absl::Time killed;
   std::thread killer([&] {
-    absl::SleepFor(absl::Milliseconds(1500));
+    const absl::Time give_up = absl::Now() + absl::Seconds(60);
+    while (absl::Now() < give_up) {
+      const absl::StatusOr<std::string> text = ScrapeMetrics((*server)->metrics_port());
+      if (text.ok() && MetricValue(*text, "mha_session_cached_tokens") > 16) break;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    killed = absl::Now();
     (*server)->Signal(SIGKILL);
   });
-  const absl::Time start = absl::Now();
   const ClientRun run =
       RunClient({"decode", "--target=" + (*server)->target(), "--model=long", "--sessions=4",
                  "--prefill=4", "--decode_tokens=1000000", "--timeout=60s"});
-  const absl::Duration elapsed = absl::Now() - start;
+  const absl::Time ended = absl::Now();
   killer.join();
+  const absl::Duration elapsed = ended - killed;
   (*server)->WaitForExit(absl::Seconds(10));
   EXPECT_EQ(run.exit_code, 1) << Describe(run);
   EXPECT_TRUE(absl::StartsWith(run.err, "error: UNAVAILABLE: AttendSession: session ")) << run.err;
