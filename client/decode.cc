@@ -252,8 +252,8 @@ class SessionDriver {
       if (next == grpc::CompletionQueue::TIMEOUT) {
         Fail(absl::DeadlineExceededError(absl::StrCat(
             "decode: ", prefilled_, " of ", o.sessions, " sessions prefilled, but the others had ",
-            "not --timeout (", absl::FormatDuration(o.timeout), ") later: does the server run ",
-            o.sessions, " sessions at once?")));
+            "not prefilled --timeout (", absl::FormatDuration(o.timeout),
+            ") later: does the server run ", o.sessions, " sessions at once?")));
         continue;
       }
       if (next != grpc::CompletionQueue::GOT_EVENT) break;  // shut down: cannot happen here
@@ -313,7 +313,6 @@ class SessionDriver {
           session.context.TryCancel();
           Fail(InStep(absl::InternalError("the server sent a response no step asked for"), kCall,
                       session.index, StepName(session)));
-          return Finish(session, "");
         }
         return Finish(session, "");
       case Op::kFinish:

@@ -598,8 +598,6 @@ TEST_F(ClientTest, BenchMaxRequestsBoundsTheMeasuredRequests) {
   }
 }
 
-// Requests that outlast every window (a 512-wide model, 8 x 512 tokens, against
-// 10 ms windows): the step measured nothing, and bench says so and fails.
 // The server killed in the middle of the decode phase: the run ends at once with
 // the first failure, UNAVAILABLE naming a session and its step, and prints no
 // table. Every stream was finished for the client to exit on its own.
@@ -638,6 +636,8 @@ TEST(ClientDecodeTest, AServerThatDiesEndsTheRunNamingSessionAndStep) {
   EXPECT_LT(elapsed, absl::Seconds(10)) << "the run outlived its server by " << elapsed;
 }
 
+// Requests that outlast every window (a 512-wide model, 8 x 512 tokens, against
+// 10 ms windows): the step measured nothing, and bench says so and fails.
 TEST(ClientBenchTest, AStepThatMeasuredNothingFailsTheRun) {
   TempDir repository;
   repository.Write("wide/config.pbtxt", "num_hiddens: 512 num_heads: 8 seeded { seed: 1 }");

@@ -8,7 +8,6 @@ import subprocess
 import time
 
 
-
 def free_port():
     """A TCP port on 127.0.0.1 that was free a moment ago. Another process may bind it
     before the caller's program does (tests run in parallel): callers that start a
