@@ -166,6 +166,13 @@ absl::Status Batcher::Submit(WorkItem item) {
     MHA_RETURN_IF_ERROR(AdmitLocked(it == queues_.end() ? nullptr : &it->second, item.warmup));
     ModelQueue& queue = it->second;
     item.enqueued = absl::Now();
+    if (item.step != nullptr) {
+      if (const auto pace = queue.sessions.find(item.step); pace != queue.sessions.end()) {
+        pace->second.prompt =
+            item.enqueued - pace->second.answered <= queue.model->batching.session_gather;
+      }
+      std::erase(queue.awaited, item.step);
+    }
     if (!RunsInline(queue, item)) {
       queue.rows += item.rows();
       queue.tokens += item.rows() * item.length();
@@ -186,6 +193,14 @@ absl::Status Batcher::Submit(WorkItem item) {
   inline_batch = {};
   Sweep();
   return absl::OkStatus();
+}
+
+void Batcher::SessionEnded(const Model* model, const core::PagedStep* step) {
+  absl::MutexLock lock(&mu_);
+  if (const auto it = queues_.find(model); it != queues_.end()) {
+    it->second.sessions.erase(step);
+    std::erase(it->second.awaited, step);
+  }
 }
 
 int64_t Batcher::queue_size() const {
@@ -291,6 +306,20 @@ Batcher::Batch Batcher::NextBatch() {
     ModelQueue* queue = OldestQueue();
     if (queue == nullptr) return {};  // stopping, and everything is done
     const BatchingPolicy& policy = queue->model->batching;
+    if (!stopping_ && policy.enabled && queue->items.front().step != nullptr &&
+        !queue->awaited.empty() && !Full(*queue)) {
+      const absl::Time due =
+          std::max(queue->items.front().enqueued, queue->awaited_since) + policy.session_gather;
+      if (absl::Now() < due) {
+        auto ready = [this, queue]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          return stopping_ || queue->items.empty() || queue->awaited.empty() || Full(*queue);
+        };
+        ++queue->waiters;
+        mu_.AwaitWithDeadline(absl::Condition(&ready), due);
+        --queue->waiters;
+        continue;
+      }
+    }
     // Warm-up items are due at once: nothing can join them (requests for a warming
     // model are refused), so waiting the batching delay would only stretch start-up.
     if (!stopping_ && policy.enabled && !Full(*queue) && !queue->items.front().warmup) {
@@ -328,6 +357,16 @@ void Batcher::BatchDone(const Batch& batch, absl::Duration elapsed, bool compute
   queue.computing_tokens -= batch.tokens;
   --computing_;
   if (!computed || batch.tokens == 0) return;
+  if (batch.items.front().step != nullptr) {  // its sessions are answered next
+    const absl::Time now = absl::Now();
+    queue.awaited.clear();
+    queue.awaited_since = now;
+    for (const WorkItem& item : batch.items) {
+      ModelQueue::Pace& pace = queue.sessions[item.step];
+      pace.answered = now;
+      if (pace.prompt) queue.awaited.push_back(item.step);
+    }
+  }
   const double sample = absl::ToDoubleSeconds(elapsed) / static_cast<double>(batch.tokens);
   double& average = queue.seconds_per_token;
   average = average == 0 ? sample : 0.75 * average + 0.25 * sample;

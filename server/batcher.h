@@ -31,6 +31,17 @@
 //     core::MultiHeadAttention::ForwardPaged call whose projections are one GEMM
 //     over every step's new tokens and whose attention runs per session over its
 //     own cached blocks, unpadded.
+//   - Gathering session steps (policy.session_gather): a session whose last step
+//     came within session_gather of the answer to the step before (a client
+//     decoding in a loop) is prompt. When a session call ends, its prompt sessions
+//     are awaited, and queued steps wait until every awaited session has queued
+//     its next step (or ended: SessionEnded), or until session_gather has passed
+//     since the later of that call's end and the oldest step's arrival. Sessions
+//     decoding together then keep stepping as one call, instead of splitting into
+//     the steps that arrived during the previous call and the rest. A session's
+//     first step is not prompt; a session that goes quiet costs at most one such
+//     wait and is not awaited again until it steps promptly; a lone session never
+//     waits.
 //   - policy.enabled = false: one request per forward call, no waiting.
 //
 // Inline execution (Options::inline_max_flops): a request of at most that much
@@ -74,6 +85,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -121,6 +133,10 @@ class Batcher {
   // caller refuse before it validates (reads) the request. Submit checks again.
   absl::Status Admit(const Model* model) const;
 
+  // The session whose steps are `step` (WorkItem::step) sends no more: queued steps
+  // of `model` stop awaiting it.
+  void SessionEnded(const Model* model, const core::PagedStep* step);
+
   // Stops accepting, computes everything queued (batched, without waiting;
   // deadlines and cancellation still apply), joins the workers and waits for inline
   // calls in progress. Idempotent.
@@ -143,6 +159,17 @@ class Batcher {
     bool warming = false;          // admits warm-up items only
     bool retiring = false;         // RemoveModel'd: erased once unused
     int waiters = 0;               // workers awaiting a condition that reads this queue
+    // Sessions (by WorkItem::step) that have been answered: when their last step
+    // was, and whether the step before it came promptly (gathering, above).
+    struct Pace {
+      absl::Time answered;
+      bool prompt = false;
+    };
+    absl::flat_hash_map<const core::PagedStep*, Pace> sessions;
+    // The prompt sessions of the last session call computed, which have not
+    // queued their next step since it ended (at awaited_since).
+    std::vector<const core::PagedStep*> awaited;
+    absl::Time awaited_since;
   };
   struct Batch {
     const Model* model = nullptr;

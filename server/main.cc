@@ -59,6 +59,7 @@ constexpr std::pair<absl::string_view, absl::string_view> kFlagOfField[] = {
     {"batching.max_queue_size", "max_queue_size"},
     {"batching.max_queue_delay", "max_queue_delay_us"},
     {"batching.max_queue_wait", "max_queue_wait_us"},
+    {"batching.session_gather", "session_gather_us"},
     {"repository_poll", "repository_poll_secs"},
 };
 
@@ -128,6 +129,10 @@ ABSL_FLAG(int64_t, max_queue_delay_us,
 ABSL_FLAG(int64_t, max_queue_wait_us, absl::ToInt64Microseconds(kDefaults.batching.max_queue_wait),
           "Refuse (RESOURCE_EXHAUSTED) a request whose expected queue wait, the work queued "
           "ahead of it at the model's recent compute speed, is longer; 0 = no bound in time.");
+ABSL_FLAG(int64_t, session_gather_us, absl::ToInt64Microseconds(kDefaults.batching.session_gather),
+          "AttendSession: how long queued steps wait for the sessions of the model's "
+          "previous session call that stepped promptly to send their next steps, so that "
+          "sessions decoding together keep running as one call; 0 = no waiting.");
 ABSL_FLAG(int64_t, max_batch_tokens, kDefaults.batching.max_batch_tokens,
           "Limit on rows x padded sequence length of a merged forward call.");
 ABSL_FLAG(int64_t, max_batch_size, kLimits.max_batch_size,
@@ -197,6 +202,7 @@ int main(int argc, char** argv) {
   options.batching.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
   options.batching.max_queue_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_queue_delay_us));
   options.batching.max_queue_wait = absl::Microseconds(absl::GetFlag(FLAGS_max_queue_wait_us));
+  options.batching.session_gather = absl::Microseconds(absl::GetFlag(FLAGS_session_gather_us));
   options.batching.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   options.limits.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
   options.batching.max_batch_size = options.limits.max_batch_size;

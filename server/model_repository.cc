@@ -87,6 +87,14 @@ absl::StatusOr<BatchingPolicy> ResolveBatching(const attention::v1::BatchingConf
     }
     policy.max_queue_wait = absl::Microseconds(config.max_queue_wait_us());
   }
+  if (config.has_session_gather_us()) {
+    if (config.session_gather_us() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("batching.session_gather_us: expected >= 0 (0 = no waiting), got ",
+                       config.session_gather_us()));
+    }
+    policy.session_gather = absl::Microseconds(config.session_gather_us());
+  }
   policy.max_batch_size = std::min(policy.max_batch_size, limits.max_batch_size);
   return policy;
 }

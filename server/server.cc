@@ -89,6 +89,7 @@ absl::Status ServerOptions::Validate() const {
   }
   MHA_RETURN_IF_ERROR(NotNegative("batching.max_queue_delay", batching.max_queue_delay));
   MHA_RETURN_IF_ERROR(NotNegative("batching.max_queue_wait", batching.max_queue_wait));
+  MHA_RETURN_IF_ERROR(NotNegative("batching.session_gather", batching.session_gather));
   MHA_RETURN_IF_ERROR(NotNegative("drain_timeout", drain_timeout));
   MHA_RETURN_IF_ERROR(AtLeast("session_cache_bytes", session_cache_bytes, 0));
   if (session_idle_timeout <= absl::ZeroDuration()) {

@@ -270,6 +270,7 @@ class SessionManager::Session final
       cache_.reset();
       metrics.cache_bytes.Set(static_cast<double>(manager_->pool_.used_bytes()));
     }
+    if (model_ != nullptr) manager_->batcher_->SessionEnded(model_.get(), &step_);
     model_.reset();  // a retired version can go
     Finish(ToGrpcStatus(status));
   }

@@ -28,9 +28,10 @@ TEST(StartupTest, HelpListsEveryFlagWithItsDefault) {
   const RunResult run = RunServer({"--help"});
   for (const char* flag :
        {"--host", "--port", "--metrics_port", "--model_repository", "--compute_threads",
-        "--compute_workers", "--max_queue_size", "--max_queue_wait_us", "--max_batch_size",
-        "--max_sequence_length", "--max_request_bytes", "--max_attention_elements",
-        "--drain_timeout", "--tls_cert", "--tls_key", "--tls_client_ca"}) {
+        "--compute_workers", "--max_queue_size", "--max_queue_wait_us", "--session_gather_us",
+        "--max_batch_size", "--max_sequence_length", "--max_request_bytes",
+        "--max_attention_elements", "--drain_timeout", "--tls_cert", "--tls_key",
+        "--tls_client_ca"}) {
     EXPECT_TRUE(absl::StrContains(run.out, flag)) << flag << "\n" << run.out;
   }
   EXPECT_TRUE(absl::StrContains(run.out, "default: 50051"));

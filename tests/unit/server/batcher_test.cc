@@ -14,6 +14,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "core/kv_cache.h"
 #include "gtest/gtest.h"
 #include "server/codec.h"
 #include "server/model_repository.h"
@@ -578,6 +580,146 @@ TEST_F(BatcherInlineTest, SmallRequestsQueueBehindQueuedOnes) {
     EXPECT_NE(threads[i], std::this_thread::get_id());
     EXPECT_LE(MaxAbsDiff(calls[i].response.output().data(), Alone(calls[i].request)), 1e-5f);
   }
+}
+
+// Session steps (WorkItem::step) of the toy model through a one-worker batcher,
+// for the gathering of steps (BatchingPolicy::session_gather). Each session is a
+// causal self-attention cache stepped one token at a time.
+class BatcherGatherTest : public ::testing::Test {
+ protected:
+  struct Session {
+    explicit Session(core::KvCachePool* pool) : cache(pool, 5, 20) {}
+    core::KvSequence cache;
+    std::vector<float> query = std::vector<float>(100, 0.5f);
+    std::vector<float> output = std::vector<float>(100);
+    core::PagedStep step;
+    // The last step's answer.
+    absl::Mutex mu;
+    bool done = false;
+    absl::Status status;
+    ComputeTiming timing;
+  };
+
+  void Start(absl::Duration gather) {
+    models_ = ModelRepository::Create({.default_batching = {.session_gather = gather}}).value();
+    batcher_ = Batcher::Create({.num_workers = 1}, nullptr).value();
+    ASSERT_TRUE(batcher_->AddModel(model()).ok());
+  }
+  std::shared_ptr<const Model> model() const { return models_->Find("").value(); }
+
+  // Submits the session's next one-token step; Wait() for its answer.
+  void Submit(Session& s) {
+    ASSERT_TRUE(s.cache.Reserve(1).ok());
+    s.step = core::PagedStep{.num_queries = 1,
+                             .queries = s.query.data(),
+                             .causal = true,
+                             .cache = &s.cache,
+                             .output = s.output.data()};
+    {
+      absl::MutexLock lock(&s.mu);
+      s.done = false;
+    }
+    ASSERT_TRUE(
+        batcher_
+            ->Submit(WorkItem{
+                .model = model(),
+                .inputs = {.batch = 1, .num_queries = 1, .num_keys = 0, .queries = s.query.data()},
+                .done =
+                    [&s](absl::Status status, const ComputeTiming& timing) {
+                      absl::MutexLock lock(&s.mu);
+                      s.status = std::move(status);
+                      s.timing = timing;
+                      s.done = true;
+                    },
+                .step = &s.step})
+            .ok());
+  }
+  static ComputeTiming Wait(Session& s) {
+    absl::MutexLock lock(&s.mu);
+    s.mu.Await(absl::Condition(&s.done));
+    EXPECT_TRUE(s.status.ok()) << s.status;
+    return s.timing;
+  }
+  ComputeTiming Step(Session& s) {
+    Submit(s);
+    return Wait(s);
+  }
+
+  core::KvCachePool pool_{int64_t{64} << 20};
+  std::unique_ptr<ModelRepository> models_;
+  std::unique_ptr<Batcher> batcher_;
+};
+
+TEST_F(BatcherGatherTest, AStepWaitsForAPromptSessionOfThePreviousCall) {
+  Start(absl::Seconds(10));
+  Session a(&pool_), b(&pool_);
+  Step(a);  // first steps: not prompt, never awaited
+  Step(b);
+  Step(b);  // came as soon as b's answer: prompt, so awaited after this call
+  Submit(a);
+  absl::SleepFor(absl::Milliseconds(50));
+  Submit(b);
+  const ComputeTiming ta = Wait(a), tb = Wait(b);
+  EXPECT_EQ(ta.batch_rows, 2);  // one call
+  EXPECT_EQ(tb.batch_rows, 2);
+  EXPECT_GE(ta.queue, absl::Milliseconds(50));
+  EXPECT_LT(ta.queue, absl::Seconds(5));
+}
+
+TEST_F(BatcherGatherTest, ALoneSessionNeverWaits) {
+  Start(absl::Seconds(10));
+  Session a(&pool_);
+  for (int i = 0; i < 5; ++i) {
+    const ComputeTiming t = Step(a);
+    EXPECT_EQ(t.batch_rows, 1);
+    EXPECT_LT(t.queue, absl::Seconds(2)) << "step " << i;  // not session_gather
+  }
+}
+
+TEST_F(BatcherGatherTest, ASessionThatGoesQuietCostsOneWaitThenIsNotAwaited) {
+  Start(absl::Milliseconds(300));
+  Session a(&pool_), b(&pool_);
+  Step(a);
+  Step(b);
+  Step(b);
+  Submit(a);  // waits for b, which comes
+  Submit(b);
+  Wait(a);
+  Wait(b);
+  // Both prompt and in the last call. b goes quiet: a waits session_gather once ...
+  EXPECT_GE(Step(a).queue, absl::Milliseconds(300));
+  // ... and then b, not in the last call, is not awaited.
+  EXPECT_LT(Step(a).queue, absl::Milliseconds(300));
+}
+
+TEST_F(BatcherGatherTest, AnEndedSessionIsNotAwaited) {
+  Start(absl::Seconds(10));
+  Session a(&pool_), b(&pool_);
+  Step(a);
+  Step(b);
+  Step(b);  // b awaited after this call
+  Submit(a);
+  absl::SleepFor(absl::Milliseconds(50));
+  batcher_->SessionEnded(model().get(), &b.step);
+  const ComputeTiming t = Wait(a);
+  EXPECT_EQ(t.batch_rows, 1);
+  EXPECT_GE(t.queue, absl::Milliseconds(50));
+  EXPECT_LT(t.queue, absl::Seconds(5));
+}
+
+TEST_F(BatcherGatherTest, NoGatheringWhenSessionGatherIsZero) {
+  Start(absl::ZeroDuration());
+  Session a(&pool_), b(&pool_);
+  Step(a);
+  Step(b);
+  Step(b);
+  Submit(a);
+  absl::SleepFor(absl::Milliseconds(300));
+  Submit(b);
+  const ComputeTiming ta = Wait(a);
+  Wait(b);
+  EXPECT_EQ(ta.batch_rows, 1);
+  EXPECT_LT(ta.queue, absl::Milliseconds(300));
 }
 
 }  // namespace

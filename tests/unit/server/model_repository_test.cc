@@ -102,6 +102,19 @@ TEST(ModelRepositoryTest, ResolveNamesTheBatchingField) {
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(status.message(), "batching.max_queue_wait_us: expected >= 0"))
       << status;
+  const auto gather =
+      ParseModelConfig("num_hiddens: 100 num_heads: 5 batching { session_gather_us: -2 }", "test")
+          .value();
+  const absl::Status gather_status = ResolveModelConfig(gather, "m", {}).status();
+  EXPECT_EQ(gather_status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(
+      absl::StrContains(gather_status.message(),
+                        "batching.session_gather_us: expected >= 0 (0 = no waiting), got -2"))
+      << gather_status;
+  const auto set =
+      ParseModelConfig("num_hiddens: 100 num_heads: 5 batching { session_gather_us: 0 }", "test")
+          .value();
+  EXPECT_EQ(ResolveModelConfig(set, "m", {}).value().batching.session_gather, absl::ZeroDuration());
   const absl::Status parse = ParseModelConfig("num_hiddens: x", "f.pbtxt").status();
   EXPECT_EQ(parse.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(parse.message(), "f.pbtxt: ")) << parse;
