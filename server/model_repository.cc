@@ -72,28 +72,29 @@ absl::StatusOr<BatchingPolicy> ResolveBatching(const attention::v1::BatchingConf
     }
     if (value.first > 0) *value.second = value.first;
   }
-  if (config.has_max_queue_delay_us()) {
-    if (config.max_queue_delay_us() < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "batching.max_queue_delay_us: expected >= 0, got ", config.max_queue_delay_us()));
-    }
-    policy.max_queue_delay = absl::Microseconds(config.max_queue_delay_us());
-  }
-  if (config.has_max_queue_wait_us()) {
-    if (config.max_queue_wait_us() < 0) {
+  // Durations in microseconds, applied when set (0 is a value of its own).
+  struct Duration {
+    const char* name;
+    bool set;
+    int64_t us;
+    absl::Duration* field;
+    const char* zero;  // what 0 means
+  };
+  const Duration durations[] = {
+      {"max_queue_delay_us", config.has_max_queue_delay_us(), config.max_queue_delay_us(),
+       &policy.max_queue_delay, "no waiting"},
+      {"max_queue_wait_us", config.has_max_queue_wait_us(), config.max_queue_wait_us(),
+       &policy.max_queue_wait, "no bound"},
+      {"session_gather_us", config.has_session_gather_us(), config.session_gather_us(),
+       &policy.session_gather, "no waiting"},
+  };
+  for (const Duration& d : durations) {
+    if (!d.set) continue;
+    if (d.us < 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("batching.max_queue_wait_us: expected >= 0 (0 = no bound), got ",
-                       config.max_queue_wait_us()));
+          absl::StrCat("batching.", d.name, ": expected >= 0 (0 = ", d.zero, "), got ", d.us));
     }
-    policy.max_queue_wait = absl::Microseconds(config.max_queue_wait_us());
-  }
-  if (config.has_session_gather_us()) {
-    if (config.session_gather_us() < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("batching.session_gather_us: expected >= 0 (0 = no waiting), got ",
-                       config.session_gather_us()));
-    }
-    policy.session_gather = absl::Microseconds(config.session_gather_us());
+    *d.field = absl::Microseconds(d.us);
   }
   policy.max_batch_size = std::min(policy.max_batch_size, limits.max_batch_size);
   return policy;
