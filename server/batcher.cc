@@ -146,6 +146,8 @@ absl::Status Batcher::AdmitLocked(const ModelQueue* found, bool warmup) const {
 
 bool Batcher::RunsInline(const ModelQueue& queue, const WorkItem& item) const {
   if (options_.inline_max_flops <= 0 || queued_ > 0 || computing_ > 0 || item.warmup) return false;
+  // Awaited sessions' steps are gathered by a worker (batcher.h).
+  if (item.step != nullptr && !queue.awaited.empty()) return false;
   const BatchingPolicy& policy = queue.model->batching;
   if (policy.enabled && policy.max_queue_delay > absl::ZeroDuration()) return false;
   const core::AttentionInputs& in = item.inputs;
@@ -166,7 +168,7 @@ absl::Status Batcher::Submit(WorkItem item) {
     MHA_RETURN_IF_ERROR(AdmitLocked(it == queues_.end() ? nullptr : &it->second, item.warmup));
     ModelQueue& queue = it->second;
     item.enqueued = absl::Now();
-    if (item.step != nullptr) {
+    if (item.step != nullptr && !item.warmup) {
       if (const auto pace = queue.sessions.find(item.step); pace != queue.sessions.end()) {
         pace->second.prompt =
             item.enqueued - pace->second.answered <= queue.model->batching.session_gather;
@@ -230,6 +232,19 @@ Batcher::ModelQueue* Batcher::OldestQueue() {
     }
   }
   return oldest;
+}
+
+bool Batcher::Gathers(const ModelQueue& queue) const {
+  const BatchingPolicy& policy = queue.model->batching;
+  if (stopping_ || !policy.enabled || policy.session_gather <= absl::ZeroDuration() ||
+      queue.awaited.empty() || Full(queue)) {
+    return false;
+  }
+  // Only steps wait, and only when nothing else is queued: a request, or another
+  // model's work, is never held up for a session that has not stepped yet.
+  if (queued_ != static_cast<int64_t>(queue.items.size())) return false;
+  return std::all_of(queue.items.begin(), queue.items.end(),
+                     [](const WorkItem& item) { return item.step != nullptr && !item.warmup; });
 }
 
 bool Batcher::Full(const ModelQueue& queue) const {
@@ -306,13 +321,13 @@ Batcher::Batch Batcher::NextBatch() {
     ModelQueue* queue = OldestQueue();
     if (queue == nullptr) return {};  // stopping, and everything is done
     const BatchingPolicy& policy = queue->model->batching;
-    if (!stopping_ && policy.enabled && queue->items.front().step != nullptr &&
-        !queue->awaited.empty() && !Full(*queue)) {
+    if (Gathers(*queue)) {
       const absl::Time due =
           std::max(queue->items.front().enqueued, queue->awaited_since) + policy.session_gather;
       if (absl::Now() < due) {
+        // Wait for the awaited sessions, the delay, or a reason to stop gathering.
         auto ready = [this, queue]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-          return stopping_ || queue->items.empty() || queue->awaited.empty() || Full(*queue);
+          return queue->items.empty() || !Gathers(*queue);
         };
         ++queue->waiters;
         mu_.AwaitWithDeadline(absl::Condition(&ready), due);
@@ -356,17 +371,19 @@ void Batcher::BatchDone(const Batch& batch, absl::Duration elapsed, bool compute
   ModelQueue& queue = queues_.at(batch.model);
   queue.computing_tokens -= batch.tokens;
   --computing_;
-  if (!computed || batch.tokens == 0) return;
-  if (batch.items.front().step != nullptr) {  // its sessions are answered next
+  const WorkItem& front = batch.items.front();
+  if (front.step != nullptr && !front.warmup) {  // its sessions are answered next
     const absl::Time now = absl::Now();
-    queue.awaited.clear();
+    queue.awaited.clear();  // a failed call's sessions end: none is awaited
     queue.awaited_since = now;
     for (const WorkItem& item : batch.items) {
+      if (!computed) break;
       ModelQueue::Pace& pace = queue.sessions[item.step];
       pace.answered = now;
       if (pace.prompt) queue.awaited.push_back(item.step);
     }
   }
+  if (!computed || batch.tokens == 0) return;
   const double sample = absl::ToDoubleSeconds(elapsed) / static_cast<double>(batch.tokens);
   double& average = queue.seconds_per_token;
   average = average == 0 ? sample : 0.75 * average + 0.25 * sample;

@@ -40,17 +40,21 @@
 //     decoding together then keep stepping as one call, instead of splitting into
 //     the steps that arrived during the previous call and the rest. A session's
 //     first step is not prompt; a session that goes quiet costs at most one such
-//     wait and is not awaited again until it steps promptly; a lone session never
-//     waits.
+//     wait (with several workers, one per session call that ends meanwhile: each
+//     call's end replaces the awaited set) and is not awaited again until it steps
+//     promptly; a lone session never waits.
+//     Steps wait only while nothing but steps is queued, for any model; warm-up
+//     steps are neither awaited nor wait; an awaited session's step never runs
+//     inline (below), so that it joins the others.
 //   - policy.enabled = false: one request per forward call, no waiting.
 //
 // Inline execution (Options::inline_max_flops): a request of at most that much
 // work (core::MultiHeadAttention::Flops; 2 MFLOP in the server, the toy model's
 // (2, 4, 100) request is 0.8) runs on the thread that calls Submit, and `done` is
 // called before Submit returns, when nothing is queued or computing for any model,
-// the model is not warming up and its policy would not wait for company
-// (batching off, or max_queue_delay 0). Then a worker could only have taken it
-// alone and at once; inline it skips two thread hand-offs. Anything larger, or
+// the model is not warming up, its policy would not wait for company (batching
+// off, or max_queue_delay 0) and, for a session step, no session is awaited. Then a worker could
+// only have taken it alone and at once; inline it skips two thread hand-offs. Anything larger, or
 // arriving while compute is busy, is queued, so a front's thread never computes
 // for longer than a small request takes (tens of microseconds) and requests that
 // arrive under load still merge. One inline call at a time: it counts as compute.
@@ -70,7 +74,7 @@
 // A computed item's `output` (and `attention`, when set) is written before
 // `done` is called with OK and its timing.
 //
-// Thread safety: Submit and Shutdown are thread-safe. `done` runs on a worker
+// Thread safety: Submit, SessionEnded and Shutdown are thread-safe. `done` runs on a worker
 // thread and must not block for long.
 #ifndef MHA_SERVER_BATCHER_H_
 #define MHA_SERVER_BATCHER_H_
@@ -161,6 +165,7 @@ class Batcher {
     int waiters = 0;               // workers awaiting a condition that reads this queue
     // Sessions (by WorkItem::step) that have been answered: when their last step
     // was, and whether the step before it came promptly (gathering, above).
+    // Warm-up steps are not sessions; an entry goes with SessionEnded.
     struct Pace {
       absl::Time answered;
       bool prompt = false;
@@ -194,6 +199,8 @@ class Batcher {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   ModelQueue* OldestQueue() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Full(const ModelQueue& queue) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether the queue's steps wait for awaited sessions now (gathering, above).
+  bool Gathers(const ModelQueue& queue) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Batch TakeBatch(ModelQueue& queue) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether `item`, admitted to `queue`, runs inline (see above).
   bool RunsInline(const ModelQueue& queue, const WorkItem& item) const

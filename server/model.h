@@ -43,9 +43,10 @@ struct BatchingPolicy {
   // Expected queue wait before RESOURCE_EXHAUSTED (server/batcher.h); 0 = no bound.
   // Unlike max_queue_size, this bound follows compute as it slows.
   absl::Duration max_queue_wait = absl::ZeroDuration();
-  // How long queued session steps wait for the sessions of the model's previous
-  // session call that have not yet sent their next step (server/batcher.h), so
-  // that sessions decoding in lockstep keep sharing one call; 0 = no waiting.
+  // How long queued session steps wait for the prompt sessions of the model's
+  // previous session call that have not yet sent their next step
+  // (server/batcher.h), so that sessions decoding in lockstep keep sharing one
+  // call; 0 = no waiting.
   absl::Duration session_gather = absl::Microseconds(1000);
 };
 

@@ -73,14 +73,14 @@ absl::StatusOr<BatchingPolicy> ResolveBatching(const attention::v1::BatchingConf
     if (value.first > 0) *value.second = value.first;
   }
   // Durations in microseconds, applied when set (0 is a value of its own).
-  struct Duration {
+  struct DurationField {
     const char* name;
     bool set;
     int64_t us;
     absl::Duration* field;
     const char* zero;  // what 0 means
   };
-  const Duration durations[] = {
+  const DurationField durations[] = {
       {"max_queue_delay_us", config.has_max_queue_delay_us(), config.max_queue_delay_us(),
        &policy.max_queue_delay, "no waiting"},
       {"max_queue_wait_us", config.has_max_queue_wait_us(), config.max_queue_wait_us(),
@@ -88,7 +88,7 @@ absl::StatusOr<BatchingPolicy> ResolveBatching(const attention::v1::BatchingConf
       {"session_gather_us", config.has_session_gather_us(), config.session_gather_us(),
        &policy.session_gather, "no waiting"},
   };
-  for (const Duration& d : durations) {
+  for (const DurationField& d : durations) {
     if (!d.set) continue;
     if (d.us < 0) {
       return absl::InvalidArgumentError(

@@ -14,6 +14,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "core/kv_cache.h"
 #include "gtest/gtest.h"
@@ -600,15 +601,16 @@ class BatcherGatherTest : public ::testing::Test {
     ComputeTiming timing;
   };
 
-  void Start(absl::Duration gather) {
+  void Start(absl::Duration gather, double inline_max_flops = 0) {
     models_ = ModelRepository::Create({.default_batching = {.session_gather = gather}}).value();
-    batcher_ = Batcher::Create({.num_workers = 1}, nullptr).value();
+    batcher_ =
+        Batcher::Create({.num_workers = 1, .inline_max_flops = inline_max_flops}, nullptr).value();
     ASSERT_TRUE(batcher_->AddModel(model()).ok());
   }
   std::shared_ptr<const Model> model() const { return models_->Find("").value(); }
 
   // Submits the session's next one-token step; Wait() for its answer.
-  void Submit(Session& s) {
+  void Submit(Session& s, bool warmup = false) {
     ASSERT_TRUE(s.cache.Reserve(1).ok());
     s.step = core::PagedStep{.num_queries = 1,
                              .queries = s.query.data(),
@@ -631,6 +633,7 @@ class BatcherGatherTest : public ::testing::Test {
                       s.timing = timing;
                       s.done = true;
                     },
+                .warmup = warmup,
                 .step = &s.step})
             .ok());
   }
@@ -644,6 +647,14 @@ class BatcherGatherTest : public ::testing::Test {
     Submit(s);
     return Wait(s);
   }
+  // a and b step; b's last step comes as soon as its answer, so b is awaited after
+  // it. Each of those steps runs at once: a first step is not prompt, so it waits
+  // for no one and no one waits for it.
+  void AwaitB(Session& a, Session& b) {
+    EXPECT_LT(Step(a).queue, absl::Seconds(5));
+    EXPECT_LT(Step(b).queue, absl::Seconds(5));
+    EXPECT_LT(Step(b).queue, absl::Seconds(5));
+  }
 
   core::KvCachePool pool_{int64_t{64} << 20};
   std::unique_ptr<ModelRepository> models_;
@@ -653,9 +664,7 @@ class BatcherGatherTest : public ::testing::Test {
 TEST_F(BatcherGatherTest, AStepWaitsForAPromptSessionOfThePreviousCall) {
   Start(absl::Seconds(10));
   Session a(&pool_), b(&pool_);
-  Step(a);  // first steps: not prompt, never awaited
-  Step(b);
-  Step(b);  // came as soon as b's answer: prompt, so awaited after this call
+  AwaitB(a, b);
   Submit(a);
   absl::SleepFor(absl::Milliseconds(50));
   Submit(b);
@@ -679,9 +688,7 @@ TEST_F(BatcherGatherTest, ALoneSessionNeverWaits) {
 TEST_F(BatcherGatherTest, ASessionThatGoesQuietCostsOneWaitThenIsNotAwaited) {
   Start(absl::Milliseconds(300));
   Session a(&pool_), b(&pool_);
-  Step(a);
-  Step(b);
-  Step(b);
+  AwaitB(a, b);
   Submit(a);  // waits for b, which comes
   Submit(b);
   Wait(a);
@@ -695,9 +702,7 @@ TEST_F(BatcherGatherTest, ASessionThatGoesQuietCostsOneWaitThenIsNotAwaited) {
 TEST_F(BatcherGatherTest, AnEndedSessionIsNotAwaited) {
   Start(absl::Seconds(10));
   Session a(&pool_), b(&pool_);
-  Step(a);
-  Step(b);
-  Step(b);  // b awaited after this call
+  AwaitB(a, b);
   Submit(a);
   absl::SleepFor(absl::Milliseconds(50));
   batcher_->SessionEnded(model().get(), &b.step);
@@ -710,9 +715,7 @@ TEST_F(BatcherGatherTest, AnEndedSessionIsNotAwaited) {
 TEST_F(BatcherGatherTest, NoGatheringWhenSessionGatherIsZero) {
   Start(absl::ZeroDuration());
   Session a(&pool_), b(&pool_);
-  Step(a);
-  Step(b);
-  Step(b);
+  AwaitB(a, b);
   Submit(a);
   absl::SleepFor(absl::Milliseconds(300));
   Submit(b);
@@ -720,6 +723,80 @@ TEST_F(BatcherGatherTest, NoGatheringWhenSessionGatherIsZero) {
   Wait(b);
   EXPECT_EQ(ta.batch_rows, 1);
   EXPECT_LT(ta.queue, absl::Milliseconds(300));
+}
+
+TEST_F(BatcherGatherTest, ASessionThatStepsLateIsNotAwaited) {
+  Start(absl::Milliseconds(200));
+  Session a(&pool_), b(&pool_);
+  Step(a);
+  Step(b);
+  absl::SleepFor(absl::Milliseconds(400));
+  Step(b);  // 400 ms after its answer: not prompt, so not awaited
+  const ComputeTiming t = Step(a);
+  EXPECT_EQ(t.batch_rows, 1);
+  EXPECT_LT(t.queue, absl::Milliseconds(200));
+}
+
+TEST_F(BatcherGatherTest, WarmupStepsAreNotAwaited) {
+  Start(absl::Seconds(10));
+  Session warm(&pool_), a(&pool_);
+  for (int i = 0; i < 3; ++i) {
+    Submit(warm, /*warmup=*/true);
+    EXPECT_LT(Wait(warm).queue, absl::Seconds(5));
+  }
+  EXPECT_LT(Step(a).queue, absl::Seconds(5));  // the warm-up is not awaited
+}
+
+TEST_F(BatcherGatherTest, AQueuedRequestEndsTheWait) {
+  Start(absl::Seconds(10));
+  Session a(&pool_), b(&pool_);
+  AwaitB(a, b);
+  Submit(a);  // waits for b ...
+  absl::SleepFor(absl::Milliseconds(50));
+  // ... until a request comes, which no step may hold up.
+  const attention::v1::AttendRequest request = ToyRequest();
+  const ValidatedRequest validated = ValidateRequest(request, *model()).value();
+  std::vector<float> output(static_cast<size_t>(validated.output_elements()));
+  absl::Notification computed;
+  ASSERT_TRUE(batcher_
+                  ->Submit(WorkItem{.model = model(),
+                                    .inputs = validated.inputs,
+                                    .output = output.data(),
+                                    .done =
+                                        [&](absl::Status status, const ComputeTiming&) {
+                                          EXPECT_TRUE(status.ok()) << status;
+                                          computed.Notify();
+                                        }})
+                  .ok());
+  const ComputeTiming t = Wait(a);
+  EXPECT_GE(t.queue, absl::Milliseconds(50));
+  EXPECT_LT(t.queue, absl::Seconds(5));
+  EXPECT_TRUE(computed.WaitForNotificationWithTimeout(absl::Seconds(5)));
+}
+
+TEST_F(BatcherGatherTest, ShutdownEndsTheWait) {
+  Start(absl::Seconds(10));
+  Session a(&pool_), b(&pool_);
+  AwaitB(a, b);
+  Submit(a);
+  absl::SleepFor(absl::Milliseconds(50));
+  batcher_->Shutdown();  // computes what is queued, without waiting
+  const ComputeTiming t = Wait(a);
+  EXPECT_GE(t.queue, absl::Milliseconds(50));
+  EXPECT_LT(t.queue, absl::Seconds(5));
+}
+
+TEST_F(BatcherGatherTest, AnAwaitedSessionsStepDoesNotRunInline) {
+  Start(absl::Seconds(10), /*inline_max_flops=*/1e9);
+  Session a(&pool_), b(&pool_);
+  AwaitB(a, b);  // these ran inline: nothing else was queued or computing
+  Submit(a);     // b is awaited: a is queued, and waits for it
+  absl::SleepFor(absl::Milliseconds(50));
+  Submit(b);
+  const ComputeTiming ta = Wait(a);
+  EXPECT_EQ(ta.batch_rows, 2);
+  EXPECT_GE(ta.queue, absl::Milliseconds(50));
+  Wait(b);
 }
 
 }  // namespace
