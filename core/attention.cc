@@ -953,26 +953,26 @@ void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratc
   const bool bf16 = cache.bf16();
   // The next block's keys and values for this head are fetched while this one is
   // worked on: each block is a mapping of its own, so the hardware prefetchers, which
-  // stop at page boundaries, never run ahead into it.
+  // stop at page boundaries, never run ahead into it. The kernels spread those
+  // prefetches over their loops (the keys' over the scores, the values' over the
+  // context), so that the reads overlap the arithmetic instead of stalling before it.
   const int64_t head_bytes = kBt * p * (bf16 ? 2 : 4);
   for (int64_t j0 = 0; j0 < max_limit; j0 += kBt) {
     const int64_t b = j0 / kBt, nk = std::min(kBt, max_limit - j0);
+    const void* next_keys = nullptr;
+    const void* next_values = nullptr;
     if (j0 + kBt < max_limit) {
-      const void* k = bf16 ? static_cast<const void*>(cache.keys<uint16_t>(b + 1, h))
-                           : static_cast<const void*>(cache.keys<float>(b + 1, h));
-      const void* v = bf16 ? static_cast<const void*>(cache.values<uint16_t>(b + 1, h))
-                           : static_cast<const void*>(cache.values<float>(b + 1, h));
-      const char* next_keys = static_cast<const char*>(k);
-      const char* next_values = static_cast<const char*>(v);
-      for (int64_t offset = 0; offset < head_bytes; offset += 64) {
-        __builtin_prefetch(next_keys + offset);
-        __builtin_prefetch(next_values + offset);
-      }
+      next_keys = bf16 ? static_cast<const void*>(cache.keys<uint16_t>(b + 1, h))
+                       : static_cast<const void*>(cache.keys<float>(b + 1, h));
+      next_values = bf16 ? static_cast<const void*>(cache.values<uint16_t>(b + 1, h))
+                         : static_cast<const void*>(cache.values<float>(b + 1, h));
     }
     if (bf16) {
-      kernels::TransposedScoresBf16(q, cache.keys<uint16_t>(b, h), kBt, p, mq, nk, scale, s);
+      kernels::TransposedScoresBf16(q, cache.keys<uint16_t>(b, h), kBt, p, mq, nk, scale, s,
+                                    next_keys, head_bytes);
     } else {
-      kernels::TransposedScores(q, cache.keys<float>(b, h), kBt, p, mq, nk, scale, s);
+      kernels::TransposedScores(q, cache.keys<float>(b, h), kBt, p, mq, nk, scale, s, next_keys,
+                                head_bytes);
     }
     for (int64_t i = 0; i < mq; ++i) {
       float* si = s + i * nk;
@@ -989,9 +989,11 @@ void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratc
       stats.max[i] = m;
     }
     if (bf16) {
-      kernels::SmallContextBf16(s, cache.values<uint16_t>(b, h), p, mq, nk, o);
+      kernels::SmallContextBf16(s, cache.values<uint16_t>(b, h), p, mq, nk, o, next_values,
+                                head_bytes);
     } else {
-      kernels::SmallContext(s, cache.values<float>(b, h), p, mq, nk, /*accumulate=*/true, o);
+      kernels::SmallContext(s, cache.values<float>(b, h), p, mq, nk, /*accumulate=*/true, o,
+                            next_values, head_bytes);
     }
   }
   for (int64_t i = 0; i < mq; ++i) {

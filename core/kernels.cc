@@ -152,18 +152,39 @@ MHA_INLINE void Store16(float* x, const Floats16& v) { std::memcpy(x, &v, sizeof
 MHA_INLINE float Widen(float x) { return x; }
 MHA_INLINE float Widen(uint16_t x) { return FromBf16(x); }
 
+// Software prefetch spread over a kernel's loop: `Step` asks for the next few
+// cache lines of [next, end), so that the memory reads run while the loop computes
+// instead of in one burst before it (a burst waits for the line fill buffers).
+struct Prefetcher {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int64_t per_step = 0;
+  Prefetcher() = default;
+  Prefetcher(const void* start, int64_t bytes, int64_t steps)
+      : next(static_cast<const char*>(start)),
+        end(next + (start == nullptr ? 0 : bytes)),
+        per_step(steps > 0 ? (bytes / 64 + steps - 1) / steps : 0) {}
+  MHA_INLINE void Step() {
+    for (int64_t i = 0; i < per_step && next < end; ++i, next += 64) __builtin_prefetch(next);
+  }
+  MHA_INLINE void Rest() {
+    for (; next < end; next += 64) __builtin_prefetch(next);
+  }
+};
+
 // s[0, nk) = scale * q (p) kt[:, :nk], one query row against keys stored transposed.
 // Each group of 32 keys sums in eight registers: two vectors of keys times four
 // interleaved partial sums over the features, so the multiply-adds form eight short
 // chains instead of two long ones. Keys past the last whole group take a plain loop.
 template <typename T>
 MHA_INLINE void TransposedScoresRow(const float* q, const T* kt, int64_t ld, int64_t p, int64_t nk,
-                                    float scale, float* s) {
+                                    float scale, float* s, Prefetcher& pf) {
   int64_t j0 = 0;
   for (; j0 + 32 <= nk; j0 += 32) {
     Floats16 a0 = {}, a1 = {}, b0 = {}, b1 = {}, c0 = {}, c1 = {}, d0 = {}, d1 = {};
     int64_t c = 0;
     for (; c + 4 <= p; c += 4) {
+      pf.Step();
       const T* r = kt + c * ld + j0;
       Fma16(a0, q[c], r);
       Fma16(a1, q[c], r + 16);
@@ -196,7 +217,8 @@ MHA_INLINE void TransposedScoresRow(const float* q, const T* kt, int64_t ld, int
 // registers (four vectors of columns times two interleaved partial sums over the
 // keys); columns past the last whole group take a plain loop.
 template <typename T>
-MHA_INLINE void ContextRow(const float* w, const T* v, int64_t p, int64_t nk, float* o) {
+MHA_INLINE void ContextRow(const float* w, const T* v, int64_t p, int64_t nk, float* o,
+                           Prefetcher& pf) {
   int64_t c0 = 0;
   for (; c0 + 64 <= p; c0 += 64) {
     Floats16 a0, a1, a2, a3;
@@ -207,6 +229,7 @@ MHA_INLINE void ContextRow(const float* w, const T* v, int64_t p, int64_t nk, fl
     Floats16 b0 = {}, b1 = {}, b2 = {}, b3 = {};
     int64_t j = 0;
     for (; j + 2 <= nk; j += 2) {
+      pf.Step();
       const T* r = v + j * p + c0;
       Fma16(a0, w[j], r);
       Fma16(a1, w[j], r + 16);
@@ -241,27 +264,42 @@ MHA_INLINE void ContextRow(const float* w, const T* v, int64_t p, int64_t nk, fl
 }  // namespace
 
 MHA_MULTIVERSION void SmallContext(const float* probs, const float* v, int64_t p, int64_t mq,
-                                   int64_t nk, bool accumulate, float* o) {
+                                   int64_t nk, bool accumulate, float* o, const void* prefetch,
+                                   int64_t prefetch_bytes) {
+  Prefetcher pf(prefetch, prefetch_bytes, (p / 64) * (nk / 2));
   for (int64_t i = 0; i < mq; ++i) {
     if (!accumulate) std::fill_n(o + i * p, p, 0.0f);
-    ContextRow(probs + i * nk, v, p, nk, o + i * p);
+    ContextRow(probs + i * nk, v, p, nk, o + i * p, pf);
   }
+  pf.Rest();
 }
 
 MHA_MULTIVERSION void TransposedScores(const float* q, const float* kt, int64_t ld, int64_t p,
-                                       int64_t mq, int64_t nk, float scale, float* s) {
-  for (int64_t i = 0; i < mq; ++i) TransposedScoresRow(q + i * p, kt, ld, p, nk, scale, s + i * nk);
+                                       int64_t mq, int64_t nk, float scale, float* s,
+                                       const void* prefetch, int64_t prefetch_bytes) {
+  Prefetcher pf(prefetch, prefetch_bytes, (nk / 32) * (p / 4));
+  for (int64_t i = 0; i < mq; ++i) {
+    TransposedScoresRow(q + i * p, kt, ld, p, nk, scale, s + i * nk, pf);
+  }
+  pf.Rest();
 }
 
 MHA_MULTIVERSION void TransposedScoresBf16(const float* q, const uint16_t* kt, int64_t ld,
-                                           int64_t p, int64_t mq, int64_t nk, float scale,
-                                           float* s) {
-  for (int64_t i = 0; i < mq; ++i) TransposedScoresRow(q + i * p, kt, ld, p, nk, scale, s + i * nk);
+                                           int64_t p, int64_t mq, int64_t nk, float scale, float* s,
+                                           const void* prefetch, int64_t prefetch_bytes) {
+  Prefetcher pf(prefetch, prefetch_bytes, (nk / 32) * (p / 4));
+  for (int64_t i = 0; i < mq; ++i) {
+    TransposedScoresRow(q + i * p, kt, ld, p, nk, scale, s + i * nk, pf);
+  }
+  pf.Rest();
 }
 
 MHA_MULTIVERSION void SmallContextBf16(const float* probs, const uint16_t* v, int64_t p, int64_t mq,
-                                       int64_t nk, float* o) {
-  for (int64_t i = 0; i < mq; ++i) ContextRow(probs + i * nk, v, p, nk, o + i * p);
+                                       int64_t nk, float* o, const void* prefetch,
+                                       int64_t prefetch_bytes) {
+  Prefetcher pf(prefetch, prefetch_bytes, (p / 64) * (nk / 2));
+  for (int64_t i = 0; i < mq; ++i) ContextRow(probs + i * nk, v, p, nk, o + i * p, pf);
+  pf.Rest();
 }
 
 MHA_MULTIVERSION void Scale(float* x, float factor, int64_t n) {

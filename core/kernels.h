@@ -33,21 +33,25 @@ void AdditiveScores(const float* qa, const float* kt, int64_t ld, const float* w
 void SmallScores(const float* q, const float* k, int64_t p, int64_t mq, int64_t nk, float scale,
                  float* s);
 void SmallContext(const float* probs, const float* v, int64_t p, int64_t mq, int64_t nk,
-                  bool accumulate, float* o);
+                  bool accumulate, float* o, const void* prefetch = nullptr,
+                  int64_t prefetch_bytes = 0);
 
 // Scores against keys stored transposed (the K/V cache's blocks, core/kv_cache.h):
 //   s (mq, nk) = scale * q (mq, p) kt[:, :nk], kt (p, ld) with key j in column j.
 // Vectorised across keys, so one query costs p multiply-adds per vector of keys
 // instead of a dot product (and a horizontal sum) per key.
 void TransposedScores(const float* q, const float* kt, int64_t ld, int64_t p, int64_t mq,
-                      int64_t nk, float scale, float* s);
+                      int64_t nk, float scale, float* s, const void* prefetch = nullptr,
+                      int64_t prefetch_bytes = 0);
 
 // The same against bfloat16 keys, and SmallContext against bfloat16 values (the K/V
 // cache of a bf16 model); products and sums in f32.
 void TransposedScoresBf16(const float* q, const uint16_t* kt, int64_t ld, int64_t p, int64_t mq,
-                          int64_t nk, float scale, float* s);
+                          int64_t nk, float scale, float* s, const void* prefetch = nullptr,
+                          int64_t prefetch_bytes = 0);
 void SmallContextBf16(const float* probs, const uint16_t* v, int64_t p, int64_t mq, int64_t nk,
-                      float* o);  // accumulates
+                      float* o, const void* prefetch = nullptr,
+                      int64_t prefetch_bytes = 0);  // accumulates
 
 void Scale(float* x, float factor, int64_t n);  // x *= factor
 void ToBf16(const float* x, uint16_t* y, int64_t n);
