@@ -655,6 +655,20 @@ class BatcherGatherTest : public ::testing::Test {
     EXPECT_LT(Step(b).queue, absl::Seconds(5));
     EXPECT_LT(Step(b).queue, absl::Seconds(5));
   }
+  // With b awaited (AwaitB), submits a's step and runs `meanwhile` 50 ms later.
+  // Returns a's timing, checked to have waited those 50 ms but not session_gather
+  // (the tests' 10 s).
+  ComputeTiming StepWhileBIsAwaited(Session& a, Session& b,
+                                    const std::function<void()>& meanwhile) {
+    AwaitB(a, b);
+    Submit(a);
+    absl::SleepFor(absl::Milliseconds(50));
+    meanwhile();
+    const ComputeTiming t = Wait(a);
+    EXPECT_GE(t.queue, absl::Milliseconds(50));
+    EXPECT_LT(t.queue, absl::Seconds(5));
+    return t;
+  }
 
   core::KvCachePool pool_{int64_t{64} << 20};
   std::unique_ptr<ModelRepository> models_;
@@ -664,15 +678,8 @@ class BatcherGatherTest : public ::testing::Test {
 TEST_F(BatcherGatherTest, AStepWaitsForAPromptSessionOfThePreviousCall) {
   Start(absl::Seconds(10));
   Session a(&pool_), b(&pool_);
-  AwaitB(a, b);
-  Submit(a);
-  absl::SleepFor(absl::Milliseconds(50));
-  Submit(b);
-  const ComputeTiming ta = Wait(a), tb = Wait(b);
-  EXPECT_EQ(ta.batch_rows, 2);  // one call
-  EXPECT_EQ(tb.batch_rows, 2);
-  EXPECT_GE(ta.queue, absl::Milliseconds(50));
-  EXPECT_LT(ta.queue, absl::Seconds(5));
+  EXPECT_EQ(StepWhileBIsAwaited(a, b, [&] { Submit(b); }).batch_rows, 2);  // one call
+  EXPECT_EQ(Wait(b).batch_rows, 2);
 }
 
 TEST_F(BatcherGatherTest, ALoneSessionNeverWaits) {
@@ -702,14 +709,9 @@ TEST_F(BatcherGatherTest, ASessionThatGoesQuietCostsOneWaitThenIsNotAwaited) {
 TEST_F(BatcherGatherTest, AnEndedSessionIsNotAwaited) {
   Start(absl::Seconds(10));
   Session a(&pool_), b(&pool_);
-  AwaitB(a, b);
-  Submit(a);
-  absl::SleepFor(absl::Milliseconds(50));
-  batcher_->SessionEnded(model().get(), &b.step);
-  const ComputeTiming t = Wait(a);
+  const ComputeTiming t =
+      StepWhileBIsAwaited(a, b, [&] { batcher_->SessionEnded(model().get(), &b.step); });
   EXPECT_EQ(t.batch_rows, 1);
-  EXPECT_GE(t.queue, absl::Milliseconds(50));
-  EXPECT_LT(t.queue, absl::Seconds(5));
 }
 
 TEST_F(BatcherGatherTest, NoGatheringWhenSessionGatherIsZero) {
@@ -750,52 +752,39 @@ TEST_F(BatcherGatherTest, WarmupStepsAreNotAwaited) {
 TEST_F(BatcherGatherTest, AQueuedRequestEndsTheWait) {
   Start(absl::Seconds(10));
   Session a(&pool_), b(&pool_);
-  AwaitB(a, b);
-  Submit(a);  // waits for b ...
-  absl::SleepFor(absl::Milliseconds(50));
-  // ... until a request comes, which no step may hold up.
+  // a waits for b until a request comes, which no step may hold up.
   const attention::v1::AttendRequest request = ToyRequest();
   const ValidatedRequest validated = ValidateRequest(request, *model()).value();
   std::vector<float> output(static_cast<size_t>(validated.output_elements()));
   absl::Notification computed;
-  ASSERT_TRUE(batcher_
-                  ->Submit(WorkItem{.model = model(),
-                                    .inputs = validated.inputs,
-                                    .output = output.data(),
-                                    .done =
-                                        [&](absl::Status status, const ComputeTiming&) {
-                                          EXPECT_TRUE(status.ok()) << status;
-                                          computed.Notify();
-                                        }})
-                  .ok());
-  const ComputeTiming t = Wait(a);
-  EXPECT_GE(t.queue, absl::Milliseconds(50));
-  EXPECT_LT(t.queue, absl::Seconds(5));
+  StepWhileBIsAwaited(a, b, [&] {
+    ASSERT_TRUE(batcher_
+                    ->Submit(WorkItem{.model = model(),
+                                      .inputs = validated.inputs,
+                                      .output = output.data(),
+                                      .done =
+                                          [&](absl::Status status, const ComputeTiming&) {
+                                            EXPECT_TRUE(status.ok()) << status;
+                                            computed.Notify();
+                                          }})
+                    .ok());
+  });
   EXPECT_TRUE(computed.WaitForNotificationWithTimeout(absl::Seconds(5)));
 }
 
 TEST_F(BatcherGatherTest, ShutdownEndsTheWait) {
   Start(absl::Seconds(10));
   Session a(&pool_), b(&pool_);
-  AwaitB(a, b);
-  Submit(a);
-  absl::SleepFor(absl::Milliseconds(50));
-  batcher_->Shutdown();  // computes what is queued, without waiting
-  const ComputeTiming t = Wait(a);
-  EXPECT_GE(t.queue, absl::Milliseconds(50));
-  EXPECT_LT(t.queue, absl::Seconds(5));
+  // Shutdown computes what is queued, without waiting.
+  StepWhileBIsAwaited(a, b, [&] { batcher_->Shutdown(); });
 }
 
 TEST_F(BatcherGatherTest, AnAwaitedSessionsStepDoesNotRunInline) {
   Start(absl::Seconds(10), /*inline_max_flops=*/1e9);
   Session a(&pool_), b(&pool_);
-  AwaitB(a, b);  // these ran inline: nothing else was queued or computing
-  Submit(a);     // b is awaited: a is queued, and waits for it
-  absl::SleepFor(absl::Milliseconds(50));
-  Submit(b);
-  const ComputeTiming ta = Wait(a);
-  EXPECT_EQ(ta.batch_rows, 2);
-  EXPECT_GE(ta.queue, absl::Milliseconds(50));
+  // AwaitB's steps run inline (nothing else was queued or computing); then b is
+  // awaited, so a's step is queued and waits for b's.
+  EXPECT_EQ(StepWhileBIsAwaited(a, b, [&] { Submit(b); }).batch_rows, 2);
   Wait(b);
 }
 
