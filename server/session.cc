@@ -30,6 +30,9 @@ constexpr std::array<const char*, 6> kEndReasons = {"client",      "error",     
                                                     "token_limit", "idle_timeout", "shutdown"};
 
 // Upper bounds of the step-duration histogram's context buckets, and their labels.
+// Shutdown: how long a session whose computing step was answered waits for its
+// client's next message or half-close before it ends (Session::OnWriteDone).
+constexpr absl::Duration kShutdownGrace = absl::Seconds(1);
 constexpr std::array<int64_t, 4> kContextBounds = {64, 512, 2048, 4096};
 constexpr std::array<const char*, 5> kContextLabels = {"le64", "le512", "le2048", "le4096",
                                                        "gt4096"};
@@ -126,6 +129,10 @@ class SessionManager::Session final
         FinishLocked(absl::OkStatus(), EndReason::kClient);
         return;
       }
+      if (stop_requested_) {  // answered its last step, and the client has read it
+        FinishLocked(ShutdownError(), EndReason::kShutdown);
+        return;
+      }
       state_ = State::kComputing;
       step_start_ = absl::Now();
     }
@@ -143,10 +150,11 @@ class SessionManager::Session final
     }
     ++steps_;
     response_.Clear();
-    if (stop_requested_) {
-      FinishLocked(ShutdownError(), EndReason::kShutdown);
-      return;
-    }
+    // Shutting down: the stream ends at the client's next message (or half-close),
+    // or kShutdownGrace after this answer (ExpireIfIdle). Ending it at once would
+    // let gRPC close the connection while the client's acknowledgements of a large
+    // answer are unread, and a connection closed that way is reset, which can
+    // discard the answer before the client reads it.
     state_ = State::kReading;
     idle_since_ = absl::Now();
     StartRead(&request_);
@@ -165,6 +173,10 @@ class SessionManager::Session final
   // its next message for longer than the idle timeout.
   void ExpireIfIdle(absl::Time now) {
     absl::MutexLock lock(&mu_);
+    if (stop_requested_ && state_ == State::kReading && now - idle_since_ >= kShutdownGrace) {
+      FinishLocked(ShutdownError(), EndReason::kShutdown);
+      return;
+    }
     const absl::Duration timeout = manager_->options_.idle_timeout;
     if (state_ != State::kReading || now - idle_since_ < timeout) return;
     FinishLocked(absl::DeadlineExceededError(absl::StrCat(
@@ -354,6 +366,16 @@ void SessionManager::ReapIdle() {
   absl::MutexLock lock(&mu_);
   while (!stopping_) {
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), period);
+    const absl::Time now = absl::Now();
+    for (Session* session : sessions_) session->ExpireIfIdle(now);
+  }
+  // Shutting down: sessions that answered a step computing at shutdown end at
+  // their client's next message, or here after kShutdownGrace. Looks every 50 ms
+  // until every session is gone, for at most twice the grace.
+  const absl::Time give_up = absl::Now() + 2 * kShutdownGrace;
+  auto none = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return sessions_.empty(); };
+  while (!sessions_.empty() && absl::Now() < give_up) {
+    mu_.AwaitWithTimeout(absl::Condition(&none), absl::Milliseconds(50));
     const absl::Time now = absl::Now();
     for (Session* session : sessions_) session->ExpireIfIdle(now);
   }

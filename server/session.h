@@ -20,8 +20,11 @@
 //                           -> DEADLINE_EXCEEDED naming the flag
 // The first failed step ends the stream with its status, its message prefixed
 // with "step N: ". A client's half-close ends it with OK. Shutdown ends every
-// session: one waiting for its next message at once, one computing after its
-// step's response is written, both with UNAVAILABLE.
+// session with UNAVAILABLE: one waiting for its next message at once; one
+// computing once its step's response is written and the client's next message
+// (not computed) arrives, or 1 s after the response (a half-close meanwhile ends
+// it with OK), so that the connection is not closed under a response the client
+// has not read.
 //
 // Metrics (on the server's registry):
 //   mha_sessions_active                   gauge, open sessions

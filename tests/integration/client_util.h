@@ -195,6 +195,13 @@ class Session {
     }
     return stream_->Finish();
   }
+  // Reads until the server ends the stream, without half-closing; its status.
+  grpc::Status AwaitEnd() {
+    attention::v1::SessionResponse ignored;
+    while (stream_->Read(&ignored)) {
+    }
+    return stream_->Finish();
+  }
   // Abandons the stream: the client cancels it.
   void Cancel() { context_.TryCancel(); }
   // After a Step returned nullopt, or after Cancel.

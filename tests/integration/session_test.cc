@@ -284,6 +284,23 @@ TEST_F(SessionTest, BadStepsEndTheStreamNamingTheField) {
   EXPECT_EQ(Metric("mha_session_cache_bytes"), 0);
 }
 
+// A bert session's prefill of x's 512 rows, with SIGTERM sent once the server
+// holds it (its blocks are reserved as it is submitted, so the cache's bytes pass
+// `cached_before`): the step is computing then, or, on a fast machine, answered.
+std::optional<SessionResponse> PrefillThroughSigterm(ServerProcess& server, Session& busy,
+                                                     const std::vector<float>& x,
+                                                     const std::function<double()>& cached_bytes,
+                                                     double cached_before) {
+  std::optional<SessionResponse> answer;
+  std::thread prefill([&] { answer = busy.SelfStep(x, 768, 0, 512); });
+  for (int i = 0; i < 3000 && cached_bytes() <= cached_before; ++i) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  server.Signal(SIGTERM);
+  prefill.join();
+  return answer;
+}
+
 // SIGTERM: a session waiting for its next message ends at once, one computing
 // gets its step's answer first; both end UNAVAILABLE and the server exits 0.
 TEST_F(SessionTest, SigtermEndsEverySessionCleanly) {
@@ -293,15 +310,8 @@ TEST_F(SessionTest, SigtermEndsEverySessionCleanly) {
   ASSERT_TRUE(idle.SelfStep(Random(2, 100, 8), 100, 0, 2).has_value());
   auto stub = Connect(server_->target());
   Session busy(*stub, "bert", true);
-  std::optional<SessionResponse> answer;
-  std::thread prefill([&] { answer = busy.SelfStep(x, 768, 0, 512); });
-  // SIGTERM once the server holds the prefill (its blocks are reserved as it is
-  // submitted): it is computing, or, on a fast machine, already answered.
-  for (int i = 0; i < 3000 && Metric("mha_session_cache_bytes") <= 25600; ++i) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  server_->Signal(SIGTERM);
-  prefill.join();
+  const std::optional<SessionResponse> answer = PrefillThroughSigterm(
+      *server_, busy, x, [&] { return Metric("mha_session_cache_bytes"); }, 25600);
   EXPECT_TRUE(answer.has_value()) << busy.status().error_message();
   if (answer.has_value()) {
     EXPECT_EQ(answer->context_tokens(), 512);
@@ -313,6 +323,22 @@ TEST_F(SessionTest, SigtermEndsEverySessionCleanly) {
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_TRUE(absl::StrContains(status.error_message(), "shutting down")) << status.error_message();
   // TearDown waits for the exit and checks it is 0.
+}
+
+// A session answered at shutdown whose client sends nothing more ends about a
+// second after its answer (the grace that lets the client read it), UNAVAILABLE.
+TEST_F(SessionTest, AnAnsweredSessionThatSendsNothingEndsAfterTheShutdownGrace) {
+  Start({"--compute_workers=1", "--drain_timeout=120s"});
+  Session busy(*stub_, "bert", true);
+  const std::optional<SessionResponse> answer = PrefillThroughSigterm(
+      *server_, busy, Random(512, 768, 9), [&] { return Metric("mha_session_cache_bytes"); }, 0);
+  ASSERT_TRUE(answer.has_value()) << busy.status().error_message();
+  const absl::Time answered = absl::Now();
+  const grpc::Status status = busy.AwaitEnd();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  // Kept open for the grace (1 s from the server's write), not --drain_timeout.
+  EXPECT_GE(absl::Now() - answered, absl::Milliseconds(500));
+  EXPECT_LT(absl::Now() - answered, absl::Seconds(30));
 }
 
 }  // namespace
