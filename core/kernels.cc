@@ -159,7 +159,6 @@ struct Prefetcher {
   const char* next = nullptr;
   const char* end = nullptr;
   int64_t per_step = 0;
-  Prefetcher() = default;
   Prefetcher(const void* start, int64_t bytes, int64_t steps)
       : next(static_cast<const char*>(start)),
         end(next + (start == nullptr ? 0 : bytes)),

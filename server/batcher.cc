@@ -374,13 +374,15 @@ void Batcher::BatchDone(const Batch& batch, absl::Duration elapsed, bool compute
   const WorkItem& front = batch.items.front();
   if (front.step != nullptr && !front.warmup) {  // its sessions are answered next
     const absl::Time now = absl::Now();
-    queue.awaited.clear();  // a failed call's sessions end: none is awaited
+    queue.awaited.clear();
     queue.awaited_since = now;
-    for (const WorkItem& item : batch.items) {
-      if (!computed) break;
-      ModelQueue::Pace& pace = queue.sessions[item.step];
-      pace.answered = now;
-      if (pace.prompt) queue.awaited.push_back(item.step);
+    // A failed call's sessions end: none is awaited.
+    if (computed) {
+      for (const WorkItem& item : batch.items) {
+        ModelQueue::Pace& pace = queue.sessions[item.step];
+        pace.answered = now;
+        if (pace.prompt) queue.awaited.push_back(item.step);
+      }
     }
   }
   if (!computed || batch.tokens == 0) return;

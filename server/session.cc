@@ -29,10 +29,11 @@ enum class EndReason { kClient, kError, kCacheBudget, kTokenLimit, kIdleTimeout,
 constexpr std::array<const char*, 6> kEndReasons = {"client",      "error",        "cache_budget",
                                                     "token_limit", "idle_timeout", "shutdown"};
 
-// Upper bounds of the step-duration histogram's context buckets, and their labels.
 // Shutdown: how long a session whose computing step was answered waits for its
 // client's next message or half-close before it ends (Session::OnWriteDone).
 constexpr absl::Duration kShutdownGrace = absl::Seconds(1);
+
+// Upper bounds of the step-duration histogram's context buckets, and their labels.
 constexpr std::array<int64_t, 4> kContextBounds = {64, 512, 2048, 4096};
 constexpr std::array<const char*, 5> kContextLabels = {"le64", "le512", "le2048", "le4096",
                                                        "gt4096"};
