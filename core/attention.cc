@@ -172,7 +172,9 @@ class MultiHeadAttention::Impl {
     q_ = std::make_unique<Linear>(w.w_q.data(), bias(w.b_q), e, c.query_size, act_);
     k_ = std::make_unique<Linear>(w.w_k.data(), bias(w.b_k), e, c.key_size, act_);
     v_ = std::make_unique<Linear>(w.w_v.data(), bias(w.b_v), e, c.value_size, act_);
-    o_lin_ = std::make_unique<Linear>(w.w_o.data(), bias(w.b_o), e, e, act_);
+    // A decode step's W_o and stacked Q/K/V projections run one row at a time
+    // (ForwardPaged); f32 models keep a panel copy of those weights for it (Linear).
+    o_lin_ = std::make_unique<Linear>(w.w_o.data(), bias(w.b_o), e, e, act_, /*row_path=*/true);
     if (c.key_size == c.value_size) {
       const auto kv_w = Stack({&w.w_k, &w.w_v});
       const auto kv_b = Stack({&w.b_k, &w.b_v});
@@ -183,7 +185,7 @@ class MultiHeadAttention::Impl {
       const auto qkv_w = Stack({&w.w_q, &w.w_k, &w.w_v});
       const auto qkv_b = Stack({&w.b_q, &w.b_k, &w.b_v});
       qkv_ = std::make_unique<Linear>(qkv_w.data(), c.bias ? qkv_b.data() : nullptr, 3 * e,
-                                      c.query_size, act_);
+                                      c.query_size, act_, /*row_path=*/true);
     }
     if (c.scoring == Scoring::kAdditive) {
       score_q_ = ToActivation(w.score_w_q);
@@ -1068,7 +1070,9 @@ MultiHeadAttention::Impl::PagedProjections MultiHeadAttention::Impl::ProjectPage
   // decode case) run Q, K and V as one stacked GEMM. The GEMMs run on row counts
   // padded to a few sizes (PagedRows, zero rows): a continuously batched call's row
   // count changes from call to call, and a primitive per count would cost its
-  // creation on the request path and memory for each.
+  // creation on the request path and memory for each. One self-attention row (one
+  // session's decode step) takes the hand-written row path of f32 models instead
+  // (Linear::RunRow), and so does its W_o (ForwardPaged).
   const int64_t pq = PagedRows(tq), pk = PagedRows(tk);
   Grow(ws.paged_in, pq * dq + pk * (dk + dv));
   float* xq = ws.paged_in.data();
@@ -1095,6 +1099,10 @@ MultiHeadAttention::Impl::PagedProjections MultiHeadAttention::Impl::ProjectPage
   proj.q = ws.paged_proj.data();
   proj.k = all_self ? proj.q + E : proj.q + pq * E;
   proj.v = all_self ? proj.q + 2 * E : proj.k + pk * E;
+  if (all_self && tq == 1 && qkv_->has_row_path()) {
+    qkv_->RunRow(xq, proj.q);
+    return proj;
+  }
   if (all_self) {
     qkv_->Run(*ws.stream, ws.bindings, 1, pq, {AsActivation(xq, pq * dq, ws.xq), dq},
               {proj.q, proj.ld}, Dt::f32);
@@ -1161,7 +1169,9 @@ absl::Status MultiHeadAttention::Impl::ForwardPaged(std::span<const PagedStep> s
     float* ctx = ws.paged_out.data();
     float* out = ctx + pq * E;
     MHA_RETURN_IF_ERROR(AttendPaged(steps, proj, threads, ws, ctx));
-    if (proj.rows > 0) {
+    if (proj.rows == 1 && o_lin_->has_row_path()) {
+      o_lin_->RunRow(ctx, out);
+    } else if (proj.rows > 0) {
       o_lin_->Run(*ws.stream, ws.bindings, 1, pq, {AsActivation(ctx, pq * E, ws.xq), E}, {out, E},
                   Dt::f32);
       ws.stream->wait();

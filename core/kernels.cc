@@ -301,6 +301,41 @@ MHA_MULTIVERSION void SmallContextBf16(const float* probs, const uint16_t* v, in
   pf.Rest();
 }
 
+int64_t PanelCount(int64_t n) { return (n + kPanelColumns - 1) / kPanelColumns; }
+
+void PackPanels(const float* w, int64_t n, int64_t k, float* panels) {
+  std::fill_n(panels, PanelCount(n) * k * kPanelColumns, 0.0f);
+  for (int64_t col = 0; col < n; ++col) {
+    float* out = panels + col / kPanelColumns * k * kPanelColumns + col % kPanelColumns;
+    for (int64_t i = 0; i < k; ++i) out[i * kPanelColumns] = w[col * k + i];
+  }
+}
+
+// Eight vectors of sums (the panel's 128 columns), one multiply-add chain each, kept
+// in registers over the panel's k rows; the panel streams through once.
+MHA_MULTIVERSION void PanelRow(const float* x, const float* panels, int64_t n, int64_t k,
+                               const float* b, float* y, int64_t first, int64_t last) {
+  static_assert(kPanelColumns == 8 * 16);
+  float edge[kPanelColumns];
+  for (int64_t panel = first; panel < last; ++panel) {
+    const int64_t col0 = panel * kPanelColumns, cols = std::min(kPanelColumns, n - col0);
+    Floats16 a[8] = {};
+    if (b != nullptr) {
+      std::fill_n(edge, kPanelColumns, 0.0f);
+      std::copy_n(b + col0, cols, edge);
+      for (int v = 0; v < 8; ++v) Load16(edge + 16 * v, a[v]);
+    }
+    const float* w = panels + panel * k * kPanelColumns;
+    for (int64_t i = 0; i < k; ++i, w += kPanelColumns) {
+#pragma GCC unroll 8
+      for (int v = 0; v < 8; ++v) Fma16(a[v], x[i], w + 16 * v);
+    }
+    float* out = cols == kPanelColumns ? y + col0 : edge;
+    for (int v = 0; v < 8; ++v) Store16(out + 16 * v, a[v]);
+    if (out == edge) std::copy_n(edge, cols, y + col0);
+  }
+}
+
 MHA_MULTIVERSION void Scale(float* x, float factor, int64_t n) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) x[j] *= factor;

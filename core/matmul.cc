@@ -2,6 +2,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/kernels.h"
@@ -89,7 +90,7 @@ void Bindings::Execute(const Matmul& m, dnnl::stream& stream) {
   m.prim.execute(stream, args_);
 }
 
-Linear::Linear(const float* w, const float* b, int64_t n, int64_t k, Dt dt)
+Linear::Linear(const float* w, const float* b, int64_t n, int64_t k, Dt dt, bool row_path)
     : n_(n), k_(k), dt_(dt) {
   const size_t count = static_cast<size_t>(n * k);
   plain_.resize(count * SizeOf(dt));
@@ -99,6 +100,23 @@ Linear::Linear(const float* w, const float* b, int64_t n, int64_t k, Dt dt)
     std::memcpy(plain_.data(), w, count * sizeof(float));
   }
   if (b != nullptr) bias_.assign(b, b + n);
+  if (row_path && dt == Dt::f32) {
+    panels_.resize(kernels::PanelCount(n) * k * kernels::kPanelColumns);
+    kernels::PackPanels(w, n, k, panels_.data());
+  }
+}
+
+void Linear::RunRow(const float* x, float* y) const {
+  const int64_t panels = kernels::PanelCount(n_);
+  const float* b = bias_.empty() ? nullptr : bias_.data();
+  const int threads = static_cast<int>(std::min<int64_t>(panels, PlanThreads()));
+  // Contiguous runs of panels per thread: each streams one range of the weights.
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+    kernels::PanelRow(x, panels_.data(), n_, k_, b, y, panels * t / count,
+                      panels * (t + 1) / count);
+  }
 }
 
 void Linear::Run(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,

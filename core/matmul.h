@@ -123,18 +123,27 @@ struct StridedOperand {
 // A weight matrix W (n, k) applied as dst = src W^T (+ b) with a oneDNN matmul.
 // Primitives are built once per (rows, strides, dtype, threads) and cached; the
 // weights are reordered once into each blocked layout a primitive asks for.
+// An f32 Linear made with `row_path` also keeps W packed in panels (kernels::PanelRow,
+// another n * k floats) for RunRow: one row, hand-written, on the calling thread's
+// OpenMP team, for decode steps, where oneDNN's GEMM takes 1.3-1.5x the time of
+// streaming the weights (docs/performance.md, "Sessions").
 // Thread-safe.
 class Linear {
  public:
   // w: (n, k) row-major f32, b: (n) or nullptr; both copied. dt: the type the
   // matmul reads src and W in (W is converted once).
-  Linear(const float* w, const float* b, int64_t n, int64_t k, Dt dt);
+  Linear(const float* w, const float* b, int64_t n, int64_t k, Dt dt, bool row_path = false);
 
   // dst[bi, r, :] = src[bi, r, :] W^T + b for bi < batch, r < rows. src is in the
   // constructor's dt, dst in dst_dt. With batch == 1 the batch strides are unused
   // but still part of the cache key.
   void Run(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
            StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt) const;
+
+  // y (n) = x (k) W^T + b for one f32 row, split by panels over omp_get_max_threads()
+  // threads. Only when has_row_path().
+  bool has_row_path() const { return !panels_.empty(); }
+  void RunRow(const float* x, float* y) const;
 
  private:
   using Key = std::array<int64_t, 8>;
@@ -154,6 +163,7 @@ class Linear {
   const Dt dt_;
   std::vector<char> plain_;  // W (n, k) row-major in dt_
   std::vector<float> bias_;
+  std::vector<float> panels_;  // W in RunRow's panels, or empty
   mutable absl::Mutex mu_;
   mutable absl::flat_hash_map<Key, std::shared_ptr<const Entry>> cache_ ABSL_GUARDED_BY(mu_);
   mutable std::vector<std::pair<dnnl::memory::desc, dnnl::memory>> packed_ ABSL_GUARDED_BY(mu_);
