@@ -57,6 +57,7 @@ void Batcher::RemoveModel(const Model* model) {
     ++retiring_;
     any_retiring_.store(true, std::memory_order_relaxed);
     wake_for_sweep_ = true;  // an idle worker then looks every second until it goes
+    wakes_.fetch_add(1, std::memory_order_release);
   }
   Sweep();
 }
@@ -180,6 +181,7 @@ absl::Status Batcher::Submit(WorkItem item) {
       queue.tokens += item.rows() * item.length();
       queue.items.push_back(std::move(item));
       ++queued_;
+      wakes_.fetch_add(1, std::memory_order_release);
       if (queue.metrics != nullptr) {
         queue.metrics->queue_depth().Set(static_cast<double>(queue.items.size()));
       }
@@ -214,6 +216,7 @@ void Batcher::Shutdown() {
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
+    wakes_.fetch_add(1, std::memory_order_release);
   }
   for (std::thread& worker : workers_) {
     if (worker.joinable()) worker.join();
@@ -245,6 +248,18 @@ bool Batcher::Gathers(const ModelQueue& queue) const {
   if (queued_ != static_cast<int64_t>(queue.items.size())) return false;
   return std::all_of(queue.items.begin(), queue.items.end(),
                      [](const WorkItem& item) { return item.step != nullptr && !item.warmup; });
+}
+
+absl::Time Batcher::LoneSessionPoll() const {
+  if (stopping_ || queued_ > 0 || wake_for_sweep_) return absl::InfinitePast();
+  const ModelQueue* lone = nullptr;
+  for (const auto& [model, queue] : queues_) {
+    if (queue.sessions.empty()) continue;
+    if (lone != nullptr || queue.sessions.size() > 1) return absl::InfinitePast();
+    lone = &queue;
+  }
+  if (lone == nullptr || lone->awaited.size() != 1) return absl::InfinitePast();
+  return lone->awaited_since + lone->model->batching.session_gather;
 }
 
 bool Batcher::Full(const ModelQueue& queue) const {
@@ -308,6 +323,20 @@ Batcher::Batch Batcher::NextBatch() {
           return b->stopping_ || b->queued_ > 0 || b->wake_for_sweep_;
         },
         this);
+    if (const absl::Time until = LoneSessionPoll(); !polling_ && absl::Now() < until) {
+      // A lone session's next step is due within the round trip of its answer:
+      // look for it without sleeping, so that no thread wake-up stands between its
+      // arrival and its compute (batcher.h, "Gathering session steps").
+      const int64_t seen = wakes_.load(std::memory_order_acquire);
+      polling_ = true;
+      mu_.Unlock();
+      while (wakes_.load(std::memory_order_acquire) == seen && absl::Now() < until) {
+        std::this_thread::yield();
+      }
+      mu_.Lock();
+      polling_ = false;
+      continue;
+    }
     if (retiring_ > 0 && !stopping_) {
       // A retired model goes once its last holder lets go, which may be a front
       // after its answer: look again every second while one waits.

@@ -42,7 +42,10 @@
 //     first step is not prompt; a session that goes quiet costs at most one such
 //     wait (with several workers, one per session call that ends meanwhile: each
 //     call's end replaces the awaited set) and is not awaited again until it steps
-//     promptly; a lone session never waits.
+//     promptly; a lone session never waits. While the server's only session is
+//     awaited and nothing is queued, one idle worker polls for its step (yielding
+//     the core between looks) instead of sleeping, for at most session_gather after
+//     its answer: a decode step then starts without a thread wake-up.
 //     Steps wait only while nothing but steps is queued, for any model; warm-up
 //     steps are neither awaited nor wait; an awaited session's step never runs
 //     inline (below), so that it joins the others.
@@ -220,6 +223,9 @@ class Batcher {
   // The batch's forward call is over: its tokens leave computing_tokens and, if it
   // computed, its time per token enters the model's average.
   void BatchDone(const Batch& batch, absl::Duration elapsed, bool computed);
+  // When the server's only session is awaited and nothing is queued: the time until
+  // which an idle worker polls for its step (see above); else InfinitePast.
+  absl::Time LoneSessionPoll() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
   Metrics* const metrics_;
@@ -231,6 +237,10 @@ class Batcher {
   std::atomic<bool> any_retiring_{false};             // retiring_ > 0, read without mu_
   bool wake_for_sweep_ ABSL_GUARDED_BY(mu_) = false;  // RemoveModel wakes an idle worker
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Bumped by whatever gives an idle worker something to do (an item queued, a
+  // sweep, Shutdown), so that a polling worker sees it without mu_.
+  std::atomic<int64_t> wakes_{0};
+  bool polling_ ABSL_GUARDED_BY(mu_) = false;  // one worker polls at a time
   std::vector<std::thread> workers_;
 };
 

@@ -132,7 +132,8 @@ ABSL_FLAG(int64_t, max_queue_wait_us, absl::ToInt64Microseconds(kDefaults.batchi
 ABSL_FLAG(int64_t, session_gather_us, absl::ToInt64Microseconds(kDefaults.batching.session_gather),
           "AttendSession: how long queued steps wait for the sessions of the model's "
           "previous session call that stepped promptly to send their next steps, so that "
-          "sessions decoding together keep running as one call; 0 = no waiting.");
+          "sessions decoding together keep running as one call, and how long an idle "
+          "worker polls for the server's only session's next step; 0 = neither.");
 ABSL_FLAG(int64_t, max_batch_tokens, kDefaults.batching.max_batch_tokens,
           "Limit on rows x padded sequence length of a merged forward call.");
 ABSL_FLAG(int64_t, max_batch_size, kLimits.max_batch_size,

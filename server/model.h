@@ -46,7 +46,8 @@ struct BatchingPolicy {
   // How long queued session steps wait for the prompt sessions of the model's
   // previous session call that have not yet sent their next step
   // (server/batcher.h), so that sessions decoding in lockstep keep sharing one
-  // call; 0 = no waiting.
+  // call, and how long an idle worker polls for the server's only session's next
+  // step; 0 = no waiting.
   absl::Duration session_gather = absl::Microseconds(1000);
 };
 

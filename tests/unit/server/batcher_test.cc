@@ -7,6 +7,8 @@
 // the first request's `done` callback while it queues the rest.
 #include "server/batcher.h"
 
+#include <time.h>
+
 #include <functional>
 #include <memory>
 #include <thread>
@@ -682,6 +684,8 @@ TEST_F(BatcherGatherTest, AStepWaitsForAPromptSessionOfThePreviousCall) {
   EXPECT_EQ(Wait(b).batch_rows, 2);
 }
 
+// From its second step on, a lone session is awaited and the idle worker polls for
+// its next step: each step is taken at once, not when the 10 s poll ends.
 TEST_F(BatcherGatherTest, ALoneSessionNeverWaits) {
   Start(absl::Seconds(10));
   Session a(&pool_);
@@ -777,6 +781,41 @@ TEST_F(BatcherGatherTest, ShutdownEndsTheWait) {
   Session a(&pool_), b(&pool_);
   // Shutdown computes what is queued, without waiting.
   StepWhileBIsAwaited(a, b, [&] { batcher_->Shutdown(); });
+}
+
+// The process's CPU time: the worker's poll is the only thing running meanwhile.
+absl::Duration ProcessCpu() {
+  timespec t;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return absl::DurationFromTimespec(t);
+}
+
+// While a lone session is awaited, the idle worker polls for its step instead of
+// sleeping, and stops session_gather after the answer.
+TEST_F(BatcherGatherTest, TheWorkerPollsForALoneSessionForSessionGather) {
+  Start(absl::Milliseconds(400));
+  Session a(&pool_);
+  Step(a);
+  Step(a);  // prompt: a is awaited from its answer on
+  const absl::Duration start = ProcessCpu();
+  absl::SleepFor(absl::Milliseconds(400));
+  const absl::Duration polled = ProcessCpu() - start;
+  absl::SleepFor(absl::Seconds(1));
+  const absl::Duration after = ProcessCpu() - start - polled;
+  // Polling yields the core, so under load it gets a share of it; sleeping gets none.
+  EXPECT_GE(polled, absl::Milliseconds(100));
+  EXPECT_LT(after, absl::Milliseconds(300));
+}
+
+TEST_F(BatcherGatherTest, ShutdownEndsThePollAtOnce) {
+  Start(absl::Seconds(10));
+  Session a(&pool_);
+  Step(a);
+  Step(a);
+  absl::SleepFor(absl::Milliseconds(50));
+  const absl::Time start = absl::Now();
+  batcher_->Shutdown();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));  // not the 10 s poll
 }
 
 TEST_F(BatcherGatherTest, AnAwaitedSessionsStepDoesNotRunInline) {
