@@ -57,6 +57,12 @@ constexpr int64_t kSmallBlockMacs = 8192;
 // values read (bert_base's weights are 9 MiB), when that is more than its FLOPs get.
 constexpr double kPagedBytesPerThread = 4 << 20;
 
+// ForwardPaged: calls of at most this many query rows go through the hand-written
+// projections of f32 models (Linear::RunRows) instead of oneDNN's GEMM. Up to three
+// rows take the time of one (reading the weights); from four on oneDNN's GEMM, which
+// computes closer to the cores' peak, is faster (docs/performance.md, "Sessions").
+constexpr int64_t kRowPathRows = 3;
+
 // Options::query_block at most: a task keeps its rows' softmax state on the stack.
 constexpr int64_t kMaxQueryBlock = 256;
 
@@ -172,7 +178,7 @@ class MultiHeadAttention::Impl {
     q_ = std::make_unique<Linear>(w.w_q.data(), bias(w.b_q), e, c.query_size, act_);
     k_ = std::make_unique<Linear>(w.w_k.data(), bias(w.b_k), e, c.key_size, act_);
     v_ = std::make_unique<Linear>(w.w_v.data(), bias(w.b_v), e, c.value_size, act_);
-    // A decode step's W_o and stacked Q/K/V projections run one row at a time
+    // A decode step's W_o and stacked Q/K/V projections of a few rows run by hand
     // (ForwardPaged); f32 models keep a panel copy of those weights for it (Linear).
     o_lin_ = std::make_unique<Linear>(w.w_o.data(), bias(w.b_o), e, e, act_, /*row_path=*/true);
     if (c.key_size == c.value_size) {
@@ -1072,7 +1078,7 @@ MultiHeadAttention::Impl::PagedProjections MultiHeadAttention::Impl::ProjectPage
   // count changes from call to call, and a primitive per count would cost its
   // creation on the request path and memory for each. One self-attention row (one
   // session's decode step) takes the hand-written row path of f32 models instead
-  // (Linear::RunRow), and so does its W_o (ForwardPaged).
+  // (Linear::RunRows), and so does its W_o (ForwardPaged).
   const int64_t pq = PagedRows(tq), pk = PagedRows(tk);
   Grow(ws.paged_in, pq * dq + pk * (dk + dv));
   float* xq = ws.paged_in.data();
@@ -1099,8 +1105,8 @@ MultiHeadAttention::Impl::PagedProjections MultiHeadAttention::Impl::ProjectPage
   proj.q = ws.paged_proj.data();
   proj.k = all_self ? proj.q + E : proj.q + pq * E;
   proj.v = all_self ? proj.q + 2 * E : proj.k + pk * E;
-  if (all_self && tq == 1 && qkv_->has_row_path()) {
-    qkv_->RunRow(xq, proj.q);
+  if (all_self && tq <= kRowPathRows && qkv_->has_row_path()) {
+    qkv_->RunRows(xq, dq, tq, proj.q, proj.ld);
     return proj;
   }
   if (all_self) {
@@ -1169,8 +1175,8 @@ absl::Status MultiHeadAttention::Impl::ForwardPaged(std::span<const PagedStep> s
     float* ctx = ws.paged_out.data();
     float* out = ctx + pq * E;
     MHA_RETURN_IF_ERROR(AttendPaged(steps, proj, threads, ws, ctx));
-    if (proj.rows == 1 && o_lin_->has_row_path()) {
-      o_lin_->RunRow(ctx, out);
+    if (proj.rows > 0 && proj.rows <= kRowPathRows && o_lin_->has_row_path()) {
+      o_lin_->RunRows(ctx, E, proj.rows, out, E);
     } else if (proj.rows > 0) {
       o_lin_->Run(*ws.stream, ws.bindings, 1, pq, {AsActivation(ctx, pq * E, ws.xq), E}, {out, E},
                   Dt::f32);

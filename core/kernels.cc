@@ -311,28 +311,55 @@ void PackPanels(const float* w, int64_t n, int64_t k, float* panels) {
   }
 }
 
-// Eight vectors of sums (the panel's 128 columns), one multiply-add chain each, kept
-// in registers over the panel's k rows; the panel streams through once.
-MHA_MULTIVERSION void PanelRow(const float* x, const float* panels, int64_t n, int64_t k,
-                               const float* b, float* y, int64_t first, int64_t last) {
+namespace {
+
+// Rows r0 .. r0 + R of y through one panel: R x 8 vectors of sums (R rows of the
+// panel's 128 columns), kept in registers over the panel's k rows. The panel streams
+// in from memory for the first group of rows and from L2 for the others.
+template <int R>
+MHA_INLINE void PanelGroup(const float* x, int64_t ldx, const float* w, int64_t k,
+                           const float* bias, int64_t cols, float* y, int64_t ldy) {
+  Floats16 a[R][8];
+  float edge[kPanelColumns] = {};
+  if (bias != nullptr) std::copy_n(bias, cols, edge);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int v = 0; v < 8; ++v) Load16(edge + 16 * v, a[r][v]);
+  }
+  for (int64_t i = 0; i < k; ++i, w += kPanelColumns) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float xi = x[r * ldx + i];
+#pragma GCC unroll 8
+      for (int v = 0; v < 8; ++v) Fma16(a[r][v], xi, w + 16 * v);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* out = cols == kPanelColumns ? y + r * ldy : edge;
+    for (int v = 0; v < 8; ++v) Store16(out + 16 * v, a[r][v]);
+    if (out == edge) std::copy_n(edge, cols, y + r * ldy);
+  }
+}
+
+}  // namespace
+
+// Groups of three rows: 24 vectors of sums, the most that leave registers for the
+// broadcast rows and the panel's loads.
+MHA_MULTIVERSION void PanelRows(const float* x, int64_t ldx, int64_t m, const float* panels,
+                                int64_t n, int64_t k, const float* b, float* y, int64_t ldy,
+                                int64_t first, int64_t last) {
   static_assert(kPanelColumns == 8 * 16);
-  float edge[kPanelColumns];
   for (int64_t panel = first; panel < last; ++panel) {
     const int64_t col0 = panel * kPanelColumns, cols = std::min(kPanelColumns, n - col0);
-    Floats16 a[8] = {};
-    if (b != nullptr) {
-      std::fill_n(edge, kPanelColumns, 0.0f);
-      std::copy_n(b + col0, cols, edge);
-      for (int v = 0; v < 8; ++v) Load16(edge + 16 * v, a[v]);
-    }
     const float* w = panels + panel * k * kPanelColumns;
-    for (int64_t i = 0; i < k; ++i, w += kPanelColumns) {
-#pragma GCC unroll 8
-      for (int v = 0; v < 8; ++v) Fma16(a[v], x[i], w + 16 * v);
+    const float* bias = b == nullptr ? nullptr : b + col0;
+    int64_t r0 = 0;
+    for (; r0 + 3 <= m; r0 += 3) {
+      PanelGroup<3>(x + r0 * ldx, ldx, w, k, bias, cols, y + r0 * ldy + col0, ldy);
     }
-    float* out = cols == kPanelColumns ? y + col0 : edge;
-    for (int v = 0; v < 8; ++v) Store16(out + 16 * v, a[v]);
-    if (out == edge) std::copy_n(edge, cols, y + col0);
+    if (m - r0 == 2) PanelGroup<2>(x + r0 * ldx, ldx, w, k, bias, cols, y + r0 * ldy + col0, ldy);
+    if (m - r0 == 1) PanelGroup<1>(x + r0 * ldx, ldx, w, k, bias, cols, y + r0 * ldy + col0, ldy);
   }
 }
 

@@ -53,19 +53,19 @@ void SmallContextBf16(const float* probs, const uint16_t* v, int64_t p, int64_t 
                       float* o, const void* prefetch = nullptr,
                       int64_t prefetch_bytes = 0);  // accumulates
 
-// One row through a weight matrix W (n, k): y (n) = x (k) W^T + b. A single row (a
-// decode step's projection) reads every weight once for two FLOPs, so it runs at the
-// rate W streams from memory; a general GEMM's packing and blocking only add to that.
-// W is packed once (PackPanels) into panels of kPanelColumns output columns, each
-// (k, kPanelColumns) row-major and contiguous: one sequential read per panel, whose
-// kPanelColumns sums stay in registers over all k. The last panel is zero-padded.
-// PanelRow computes the columns of panels [first, last), so that threads can share
-// the panels; b may be null.
+// A few rows through a weight matrix W (n, k): y (m, n) = x (m, k) W^T + b, row
+// strides ldx and ldy. A few rows (a decode step's projections) read every weight
+// once for 2m FLOPs, so they run at the rate W streams from memory; a general GEMM's
+// packing and blocking only add to that. W is packed once (PackPanels) into panels of
+// kPanelColumns output columns, each (k, kPanelColumns) row-major and contiguous: one
+// sequential read per panel, whose columns' sums for up to three rows at a time stay
+// in registers over all k. The last panel is zero-padded. PanelRows computes the
+// columns of panels [first, last), so that threads can share the panels; b may be null.
 constexpr int64_t kPanelColumns = 128;
 int64_t PanelCount(int64_t n);
 void PackPanels(const float* w, int64_t n, int64_t k, float* panels);  // PanelCount(n) * k * 128
-void PanelRow(const float* x, const float* panels, int64_t n, int64_t k, const float* b, float* y,
-              int64_t first, int64_t last);
+void PanelRows(const float* x, int64_t ldx, int64_t m, const float* panels, int64_t n, int64_t k,
+               const float* b, float* y, int64_t ldy, int64_t first, int64_t last);
 
 void Scale(float* x, float factor, int64_t n);  // x *= factor
 void ToBf16(const float* x, uint16_t* y, int64_t n);

@@ -106,7 +106,7 @@ Linear::Linear(const float* w, const float* b, int64_t n, int64_t k, Dt dt, bool
   }
 }
 
-void Linear::RunRow(const float* x, float* y) const {
+void Linear::RunRows(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy) const {
   const int64_t panels = kernels::PanelCount(n_);
   const float* b = bias_.empty() ? nullptr : bias_.data();
   const int threads = static_cast<int>(std::min<int64_t>(panels, PlanThreads()));
@@ -114,8 +114,8 @@ void Linear::RunRow(const float* x, float* y) const {
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-    kernels::PanelRow(x, panels_.data(), n_, k_, b, y, panels * t / count,
-                      panels * (t + 1) / count);
+    kernels::PanelRows(x, ldx, m, panels_.data(), n_, k_, b, y, ldy, panels * t / count,
+                       panels * (t + 1) / count);
   }
 }
 

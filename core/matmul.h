@@ -123,10 +123,10 @@ struct StridedOperand {
 // A weight matrix W (n, k) applied as dst = src W^T (+ b) with a oneDNN matmul.
 // Primitives are built once per (rows, strides, dtype, threads) and cached; the
 // weights are reordered once into each blocked layout a primitive asks for.
-// An f32 Linear made with `row_path` also keeps W packed in panels (kernels::PanelRow,
-// another n * k floats) for RunRow: one row, hand-written, on the calling thread's
-// OpenMP team, for decode steps, where oneDNN's GEMM takes 1.3-1.5x the time of
-// streaming the weights (docs/performance.md, "Sessions").
+// An f32 Linear made with `row_path` also keeps W packed in panels (kernels::PanelRows,
+// another n * k floats) for RunRows: a few rows, hand-written, on the calling thread's
+// OpenMP team, for decode steps, where oneDNN's GEMM takes longer than streaming the
+// weights (docs/performance.md, "Sessions").
 // Thread-safe.
 class Linear {
  public:
@@ -140,10 +140,10 @@ class Linear {
   void Run(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
            StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt) const;
 
-  // y (n) = x (k) W^T + b for one f32 row, split by panels over omp_get_max_threads()
-  // threads. Only when has_row_path().
+  // y (m, n) = x (m, k) W^T + b for f32 rows at strides ldx and ldy, split by panels
+  // over omp_get_max_threads() threads. Only when has_row_path().
   bool has_row_path() const { return !panels_.empty(); }
-  void RunRow(const float* x, float* y) const;
+  void RunRows(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy) const;
 
  private:
   using Key = std::array<int64_t, 8>;
@@ -163,7 +163,7 @@ class Linear {
   const Dt dt_;
   std::vector<char> plain_;  // W (n, k) row-major in dt_
   std::vector<float> bias_;
-  std::vector<float> panels_;  // W in RunRow's panels, or empty
+  std::vector<float> panels_;  // W in RunRows' panels, or empty
   mutable absl::Mutex mu_;
   mutable absl::flat_hash_map<Key, std::shared_ptr<const Entry>> cache_ ABSL_GUARDED_BY(mu_);
   mutable std::vector<std::pair<dnnl::memory::desc, dnnl::memory>> packed_ ABSL_GUARDED_BY(mu_);

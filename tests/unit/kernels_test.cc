@@ -132,32 +132,40 @@ TEST(KernelsTest, Bf16CacheKernelsEqualTheF32OnesOnTheSameValues) {
   }
 }
 
-// One row through packed panels against a double-precision x W^T + b: whole panels
-// and a partial last one, with and without bias, and panels split into ranges as
-// threads take them. Columns outside the range are left alone.
-TEST(KernelsTest, PanelRowMatchesDoubleLoops) {
+// Rows through packed panels against a double-precision x W^T + b: whole panels
+// and a partial last one, one to five rows (groups of three and their tails) at row
+// strides wider than the rows, with and without bias, and panels split into ranges as
+// threads take them. Nothing outside the rows' columns is written.
+TEST(KernelsTest, PanelRowsMatchDoubleLoops) {
   for (const auto [n, k] : {std::array<int64_t, 2>{20, 7}, {128, 1}, {150, 33}, {2304, 768}}) {
-    for (const bool with_bias : {false, true}) {
-      SCOPED_TRACE(testing::Message() << "n " << n << " k " << k << " bias " << with_bias);
-      std::vector<float> w(n * k), x(k), b(n);
-      for (size_t i = 0; i < w.size(); ++i) w[i] = std::sin(0.37f * static_cast<float>(i));
-      for (size_t i = 0; i < x.size(); ++i) x[i] = std::cos(0.21f * static_cast<float>(i));
-      for (size_t i = 0; i < b.size(); ++i) b[i] = 0.5f - 0.01f * static_cast<float>(i % 100);
-      const int64_t panels = PanelCount(n);
-      ASSERT_EQ(panels, (n + 127) / 128);
-      std::vector<float> packed(panels * k * kPanelColumns);
-      PackPanels(w.data(), n, k, packed.data());
-      const float* bias = with_bias ? b.data() : nullptr;
-      std::vector<float> y(n + 1, kInf);
-      const int64_t split = panels / 2;
-      PanelRow(x.data(), packed.data(), n, k, bias, y.data(), split, panels);
-      for (int64_t col = 0; col < split * kPanelColumns; ++col) ASSERT_EQ(y[col], kInf) << col;
-      PanelRow(x.data(), packed.data(), n, k, bias, y.data(), 0, split);
-      EXPECT_EQ(y[n], kInf);  // nothing past column n
-      for (int64_t col = 0; col < n; ++col) {
-        double expected = with_bias ? b[col] : 0.0;
-        for (int64_t i = 0; i < k; ++i) expected += double{x[i]} * w[col * k + i];
-        EXPECT_NEAR(y[col], expected, 1e-5 * (1 + std::sqrt(static_cast<double>(k)))) << col;
+    for (const int64_t m : {1, 2, 3, 5}) {
+      for (const bool with_bias : {false, true}) {
+        SCOPED_TRACE(testing::Message()
+                     << "n " << n << " k " << k << " m " << m << " bias " << with_bias);
+        const int64_t ldx = k + 3, ldy = n + 5;
+        std::vector<float> w(n * k), x(m * ldx), b(n);
+        for (size_t i = 0; i < w.size(); ++i) w[i] = std::sin(0.37f * static_cast<float>(i));
+        for (size_t i = 0; i < x.size(); ++i) x[i] = std::cos(0.21f * static_cast<float>(i));
+        for (size_t i = 0; i < b.size(); ++i) b[i] = 0.5f - 0.01f * static_cast<float>(i % 100);
+        const int64_t panels = PanelCount(n);
+        ASSERT_EQ(panels, (n + 127) / 128);
+        std::vector<float> packed(panels * k * kPanelColumns);
+        PackPanels(w.data(), n, k, packed.data());
+        const float* bias = with_bias ? b.data() : nullptr;
+        std::vector<float> y(m * ldy, kInf);
+        const int64_t split = panels / 2;
+        PanelRows(x.data(), ldx, m, packed.data(), n, k, bias, y.data(), ldy, split, panels);
+        for (int64_t col = 0; col < split * kPanelColumns; ++col) ASSERT_EQ(y[col], kInf) << col;
+        PanelRows(x.data(), ldx, m, packed.data(), n, k, bias, y.data(), ldy, 0, split);
+        for (int64_t r = 0; r < m; ++r) {
+          for (int64_t col = n; col < ldy; ++col) EXPECT_EQ(y[r * ldy + col], kInf) << r;
+          for (int64_t col = 0; col < n; ++col) {
+            double expected = with_bias ? b[col] : 0.0;
+            for (int64_t i = 0; i < k; ++i) expected += double{x[r * ldx + i]} * w[col * k + i];
+            EXPECT_NEAR(y[r * ldy + col], expected, 1e-5 * (1 + std::sqrt(static_cast<double>(k))))
+                << "row " << r << " column " << col;
+          }
+        }
       }
     }
   }
