@@ -57,12 +57,6 @@ constexpr int64_t kSmallBlockMacs = 8192;
 // values read (bert_base's weights are 9 MiB), when that is more than its FLOPs get.
 constexpr double kPagedBytesPerThread = 4 << 20;
 
-// ForwardPaged: calls of at most this many query rows go through the hand-written
-// projections of f32 models (Linear::RunRows) instead of oneDNN's GEMM. Up to three
-// rows take the time of one (reading the weights); from four on oneDNN's GEMM, which
-// computes closer to the cores' peak, is faster (docs/performance.md, "Sessions").
-constexpr int64_t kRowPathRows = 3;
-
 // Options::query_block at most: a task keeps its rows' softmax state on the stack.
 constexpr int64_t kMaxQueryBlock = 256;
 
@@ -1076,9 +1070,9 @@ MultiHeadAttention::Impl::PagedProjections MultiHeadAttention::Impl::ProjectPage
   // decode case) run Q, K and V as one stacked GEMM. The GEMMs run on row counts
   // padded to a few sizes (PagedRows, zero rows): a continuously batched call's row
   // count changes from call to call, and a primitive per count would cost its
-  // creation on the request path and memory for each. One self-attention row (one
-  // session's decode step) takes the hand-written row path of f32 models instead
-  // (Linear::RunRows), and so does its W_o (ForwardPaged).
+  // creation on the request path and memory for each. A call of a few query rows (one
+  // to three sessions' decode steps) takes the hand-written row path of f32 models
+  // instead (Linear::RunRows), and so does its W_o (ForwardPaged).
   const int64_t pq = PagedRows(tq), pk = PagedRows(tk);
   Grow(ws.paged_in, pq * dq + pk * (dk + dv));
   float* xq = ws.paged_in.data();
@@ -1105,7 +1099,7 @@ MultiHeadAttention::Impl::PagedProjections MultiHeadAttention::Impl::ProjectPage
   proj.q = ws.paged_proj.data();
   proj.k = all_self ? proj.q + E : proj.q + pq * E;
   proj.v = all_self ? proj.q + 2 * E : proj.k + pk * E;
-  if (all_self && tq <= kRowPathRows && qkv_->has_row_path()) {
+  if (all_self && qkv_->has_row_path(tq)) {
     qkv_->RunRows(xq, dq, tq, proj.q, proj.ld);
     return proj;
   }
@@ -1175,7 +1169,7 @@ absl::Status MultiHeadAttention::Impl::ForwardPaged(std::span<const PagedStep> s
     float* ctx = ws.paged_out.data();
     float* out = ctx + pq * E;
     MHA_RETURN_IF_ERROR(AttendPaged(steps, proj, threads, ws, ctx));
-    if (proj.rows > 0 && proj.rows <= kRowPathRows && o_lin_->has_row_path()) {
+    if (o_lin_->has_row_path(proj.rows)) {
       o_lin_->RunRows(ctx, E, proj.rows, out, E);
     } else if (proj.rows > 0) {
       o_lin_->Run(*ws.stream, ws.bindings, 1, pq, {AsActivation(ctx, pq * E, ws.xq), E}, {out, E},

@@ -313,9 +313,9 @@ void PackPanels(const float* w, int64_t n, int64_t k, float* panels) {
 
 namespace {
 
-// Rows r0 .. r0 + R of y through one panel: R x 8 vectors of sums (R rows of the
-// panel's 128 columns), kept in registers over the panel's k rows. The panel streams
-// in from memory for the first group of rows and from L2 for the others.
+// R rows of x through one panel into their rows of y: R x 8 vectors of sums (R rows
+// of the panel's 128 columns), kept in registers over the panel's k rows. The panel
+// streams in from memory for the first group of rows and from L2 for the others.
 template <int R>
 MHA_INLINE void PanelGroup(const float* x, int64_t ldx, const float* w, int64_t k,
                            const float* bias, int64_t cols, float* y, int64_t ldy) {

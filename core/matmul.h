@@ -141,8 +141,12 @@ class Linear {
            StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt) const;
 
   // y (m, n) = x (m, k) W^T + b for f32 rows at strides ldx and ldy, split by panels
-  // over omp_get_max_threads() threads. Only when has_row_path().
-  bool has_row_path() const { return !panels_.empty(); }
+  // over omp_get_max_threads() threads. Only when has_row_path(m): made with
+  // `row_path`, and 1 <= m <= kRowPathRows. Up to three rows take the time of one
+  // (reading the weights); from four on oneDNN's GEMM, which computes closer to the
+  // cores' peak, is faster (docs/performance.md, "Sessions").
+  static constexpr int64_t kRowPathRows = 3;
+  bool has_row_path(int64_t m) const { return !panels_.empty() && m >= 1 && m <= kRowPathRows; }
   void RunRows(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy) const;
 
  private:

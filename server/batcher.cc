@@ -251,7 +251,6 @@ bool Batcher::Gathers(const ModelQueue& queue) const {
 }
 
 absl::Time Batcher::LoneSessionPoll() const {
-  if (stopping_ || queued_ > 0 || wake_for_sweep_) return absl::InfinitePast();
   const ModelQueue* lone = nullptr;
   for (const auto& [model, queue] : queues_) {
     if (queue.sessions.empty()) continue;
@@ -323,7 +322,8 @@ Batcher::Batch Batcher::NextBatch() {
           return b->stopping_ || b->queued_ > 0 || b->wake_for_sweep_;
         },
         this);
-    if (const absl::Time until = LoneSessionPoll(); !polling_ && absl::Now() < until) {
+    if (const absl::Time until = polling_ || due.Eval() ? absl::InfinitePast() : LoneSessionPoll();
+        absl::Now() < until) {
       // A lone session's next step is due within the round trip of its answer:
       // look for it without sleeping, so that no thread wake-up stands between its
       // arrival and its compute (batcher.h, "Gathering session steps").

@@ -223,8 +223,9 @@ class Batcher {
   // The batch's forward call is over: its tokens leave computing_tokens and, if it
   // computed, its time per token enters the model's average.
   void BatchDone(const Batch& batch, absl::Duration elapsed, bool computed);
-  // When the server's only session is awaited and nothing is queued: the time until
-  // which an idle worker polls for its step (see above); else InfinitePast.
+  // When the server's only session is awaited: the time until which an idle worker
+  // polls for its step (see above); else InfinitePast. NextBatch asks only when the
+  // worker has nothing to do.
   absl::Time LoneSessionPoll() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
