@@ -1,0 +1,73 @@
+#include "core/attention_impl.h"
+
+#include <cstring>
+#include <initializer_list>
+#include <vector>
+
+namespace mha::core {
+namespace {
+
+std::vector<float> Stack(std::initializer_list<const std::vector<float>*> parts) {
+  std::vector<float> out;
+  for (const auto* p : parts) out.insert(out.end(), p->begin(), p->end());
+  return out;
+}
+
+}  // namespace
+
+MultiHeadAttention::Impl::Impl(const ModelConfig& c, const Weights& w, const Options& o)
+    : c_(c), o_(o), act_(c.precision == Precision::kBf16 ? Dt::bf16 : Dt::f32) {
+  const int64_t e = c.num_hiddens;
+  auto bias = [&](const std::vector<float>& b) { return b.empty() ? nullptr : b.data(); };
+  q_ = std::make_unique<Linear>(w.w_q.data(), bias(w.b_q), e, c.query_size, act_);
+  k_ = std::make_unique<Linear>(w.w_k.data(), bias(w.b_k), e, c.key_size, act_);
+  v_ = std::make_unique<Linear>(w.w_v.data(), bias(w.b_v), e, c.value_size, act_);
+  // A decode step's W_o and stacked Q/K/V projections of a few rows run by hand
+  // (ForwardPaged); f32 models keep a panel copy of those weights for it (Linear).
+  o_lin_ = std::make_unique<Linear>(w.w_o.data(), bias(w.b_o), e, e, act_, /*row_path=*/true);
+  if (c.key_size == c.value_size) {
+    const auto kv_w = Stack({&w.w_k, &w.w_v});
+    const auto kv_b = Stack({&w.b_k, &w.b_v});
+    kv_ = std::make_unique<Linear>(kv_w.data(), c.bias ? kv_b.data() : nullptr, 2 * e, c.key_size,
+                                   act_);
+  }
+  if (c.SupportsSelfAttention()) {
+    const auto qkv_w = Stack({&w.w_q, &w.w_k, &w.w_v});
+    const auto qkv_b = Stack({&w.b_q, &w.b_k, &w.b_v});
+    qkv_ = std::make_unique<Linear>(qkv_w.data(), c.bias ? qkv_b.data() : nullptr, 3 * e,
+                                    c.query_size, act_, /*row_path=*/true);
+  }
+  if (c.scoring == Scoring::kAdditive) {
+    score_q_ = ToActivation(w.score_w_q);
+    score_k_ = ToActivation(w.score_w_k);
+    score_v_ = w.score_w_v;
+  }
+}
+
+int MultiHeadAttention::Impl::ThreadsFor(const AttentionInputs& in, int max_threads) const {
+  return internal::ThreadsForFlops(
+      MultiHeadAttention::Flops(c_, in.batch, in.num_queries, in.num_keys), o_.num_threads,
+      max_threads);
+}
+
+std::vector<char> MultiHeadAttention::Impl::ToActivation(const std::vector<float>& w) const {
+  std::vector<char> out(w.size() * internal::SizeOf(act_));
+  if (act_ == Dt::f32) {
+    std::memcpy(out.data(), w.data(), out.size());
+  } else {
+    kernels::ToBf16(w.data(), reinterpret_cast<uint16_t*>(out.data()),
+                    static_cast<int64_t>(w.size()));
+  }
+  return out;
+}
+
+const void* MultiHeadAttention::Impl::AsActivation(const float* x, int64_t n,
+                                                   std::vector<char>& tmp) const {
+  // bf16: activations are converted once, then every GEMM runs in bf16.
+  if (act_ == Dt::f32) return x;
+  internal::Grow(tmp, n * 2);
+  kernels::ToBf16(x, reinterpret_cast<uint16_t*>(tmp.data()), n);
+  return tmp.data();
+}
+
+}  // namespace mha::core

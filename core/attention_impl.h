@@ -1,0 +1,206 @@
+// MultiHeadAttention::Impl: the layer's weights as oneDNN operators and its two passes.
+//
+//   attention.cc          public entry points: input checks, slicing, the status mapping
+//   attention_impl.cc     the weights (Linear operators, stacked and packed) and activations
+//   dense_pass.cc         Forward: projections, head-major repack, fused attention tasks, W_o
+//   additive_scoring.cc   additive scoring inside the dense pass
+//   paged_pass.cc         ForwardPaged: sessions' steps over their K/V caches
+//   online_softmax.h      the running max / sum and final normalisation both passes share
+//   workspace.h           buffers kept between calls, the thread policy, the task loop
+//
+// Internal to core/: only core/*.cc include it.
+#ifndef MHA_CORE_ATTENTION_IMPL_H_
+#define MHA_CORE_ATTENTION_IMPL_H_
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "core/attention.h"
+#include "core/kernels.h"
+#include "core/matmul.h"
+#include "core/online_softmax.h"
+#include "core/workspace.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace mha::core {
+
+class MultiHeadAttention::Impl {
+ public:
+  using Dt = internal::Dt;
+  using Linear = internal::Linear;
+  using Matmul = internal::Matmul;
+  using RowStats = internal::RowStats;
+  using TaskScratch = internal::TaskScratch;
+  using Workspace = internal::Workspace;
+
+  Impl(const ModelConfig& c, const Weights& w, const Options& o);
+
+  // Both passes expect checked inputs (MultiHeadAttention's entry points) and may
+  // throw (the entry points map exceptions to a status); `max_threads` > 0 caps the
+  // call's OpenMP threads.
+  absl::Status Forward(const AttentionInputs& in, float* output, float* attention,
+                       int max_threads) const;
+  absl::Status ForwardPaged(std::span<const PagedStep> steps, int max_threads) const;
+  // The threads a dense call on `in` gets (internal::ThreadsForFlops).
+  int ThreadsFor(const AttentionInputs& in, int max_threads = 0) const;
+  void ShareWorkspaces(const Impl& other) { workspaces_ = other.workspaces_; }
+
+ private:
+  // ---- dense pass (dense_pass.cc) ----
+  // How many keys each query sees: valid_lens and causal folded into one number.
+  struct KeyLimits {
+    std::vector<int32_t> per_query;  // (B, Q)
+    int64_t kv_rows = 0;             // the largest: key rows projected per batch row
+  };
+  // Q, K, V after projection, row-major in act_; K and V have kv_rows rows per
+  // batch row.
+  struct Projections {
+    internal::StridedOperand<const char> q, k, v;
+  };
+  // Q, K, V after projection, repacked head-major: (B, h, L, p), dense, in act_.
+  struct HeadMajor {
+    const char* q;    // (B, h, Q, p)
+    const char* k;    // (B, h, kv_rows, p)
+    const char* v;    // (B, h, kv_rows, p)
+    int64_t kv_rows;  // key rows projected per batch row (the largest key limit)
+  };
+  // Additive scoring's projections of every head's queries and keys, f32; both null
+  // for dot-product scoring.
+  struct ScoringProjections {
+    const float* qa = nullptr;  // (B, h, Q, p_a): A_q q
+    const float* kt = nullptr;  // (B, h, p_a, kv_rows): (A_k k)^T, key j in column j
+  };
+  // What every attention task of one call reads and writes.
+  struct TaskInputs {
+    const AttentionInputs& in;
+    const HeadMajor& heads;
+    const ScoringProjections& scoring;
+    const std::vector<int32_t>& limits;  // KeyLimits::per_query
+    float* ctx;                          // (B*Q, p_o) f32: the concatenated heads
+    float* attention;                    // (B, h, Q, K), or nullptr
+    int64_t q_blocks;                    // query blocks per (batch row, head)
+  };
+  // One attention task: a block of queries of one head of one batch row.
+  struct Task {
+    int64_t mq;             // queries in the block, <= query_block
+    const int32_t* limits;  // (mq): the keys each query sees
+    int64_t max_limit;      // the largest of them
+    const char* q;          // (mq, p)
+    const char* k;          // (kv_rows, p)
+    const char* v;          // (kv_rows, p)
+    float* ctx;             // (mq, p) at row stride p_o: this head's columns
+    float* attention;       // (mq, K) at row stride K, or nullptr
+    int64_t num_keys;       // K
+    float factor;           // head_mask[h], else 1
+    // Additive scoring only (else null): the block's A_q q (mq, p_a), the head's
+    // (A_k k)^T (p_a, kv_rows) and its w_v (p_a).
+    const float* qa;
+    const float* kt;
+    int64_t kv_rows;
+    const float* score_v;
+  };
+
+  // Forward's phases, in order.
+  static KeyLimits ComputeKeyLimits(const AttentionInputs& in);
+  // Q, K, V projections; key/value rows that no query can see are never projected.
+  Projections Project(const AttentionInputs& in, int64_t kv_rows, Workspace& ws) const;
+  Projections ProjectSelf(const AttentionInputs& in, int64_t kv_rows, const void* xq,
+                          Workspace& ws) const;
+  Projections ProjectCross(const AttentionInputs& in, int64_t kv_rows, const void* xq,
+                           Workspace& ws) const;
+  HeadMajor RepackHeadMajor(const AttentionInputs& in, const Projections& proj, int64_t kv_rows,
+                            int threads, Workspace& ws) const;
+  // Fills ws.ctx (and `attention`) with every head's context.
+  absl::Status RunAttentionTasks(const AttentionInputs& in, const HeadMajor& heads,
+                                 const ScoringProjections& scoring, const KeyLimits& limits,
+                                 float* attention, int threads, Workspace& ws) const;
+  // output = ws.ctx W_o^T (+ b_o).
+  void ProjectOutput(const AttentionInputs& in, float* output, Workspace& ws) const;
+
+  // Task t of RunAttentionTasks, counted over (batch row, head, query block).
+  Task TaskAt(const TaskInputs& inputs, int64_t t) const;
+  // One task, block by block of nk keys from key j0: scores, online softmax,
+  // context; then the normalised, head-masked context into the task's columns.
+  void AttendTask(const Task& task, dnnl::stream& stream, TaskScratch& scratch) const;
+  void ScoreBlock(const Task& task, int64_t j0, int64_t nk, dnnl::stream& stream,
+                  TaskScratch& scratch) const;
+  void SoftmaxBlock(const Task& task, int64_t j0, int64_t nk, RowStats& stats,
+                    TaskScratch& scratch) const;
+  void ContextBlock(const Task& task, int64_t j0, int64_t nk, dnnl::stream& stream,
+                    TaskScratch& scratch) const;
+  // (mq, nk) f32 = q (mq, p) k^T / sqrt(p); all operands dense.
+  Matmul ScorePrimitive(int64_t mq, int64_t nk) const;
+  // o (mq, p) f32 (+)= P (mq, nk) v (nk, p).
+  Matmul ContextPrimitive(int64_t mq, int64_t nk, bool accumulate) const;
+
+  // ---- additive scoring (additive_scoring.cc) ----
+  // A_q q and A_k k of every (batch row, head), once each.
+  absl::Status ProjectScoring(const AttentionInputs& in, const HeadMajor& heads, int threads,
+                              Workspace& ws, ScoringProjections& out) const;
+  // A task's scores of keys j0 .. j0 + nk into scratch.s (only the keys a row sees).
+  void AdditiveScoreBlock(const Task& task, int64_t j0, int64_t nk, TaskScratch& scratch) const;
+  // (m, n) f32 = a (m, p) b^T for b (n, p), both dense in act_: A_q q is (Q, p_a) =
+  // q A_q^T, (A_k k)^T is (p_a, kv_rows) = A_k k^T.
+  Matmul ScoringPrimitive(int64_t m, int64_t n) const;
+
+  // ---- paged pass (paged_pass.cc) ----
+  // One ForwardPaged task: a block of query rows of one head of one step.
+  struct PagedTask {
+    const PagedStep* step;
+    int64_t head;
+    int64_t i0, mq;  // the step's query rows i0 .. i0 + mq
+    int64_t cached;  // keys in the step's cache before it
+    const float* q;  // the step's row 0 of the Q projection, row stride ldq
+    int64_t ldq;
+    float* ctx;  // the step's row 0 of the concatenated heads, (T, p_o)
+  };
+  // The steps' new rows through the projections: row r of Q at q + r * ld; of the
+  // new keys and values likewise.
+  struct PagedProjections {
+    float* q = nullptr;
+    float* k = nullptr;
+    float* v = nullptr;
+    int64_t rows = 0, padded_rows = 0, ld = 0;  // query rows, as projected (PagedRows)
+  };
+  // ForwardPaged's phases, in order. PagedWork: the FLOPs the steps count as for
+  // their threads. AttendPaged: every (step, head, block of query rows) into ctx
+  // ((padded_rows, p_o)).
+  double PagedWork(std::span<const PagedStep> steps) const;
+  PagedProjections ProjectPaged(std::span<const PagedStep> steps, Workspace& ws) const;
+  // Steps' new keys and values (rows at k and v, row stride ld) into their caches.
+  void StorePaged(std::span<const PagedStep> steps, const float* k, const float* v,
+                  int64_t ld) const;
+  absl::Status AttendPaged(std::span<const PagedStep> steps, const PagedProjections& proj,
+                           int threads, Workspace& ws, float* ctx) const;
+  // One task over a cache of element type T (float, or uint16_t for bf16).
+  template <typename T>
+  void AttendPagedTask(const PagedTask& task, TaskScratch& scratch) const;
+  void ProjectPagedOutput(const PagedProjections& proj, const float* ctx, float* out,
+                          Workspace& ws) const;
+
+  // ---- weights and activations (attention_impl.cc) ----
+  // A weight tensor in act_, converted once.
+  std::vector<char> ToActivation(const std::vector<float>& w) const;
+  // x (n floats) in act_: x itself for f32, else a bf16 copy in `tmp`.
+  const void* AsActivation(const float* x, int64_t n, std::vector<char>& tmp) const;
+
+  const ModelConfig c_;
+  const Options o_;
+  // Shared with other instances by ShareWorkspacesWith.
+  std::shared_ptr<internal::WorkspacePool> workspaces_ =
+      std::make_shared<internal::WorkspacePool>();
+  const Dt act_;
+  std::unique_ptr<Linear> q_, k_, v_, kv_, qkv_, o_lin_;
+  // Additive scoring: A_q, A_k (h, p_a, p) in act_; w_v (h, p_a) f32.
+  std::vector<char> score_q_, score_k_;
+  std::vector<float> score_v_;
+  mutable internal::MatmulCache attn_cache_;  // the block GEMMs' primitives
+};
+
+}  // namespace mha::core
+
+#endif  // MHA_CORE_ATTENTION_IMPL_H_

@@ -1,0 +1,372 @@
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "base/status_macros.h"
+#include "core/attention_impl.h"
+
+// The dense pass (Forward): the queries, keys and values of a whole batch are
+// projected, repacked head-major, and attended by one fused task per (batch row,
+// head, block of queries) that runs its key blocks through scores, an online softmax
+// and the context without writing the scores out; W_o applies to the concatenated
+// heads.
+
+namespace mha::core {
+namespace {
+
+using dnnl::memory;
+using internal::Bindings;
+using internal::Dt;
+using internal::Grow;
+using internal::Matmul;
+using internal::MatmulCache;
+using internal::PlanThreads;
+using internal::SizeOf;
+using internal::StridedOperand;
+
+// Below this size the head-major repack runs on the calling thread (RepackHeadMajor).
+constexpr int64_t kParallelBytes = 256 << 10;
+
+// An f32 attention block of at most this many multiply-adds per product (mq x nk x
+// p) runs in plain loops (kernels::SmallScores/SmallContext): below it a oneDNN
+// primitive's look-up, binding and dispatch cost more than the arithmetic.
+constexpr int64_t kSmallBlockMacs = 8192;
+
+}  // namespace
+
+Matmul MultiHeadAttention::Impl::ScorePrimitive(int64_t mq, int64_t nk) const {
+  const int64_t p = c_.head_size();
+  const MatmulCache::Key key{0, mq, nk, 0, PlanThreads()};
+  if (auto prim = attn_cache_.Find(key)) return *prim;
+  dnnl::primitive_attr attr;
+  attr.set_output_scales(0, {1.0f / std::sqrt(static_cast<float>(p))});
+  return attn_cache_.Add(
+      key,
+      dnnl::matmul::desc(memory::desc({mq, p}, act_, {p, 1}), memory::desc({p, nk}, act_, {1, p}),
+                         memory::desc({mq, nk}, Dt::f32, {nk, 1})),
+      attr);
+}
+
+Matmul MultiHeadAttention::Impl::ContextPrimitive(int64_t mq, int64_t nk, bool accumulate) const {
+  const int64_t p = c_.head_size();
+  const MatmulCache::Key key{1, mq, nk, accumulate, PlanThreads()};
+  if (auto prim = attn_cache_.Find(key)) return *prim;
+  dnnl::primitive_attr attr;
+  if (accumulate) {
+    dnnl::post_ops ops;
+    ops.append_sum(1.0f);
+    attr.set_post_ops(ops);
+  }
+  return attn_cache_.Add(
+      key,
+      dnnl::matmul::desc(memory::desc({mq, nk}, act_, {nk, 1}), memory::desc({nk, p}, act_, {p, 1}),
+                         memory::desc({mq, p}, Dt::f32, {p, 1})),
+      attr);
+}
+
+MultiHeadAttention::Impl::Task MultiHeadAttention::Impl::TaskAt(const TaskInputs& inputs,
+                                                                int64_t t) const {
+  const AttentionInputs& in = inputs.in;
+  const HeadMajor& hm = inputs.heads;
+  const int64_t Q = in.num_queries, K = in.num_keys, H = c_.num_heads, E = c_.num_hiddens;
+  const int64_t p = c_.head_size(), q_blocks = inputs.q_blocks;
+  const size_t asz = SizeOf(act_);
+  const int64_t b = t / (H * q_blocks), h = (t / q_blocks) % H, qb = t % q_blocks;
+  const int64_t i0 = qb * o_.query_block;
+  const int64_t mq = std::min(o_.query_block, Q - i0);
+  const int32_t* lim = &inputs.limits[b * Q + i0];
+  const ScoringProjections& sp = inputs.scoring;
+  const int64_t pa = c_.additive_hidden;
+  const bool additive = sp.qa != nullptr;
+  return {
+      .mq = mq,
+      .limits = lim,
+      .max_limit = *std::max_element(lim, lim + mq),
+      .q = hm.q + ((b * H + h) * Q + i0) * p * asz,
+      .k = hm.k + (b * H + h) * hm.kv_rows * p * asz,
+      .v = hm.v + (b * H + h) * hm.kv_rows * p * asz,
+      .ctx = inputs.ctx + (b * Q + i0) * E + h * p,
+      .attention =
+          inputs.attention == nullptr ? nullptr : inputs.attention + ((b * H + h) * Q + i0) * K,
+      .num_keys = K,
+      .factor = in.head_mask.empty() ? 1.0f : in.head_mask[h],
+      .qa = additive ? sp.qa + ((b * H + h) * Q + i0) * pa : nullptr,
+      .kt = additive ? sp.kt + (b * H + h) * pa * hm.kv_rows : nullptr,
+      .kv_rows = hm.kv_rows,
+      .score_v = additive ? score_v_.data() + h * pa : nullptr,
+  };
+}
+
+void MultiHeadAttention::Impl::AttendTask(const Task& task, dnnl::stream& stream,
+                                          TaskScratch& scratch) const {
+  const int64_t E = c_.num_hiddens, p = c_.head_size(), mq = task.mq;
+  if (task.attention != nullptr) std::fill_n(task.attention, mq * task.num_keys, 0.0f);
+  if (task.max_limit == 0 || (task.factor == 0.0f && task.attention == nullptr)) {
+    for (int64_t i = 0; i < mq; ++i) std::fill_n(task.ctx + i * E, p, 0.0f);
+    return;
+  }
+
+  // Every operand is dense, which is what lets oneDNN pick its brgemm kernels. With
+  // attention weights asked for, a row's keys are all in one block.
+  const int64_t bk =
+      task.attention != nullptr ? task.max_limit : std::min(o_.key_block, task.max_limit);
+  scratch.s.resize(std::max<size_t>(scratch.s.size(), mq * bk));
+  scratch.o.resize(std::max<size_t>(scratch.o.size(), mq * p));
+  if (act_ == Dt::bf16) scratch.p.resize(std::max<size_t>(scratch.p.size(), mq * bk));
+  RowStats stats;
+  stats.Reset(mq);
+
+  for (int64_t j0 = 0; j0 < task.max_limit; j0 += bk) {
+    const int64_t nk = std::min(bk, task.max_limit - j0);
+    ScoreBlock(task, j0, nk, stream, scratch);
+    SoftmaxBlock(task, j0, nk, stats, scratch);
+    ContextBlock(task, j0, nk, stream, scratch);
+  }
+  // The final normalisation and head_mask, into this head's columns.
+  stats.Normalise(mq, scratch.o.data(), p, task.factor, task.ctx, E);
+}
+
+// scratch.s (mq, nk) = the block's scores.
+void MultiHeadAttention::Impl::ScoreBlock(const Task& task, int64_t j0, int64_t nk,
+                                          dnnl::stream& stream, TaskScratch& scratch) const {
+  if (task.qa != nullptr) return AdditiveScoreBlock(task, j0, nk, scratch);
+  const int64_t p = c_.head_size();
+  if (act_ == Dt::f32 && task.mq * nk * p <= kSmallBlockMacs) {
+    return kernels::SmallScores(reinterpret_cast<const float*>(task.q),
+                                reinterpret_cast<const float*>(task.k) + j0 * p, p, task.mq, nk,
+                                1.0f / std::sqrt(static_cast<float>(p)), scratch.s.data());
+  }
+  Bindings& args = scratch.bindings;
+  args.Bind(DNNL_ARG_SRC, task.mq, p, p, false, act_, task.q);
+  args.Bind(DNNL_ARG_WEIGHTS, p, nk, p, /*transposed=*/true, act_, task.k + j0 * p * SizeOf(act_));
+  args.Bind(DNNL_ARG_DST, task.mq, nk, nk, false, Dt::f32, scratch.s.data());
+  args.Execute(ScorePrimitive(task.mq, nk), stream);
+}
+
+// Scores become unnormalised probabilities (in scratch.s, and scratch.p for bf16),
+// masked keys 0; the running max and sum move on, and the context accumulated so
+// far is rescaled to the new max.
+void MultiHeadAttention::Impl::SoftmaxBlock(const Task& task, int64_t j0, int64_t nk,
+                                            RowStats& stats, TaskScratch& scratch) const {
+  const int64_t p = c_.head_size(), K = task.num_keys;
+  const bool bf16 = act_ == Dt::bf16;
+  const int32_t* lim = task.limits;
+  float* a = task.attention;
+  float* s = scratch.s.data();
+  float* o = scratch.o.data();
+  uint16_t* probs16 = bf16 ? scratch.p.data() : nullptr;
+  for (int64_t i = 0; i < task.mq; ++i) {
+    float* srow = s + i * nk;
+    uint16_t* prow = bf16 ? probs16 + i * nk : nullptr;
+    const int64_t n = std::clamp<int64_t>(lim[i] - j0, 0, nk);
+    if (n > 0 && a != nullptr) {
+      // The whole row is in this one block: normalise now, hand out the weights.
+      const float sum = kernels::ExpSubSum(srow, kernels::RowMax(srow, n), srow, n);
+      kernels::Scale(srow, 1.0f / sum, n);
+      std::copy_n(srow, n, a + i * K);
+      if (bf16) kernels::ToBf16(srow, prow, n);
+      stats.sum[i] = 1.0f;
+    } else if (n > 0) {
+      stats.Update(i, srow, n, o + i * p, p, [&](float m) {
+        return bf16 ? kernels::ExpSubSumBf16(srow, m, prow, n)
+                    : kernels::ExpSubSum(srow, m, srow, n);
+      });
+    }
+    std::fill(srow + n, srow + nk, 0.0f);
+    if (bf16) std::fill(prow + n, prow + nk, uint16_t{0});
+  }
+}
+
+// scratch.o (mq, p) (+)= the block's probabilities times its values.
+void MultiHeadAttention::Impl::ContextBlock(const Task& task, int64_t j0, int64_t nk,
+                                            dnnl::stream& stream, TaskScratch& scratch) const {
+  const int64_t p = c_.head_size();
+  if (act_ == Dt::f32 && task.mq * nk * p <= kSmallBlockMacs) {
+    return kernels::SmallContext(scratch.s.data(), reinterpret_cast<const float*>(task.v) + j0 * p,
+                                 p, task.mq, nk, /*accumulate=*/j0 > 0, scratch.o.data());
+  }
+  const void* probs =
+      act_ == Dt::bf16 ? static_cast<const void*>(scratch.p.data()) : scratch.s.data();
+  Bindings& args = scratch.bindings;
+  args.Bind(DNNL_ARG_SRC, task.mq, nk, nk, false, act_, probs);
+  args.Bind(DNNL_ARG_WEIGHTS, nk, p, p, false, act_, task.v + j0 * p * SizeOf(act_));
+  args.Bind(DNNL_ARG_DST, task.mq, p, p, false, Dt::f32, scratch.o.data());
+  args.Execute(ContextPrimitive(task.mq, nk, /*accumulate=*/j0 > 0), stream);
+}
+
+MultiHeadAttention::Impl::KeyLimits MultiHeadAttention::Impl::ComputeKeyLimits(
+    const AttentionInputs& in) {
+  const int64_t B = in.batch, Q = in.num_queries;
+  const ValidLens lens = in.lens();
+  KeyLimits limits{.per_query = std::vector<int32_t>(static_cast<size_t>(B * Q))};
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < Q; ++i) {
+      int64_t lim = lens.at(b, i);
+      if (in.causal) lim = std::min(lim, i + 1);
+      limits.per_query[b * Q + i] = static_cast<int32_t>(lim);
+      limits.kv_rows = std::max(limits.kv_rows, lim);
+    }
+  }
+  return limits;
+}
+
+MultiHeadAttention::Impl::Projections MultiHeadAttention::Impl::Project(const AttentionInputs& in,
+                                                                        int64_t kv_rows,
+                                                                        Workspace& ws) const {
+  const void* xq = AsActivation(in.queries, in.batch * in.num_queries * c_.query_size, ws.xq);
+  return in.self_attention() ? ProjectSelf(in, kv_rows, xq, ws) : ProjectCross(in, kv_rows, xq, ws);
+}
+
+// One (B*Q, 3 p_o) buffer, each row Q | K | V of one token.
+MultiHeadAttention::Impl::Projections MultiHeadAttention::Impl::ProjectSelf(
+    const AttentionInputs& in, int64_t kv_rows, const void* xq, Workspace& ws) const {
+  const int64_t B = in.batch, Q = in.num_queries, E = c_.num_hiddens;
+  const size_t asz = SizeOf(act_);
+  const int64_t ld = 3 * E, d = c_.query_size;
+  Grow(ws.proj, B * Q * ld * asz);
+  char* base = ws.proj.data();
+  if (kv_rows == in.num_keys) {
+    qkv_->Run(*ws.stream, ws.bindings, 1, B * Q, {xq, d}, {base, ld}, act_);
+  } else {
+    q_->Run(*ws.stream, ws.bindings, 1, B * Q, {xq, d}, {base, ld}, act_);
+    if (kv_rows > 0) {
+      kv_->Run(*ws.stream, ws.bindings, B, kv_rows, {xq, d, Q * d}, {base + E * asz, ld, Q * ld},
+               act_);
+    }
+  }
+  return {.q = {base, ld, Q * ld},
+          .k = {base + E * asz, ld, Q * ld},
+          .v = {base + 2 * E * asz, ld, Q * ld}};
+}
+
+// Q in a (B*Q, p_o) buffer; K and V side by side in each row of a (B*K, 2 p_o) one
+// when keys and values are the same tensor, else as two (B*K, p_o) planes.
+MultiHeadAttention::Impl::Projections MultiHeadAttention::Impl::ProjectCross(
+    const AttentionInputs& in, int64_t kv_rows, const void* xq, Workspace& ws) const {
+  const int64_t B = in.batch, Q = in.num_queries, K = in.num_keys, E = c_.num_hiddens;
+  const size_t asz = SizeOf(act_);
+  const bool fuse_kv = in.keys == in.values && kv_ != nullptr;
+  const int64_t ld = fuse_kv ? 2 * E : E;
+  Grow(ws.proj, B * Q * E * asz);
+  q_->Run(*ws.stream, ws.bindings, 1, B * Q, {xq, c_.query_size}, {ws.proj.data(), E}, act_);
+  Grow(ws.kv, B * K * 2 * E * asz);
+  char* kbase = ws.kv.data();
+  char* vbase = fuse_kv ? kbase + E * asz : kbase + B * K * E * asz;
+  // Contiguous rows run as one 2-D GEMM; a per-batch prefix as a 3-D one.
+  const int64_t batch = kv_rows == K ? 1 : B;
+  const int64_t rows = kv_rows == K ? B * K : kv_rows;
+  const int64_t dk = c_.key_size, dv = c_.value_size;
+  if (kv_rows > 0) {
+    const void* xk = AsActivation(in.keys, B * K * dk, ws.xk);
+    if (fuse_kv) {
+      kv_->Run(*ws.stream, ws.bindings, batch, rows, {xk, dk, K * dk}, {kbase, ld, K * ld}, act_);
+    } else {
+      const void* xv = AsActivation(in.values, B * K * dv, ws.xv);
+      k_->Run(*ws.stream, ws.bindings, batch, rows, {xk, dk, K * dk}, {kbase, ld, K * ld}, act_);
+      v_->Run(*ws.stream, ws.bindings, batch, rows, {xv, dv, K * dv}, {vbase, ld, K * ld}, act_);
+    }
+  }
+  return {.q = {ws.proj.data(), E, Q * E}, .k = {kbase, ld, K * ld}, .v = {vbase, ld, K * ld}};
+}
+
+// Head-major, so that every block GEMM has dense operands.
+MultiHeadAttention::Impl::HeadMajor MultiHeadAttention::Impl::RepackHeadMajor(
+    const AttentionInputs& in, const Projections& proj, int64_t kv_rows, int threads,
+    Workspace& ws) const {
+  const int64_t B = in.batch, Q = in.num_queries, E = c_.num_hiddens, H = c_.num_heads;
+  const size_t asz = SizeOf(act_);
+  Grow(ws.heads, (B * Q + 2 * B * kv_rows) * E * asz);
+  char* qh = ws.heads.data();
+  char* kh = qh + B * Q * E * asz;
+  char* vh = kh + B * kv_rows * E * asz;
+  const int64_t pb = c_.head_size() * asz;
+  const int64_t rows_per_batch = std::max(Q, kv_rows);
+  // Tiny problems run our loops on the calling thread: a fork/join costs more than
+  // the work.
+  const bool parallel_repack = B * (Q + 2 * kv_rows) * E * asz >= kParallelBytes;
+  auto row = [asz](const StridedOperand<const char>& x, int64_t b, int64_t i) {
+    return x.data + (b * x.batch_stride + i * x.row_stride) * asz;
+  };
+  auto repack = [&](int64_t r) {
+    const int64_t b = r / rows_per_batch, i = r % rows_per_batch;
+    if (i < Q) {
+      const char* src = row(proj.q, b, i);
+      for (int64_t h = 0; h < H; ++h) {
+        std::memcpy(qh + ((b * H + h) * Q + i) * pb, src + h * pb, pb);
+      }
+    }
+    if (i < kv_rows) {
+      const char* ksrc = row(proj.k, b, i);
+      const char* vsrc = row(proj.v, b, i);
+      for (int64_t h = 0; h < H; ++h) {
+        std::memcpy(kh + ((b * H + h) * kv_rows + i) * pb, ksrc + h * pb, pb);
+        std::memcpy(vh + ((b * H + h) * kv_rows + i) * pb, vsrc + h * pb, pb);
+      }
+    }
+  };
+  // Serial work runs outside any OpenMP construct: a one-thread team between the
+  // full teams of oneDNN's regions makes libgomp re-dock its pool, which is slow to
+  // wake again on a busy machine.
+  if (parallel_repack) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < B * rows_per_batch; ++r) repack(r);
+  } else {
+    for (int64_t r = 0; r < B * rows_per_batch; ++r) repack(r);
+  }
+  return {qh, kh, vh, kv_rows};
+}
+
+// One task per (batch row, head, query block), key blocks inside.
+absl::Status MultiHeadAttention::Impl::RunAttentionTasks(const AttentionInputs& in,
+                                                         const HeadMajor& heads,
+                                                         const ScoringProjections& scoring,
+                                                         const KeyLimits& limits, float* attention,
+                                                         int threads, Workspace& ws) const {
+  Grow(ws.ctx, in.batch * in.num_queries * c_.num_hiddens * sizeof(float));
+  const int64_t q_blocks = (in.num_queries + o_.query_block - 1) / o_.query_block;
+  const TaskInputs inputs{.in = in,
+                          .heads = heads,
+                          .scoring = scoring,
+                          .limits = limits.per_query,
+                          .ctx = reinterpret_cast<float*>(ws.ctx.data()),
+                          .attention = attention,
+                          .q_blocks = q_blocks};
+  return internal::RunTasks(in.batch * c_.num_heads * q_blocks, threads, ws,
+                            [&](int64_t t, dnnl::stream& stream, TaskScratch& scratch) {
+                              AttendTask(TaskAt(inputs, t), stream, scratch);
+                            });
+}
+
+void MultiHeadAttention::Impl::ProjectOutput(const AttentionInputs& in, float* output,
+                                             Workspace& ws) const {
+  const int64_t rows = in.batch * in.num_queries, E = c_.num_hiddens;
+  const float* ctx = reinterpret_cast<const float*>(ws.ctx.data());
+  const void* ctx_act = AsActivation(ctx, rows * E, ws.xq);  // the queries' copy is spent
+  o_lin_->Run(*ws.stream, ws.bindings, 1, rows, {ctx_act, E}, {output, E}, Dt::f32);
+}
+
+absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float* output,
+                                               float* attention, int max_threads) const {
+  const int threads = ThreadsFor(in, max_threads);
+  const internal::ThreadScope thread_scope(threads);
+  const KeyLimits limits = ComputeKeyLimits(in);
+
+  internal::WorkspaceLease lease(*workspaces_);
+  Workspace& ws = *lease;
+  if (!ws.stream) ws.stream.emplace(internal::CpuEngine());
+  const Projections proj = Project(in, limits.kv_rows, ws);
+  const HeadMajor heads = RepackHeadMajor(in, proj, limits.kv_rows, threads, ws);
+  ScoringProjections scoring;
+  if (c_.scoring == Scoring::kAdditive) {
+    MHA_RETURN_IF_ERROR(ProjectScoring(in, heads, threads, ws, scoring));
+  }
+  MHA_RETURN_IF_ERROR(RunAttentionTasks(in, heads, scoring, limits, attention, threads, ws));
+  ProjectOutput(in, output, ws);
+  ws.stream->wait();
+  return absl::OkStatus();
+}
+
+}  // namespace mha::core

@@ -1,0 +1,68 @@
+// The online softmax of the attention passes (dense and paged): the running maximum
+// and sum of a block of query rows, moved on block of keys by block of keys, and the
+// final normalisation of the accumulated context.
+//
+// For row i, after blocks 1..t of scores s: m = max over all scores so far,
+// l = sum of exp(s - m), o = sum of exp(s - m) v. A new block with maximum m_b moves
+// m to max(m, m_b) and rescales l and o by exp(m_old - m) before its own terms are
+// added; the context is o / l at the end (0 for a row that saw no key).
+//
+// Internal to core/.
+#ifndef MHA_CORE_ONLINE_SOFTMAX_H_
+#define MHA_CORE_ONLINE_SOFTMAX_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "core/kernels.h"
+
+namespace mha::core::internal {
+
+// Query rows per block at most (MultiHeadAttention::Options::query_block): a task
+// keeps its rows' statistics on the stack.
+inline constexpr int64_t kMaxQueryBlock = 256;
+
+struct RowStats {
+  float max[kMaxQueryBlock];  // running maximum score
+  float sum[kMaxQueryBlock];  // running sum of exp(score - max)
+
+  // No key seen by any of the first `rows` rows.
+  void Reset(int64_t rows) {
+    std::fill_n(max, rows, -std::numeric_limits<float>::infinity());
+    std::fill_n(sum, rows, 0.0f);
+  }
+
+  // Row i meets n > 0 more scores s[0, n): the running maximum moves to m (theirs
+  // included); exp_sub_sum(m) turns the block's scores into exp(s - m) and returns
+  // their sum. The context accumulated so far (o, p floats) and the running sum are
+  // rescaled to m first; a row that had seen nothing has no context yet, and o is not
+  // read.
+  template <typename ExpSubSum>
+  void Update(int64_t i, const float* s, int64_t n, float* o, int64_t p, ExpSubSum exp_sub_sum) {
+    const float m = std::max(max[i], kernels::RowMax(s, n));
+    const float alpha = std::exp(max[i] - m);  // 0 while max[i] is -inf
+    if (max[i] != -std::numeric_limits<float>::infinity() && alpha != 1.0f) {
+      kernels::Scale(o, alpha, p);
+    }
+    sum[i] = sum[i] * alpha + exp_sub_sum(m);
+    max[i] = m;
+  }
+
+  // ctx[i * ld + d] = o[i * p + d] * factor / sum[i] for the first `rows` rows: the
+  // normalised context (times a head's mask factor), 0 for a row that saw no key.
+  void Normalise(int64_t rows, const float* o, int64_t p, float factor, float* ctx,
+                 int64_t ld) const {
+    for (int64_t i = 0; i < rows; ++i) {
+      const float scale = sum[i] > 0.0f ? factor / sum[i] : 0.0f;
+      const float* orow = o + i * p;
+      float* crow = ctx + i * ld;
+      for (int64_t d = 0; d < p; ++d) crow[d] = orow[d] * scale;
+    }
+  }
+};
+
+}  // namespace mha::core::internal
+
+#endif  // MHA_CORE_ONLINE_SOFTMAX_H_

@@ -1,0 +1,113 @@
+#include "core/workspace.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <exception>
+#include <new>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace mha::core::internal {
+namespace {
+
+// Records the first failure of a parallel region.
+class FirstError {
+ public:
+  void Set(absl::Status status) {
+    absl::MutexLock lock(&mu_);
+    if (status_.ok()) status_ = std::move(status);
+    failed_.store(true, std::memory_order_relaxed);
+  }
+  bool failed() const { return failed_.load(std::memory_order_relaxed); }
+  absl::Status status() const {
+    absl::MutexLock lock(&mu_);
+    return status_;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> failed_{false};
+};
+
+}  // namespace
+
+int ThreadsForFlops(double flops, int num_threads, int cap) {
+  // oneDNN splits a primitive's work for the threads it asks OpenMP for and assumes
+  // it gets them all, so a call never asks for more than OMP_THREAD_LIMIT: the part
+  // of the output planned for threads OpenMP refuses would silently be skipped.
+  int max_threads =
+      std::min(num_threads > 0 ? num_threads : omp_get_max_threads(), omp_get_thread_limit());
+  if (cap > 0) max_threads = std::min(max_threads, cap);
+  // Small calls run on fewer threads: a fork/join and a partition of a tiny GEMM cost
+  // more than they save, and the cores are left to other callers.
+  return static_cast<int>(
+      std::clamp<double>(std::floor(flops / kFlopsPerThread), 1.0, max_threads));
+}
+
+absl::Status StatusOfCurrentException(const char* where) {
+  try {
+    throw;
+  } catch (const dnnl::error& e) {
+    return absl::InternalError(
+        absl::StrCat("oneDNN: ", e.what(), " (status ", static_cast<int>(e.status), ")"));
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat("out of memory in ", where));
+  } catch (const std::exception& e) {
+    return absl::InternalError(e.what());
+  } catch (...) {
+    return absl::InternalError(absl::StrCat("unknown exception in ", where));
+  }
+}
+
+std::unique_ptr<Workspace> WorkspacePool::Acquire() {
+  absl::MutexLock lock(&mu_);
+  if (free_.empty()) return std::make_unique<Workspace>();
+  auto ws = std::move(free_.back());
+  free_.pop_back();
+  return ws;
+}
+
+void WorkspacePool::Release(std::unique_ptr<Workspace> ws) {
+  absl::MutexLock lock(&mu_);
+  free_.push_back(std::move(ws));
+}
+
+absl::Status RunTasks(int64_t tasks, int threads, Workspace& ws,
+                      absl::FunctionRef<void(int64_t, dnnl::stream&, TaskScratch&)> task) {
+  // One thread runs every task itself. A team shares them out: run serially beside
+  // multi-threaded primitives, each tiny block GEMM would fork a team of its own.
+  const int team = static_cast<int>(std::min<int64_t>(threads, tasks));
+  if (ws.scratch.size() < static_cast<size_t>(team)) ws.scratch.resize(team);
+  FirstError error;
+  auto run_task = [&](TaskScratch& scratch, int64_t t) {
+    if (error.failed()) return;
+    try {
+      if (!scratch.stream) scratch.stream.emplace(CpuEngine());
+      task(t, *scratch.stream, scratch);
+    } catch (...) {
+      error.Set(StatusOfCurrentException("an attention task"));
+    }
+  };
+  if (team > 1) {
+#pragma omp parallel num_threads(team)
+    {
+      TaskScratch& scratch = ws.scratch[omp_get_thread_num()];
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t t = 0; t < tasks; ++t) run_task(scratch, t);
+    }
+  } else {
+    // Block GEMMs run inline here, as they do inside a team (one task on many threads).
+    omp_set_num_threads(1);
+    for (int64_t t = 0; t < tasks; ++t) run_task(ws.scratch[0], t);
+    omp_set_num_threads(threads);
+  }
+  return error.status();
+}
+
+}  // namespace mha::core::internal
