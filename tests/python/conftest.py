@@ -7,8 +7,10 @@ Environment: MHA_SERVER, MHA_CLIENT (attention_client), MHA_SOURCE_DIR, MHA_VENV
 
 import concurrent.futures
 import os
+import re
 import subprocess
 import sys
+import urllib.request
 
 import numpy as np
 import pytest
@@ -110,15 +112,36 @@ def export_cli(*args):
                           capture_output=True, text=True, timeout=120)
 
 
+# target -> the /metrics port of the server serve() started there.
+METRICS_PORTS = {}
+REQUESTS_TOTAL = re.compile(r'^mha_requests_total\{([^}]*)\} (\S+)$', re.M)
+
+
+def requests_total(target, model=None, code="OK"):
+    """The server's mha_requests_total for attention.v1 requests answered with `code`
+    (of `model`, or of every model), read from its Prometheus /metrics."""
+    port = METRICS_PORTS[target]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT) as f:
+        text = f.read().decode()
+    total = 0.0
+    for labels, value in REQUESTS_TOTAL.findall(text):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if (labels.get("protocol") == "attention_v1" and labels.get("code") == code
+                and model in (None, labels.get("model"))):
+            total += float(value)
+    return int(total)
+
+
 @pytest.fixture(scope="session")
 def serve():
-    """serve(*flags) -> "127.0.0.1:PORT" of a fresh server; all stop cleanly (exit 0)
-    at the end of the session."""
+    """serve(*flags) -> "127.0.0.1:PORT" of a fresh server (its /metrics port in
+    METRICS_PORTS); all stop cleanly (exit 0) at the end of the session."""
     started = []
 
     def start(*flags):
         proc, target = start_server(SERVER, list(flags), timeout=TIMEOUT)
         started.append(proc)
+        METRICS_PORTS[target] = proc.metrics_port
         return target
 
     yield start

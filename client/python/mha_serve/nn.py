@@ -4,7 +4,8 @@ attention_server (docs/python.md#remotemultiheadattention).
     attn = mha_serve.RemoteMultiheadAttention("127.0.0.1:50051", model="mine")
     out, weights = attn(x, x, x, key_padding_mask=pad, attn_mask=causal_mask)
 
-Inputs are batch_first (B, L, E) (or unbatched (L, E)). The model's weights live in
+Inputs are (B, L, E) (or unbatched (L, E)); (L, B, E) with batch_first=False, as in
+PyTorch's nn.Transformer* layers by default. The model's weights live in
 the server (mha_serve.export puts a module's there); this module has no parameters,
 and its outputs carry no gradient (inference only). Masks are translated into the
 request's fields, so only what attention.v1 expresses is accepted:
@@ -19,6 +20,19 @@ request's fields, so only what attention.v1 expresses is accepted:
 
 A row whose every key is masked: the server answers zeros (output = W_o's bias),
 PyTorch answers NaN.
+
+Inside PyTorch's own layers: assign it in place of their nn.MultiheadAttention,
+
+    layer = torch.nn.TransformerEncoderLayer(512, 8).eval()      # batch_first=False
+    layer.self_attn = mha_serve.RemoteMultiheadAttention(target, model="enc0",
+                                                         batch_first=False)
+
+(TransformerDecoderLayer: self_attn and multihead_attn; TransformerEncoder: each of
+its .layers). _qkv_same_embed_dim is False, so the eval-mode fast paths of
+TransformerEncoderLayer and TransformerEncoder, which would compute with the local
+in_proj_weight, are never taken: every attention is a request to the server. Their
+src_mask / tgt_mask / memory_mask arrive here as attn_mask, their *_key_padding_mask
+as key_padding_mask.
 """
 
 import torch
@@ -27,10 +41,15 @@ from .client import DEFAULT_TARGET, DEFAULT_TIMEOUT, Client
 
 _SUPPORTED_PADDING = ("key_padding_mask: supported are bool masks (True = ignore) or float "
                       "masks (-inf = ignore, 0 = keep) of shape (B, S) whose masked keys in "
-                      "each row are a suffix (right padding)")
-_SUPPORTED_ATTN_MASK = ("attn_mask: only a causal mask is supported: bool (L, S) or (B*h, L, S) "
-                        "True exactly above the diagonal, or float with -inf exactly above "
-                        "the diagonal and 0 elsewhere (or is_causal=True and no attn_mask)")
+                      "each row are a suffix (right padding); nn.Transformer* layers pass "
+                      "src_key_padding_mask, tgt_key_padding_mask and memory_key_padding_mask "
+                      "as key_padding_mask")
+_SUPPORTED_ATTN_MASK = ("attn_mask: only a causal mask is supported: float with -inf exactly "
+                        "above the diagonal and 0 elsewhere, as "
+                        "nn.Transformer.generate_square_subsequent_mask(L) makes it, or bool "
+                        "True exactly above the diagonal; shape (L, S) or (B*h, L, S) (or "
+                        "is_causal=True and no attn_mask); nn.Transformer* layers pass "
+                        "src_mask, tgt_mask and memory_mask as attn_mask")
 
 
 def _to_bool_mask(mask, what):
@@ -86,17 +105,33 @@ def _array(t):
 
 
 class RemoteMultiheadAttention(torch.nn.Module):
-    """nn.MultiheadAttention(batch_first=True)'s forward, served by `model` at
-    `target` (or by `client`, an mha_serve.Client). embed_dim, num_heads, kdim,
-    vdim come from GetModel on first use."""
+    """nn.MultiheadAttention's forward, served by `model` at `target` (or by `client`,
+    an mha_serve.Client). embed_dim, num_heads, kdim, vdim come from GetModel on first
+    use. batch_first=False takes (L, B, E) inputs, as nn.MultiheadAttention and the
+    nn.Transformer* layers do by default."""
+
+    # Not PyTorch's packed in_proj_weight: TransformerEncoderLayer and TransformerEncoder
+    # skip their local eval-mode fast path (torch._transformer_encoder_layer_fwd) for it.
+    _qkv_same_embed_dim = False
 
     def __init__(self, target=DEFAULT_TARGET, model="", tls=None, timeout=DEFAULT_TIMEOUT,
-                 client=None):
+                 client=None, batch_first=True):
         super().__init__()
         self.client = client if client is not None else Client(target, tls=tls, timeout=timeout)
         self.model = model
-        self.batch_first = True
+        self.batch_first = bool(batch_first)
         self._info = None
+
+    def __deepcopy__(self, memo):
+        """A copy on the same client (channel) and model: nn.TransformerEncoder and
+        nn.TransformerDecoder deep-copy the layer they are given once per layer; set each
+        copy's `.model` to serve each layer's own weights."""
+        copy = RemoteMultiheadAttention(model=self.model, client=self.client,
+                                        batch_first=self.batch_first)
+        copy.train(self.training)
+        copy._info = self._info
+        memo[id(self)] = copy
+        return copy
 
     @property
     def info(self):
@@ -115,12 +150,16 @@ class RemoteMultiheadAttention(torch.nn.Module):
         self.client.close()
 
     def extra_repr(self):
-        return f"target={self.client.target!r}, model={self.model!r}"
+        return (f"target={self.client.target!r}, model={self.model!r}"
+                + ("" if self.batch_first else ", batch_first=False"))
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
                 attn_mask=None, average_attn_weights=True, is_causal=False):
-        """Returns (output (B, L, E), weights or None): weights (B, L, S) averaged over
-        heads, or (B, h, L, S) when average_attn_weights is False."""
+        """Returns (output, weights or None): output (B, L, E) ((L, B, E) when not
+        batch_first), weights (B, L, S) averaged over heads, or (B, h, L, S) when
+        average_attn_weights is False. need_weights=True (PyTorch's default) asks the
+        server for the weights: a slower request (docs/python.md); pass False when
+        they are not used, as the nn.Transformer* layers do."""
         batched = query.dim() == 3
         if not batched:
             if query.dim() != 2:
@@ -128,6 +167,8 @@ class RemoteMultiheadAttention(torch.nn.Module):
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
+        elif not self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         batch, num_queries, num_keys = query.shape[0], query.shape[1], key.shape[1]
         valid_lens = padding_to_valid_lens(key_padding_mask, batch, num_keys)
         causal = bool(is_causal) and attn_mask is None
@@ -148,4 +189,6 @@ class RemoteMultiheadAttention(torch.nn.Module):
         if not batched:
             output = output.squeeze(0)
             weights = None if weights is None else weights.squeeze(0)
+        elif not self.batch_first:
+            output = output.transpose(0, 1)
         return output, weights
