@@ -130,3 +130,88 @@ def test_export_cli_random_module_is_reproducible(tmp_path):
     b = read_safetensors(tmp_path / "b" / "r" / "weights.safetensors")
     assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
     assert a["W_k.weight"].shape == (8, 6) and np.all(a["W_q.bias"] != 0)
+
+
+class WholeModel(torch.nn.Module):
+    """A model whose attention layers sit deep in its state dict: blocks.N.attn. and
+    an nn.TransformerEncoder's encoder.layers.N.self_attn."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({
+            "attn": torch.nn.MultiheadAttention(16, 4, batch_first=True),
+            "mlp": torch.nn.Linear(16, 16)}) for _ in range(12))
+        self.encoder = torch.nn.TransformerEncoder(
+            torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
+
+
+@pytest.fixture(scope="module")
+def whole_model(tmp_path_factory):
+    """A saved checkpoint ({"state_dict": ..., "epoch": ...}) of WholeModel with
+    trained-looking attention weights."""
+    model = WholeModel()
+    for i, (_, m) in enumerate(n for n in model.named_modules()
+                               if isinstance(n[1], torch.nn.MultiheadAttention)):
+        trained_looking(m, 100 + i)
+    path = tmp_path_factory.mktemp("checkpoint") / "model.pt"
+    torch.save({"state_dict": model.state_dict(), "epoch": 7}, path)
+    return model.eval(), path
+
+
+def test_export_prefix_takes_one_layer_of_a_whole_checkpoint(whole_model, serve, tmp_path):
+    model, path = whole_model
+    repository = tmp_path / "repository"
+    layers = {"block11": ("blocks.11.attn.", model.blocks[11]["attn"], 4),
+              "encoder1": ("encoder.layers.1.self_attn", model.encoder.layers[1].self_attn, 2)}
+    for name, (prefix, layer, heads) in layers.items():
+        done = export_cli("--state-dict", str(path), "--prefix", prefix, "--embed-dim", "16",
+                          "--num-heads", str(heads), "--output", str(repository), "--name", name,
+                          "--sample", "2,3,5")
+        assert done.returncode == 0, done.stderr
+        weights = read_safetensors(repository / name / "weights.safetensors")
+        state = layer.state_dict()
+        assert set(weights) == set(state)
+        assert all(np.array_equal(weights[n], state[n].numpy()) for n in state)
+        # No name in config.pbtxt: the folder names the model.
+        config = (repository / name / "config.pbtxt").read_text()
+        assert not any(line.startswith("name") for line in config.splitlines()), config
+    # A renamed folder serves under its new name.
+    (repository / "encoder1").rename(repository / "renamed")
+    target = serve(f"--model_repository={repository}")
+    with mha_serve.Client(target, timeout=TIMEOUT) as client:
+        assert sorted(m.name for m in client.models()) == ["block11", "renamed"]
+        for name, layer in (("block11", layers["block11"][1]), ("renamed", layers["encoder1"][1])):
+            io = read_safetensors(repository / name / "io.safetensors")
+            expected = local_forward(layer, io)
+            assert max_diff(io["output"], expected) <= 1e-6
+            got = client.attend(io["queries"], io["keys"], io["values"],
+                                valid_lens=io["valid_lens"], model=name)
+            assert max_diff(got, expected) <= TOLERANCE
+
+
+def test_export_prefix_errors_list_the_prefixes(whole_model, tmp_path):
+    _, path = whole_model
+    expected = ("the prefixes of its 14 layers: 'blocks.0.attn.', 'blocks.1.attn.', "
+                "'blocks.2.attn.', 'blocks.3.attn.', 'blocks.4.attn.', 'blocks.5.attn.', "
+                "'blocks.6.attn.', 'blocks.7.attn.', ..., 'encoder.layers.1.self_attn.' "
+                "(pass one as --prefix)")
+    for flags, where in (([], "no --prefix: model.pt has no nn.MultiheadAttention at its "
+                              "top level; "),
+                         (["--prefix", "blocks.12.attn."],
+                          "--prefix 'blocks.12.attn.': model.pt has no nn.MultiheadAttention "
+                          "at 'blocks.12.attn.'; ")):
+        done = export_cli("--state-dict", str(path), *flags, "--embed-dim", "16",
+                          "--num-heads", "4", "--output", str(tmp_path))
+        assert done.returncode == 1 and done.stdout == ""
+        assert done.stderr.splitlines() == [f"error: {where}{expected}".replace(
+            "model.pt", str(path))], done.stderr
+    done = export_cli("--state-dict", str(path), "--kind", "d2l", "--prefix", "blocks.0.attn.",
+                      "--num-heads", "4", "--output", str(tmp_path))
+    assert done.returncode == 1 and len(done.stderr.splitlines()) == 1
+    assert "is not a d2l MultiHeadAttention state dict: no W_q.weight with W_o.weight" in \
+        done.stderr
+    done = export_cli("--random", "--prefix", "blocks.0.attn.", "--embed-dim", "16",
+                      "--num-heads", "4", "--output", str(tmp_path))
+    assert done.returncode == 2 and "--prefix applies to --state-dict only" in done.stderr
+    assert not list(tmp_path.iterdir())  # nothing written

@@ -4,7 +4,8 @@
     mha_serve.export(module, "models", name="mine", sample_inputs=(2, 5, 7))
 
 writes
-    models/mine/config.pbtxt          the ModelConfig (sizes, bias, scoring)
+    models/mine/config.pbtxt          the ModelConfig (sizes, bias, scoring; no name:
+                                      the folder's name is the model's)
     models/mine/weights.safetensors   the weights under names the server loads
     models/mine/io.safetensors        with sample_inputs: queries, keys, values,
                                       valid_lens (I32) and output, PyTorch's answer;
@@ -139,8 +140,11 @@ def describe(module, input_sizes=None):
                     "or a d2l-style MultiHeadAttention (W_q, W_k, W_v, W_o, num_heads)")
 
 
-def config_text(name, config, source):
-    lines = [f"# Exported from {source} by mha_serve.export", f'name: "{name}"']
+def config_text(config, source):
+    """The config.pbtxt of a layer. It names no model: the server names a model after
+    its folder, so a renamed folder serves under its new name."""
+    lines = [f"# Exported from {source} by mha_serve.export; the model's name is its "
+             "folder's"]
     for field in ("num_hiddens", "num_heads", "query_size", "key_size", "value_size"):
         lines.append(f"{field}: {int(config[field])}")
     lines.append(f"bias: {'true' if config['bias'] else 'false'}")
@@ -204,7 +208,7 @@ def export(module, directory, name="default", sample_inputs=None, seed=0, input_
                           {n: t.detach().float() for n, t in layer.tensors.items()},
                           metadata={"format": "pt", "source": "mha_serve.export"})
         with open(os.path.join(folder, "config.pbtxt"), "w") as f:
-            f.write(config_text(name, layer.config, layer.kind))
+            f.write(config_text(layer.config, layer.kind))
         if sample_inputs is not None:
             write_safetensors(os.path.join(folder, "io.safetensors"),
                               sample_io(layer, sample_inputs, seed))

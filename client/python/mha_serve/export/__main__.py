@@ -3,7 +3,12 @@
 From a saved state dict (torch.save(module.state_dict(), FILE), a checkpoint dict
 holding "state_dict", or a .safetensors file):
     python -m mha_serve.export --state-dict FILE --embed-dim E --num-heads H \
-        [--kdim K --vdim V --no-bias --kind torch|d2l] --name N --output DIR [--sample B,Q,K]
+        [--kdim K --vdim V --no-bias --kind torch|d2l] [--prefix P] --name N --output DIR \
+        [--sample B,Q,K]
+--prefix takes one layer out of a whole model's state dict: its tensors named P...
+(e.g. --prefix blocks.0.attn. for blocks.0.attn.in_proj_weight, ...). Without it the
+tensors must be the layer's own (in_proj_weight, ...); either way, a state dict with
+no layer there is a one-line error listing the prefixes of the layers it holds.
 A random module (nn.Linear's initialisation, biases uniform in [-0.5, 0.5), from --seed):
     python -m mha_serve.export --random --embed-dim E --num-heads H ... --output DIR
 
@@ -14,6 +19,7 @@ K = 0 is self-attention). Errors: one line, exit 1 (2 for bad flags).
 """
 
 import argparse
+import re
 import sys
 
 
@@ -43,6 +49,9 @@ def parse_args(argv):
     parser.add_argument("--kdim", type=int, default=0, help="d_k; 0 = embed dim")
     parser.add_argument("--vdim", type=int, default=0, help="d_v; 0 = embed dim")
     parser.add_argument("--no-bias", "--no_bias", dest="no_bias", action="store_true")
+    parser.add_argument("--prefix", default="",
+                        help="with --state-dict: the layer's prefix in a whole model's state "
+                             "dict, e.g. blocks.0.attn. (its tensors are P + in_proj_weight, ...)")
     parser.add_argument("--name", default="default", help="model name (folder name)")
     parser.add_argument("--output", "--repository", dest="output", required=True,
                         help="model repository directory; the model goes to OUTPUT/NAME")
@@ -52,6 +61,8 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if not args.embed_dim and not (args.kind == "d2l" and args.state_dict):
         parser.error("--embed-dim is required")
+    if args.prefix and not args.state_dict:
+        parser.error("--prefix applies to --state-dict only")
     return args
 
 
@@ -71,6 +82,53 @@ def load_state_dict(path):
     return loaded
 
 
+# What marks a layer of each kind: one of its first tensors, and its last.
+_MARKS = {"torch": (("in_proj_weight", "q_proj_weight"), "out_proj.weight"),
+          "d2l": (("W_q.weight",), "W_o.weight")}
+_KIND_NAMES = {"torch": "nn.MultiheadAttention", "d2l": "d2l MultiHeadAttention"}
+
+
+def _natural(text):
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def layer_prefixes(state, kind):
+    """The prefixes P of the layers of `kind` in a state dict: P + in_proj_weight (or
+    q_proj_weight) and P + out_proj.weight are among its names (d2l: P + W_q.weight and
+    P + W_o.weight). "" is a bare layer's."""
+    firsts, last = _MARKS[kind]
+    found = set()
+    for name in state:
+        for first in firsts:
+            if name == first or name.endswith("." + first):
+                prefix = name[:len(name) - len(first)]
+                if prefix + last in state:
+                    found.add(prefix)
+    return sorted(found, key=_natural)
+
+
+def select_layer(state, prefix, kind, path):
+    """The tensors named prefix + ..., with the prefix taken off. A state dict with no
+    layer of `kind` at `prefix` is a ValueError listing the prefixes it has."""
+    prefixes = layer_prefixes(state, kind)
+    if prefix and not prefix.endswith(".") and prefix + "." in prefixes:
+        prefix += "."  # blocks.0.attn for blocks.0.attn.
+    if prefix in prefixes:
+        return {name[len(prefix):]: t for name, t in state.items() if name.startswith(prefix)}
+    firsts, last = _MARKS[kind]
+    where = f"--prefix {prefix!r}" if prefix else "no --prefix"
+    if not prefixes:
+        names = ", ".join(sorted(state, key=_natural)[:4]) or "none"
+        raise ValueError(f"{where}: {path} is not a {_KIND_NAMES[kind]} state dict: no "
+                         f"{' or '.join(firsts)} with {last} at any prefix (its first names: "
+                         f"{names}{', ...' if len(state) > 4 else ''})")
+    shown = prefixes if len(prefixes) <= 10 else [*prefixes[:8], "...", prefixes[-1]]
+    listed = ", ".join(p if p == "..." else repr(p) for p in shown)
+    there = f"at {prefix!r}" if prefix else "at its top level"
+    raise ValueError(f"{where}: {path} has no {_KIND_NAMES[kind]} {there}; the prefixes of "
+                     f"its {len(prefixes)} layers: {listed} (pass one as --prefix)")
+
+
 def build_module(args):
     import torch
 
@@ -79,7 +137,8 @@ def build_module(args):
     e = args.embed_dim
     kdim, vdim = args.kdim or e, args.vdim or e
     if args.state_dict:
-        state = load_state_dict(args.state_dict)
+        state = select_layer(load_state_dict(args.state_dict), args.prefix, args.kind,
+                             args.state_dict)
         if args.kind == "d2l":
             module = D2LMultiHeadAttention.from_state_dict(state, args.num_heads)
             if e and module.W_o.out_features != e:
