@@ -10,7 +10,7 @@ import numpy as np
 
 import mha_serve
 
-from conftest import CLIENT, TIMEOUT, VENV
+from conftest import CLIENT, SOURCE, TIMEOUT, VENV, requests_total
 from test_client import refused_target  # noqa: F401 (a fixture)
 
 ROW = re.compile(r"^\[(\d+), (\d+), :4\] =( [+-]\d\.\d{5}){4}$")
@@ -99,17 +99,79 @@ def test_server_down_is_one_unavailable_line(refused_target):
 def test_rpc_errors_exit_1(deploy_target):
     line = one_line_error(run(f"--target={deploy_target}", "--model=nope"), 1, "NOT_FOUND: ")
     assert "nope" in line
-    line = one_line_error(run(f"--target={deploy_target}", "--model=toy", "--valid_lens=1,2,3"),
-                          1, "INVALID_ARGUMENT: Attend: ")
-    assert "valid_lens" in line
 
 
 def test_usage_errors_exit_2(default_target):
-    for flags in (["--batch=x"], ["--valid_lens=a,b"], ["--batch=0"], ["--tls_cert=c.pem"],
-                  ["--output=out.txt"]):
+    before = requests_total(default_target, code="INVALID_ARGUMENT")
+    for flags, names in (
+            (["--batch=x"], "--batch"), (["--valid_lens=a,b"], "--valid_lens"),
+            (["--batch=0"], "--batch"), (["--tls_cert=c.pem"], "--tls_cert"),
+            (["--output=out.txt"], "--output"),
+            # checked before any call, not left to the server's INVALID_ARGUMENT
+            (["--valid_lens=1,2,3"], "--valid_lens: expected B = 2 or B*Q = 8 lengths, got 3"),
+            (["--valid_lens=7,2"], "--valid_lens: expected lengths 0 <= n <= K = 6, got 7"),
+            (["--batch=3", "--num_keys=0", "--valid_lens=3,4,9"], "<= K = 4, got 9"),
+            (["--timeout=5x"], "--timeout: expected a duration > 0"),
+            (["--timeout=0s"], "--timeout: expected a duration > 0"),
+            (["--duration=5s"], "unrecognized arguments: --duration=5s")):  # a bench flag
         done = run(f"--target={default_target}", *flags)
         assert done.returncode == 2, (flags, done.stderr)
-        assert "Traceback" not in done.stderr and "error:" in done.stderr.splitlines()[-1]
+        assert "Traceback" not in done.stderr and done.stdout == ""
+        last = done.stderr.splitlines()[-1]
+        assert last.startswith("mha-serve-client: error: ") and names in last, (flags, last)
+    assert requests_total(default_target, code="INVALID_ARGUMENT") == before
+
+
+def test_valid_lens_default_is_the_toy_requests_only(default_target):
+    """3,2 for the toy sizes; other sizes send no valid_lens unless given."""
+    for flags, shape, valid_lens in ((["--batch=8"], (8, 4, 100), None),
+                                     (["--num_keys=2"], (2, 4, 100), None),
+                                     (["--num_queries=3", "--valid_lens=1,2"], (2, 3, 100), [1, 2]),
+                                     ([], (2, 4, 100), [3, 2])):
+        done = run(f"--target={default_target}", *flags)
+        assert done.returncode == 0, (flags, done.stderr)
+        assert f"output shape: {shape}".replace(",)", ")") in done.stdout.splitlines()
+        b, q, _ = shape
+        k = int(next((f.split("=")[1] for f in flags if f.startswith("--num_keys")), 6))
+        inputs = mha_serve.uniform_inputs(0, [(b, q, 100), (b, k, 100), (b, k, 100)])
+        with mha_serve.Client(default_target, timeout=TIMEOUT) as client:
+            output = client.attend(*inputs, valid_lens=valid_lens)
+        assert rows(done.stdout) == [
+            f"[{i // q}, {i % q}, :4] =" + "".join(" %+.5f" % x for x in output[i // q, i % q, :4])
+            for i in range(min(8, b * q))], flags
+
+
+def test_timeout_takes_durations(default_target):
+    from mha_serve.cli import parse_duration
+    assert [parse_duration(t) for t in ("10s", "500ms", "2m", "1h", "250us", "1.5", ".5s")] == \
+        [10.0, 0.5, 120.0, 3600.0, 250e-6, 1.5, 0.5]
+    for timeout in ("30s", "2m", "60"):
+        done = run(f"--target={default_target}", f"--timeout={timeout}")
+        assert done.returncode == 0, (timeout, done.stderr)
+    # a deadline too short for any answer: DEADLINE_EXCEEDED, a failed call (exit 1)
+    one_line_error(run(f"--target={default_target}", "--timeout=1ns"), 1, "DEADLINE_EXCEEDED: ")
+
+
+def project_version():
+    """The version in the top CMakeLists.txt's project(... VERSION x.y.z ...)."""
+    with open(os.path.join(SOURCE, "CMakeLists.txt")) as f:
+        return re.search(r"^project\(mha_serve VERSION (\S+) ", f.read(), re.M).group(1)
+
+
+def test_version_and_help_exit_0():
+    version = project_version()
+    assert mha_serve.__version__ == version
+    for done, prog in ((run("--version"), "mha-serve-client"),
+                       (run("--version", module=True), "mha-serve-client"),
+                       (subprocess.run([sys.executable, "-m", "mha_serve.export", "--version"],
+                                       capture_output=True, text=True, timeout=120),
+                        "mha_serve.export")):
+        assert (done.returncode, done.stdout, done.stderr) == (0, f"{prog} {version} (python)\n",
+                                                              "")
+    done = run("--help")
+    assert done.returncode == 0 and done.stderr == ""
+    assert done.stdout.startswith("usage: mha-serve-client ") and "--timeout TIMEOUT" in done.stdout
+    assert VENV not in done.stdout and SOURCE not in done.stdout
 
 
 def test_missing_grpc_is_a_one_line_hint(tmp_path):

@@ -1,7 +1,9 @@
 """mha-serve-client (= python -m mha_serve): one Attend request to an attention_server.
 
     mha-serve-client --target=127.0.0.1:50051 [--model=bert_base] [--batch=2 --num_queries=4
-        --num_keys=6 --valid_lens=3,2 --seed=0 --causal --return_attention --output=out.npy]
+        --num_keys=6 --valid_lens=3,2 --seed=0 --causal --return_attention --output=out.npy
+        --timeout=60s]
+    mha-serve-client --version        # mha-serve-client 0.1.0 (python)
 
 Feature sizes come from GetModel, so any model works. The inputs are those of the C++
 client (attention_client infer) for the same flags: uniform in [-1, 1) from
@@ -12,15 +14,40 @@ the output's shape and the first 4 values of up to 8 (b, q) rows:
     output shape: (2, 4, 100)
     [0, 0, :4] = +0.12345 -0.06789 +0.00123 +0.04567
 
-Errors are one line, `error: CODE: details`: exit 1 for a failed call, 2 for usage.
+The default --valid_lens is the toy request's 3,2, for the toy sizes (--batch=2
+--num_queries=4 --num_keys=6) only; other sizes send none unless given. --timeout takes
+a duration as the C++ client's does (60s, 500ms, 2m, 1h; a bare number is seconds).
+
+Errors are one line, `error: CODE: details`: exit 1 for a failed call, 2 for usage
+(argparse's, flags the request cannot satisfy, such as --valid_lens of the wrong count).
 """
 
 import argparse
+import re
 import sys
 
-from . import toy
+from . import __version__, toy
 
 MAX_ROWS = 8
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|ms|s|m|h)?")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(text):
+    """'10s', '500ms', '1.5m', '2h', '250us' or a bare number of seconds -> seconds
+    (float > 0). argparse type: a bad one is a usage error naming the flag."""
+    match = _DURATION.fullmatch(text.strip())
+    seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)] if match else 0.0
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a duration > 0 such as 60s, 500ms, 2m, 1h (a bare number is seconds), "
+            f"got {text!r}")
+    return seconds
+
+
+def version_line(prog="mha-serve-client"):
+    """`PROG VERSION (python)`: the C++ binaries print their build type in its place."""
+    return f"{prog} {__version__} (python)"
 
 
 def parse_args(argv):
@@ -33,14 +60,19 @@ def parse_args(argv):
     parser.add_argument("--num_queries", type=int, default=toy.DEFAULT_NUM_QUERIES, help="Q")
     parser.add_argument("--num_keys", type=int, default=toy.DEFAULT_NUM_KEYS,
                         help="K; 0 = self-attention (no keys/values sent)")
-    parser.add_argument("--valid_lens", default=",".join(map(str, toy.DEFAULT_VALID_LENS)),
-                        help="B or B*Q comma-separated key lengths, or 'none'")
+    parser.add_argument("--valid_lens", default=None,
+                        help="B or B*Q comma-separated key lengths, or 'none'; default: "
+                             f"{','.join(map(str, toy.DEFAULT_VALID_LENS))} for the toy sizes "
+                             "(B 2, Q 4, K 6), else none")
     parser.add_argument("--causal", action="store_true", help="query i sees keys j <= i")
     parser.add_argument("--seed", type=int, default=0, help="seed of the inputs (SplitMix64)")
     parser.add_argument("--return_attention", action="store_true",
                         help="also ask for the attention weights (prints their shape)")
     parser.add_argument("--output", default="", help="write the output to FILE.npy")
-    parser.add_argument("--timeout", type=float, default=60.0, help="deadline per call, s")
+    parser.add_argument("--timeout", type=parse_duration, default="60s",
+                        help="deadline per call: 60s, 500ms, 2m (a bare number is seconds)")
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print the version and exit")
     parser.add_argument("--tls", action="store_true", help="TLS (system roots unless --tls_ca)")
     parser.add_argument("--tls_ca", default="", help="PEM root certificates (implies --tls)")
     parser.add_argument("--tls_cert", default="", help="PEM client certificate (mutual TLS)")
@@ -50,7 +82,11 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.batch < 1 or args.num_queries < 1 or args.num_keys < 0:
         parser.error("--batch and --num_queries must be >= 1 and --num_keys >= 0")
-    if args.valid_lens.lower() in ("", "none"):
+    toy_sizes = (args.batch, args.num_queries, args.num_keys) == (
+        toy.DEFAULT_BATCH, toy.DEFAULT_NUM_QUERIES, toy.DEFAULT_NUM_KEYS)
+    if args.valid_lens is None:
+        args.valid_lens = list(toy.DEFAULT_VALID_LENS) if toy_sizes else None
+    elif args.valid_lens.lower() in ("", "none"):
         args.valid_lens = None
     else:
         try:
@@ -58,6 +94,14 @@ def parse_args(argv):
         except ValueError:
             parser.error(f"--valid_lens: expected comma-separated integers or none, got "
                          f"{args.valid_lens!r}")
+        b, q = args.batch, args.num_queries
+        k = args.num_keys or q  # self-attention: the queries are the keys
+        if len(args.valid_lens) not in (b, b * q):
+            parser.error(f"--valid_lens: expected B = {b} or B*Q = {b * q} lengths, got "
+                         f"{len(args.valid_lens)}")
+        bad = [n for n in args.valid_lens if not 0 <= n <= k]
+        if bad:
+            parser.error(f"--valid_lens: expected lengths 0 <= n <= K = {k}, got {bad[0]}")
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls_cert and --tls_key go together")
     if args.output and not args.output.endswith(".npy"):

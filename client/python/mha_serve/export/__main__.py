@@ -22,6 +22,8 @@ import argparse
 import re
 import sys
 
+from .. import __version__
+
 
 def _sample(text):
     try:
@@ -58,6 +60,9 @@ def parse_args(argv):
     parser.add_argument("--sample", type=_sample, metavar="B,Q,K",
                         help="also write io.safetensors with inputs of these sizes")
     parser.add_argument("--seed", type=int, default=0, help="random weights and sample inputs")
+    parser.add_argument("--version", action="version",
+                        version=f"mha_serve.export {__version__} (python)",
+                        help="print the version and exit")
     args = parser.parse_args(argv)
     if not args.embed_dim and not (args.kind == "d2l" and args.state_dict):
         parser.error("--embed-dim is required")
