@@ -112,7 +112,10 @@ class RemoteMultiheadAttention(torch.nn.Module):
 
     # Not PyTorch's packed in_proj_weight: TransformerEncoderLayer and TransformerEncoder
     # skip their local eval-mode fast path (torch._transformer_encoder_layer_fwd) for it.
+    # No local in_proj tensors either (newer torch checks in_proj_bias first).
     _qkv_same_embed_dim = False
+    in_proj_weight = None
+    in_proj_bias = None
 
     def __init__(self, target=DEFAULT_TARGET, model="", tls=None, timeout=DEFAULT_TIMEOUT,
                  client=None, batch_first=True):
