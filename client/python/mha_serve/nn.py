@@ -129,8 +129,8 @@ class RemoteMultiheadAttention(torch.nn.Module):
         """A copy on the same client (channel) and model: nn.TransformerEncoder and
         nn.TransformerDecoder deep-copy the layer they are given once per layer; set each
         copy's `.model` to serve each layer's own weights."""
-        copy = RemoteMultiheadAttention(model=self.model, client=self.client,
-                                        batch_first=self.batch_first)
+        copy = type(self)(model=self.model, client=self.client,
+                          batch_first=self.batch_first)
         copy.train(self.training)
         copy._info = self._info
         memo[id(self)] = copy
