@@ -100,20 +100,6 @@ MHA_MULTIVERSION void AdditiveScores(const float* qa, const float* kt, int64_t l
   }
 }
 
-MHA_MULTIVERSION void SmallScores(const float* q, const float* k, int64_t p, int64_t mq, int64_t nk,
-                                  float scale, float* s) {
-  for (int64_t i = 0; i < mq; ++i) {
-    const float* qi = q + i * p;
-    for (int64_t j = 0; j < nk; ++j) {
-      const float* kj = k + j * p;
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t c = 0; c < p; ++c) dot += qi[c] * kj[c];
-      s[i * nk + j] = scale * dot;
-    }
-  }
-}
-
 namespace {
 inline float FromBf16(uint16_t bits) { return std::bit_cast<float>(uint32_t{bits} << 16); }
 }  // namespace
@@ -171,37 +157,38 @@ struct Prefetcher {
   }
 };
 
-// s[0, nk) = scale * q (p) kt[:, :nk], one query row against keys stored transposed.
-// Each group of 32 keys sums in eight registers: two vectors of keys times four
-// interleaved partial sums over the features, so the multiply-adds form eight short
-// chains instead of two long ones. Keys past the last whole group take a plain loop.
+// s[j0, j0 + 16 V) = scale * q (p) kt[:, j0 : j0 + 16 V]: V vectors of keys, each
+// summed in four interleaved partial sums over the features, so that the
+// multiply-adds form 4 V short chains instead of V long ones.
+template <int V, typename T>
+MHA_INLINE void TransposedScoresGroup(const float* q, const T* kt, int64_t ld, int64_t p,
+                                      int64_t j0, float scale, float* s, Prefetcher& pf) {
+  Floats16 acc[4][V] = {};
+  int64_t c = 0;
+  for (; c + 4 <= p; c += 4) {
+    pf.Step();
+    const T* r = kt + c * ld + j0;
+    for (int u = 0; u < 4; ++u) {
+      for (int v = 0; v < V; ++v) Fma16(acc[u][v], q[c + u], r + u * ld + 16 * v);
+    }
+  }
+  for (; c < p; ++c) {
+    for (int v = 0; v < V; ++v) Fma16(acc[0][v], q[c], kt + c * ld + j0 + 16 * v);
+  }
+  for (int v = 0; v < V; ++v) {
+    Store16(s + j0 + 16 * v, scale * ((acc[0][v] + acc[1][v]) + (acc[2][v] + acc[3][v])));
+  }
+}
+
+// s[0, nk) = scale * q (p) kt[:, :nk], one query row against keys stored transposed:
+// groups of 32 keys, then of 16 (TransposedScoresGroup); keys past the last group
+// take a plain loop.
 template <typename T>
 MHA_INLINE void TransposedScoresRow(const float* q, const T* kt, int64_t ld, int64_t p, int64_t nk,
                                     float scale, float* s, Prefetcher& pf) {
   int64_t j0 = 0;
-  for (; j0 + 32 <= nk; j0 += 32) {
-    Floats16 a0 = {}, a1 = {}, b0 = {}, b1 = {}, c0 = {}, c1 = {}, d0 = {}, d1 = {};
-    int64_t c = 0;
-    for (; c + 4 <= p; c += 4) {
-      pf.Step();
-      const T* r = kt + c * ld + j0;
-      Fma16(a0, q[c], r);
-      Fma16(a1, q[c], r + 16);
-      Fma16(b0, q[c + 1], r + ld);
-      Fma16(b1, q[c + 1], r + ld + 16);
-      Fma16(c0, q[c + 2], r + 2 * ld);
-      Fma16(c1, q[c + 2], r + 2 * ld + 16);
-      Fma16(d0, q[c + 3], r + 3 * ld);
-      Fma16(d1, q[c + 3], r + 3 * ld + 16);
-    }
-    for (; c < p; ++c) {
-      const T* r = kt + c * ld + j0;
-      Fma16(a0, q[c], r);
-      Fma16(a1, q[c], r + 16);
-    }
-    Store16(s + j0, scale * ((a0 + b0) + (c0 + d0)));
-    Store16(s + j0 + 16, scale * ((a1 + b1) + (c1 + d1)));
-  }
+  for (; j0 + 32 <= nk; j0 += 32) TransposedScoresGroup<2>(q, kt, ld, p, j0, scale, s, pf);
+  for (; j0 + 16 <= nk; j0 += 16) TransposedScoresGroup<1>(q, kt, ld, p, j0, scale, s, pf);
   if (j0 == nk) return;
   std::fill(s + j0, s + nk, 0.0f);
   for (int64_t c = 0; c < p; ++c) {
@@ -212,45 +199,35 @@ MHA_INLINE void TransposedScoresRow(const float* q, const T* kt, int64_t ld, int
   }
 }
 
-// o (p) += w (nk) v (nk, p), one row. Each group of 64 columns sums in eight
-// registers (four vectors of columns times two interleaved partial sums over the
-// keys); columns past the last whole group take a plain loop.
+// o[c0, c0 + 16 V) += w (nk) v[:, c0 : c0 + 16 V]: V vectors of columns, each summed
+// in two interleaved partial sums over the keys.
+template <int V, typename T>
+MHA_INLINE void ContextGroup(const float* w, const T* v, int64_t p, int64_t nk, int64_t c0,
+                             float* o, Prefetcher& pf) {
+  Floats16 a[V], b[V] = {};
+  for (int u = 0; u < V; ++u) Load16(o + c0 + 16 * u, a[u]);
+  int64_t j = 0;
+  for (; j + 2 <= nk; j += 2) {
+    pf.Step();
+    const T* r = v + j * p + c0;
+    for (int u = 0; u < V; ++u) Fma16(a[u], w[j], r + 16 * u);
+    for (int u = 0; u < V; ++u) Fma16(b[u], w[j + 1], r + p + 16 * u);
+  }
+  if (j < nk) {
+    for (int u = 0; u < V; ++u) Fma16(a[u], w[j], v + j * p + c0 + 16 * u);
+  }
+  for (int u = 0; u < V; ++u) Store16(o + c0 + 16 * u, a[u] + b[u]);
+}
+
+// o (p) += w (nk) v (nk, p), one row: groups of 64 columns, then of 32 and of 16
+// (ContextGroup); columns past the last group take a plain loop.
 template <typename T>
 MHA_INLINE void ContextRow(const float* w, const T* v, int64_t p, int64_t nk, float* o,
                            Prefetcher& pf) {
   int64_t c0 = 0;
-  for (; c0 + 64 <= p; c0 += 64) {
-    Floats16 a0, a1, a2, a3;
-    Load16(o + c0, a0);
-    Load16(o + c0 + 16, a1);
-    Load16(o + c0 + 32, a2);
-    Load16(o + c0 + 48, a3);
-    Floats16 b0 = {}, b1 = {}, b2 = {}, b3 = {};
-    int64_t j = 0;
-    for (; j + 2 <= nk; j += 2) {
-      pf.Step();
-      const T* r = v + j * p + c0;
-      Fma16(a0, w[j], r);
-      Fma16(a1, w[j], r + 16);
-      Fma16(a2, w[j], r + 32);
-      Fma16(a3, w[j], r + 48);
-      Fma16(b0, w[j + 1], r + p);
-      Fma16(b1, w[j + 1], r + p + 16);
-      Fma16(b2, w[j + 1], r + p + 32);
-      Fma16(b3, w[j + 1], r + p + 48);
-    }
-    if (j < nk) {
-      const T* r = v + j * p + c0;
-      Fma16(a0, w[j], r);
-      Fma16(a1, w[j], r + 16);
-      Fma16(a2, w[j], r + 32);
-      Fma16(a3, w[j], r + 48);
-    }
-    Store16(o + c0, a0 + b0);
-    Store16(o + c0 + 16, a1 + b1);
-    Store16(o + c0 + 32, a2 + b2);
-    Store16(o + c0 + 48, a3 + b3);
-  }
+  for (; c0 + 64 <= p; c0 += 64) ContextGroup<4>(w, v, p, nk, c0, o, pf);
+  for (; c0 + 32 <= p; c0 += 32) ContextGroup<2>(w, v, p, nk, c0, o, pf);
+  for (; c0 + 16 <= p; c0 += 16) ContextGroup<1>(w, v, p, nk, c0, o, pf);
   if (c0 == p) return;
   for (int64_t j = 0; j < nk; ++j) {
     const float wj = w[j];
@@ -261,6 +238,30 @@ MHA_INLINE void ContextRow(const float* w, const T* v, int64_t p, int64_t nk, fl
 }
 
 }  // namespace
+
+MHA_MULTIVERSION void SmallScores(const float* q, const float* k, int64_t p, int64_t mq, int64_t nk,
+                                  float scale, float* s) {
+  // The keys transposed once, then every row against them as the paged kernels do: a
+  // dot product per key would end in a horizontal sum each (most of a small block's
+  // time at p 32). A small block has nk p <= 8192 (its caller's bound on mq nk p).
+  float kt[8192];
+  if (nk * p > 8192) {
+    for (int64_t i = 0; i < mq; ++i) {
+      for (int64_t j = 0; j < nk; ++j) {
+        float dot = 0.0f;
+        for (int64_t c = 0; c < p; ++c) dot += q[i * p + c] * k[j * p + c];
+        s[i * nk + j] = scale * dot;
+      }
+    }
+    return;
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    for (int64_t c = 0; c < p; ++c) kt[c * nk + j] = k[j * p + c];
+  }
+  Prefetcher none(nullptr, 0, 0);
+  for (int64_t i = 0; i < mq; ++i)
+    TransposedScoresRow(q + i * p, kt, nk, p, nk, scale, s + i * nk, none);
+}
 
 MHA_MULTIVERSION void SmallContext(const float* probs, const float* v, int64_t p, int64_t mq,
                                    int64_t nk, bool accumulate, float* o, const void* prefetch,

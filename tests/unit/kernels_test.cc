@@ -56,7 +56,14 @@ TEST(KernelsTest, SmallBlockProductsMatchDoubleLoops) {
                                  // columns, with feature, key and column tails past them.
                                  {64, 1, 32},
                                  {128, 2, 70},
-                                 {67, 3, 45}}) {
+                                 {67, 3, 45},
+                                 // Groups of 16 keys and of 32 and 16 columns (the small
+                                 // shape's heads of 32 against 16 keys), with tails.
+                                 {32, 16, 16},
+                                 {48, 2, 53},
+                                 {112, 3, 21},
+                                 // Keys past what the kernel transposes at once.
+                                 {512, 1, 20}}) {
     SCOPED_TRACE(testing::Message() << "p " << p << " mq " << mq << " nk " << nk);
     std::vector<float> q(mq * p), k(nk * p), v(nk * p);
     for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.7f * static_cast<float>(i));
@@ -105,7 +112,8 @@ TEST(KernelsTest, SmallBlockProductsMatchDoubleLoops) {
 // on keys and values that bfloat16 holds exactly, they give the f32 kernels' answers
 // (vector groups of keys and columns, and their tails).
 TEST(KernelsTest, Bf16CacheKernelsEqualTheF32OnesOnTheSameValues) {
-  for (const auto [p, mq, nk] : {std::array<int64_t, 3>{64, 1, 32}, {128, 2, 70}, {67, 3, 45}}) {
+  for (const auto [p, mq, nk] :
+       {std::array<int64_t, 3>{64, 1, 32}, {128, 2, 70}, {67, 3, 45}, {48, 2, 53}}) {
     SCOPED_TRACE(testing::Message() << "p " << p << " mq " << mq << " nk " << nk);
     const int64_t ld = nk + 3;
     std::vector<float> q(mq * p), kt(p * ld), v(nk * p), probs(mq * nk);
