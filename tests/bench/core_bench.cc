@@ -7,11 +7,14 @@
 //   build/release/tests/bench/mha_core_bench --benchmark_filter=Rows/   (service ceiling)
 //   build/release/tests/bench/mha_core_bench --benchmark_filter=Additive/ (additive scoring)
 //   build/release/tests/bench/mha_core_bench --benchmark_filter=Decode/   (session steps)
+//   build/release/tests/bench/mha_core_bench --benchmark_filter=GemmPeak/ (oneDNN's 2048^3)
 //
 // Threads: OMP_NUM_THREADS, else every core. Compare with PyTorch on the same shapes:
 // tests/bench/compare_torch.py --ours FILE (FILE from --benchmark_out=FILE
 // --benchmark_out_format=json).
+#include <cstring>
 #include <memory>
+#include <unordered_map>
 #include <random>
 #include <string>
 #include <vector>
@@ -19,6 +22,7 @@
 #include "benchmark/benchmark.h"
 #include "core/attention.h"
 #include "core/kv_cache.h"
+#include "oneapi/dnnl/dnnl.hpp"
 
 namespace mha::core {
 namespace {
@@ -234,6 +238,49 @@ BENCHMARK(BM_DecodeStep)
     ->ReportAggregatesOnly()
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
+
+// This machine's GEMM peak through oneDNN: one n^3 matmul (f32, or bf16 in with f32
+// out), weights reordered once to the layout the primitive picks, as the core's
+// projections do. GFLOPS = 2 n^3 per second of wall time; the ceiling the core's
+// GEMM-bound shapes are read against (tests/bench/compare_onnxruntime.py).
+void BM_GemmPeak(benchmark::State& state, dnnl::memory::data_type dt) {
+  using dnnl::memory;
+  const int64_t n = state.range(0);
+  dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  dnnl::stream stream(engine);
+  const memory::desc src({n, n}, dt, memory::format_tag::ab);
+  const memory::desc any({n, n}, dt, memory::format_tag::any);
+  const memory::desc dst({n, n}, memory::data_type::f32, memory::format_tag::ab);
+  const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src, any, dst), engine);
+  const dnnl::matmul prim(pd);
+  memory a(src, engine), w_plain(src, engine), w(pd.weights_desc(), engine), c(dst, engine);
+  const size_t bytes = src.get_size();
+  std::vector<char> fill(bytes, 0);
+  for (size_t i = 0; i < bytes; i += 2) fill[i + 1] = 0x3c;  // small positive values
+  std::memcpy(a.get_data_handle(), fill.data(), bytes);
+  std::memcpy(w_plain.get_data_handle(), fill.data(), bytes);
+  dnnl::reorder(w_plain, w).execute(stream, w_plain, w);
+  const std::unordered_map<int, memory> args{
+      {DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, w}, {DNNL_ARG_DST, c}};
+  for (auto _ : state) {
+    prim.execute(stream, args);
+    stream.wait();
+  }
+  state.counters["GFLOPS"] = benchmark::Counter(2.0 * static_cast<double>(n * n * n) * 1e-9,
+                                                benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK_CAPTURE(BM_GemmPeak, f32, dnnl::memory::data_type::f32)
+    ->Name("GemmPeak/f32")
+    ->Arg(2048)
+    ->MinTime(1.0)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_GemmPeak, bf16, dnnl::memory::data_type::bf16)
+    ->Name("GemmPeak/bf16")
+    ->Arg(2048)
+    ->MinTime(1.0)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
 void Register(const char* group, const Shape& shape) {
   for (Precision p : {Precision::kF32, Precision::kBf16}) {
