@@ -6,17 +6,19 @@
 #include <iterator>
 #include <limits>
 #include <mutex>
-#include <set>
 #include <system_error>
 #include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "base/splitmix64.h"
 #include "client/load/calls.h"
 #include "client/load/report.h"
+#include "client/sdk/call_group.h"
 #include "client/sdk/channel.h"
+#include "client/sdk/connection.h"
 #include "client/sdk/request.h"
 #include "client/sdk/status.h"
 #include "nlohmann/json.hpp"
@@ -65,14 +67,14 @@ class Shared {
  public:
   Shared(const DecodeOptions& options, const std::shared_ptr<grpc::Channel>& channel,
          const ModelInfo& model)
-      : options_(options),
-        model_(model),
-        stub_(AttentionService::NewStub(channel)),
-        not_prefilled_(options.sessions) {}
+      : options_(options), model_(model), channel_(channel), not_prefilled_(options.sessions) {}
 
   const DecodeOptions& options() const { return options_; }
   const ModelInfo& model() const { return model_; }
-  AttentionService::Stub& stub() { return *stub_; }  // gRPC stubs are thread-safe
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+  // Every call in flight joins it, so that a failure cancels it: a session blocked
+  // on a response must not hold the run until its deadline.
+  CallGroup& calls() { return calls_; }
 
   // Every stateless session's thread calls this once, prefilled or failed, and
   // returns when all have (SessionDriver keeps the same barrier in its loop):
@@ -97,19 +99,6 @@ class Shared {
     prefilled_.notify_all();
   }
 
-  // A call in flight from now until Untrack, cancelled if the run fails: a session
-  // blocked on a response must not hold the run until its deadline. Cancelled at
-  // once when the run has failed already.
-  void Track(grpc::ClientContext* context) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (failed()) context->TryCancel();
-    in_flight_.insert(context);
-  }
-  void Untrack(grpc::ClientContext* context) {
-    std::lock_guard<std::mutex> lock(mu_);
-    in_flight_.erase(context);
-  }
-
   // Keeps the first failure (the later ones are usually its consequences: calls it
   // cancelled) and cancels every call in flight.
   void Fail(const absl::Status& status) {
@@ -127,18 +116,18 @@ class Shared {
   void FailLocked(const absl::Status& status) {
     if (first_failure_.ok()) first_failure_ = status;
     if (failed_.exchange(true, std::memory_order_relaxed)) return;
-    for (grpc::ClientContext* context : in_flight_) context->TryCancel();
+    calls_.Cancel();
     prefilled_.notify_all();
   }
 
   const DecodeOptions& options_;
   const ModelInfo& model_;
-  std::unique_ptr<AttentionService::Stub> stub_;
+  const std::shared_ptr<grpc::Channel> channel_;
+  CallGroup calls_;
   std::atomic<bool> failed_{false};
   mutable std::mutex mu_;
   std::condition_variable prefilled_;
-  int64_t not_prefilled_;  // guarded by mu_, as are the members below
-  std::set<grpc::ClientContext*> in_flight_;
+  int64_t not_prefilled_;  // guarded by mu_, as is first_failure_
   absl::Status first_failure_;
 };
 
@@ -194,13 +183,15 @@ absl::Status CheckOutput(const Tensor& output, int64_t tokens, int64_t p_o, doub
   return absl::OkStatus();
 }
 
-// `status` with the call, the session and the step in front of its message; the
-// code is kept.
+// `status` with the call, the session and the step in front of its message (a
+// message that starts with the call already, as the SDK's errors do, keeps it once);
+// the code is kept.
 absl::Status InStep(const absl::Status& status, absl::string_view call, int64_t session,
                     absl::string_view step) {
-  return absl::Status(status.code(),
-                      absl::StrCat(call, ": session ", session, ", ", step, ": ",
-                                   status.message().empty() ? "(no message)" : status.message()));
+  absl::string_view message = status.message();
+  absl::ConsumePrefix(&message, absl::StrCat(call, ": "));
+  return absl::Status(status.code(), absl::StrCat(call, ": session ", session, ", ", step, ": ",
+                                                  message.empty() ? "(no message)" : message));
 }
 
 std::string PrefillName(int64_t tokens) { return absl::StrCat("prefill of ", tokens, " tokens"); }
@@ -224,7 +215,7 @@ std::string DecodeStepName(int64_t n, int64_t steps, int64_t context) {
 class SessionDriver {
  public:
   SessionDriver(Shared& shared, std::vector<SessionResult>& results)
-      : shared_(shared), results_(results) {}
+      : shared_(shared), stub_(AttentionService::NewStub(shared.channel())), results_(results) {}
 
   void Run() {
     const DecodeOptions& o = shared_.options();
@@ -235,8 +226,8 @@ class SessionDriver {
       session->tokens = SessionTokens(o, s, shared_.model().query_size());
       // The stream is one call carrying N + 1 steps: --timeout for each.
       SetTimeout(&session->context, o.timeout * (o.decode_tokens + 1));
-      shared_.Track(&session->context);
-      session->stream = shared_.stub().PrepareAsyncAttendSession(&session->context, &queue_);
+      shared_.calls().Track(&session->context);
+      session->stream = stub_->PrepareAsyncAttendSession(&session->context, &queue_);
       session->op = Op::kStart;
       session->stream->StartCall(session.get());
       sessions_.push_back(std::move(session));
@@ -410,7 +401,7 @@ class SessionDriver {
     session.op = Op::kIdle;
     session.stream.reset();
     --unfinished_;
-    shared_.Untrack(&session.context);
+    shared_.calls().Untrack(&session.context);
     absl::Status status = FromGrpcStatus(session.status);
     if (status.ok() && !session.if_ok.empty()) status = absl::InternalError(session.if_ok);
     if (!status.ok()) Fail(InStep(status, kCall, session.index, StepName(session)));
@@ -429,6 +420,7 @@ class SessionDriver {
   }
 
   Shared& shared_;
+  std::unique_ptr<AttentionService::Stub> stub_;
   std::vector<SessionResult>& results_;
   grpc::CompletionQueue queue_;
   std::vector<std::unique_ptr<Session>> sessions_;
@@ -438,17 +430,6 @@ class SessionDriver {
   bool decoding_ = false;
 };
 
-absl::StatusOr<AttendResponse> Attend(Shared& shared, const AttendRequest& request) {
-  grpc::ClientContext context;
-  SetTimeout(&context, shared.options().timeout);
-  AttendResponse response;
-  shared.Track(&context);
-  const grpc::Status status = shared.stub().Attend(&context, request, &response);
-  shared.Untrack(&context);
-  if (!status.ok()) return FromGrpcStatus(status);
-  return response;
-}
-
 // The same session through unary Attend: the prefill as causal self-attention, then
 // each step's token attending to every token so far (itself included) sent as keys
 // and values.
@@ -457,11 +438,16 @@ void StatelessSession(Shared& shared, int64_t s, SessionResult& result) {
   const int64_t p_o = shared.model().num_hiddens();
   const Tensor tokens = SessionTokens(o, s, shared.model().query_size());
   constexpr absl::string_view kCall = "Attend";
+  // The SDK's unary Attend, on the run's channel; a failure elsewhere cancels it.
+  std::unique_ptr<Connection> connection =
+      Connection::OverChannel(Protocol::kAttention, shared.channel(), o.timeout)
+          .value();  // cannot fail over gRPC
+  connection->set_call_group(&shared.calls());
 
   auto call = [&](const AttendRequest& request, int64_t new_tokens,
                   double* sum) -> absl::StatusOr<Sample> {
     const int64_t start_ns = SteadyNowNs();
-    MHA_ASSIGN_OR_RETURN(const AttendResponse response, Attend(shared, request));
+    MHA_ASSIGN_OR_RETURN(const AttendResponse response, connection->Attend(request));
     const Sample sample = TimedSample(start_ns, response.timing());
     MHA_RETURN_IF_ERROR(CheckOutput(response.output(), new_tokens, p_o, sum));
     return sample;

@@ -1,12 +1,13 @@
-// `decode`: an autoregressive-decoding load. `sessions` sessions run at once, each on
-// a thread of its own and each a causal self-attention session: one step prefills
-// `prefill` tokens, then `decode_tokens` steps send one new token each. Over
-// AttendSession (the default) the server keeps the session's projected keys and
-// values, so a step sends only its new token; with `stateless` the same tokens go
-// through unary Attend, the cheapest stateless equivalent: a decode step sends the
-// new token as its query and every token so far, the new one included, as keys and
-// values (cross-attention, not causal), so its request and its compute grow with
-// the context.
+// `decode`: an autoregressive-decoding load. `sessions` sessions run at once, each a
+// causal self-attention session: one step prefills `prefill` tokens, then
+// `decode_tokens` steps send one new token each. Over AttendSession (the default)
+// the server keeps the session's projected keys and values, so a step sends only its
+// new token; the calling thread drives every session's stream over one completion
+// queue. With `stateless` the same tokens go through the SDK's unary Attend
+// (Connection, client/sdk/connection.h), a thread per session: the cheapest
+// stateless equivalent, a decode step sends the new token as its query and every
+// token so far, the new one included, as keys and values (cross-attention, not
+// causal), so its request and its compute grow with the context.
 //
 //   DecodeOptions options{.sessions = 4, .prefill = 128, .decode_tokens = 256};
 //   DecodeReport report = RunDecode(options, channel, model).value();
@@ -45,7 +46,7 @@ namespace mha::client {
 struct DecodeOptions {
   std::string model;            // "" = the server's default model
   std::string model_version;    // "" = the newest served
-  int64_t sessions = 1;         // S, each on a thread
+  int64_t sessions = 1;         // S; with `stateless`, each on a thread
   int64_t prefill = 128;        // P: tokens of the first step
   int64_t decode_tokens = 128;  // N: steps of one token after it
   bool stateless = false;       // unary Attend instead of AttendSession

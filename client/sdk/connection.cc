@@ -49,6 +49,7 @@ class AttentionConnection final : public Connection {
     grpc::ClientContext context;
     SetTimeout(&context, timeout_);
     AttendResponse response;
+    const TrackedCall tracked(group_, &context);
     const grpc::Status status = stub_->Attend(&context, request, &response);
     if (!status.ok()) return CallError("Attend", status);
     return response;
@@ -117,6 +118,7 @@ class KServeConnection final : public Connection {
     grpc::ClientContext context;
     SetTimeout(&context, timeout_);
     inference::ModelInferResponse response;
+    const TrackedCall tracked(group_, &context);
     const grpc::Status status =
         stub_->ModelInfer(&context, ToModelInferRequest(request), &response);
     if (!status.ok()) return CallError("ModelInfer", status);
@@ -183,10 +185,18 @@ absl::StatusOr<std::unique_ptr<Connection>> Connection::Open(const ChannelOption
     return std::make_unique<RestConnection>(endpoint, options.timeout);
   }
   MHA_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, MakeChannel(options));
-  if (options.protocol == Protocol::kKServe) {
-    return std::make_unique<KServeConnection>(std::move(channel), options.timeout);
+  return OverChannel(options.protocol, std::move(channel), options.timeout);
+}
+
+absl::StatusOr<std::unique_ptr<Connection>> Connection::OverChannel(
+    Protocol protocol, std::shared_ptr<grpc::Channel> channel, absl::Duration timeout) {
+  if (protocol == Protocol::kHttp) {
+    return absl::InvalidArgumentError("Connection::OverChannel: http has no gRPC channel");
   }
-  return std::make_unique<AttentionConnection>(std::move(channel), options.timeout);
+  if (protocol == Protocol::kKServe) {
+    return std::make_unique<KServeConnection>(std::move(channel), timeout);
+  }
+  return std::make_unique<AttentionConnection>(std::move(channel), timeout);
 }
 
 }  // namespace mha::client

@@ -12,7 +12,8 @@
 //   attention  "GetModel: ", "Attend: ", "Health/Check: "
 //   kserve     "ModelMetadata: ", "ModelInfer: ", "ServerReady: "
 //   http       "GET /v2/models/m: ", "POST /v2/models/m/infer: ", "GET /v2/health/ready: "
-// Not thread-safe.
+// Not thread-safe: threads that call at once open a connection each (OverChannel
+// shares one gRPC channel between them).
 #ifndef MHA_CLIENT_SDK_CONNECTION_H_
 #define MHA_CLIENT_SDK_CONNECTION_H_
 
@@ -23,6 +24,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "client/sdk/call_group.h"
 #include "client/sdk/channel.h"
 #include "client/sdk/http.h"
 #include "proto/attention.pb.h"
@@ -34,6 +36,10 @@ class Connection {
   // INVALID_ARGUMENT for unreadable TLS files, bad --targets (gRPC) or a --target
   // that is not HOST[:PORT] (http). Connects on the first call.
   static absl::StatusOr<std::unique_ptr<Connection>> Open(const ChannelOptions& options);
+  // A gRPC connection (kAttention or kKServe) on `channel`, e.g. another
+  // connection's channel(): calls with deadline `timeout`. INVALID_ARGUMENT for kHttp.
+  static absl::StatusOr<std::unique_ptr<Connection>> OverChannel(
+      Protocol protocol, std::shared_ptr<grpc::Channel> channel, absl::Duration timeout);
   virtual ~Connection() = default;
 
   Protocol protocol() const { return protocol_; }
@@ -54,12 +60,17 @@ class Connection {
   // true, or GET /v2/health/ready answers 200 (else UNAVAILABLE or the call's error).
   virtual absl::Status Ready() = 0;
 
+  // gRPC: every later call joins `group` while in flight, so that group->Cancel()
+  // ends it CANCELLED (nullptr: no group). http: unused, calls end at their timeout.
+  void set_call_group(CallGroup* group) { group_ = group; }
+
  protected:
   explicit Connection(Protocol protocol) : protocol_(protocol) {}
 
   const Protocol protocol_;
   std::shared_ptr<grpc::Channel> channel_;
   HttpEndpoint http_;
+  CallGroup* group_ = nullptr;
 };
 
 }  // namespace mha::client
