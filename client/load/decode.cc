@@ -15,13 +15,11 @@
 #include "absl/strings/strip.h"
 #include "base/splitmix64.h"
 #include "client/load/calls.h"
-#include "client/load/report.h"
 #include "client/sdk/call_group.h"
 #include "client/sdk/channel.h"
 #include "client/sdk/connection.h"
 #include "client/sdk/request.h"
 #include "client/sdk/status.h"
-#include "nlohmann/json.hpp"
 #include "proto/attention.grpc.pb.h"
 
 namespace mha::client {
@@ -523,26 +521,6 @@ void Aggregate(const std::vector<SessionResult>& results, DecodeReport& report) 
   }
 }
 
-nlohmann::json LatencyJson(const StepStats& s) {
-  const LatencyStats& l = s.latency;
-  return {{"count", l.count},
-          {"latency_us",
-           {{"mean", l.mean_us},
-            {"p50", l.p50_us},
-            {"p90", l.p90_us},
-            {"p95", l.p95_us},
-            {"p99", l.p99_us},
-            {"max", l.max_us}}},
-          {"server",
-           {{"batch_rows", s.server_batch_rows},
-            {"queue_us", s.server_queue_us},
-            {"compute_us", s.server_compute_us}}}};
-}
-
-std::string CallName(const DecodeOptions& options) {
-  return options.stateless ? "Attend" : "AttendSession";
-}
-
 }  // namespace
 
 absl::Status CheckDecodeOptions(const DecodeOptions& options) {
@@ -602,68 +580,6 @@ absl::StatusOr<DecodeReport> RunDecode(const DecodeOptions& options,
       options.stateless ? options.sessions * (1 + options.decode_tokens) : options.sessions;
   Aggregate(results, report);
   return report;
-}
-
-void PrintDecodeTable(const DecodeReport& report, std::ostream& out) {
-  const DecodeOptions& o = report.options;
-  out << absl::StrFormat(
-      "protocol attention (%s%s); model %s (%s); %d session(s), prefill %d + decode %d tokens "
-      "each; seed %d\n",
-      CallName(o), o.stateless ? ", stateless: keys and values resent each step" : ", SELF causal",
-      report.model.name(), ModelSizes(report.model), o.sessions, o.prefill, o.decode_tokens,
-      o.seed);
-  out << absl::StrFormat("%-8s %-9s %8s %8s %8s %8s %8s %6s %9s %10s\n", "step", "context", "count",
-                         "p50 ms", "p90 ms", "p99 ms", "max ms", "batch", "queue us", "compute us");
-  auto row = [&](absl::string_view step, const std::string& context, const StepStats& s) {
-    const LatencyStats& l = s.latency;
-    out << absl::StrFormat("%-8s %-9s %8d %8.3f %8.3f %8.3f %8.3f %6.2f %9.0f %10.0f\n", step,
-                           context, l.count, l.p50_us * 1e-3, l.p90_us * 1e-3, l.p99_us * 1e-3,
-                           l.max_us * 1e-3, s.server_batch_rows, s.server_queue_us,
-                           s.server_compute_us);
-  };
-  row("prefill", absl::StrCat(o.prefill), report.prefill);
-  for (const ContextBucket& bucket : report.buckets) row("decode", bucket.label, bucket.stats);
-  out << absl::StrFormat(
-      "decode: %d tokens in %.3f s: %.1f tokens/s over %d session(s); p50 %.3f ms a step\n",
-      report.decode_tokens, report.decode.duration_s, report.decode_tokens_per_s, o.sessions,
-      report.decode.latency.p50_us * 1e-3);
-  out << absl::StrFormat("output sum of the decode steps: %.6g\n", report.output_sum);
-  out << (o.stateless ? absl::StrFormat("calls: %d Attend\n", report.calls)
-                      : absl::StrFormat("calls: %d AttendSession stream(s), %d steps\n",
-                                        report.calls, o.sessions * (1 + o.decode_tokens)));
-}
-
-std::string DecodeJson(const DecodeReport& report) {
-  using nlohmann::json;
-  const DecodeOptions& o = report.options;
-  const ModelInfo& m = report.model;
-  json root = {
-      {"protocol", "attention"},
-      {"call", CallName(o)},
-      {"target", report.target},
-      {"model", ModelJson(m)},
-      {"sessions", o.sessions},
-      {"prefill", o.prefill},
-      {"decode_tokens", o.decode_tokens},
-      {"stateless", o.stateless},
-      {"seed", o.seed},
-      {"prefill_steps", LatencyJson(report.prefill)},
-      {"decode_buckets", json::array()},
-      {"decode",
-       {{"tokens", report.decode_tokens},
-        {"duration_s", report.decode.duration_s},
-        {"tokens_per_s", report.decode_tokens_per_s},
-        {"steps", LatencyJson(report.decode)}}},
-      {"output_sum", report.output_sum},
-      {"calls", report.calls},
-  };
-  for (const ContextBucket& bucket : report.buckets) {
-    json entry = LatencyJson(bucket.stats);
-    entry["label"] = bucket.label;
-    entry["max_context"] = bucket.max_context;
-    root["decode_buckets"].push_back(std::move(entry));
-  }
-  return root.dump(2) + "\n";
 }
 
 }  // namespace mha::client

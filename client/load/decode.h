@@ -11,7 +11,7 @@
 //
 //   DecodeOptions options{.sessions = 4, .prefill = 128, .decode_tokens = 256};
 //   DecodeReport report = RunDecode(options, channel, model).value();
-//   PrintDecodeTable(report, std::cout);
+//   PrintDecodeTable(report, std::cout);  // report.h
 //
 // Inputs: session s draws its tokens (1, prefill + decode_tokens, d_q), row-major,
 // from SplitMix64(seed + s) (FillSigned, client/sdk/request.h): the prefill takes the first
@@ -31,7 +31,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <ostream>
 #include <string>
 #include <vector>
 
@@ -92,13 +91,6 @@ struct DecodeReport {
 absl::StatusOr<DecodeReport> RunDecode(const DecodeOptions& options,
                                        const std::shared_ptr<grpc::Channel>& channel,
                                        const attention::v1::ModelInfo& model);
-
-// The header line, one row for the prefill and one per context bucket (count,
-// p50/p90/p99/max ms, the server's mean queue and compute), then decode tokens/s.
-void PrintDecodeTable(const DecodeReport& report, std::ostream& out);
-
-// The same numbers for scripts (latencies in microseconds), as bench's --json.
-std::string DecodeJson(const DecodeReport& report);
 
 }  // namespace mha::client
 

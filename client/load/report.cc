@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <initializer_list>
 #include <map>
 #include <utility>
 #include <vector>
@@ -67,6 +68,36 @@ std::string CallName(Protocol protocol, Mode mode) {
 
 constexpr char kClearLine[] = "\r\033[K";
 
+// Latency columns of the tables: each value (microseconds) in milliseconds, "%8.3f".
+std::string MsColumns(std::initializer_list<double> values_us) {
+  std::vector<std::string> columns;
+  for (double us : values_us) columns.push_back(absl::StrFormat("%8.3f", us * 1e-3));
+  return absl::StrJoin(columns, " ");
+}
+
+// The server's timing columns of the tables: mean batch rows, queue and compute
+// microseconds, or "-" without `timing`.
+std::string ServerHeader() {
+  return absl::StrFormat("%6s %9s %10s", "batch", "queue us", "compute us");
+}
+std::string ServerColumns(const StepStats& s, bool timing) {
+  return absl::StrFormat("%6s %9s %10s",
+                         timing ? absl::StrFormat("%.2f", s.server_batch_rows) : "-",
+                         timing ? absl::StrFormat("%.0f", s.server_queue_us) : "-",
+                         timing ? absl::StrFormat("%.0f", s.server_compute_us) : "-");
+}
+
+// The JSON reports' latency object (microseconds) and the server's timing.
+nlohmann::json LatencyUsJson(const LatencyStats& l) {
+  return {{"mean", l.mean_us}, {"p50", l.p50_us}, {"p90", l.p90_us},
+          {"p95", l.p95_us},   {"p99", l.p99_us}, {"max", l.max_us}};
+}
+nlohmann::json ServerJson(const StepStats& s) {
+  return {{"batch_rows", s.server_batch_rows},
+          {"queue_us", s.server_queue_us},
+          {"compute_us", s.server_compute_us}};
+}
+
 }  // namespace
 
 void BenchProgress::WindowDone(const StepReport& step, int window, const StepStats& stats) {
@@ -100,9 +131,9 @@ void PrintTable(const BenchReport& report, std::ostream& out) {
       report.tokens_per_request, ModeName(o.mode),
       o.request_rates.empty() ? "fixed concurrency"
                               : (o.poisson ? "fixed rate, Poisson" : "fixed rate, constant"));
-  out << absl::StrFormat("%-17s %-6s %10s %11s %8s %8s %8s %8s %8s %8s %6s %9s %10s %s\n", "load",
-                         "rpc", "req/s", "tokens/s", "p50 ms", "p90 ms", "p95 ms", "p99 ms",
-                         "max ms", "errors", "batch", "queue us", "compute us", "stable");
+  out << absl::StrFormat("%-17s %-6s %10s %11s %8s %8s %8s %8s %8s %8s %s %s\n", "load", "rpc",
+                         "req/s", "tokens/s", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "max ms",
+                         "errors", ServerHeader(), "stable");
   for (const StepReport& step : report.steps) {
     const StepStats& s = step.stats;
     const bool attend = step.rpc == Rpc::kAttend;
@@ -110,16 +141,12 @@ void PrintTable(const BenchReport& report, std::ostream& out) {
     // parameters: "-" when none did.
     const bool timing =
         attend && (report.protocol == Protocol::kAttention || s.server_batch_rows > 0);
+    const LatencyStats& l = s.latency;
     out << absl::StrFormat(
-        "%-17s %-6s %10.1f %11s %8.3f %8.3f %8.3f %8.3f %8.3f %8s %6s %9s %10s %s\n",
-        LoadLabel(step), RpcName(step.rpc), s.requests_per_s,
-        attend ? absl::StrFormat("%.0f", s.tokens_per_s) : "-", s.latency.p50_us * 1e-3,
-        s.latency.p90_us * 1e-3, s.latency.p95_us * 1e-3, s.latency.p99_us * 1e-3,
-        s.latency.max_us * 1e-3, ErrorText(s.errors),
-        timing ? absl::StrFormat("%.2f", s.server_batch_rows) : "-",
-        timing ? absl::StrFormat("%.0f", s.server_queue_us) : "-",
-        timing ? absl::StrFormat("%.0f", s.server_compute_us) : "-",
-        step.stable ? "yes" : absl::StrFormat("no, %s", step.end_reason));
+        "%-17s %-6s %10.1f %11s %s %8s %s %s\n", LoadLabel(step), RpcName(step.rpc),
+        s.requests_per_s, attend ? absl::StrFormat("%.0f", s.tokens_per_s) : "-",
+        MsColumns({l.p50_us, l.p90_us, l.p95_us, l.p99_us, l.max_us}), ErrorText(s.errors),
+        ServerColumns(s, timing), step.stable ? "yes" : absl::StrFormat("no, %s", step.end_reason));
   }
   for (const auto& [health, attend] : HealthPairs(report)) {
     const StepStats& h = health->stats;
@@ -139,7 +166,6 @@ namespace {
 
 nlohmann::json StepJson(const StepReport& step) {
   const StepStats& s = step.stats;
-  const LatencyStats& l = s.latency;
   return {
       {"rpc", RpcName(step.rpc)},
       {"concurrency", step.concurrency},
@@ -154,19 +180,10 @@ nlohmann::json StepJson(const StepReport& step) {
       {"ok", s.ok},
       {"requests_per_s", s.requests_per_s},
       {"tokens_per_s", s.tokens_per_s},
-      {"latency_us",
-       {{"mean", l.mean_us},
-        {"p50", l.p50_us},
-        {"p90", l.p90_us},
-        {"p95", l.p95_us},
-        {"p99", l.p99_us},
-        {"max", l.max_us}}},
+      {"latency_us", LatencyUsJson(s.latency)},
       {"errors", s.errors},
       {"all_errors", step.all_errors},
-      {"server",
-       {{"batch_rows", s.server_batch_rows},
-        {"queue_us", s.server_queue_us},
-        {"compute_us", s.server_compute_us}}},
+      {"server", ServerJson(s)},
   };
 }
 
@@ -301,6 +318,84 @@ std::string ModelSizes(const attention::v1::ModelInfo& m) {
                                       m.num_heads() > 0 ? absl::StrCat(m.num_heads()) : "?");
   if (!m.precision().empty()) absl::StrAppend(&sizes, ", ", m.precision());
   return sizes;
+}
+
+namespace {
+
+// A group of decode steps: their count, latencies and the server's timing.
+nlohmann::json DecodeStepsJson(const StepStats& s) {
+  return {{"count", s.latency.count},
+          {"latency_us", LatencyUsJson(s.latency)},
+          {"server", ServerJson(s)}};
+}
+
+// The call that carries decode's steps.
+std::string DecodeCall(const DecodeOptions& options) {
+  return options.stateless ? "Attend" : "AttendSession";
+}
+
+}  // namespace
+
+void PrintDecodeTable(const DecodeReport& report, std::ostream& out) {
+  const DecodeOptions& o = report.options;
+  out << absl::StrFormat(
+      "protocol attention (%s%s); model %s (%s); %d session(s), prefill %d + decode %d tokens "
+      "each; seed %d\n",
+      DecodeCall(o),
+      o.stateless ? ", stateless: keys and values resent each step" : ", SELF causal",
+      report.model.name(), ModelSizes(report.model), o.sessions, o.prefill, o.decode_tokens,
+      o.seed);
+  out << absl::StrFormat("%-8s %-9s %8s %8s %8s %8s %8s %s\n", "step", "context", "count", "p50 ms",
+                         "p90 ms", "p99 ms", "max ms", ServerHeader());
+  auto row = [&](absl::string_view step, const std::string& context, const StepStats& s) {
+    const LatencyStats& l = s.latency;
+    out << absl::StrFormat("%-8s %-9s %8d %s %s\n", step, context, l.count,
+                           MsColumns({l.p50_us, l.p90_us, l.p99_us, l.max_us}),
+                           ServerColumns(s, /*timing=*/true));
+  };
+  row("prefill", absl::StrCat(o.prefill), report.prefill);
+  for (const ContextBucket& bucket : report.buckets) row("decode", bucket.label, bucket.stats);
+  out << absl::StrFormat(
+      "decode: %d tokens in %.3f s: %.1f tokens/s over %d session(s); p50 %.3f ms a step\n",
+      report.decode_tokens, report.decode.duration_s, report.decode_tokens_per_s, o.sessions,
+      report.decode.latency.p50_us * 1e-3);
+  out << absl::StrFormat("output sum of the decode steps: %.6g\n", report.output_sum);
+  out << (o.stateless ? absl::StrFormat("calls: %d Attend\n", report.calls)
+                      : absl::StrFormat("calls: %d AttendSession stream(s), %d steps\n",
+                                        report.calls, o.sessions * (1 + o.decode_tokens)));
+}
+
+std::string DecodeJson(const DecodeReport& report) {
+  using nlohmann::json;
+  const DecodeOptions& o = report.options;
+  const attention::v1::ModelInfo& m = report.model;
+  json root = {
+      {"protocol", "attention"},
+      {"call", DecodeCall(o)},
+      {"target", report.target},
+      {"model", ModelJson(m)},
+      {"sessions", o.sessions},
+      {"prefill", o.prefill},
+      {"decode_tokens", o.decode_tokens},
+      {"stateless", o.stateless},
+      {"seed", o.seed},
+      {"prefill_steps", DecodeStepsJson(report.prefill)},
+      {"decode_buckets", json::array()},
+      {"decode",
+       {{"tokens", report.decode_tokens},
+        {"duration_s", report.decode.duration_s},
+        {"tokens_per_s", report.decode_tokens_per_s},
+        {"steps", DecodeStepsJson(report.decode)}}},
+      {"output_sum", report.output_sum},
+      {"calls", report.calls},
+  };
+  for (const ContextBucket& bucket : report.buckets) {
+    json entry = DecodeStepsJson(bucket.stats);
+    entry["label"] = bucket.label;
+    entry["max_context"] = bucket.max_context;
+    root["decode_buckets"].push_back(std::move(entry));
+  }
+  return root.dump(2) + "\n";
 }
 
 absl::Status WriteText(const std::string& path, const std::string& text) {

@@ -1,5 +1,6 @@
-// Reporting for `bench`: a table for people, JSON and CSV for scripts. The same
-// numbers in each; latencies in the table in milliseconds, in files in microseconds.
+// Reporting for the load tools, `bench` and `decode`: a table for people, JSON (and
+// CSV for bench) for scripts, built from the same columns and objects. The same
+// numbers in each; latencies in the tables in milliseconds, in files in microseconds.
 #ifndef MHA_CLIENT_LOAD_REPORT_H_
 #define MHA_CLIENT_LOAD_REPORT_H_
 
@@ -8,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "client/load/bench.h"
+#include "client/load/decode.h"
 #include "nlohmann/json_fwd.hpp"
 
 namespace mha::client {
@@ -53,6 +55,14 @@ std::string ModelSizes(const attention::v1::ModelInfo& model);
 
 // The "model" object of the JSON reports (bench, decode): name and sizes.
 nlohmann::json ModelJson(const attention::v1::ModelInfo& model);
+
+// decode: the header line, one row for the prefill and one per context bucket
+// (count, p50/p90/p99/max ms, the server's mean queue and compute), then decode
+// tokens/s.
+void PrintDecodeTable(const DecodeReport& report, std::ostream& out);
+
+// decode: the same numbers for scripts (latencies in microseconds), as bench's --json.
+std::string DecodeJson(const DecodeReport& report);
 
 // Writes `text` to `path`; INVALID_ARGUMENT naming the path on failure.
 absl::Status WriteText(const std::string& path, const std::string& text);
