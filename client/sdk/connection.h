@@ -60,8 +60,9 @@ class Connection {
   // true, or GET /v2/health/ready answers 200 (else UNAVAILABLE or the call's error).
   virtual absl::Status Ready() = 0;
 
-  // gRPC: every later call joins `group` while in flight, so that group->Cancel()
-  // ends it CANCELLED (nullptr: no group). http: unused, calls end at their timeout.
+  // gRPC: every later Attend call (Attend or ModelInfer) joins `group` while in
+  // flight, so that group->Cancel() ends it CANCELLED (nullptr: no group); GetModel
+  // and Ready do not join. http: unused, calls end at their timeout.
   void set_call_group(CallGroup* group) { group_ = group; }
 
  protected:
