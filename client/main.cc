@@ -23,8 +23,8 @@
 #include "absl/time/time.h"
 #include "base/command_line.h"
 #include "base/mutex_mode.h"
-#include "client/http.h"
-#include "client/status.h"
+#include "client/sdk/http.h"
+#include "client/sdk/status.h"
 #include "client/verbs.h"
 
 namespace {

@@ -1,16 +1,16 @@
 // The verbs of attention_client. Each takes option structs (filled from flags in
 // main.cc), writes its result to `out` and returns the first error, whose one-line
-// form (OneLine in status.h) carries the gRPC code name. infer and bench speak
+// form (OneLine in client/sdk/status.h) carries the gRPC code name. infer and bench speak
 // ChannelOptions::protocol (connection.h); main.cc lets the others run with
 // --protocol=attention only.
 //
 //   infer    one request; prints the output's shape, a summary and timing
 //   bench    load test (bench.h), table on `out`, progress on `progress`
-//   heatmap  attention weights of one batch row as a PNG (heatmap.h)
+//   heatmap  attention weights of one batch row as a PNG (client/heatmap/heatmap.h)
 //   heads    head importance: drop one head at a time with head_mask
 //   health   grpc.health.v1 Check of the server and of every model
 //   decode   autoregressive decoding: AttendSession sessions, or the same tokens
-//            through unary Attend (decode.h)
+//            through unary Attend (client/load/decode.h)
 #ifndef MHA_CLIENT_VERBS_H_
 #define MHA_CLIENT_VERBS_H_
 
@@ -18,11 +18,11 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "client/bench.h"
-#include "client/channel.h"
-#include "client/decode.h"
-#include "client/heatmap.h"
-#include "client/request.h"
+#include "client/heatmap/heatmap.h"
+#include "client/load/bench.h"
+#include "client/load/decode.h"
+#include "client/sdk/channel.h"
+#include "client/sdk/request.h"
 
 namespace mha::client {
 

@@ -18,10 +18,10 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "base/splitmix64.h"
-#include "client/heatmap.h"
-#include "client/kserve.h"
-#include "client/request.h"
-#include "client/tensor_io.h"
+#include "client/heatmap/heatmap.h"
+#include "client/sdk/kserve.h"
+#include "client/sdk/request.h"
+#include "client/sdk/tensor_io.h"
 #include "core/attention.h"
 #include "core/safetensors.h"
 #include "core/weights.h"
@@ -350,7 +350,7 @@ TEST_F(ClientTest, MessageSizeErrorsNameMaxMessageSize) {
       << run.err;
 }
 
-// decode's sessions draw their tokens as the client documents (client/decode.h):
+// decode's sessions draw their tokens as the client documents (client/load/decode.h):
 // session s's P + N tokens from SplitMix64(seed + s). The core's causal forward over
 // all of them, rows P .. P + N - 1 summed over every session, is what the decode
 // steps' outputs must add up to, with or without the server's cache.

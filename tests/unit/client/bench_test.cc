@@ -1,6 +1,6 @@
-#include "client/bench.h"
+#include "client/load/bench.h"
 
-#include "client/status.h"
+#include "client/sdk/status.h"
 #include "gtest/gtest.h"
 
 namespace mha::client {

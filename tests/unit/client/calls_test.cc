@@ -1,4 +1,4 @@
-#include "client/calls.h"
+#include "client/load/calls.h"
 
 #include <algorithm>
 #include <condition_variable>

@@ -1,11 +1,11 @@
-#include "client/report.h"
+#include "client/load/report.h"
 
 #include <map>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include "client/status.h"
+#include "client/sdk/status.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 

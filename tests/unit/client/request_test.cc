@@ -1,7 +1,7 @@
-#include "client/request.h"
+#include "client/sdk/request.h"
 
 #include "base/splitmix64.h"
-#include "client/status.h"
+#include "client/sdk/status.h"
 #include "gtest/gtest.h"
 
 namespace mha::client {

@@ -1,4 +1,4 @@
-#include "client/stats.h"
+#include "client/load/stats.h"
 
 #include <vector>
 

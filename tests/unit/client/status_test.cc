@@ -1,4 +1,4 @@
-#include "client/status.h"
+#include "client/sdk/status.h"
 
 #include "gtest/gtest.h"
 

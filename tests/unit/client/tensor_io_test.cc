@@ -1,4 +1,4 @@
-#include "client/tensor_io.h"
+#include "client/sdk/tensor_io.h"
 
 #include <cstdio>
 #include <filesystem>
