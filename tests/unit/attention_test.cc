@@ -392,6 +392,67 @@ TEST(AttentionTest, ConcurrentCallsAgree) {
   for (const auto& out : outs) EXPECT_EQ(out, expected);
 }
 
+// The small-shape path (blocks of at most kSmallBlockMacs multiply-adds run by
+// kernels::SmallScores / SmallContext in registers): mha_core_bench's small shape
+// (heads of 32 against 16 keys) and heads of 16 against 37 keys (a 16-key group and
+// a tail), self- and cross-attention, every mask kind and their combinations.
+TEST(AttentionTest, SmallShapeEveryMaskMatchesReference) {
+  struct Shape {
+    int64_t hiddens, heads, queries, keys;
+    bool self;
+  };
+  for (const Shape& shape : {Shape{256, 8, 16, 16, true}, Shape{64, 4, 9, 37, false}}) {
+    for (int mask_kind = 0; mask_kind < 3; ++mask_kind) {
+      for (bool causal : {false, true}) {
+        for (bool head_mask : {false, true}) {
+          for (bool weights : {false, true}) {
+            Case c;
+            c.config = {.num_hiddens = shape.hiddens,
+                        .num_heads = shape.heads,
+                        .query_size = shape.hiddens,
+                        .key_size = shape.hiddens,
+                        .value_size = shape.hiddens,
+                        .bias = true};
+            c.batch = 2;
+            c.num_queries = shape.queries;
+            c.num_keys = shape.keys;
+            c.self_attention = shape.self;
+            c.mask_kind = mask_kind;
+            c.causal = causal;
+            c.head_mask = head_mask;
+            c.weights = weights;
+            CheckAgainstReference(c, 91, kF32Tolerance);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Concurrent calls on the small-shape path share the layer's primitives and
+// workspace pool; each thread's answers equal a lone call's (run under TSan in CI).
+TEST(AttentionTest, SmallShapeConcurrentCallsAgree) {
+  ModelConfig config{
+      .num_hiddens = 256, .num_heads = 8, .query_size = 256, .key_size = 256, .value_size = 256};
+  auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 5)).value();
+  std::mt19937_64 rng(4);
+  const auto x = RandomVector(rng, 16 * 256);
+  const std::vector<int32_t> lens = {11};
+  const AttentionInputs in{
+      .batch = 1, .num_queries = 16, .num_keys = 16, .queries = x.data(), .valid_lens = lens};
+  std::vector<float> expected(16 * 256);
+  ASSERT_TRUE(mha->Forward(in, expected.data()).ok());
+  std::vector<std::vector<float>> outs(4, std::vector<float>(expected.size()));
+  std::vector<std::thread> threads;
+  for (auto& out : outs) {
+    threads.emplace_back([&] {
+      for (int rep = 0; rep < 20; ++rep) ASSERT_TRUE(mha->Forward(in, out.data()).ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& out : outs) EXPECT_EQ(out, expected);
+}
+
 TEST(AttentionTest, RejectsBadInputsNamingTheField) {
   ModelConfig config{
       .num_hiddens = 8, .num_heads = 2, .query_size = 4, .key_size = 4, .value_size = 4};
