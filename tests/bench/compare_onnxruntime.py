@@ -11,7 +11,8 @@ python3-onnx and python3-numpy and Node.js.
 
 For every shape (self-attention, bias; the shapes of mha_core_bench's Forward/ and of
 compare_torch.py) it builds the whole layer, W_o included, as ONNX graphs from the
-weights mha_core_bench uses (SeededWeights(config, 1), written again here):
+weights mha_core_bench uses (SeededWeights(config, 1), written again here and checked
+against the build's mha_core_bench/../tools/mha_toy_example output first):
   attention  com.microsoft.Attention (packed QKV weights, mask_index = valid lengths)
   mha        three MatMul projections + com.microsoft.MultiHeadAttention (key padding mask)
   unfused    plain ONNX ops: MatMul, Reshape, Transpose, Softmax with an additive mask
@@ -94,23 +95,49 @@ def seeded_weights(E, seed=1):
     return w
 
 
+def _signed(seed, n):
+    z = _splitmix64(seed, n)
+    return ((z >> np.uint64(11)).astype(np.float64) * 2.0**-53 * 2.0 - 1.0).astype(np.float32)
+
+
+def check_seeded_weights(toy_example):
+    """SeededWeights written again here must be the C++ one: the toy layer (p_o 100, h 5,
+    no bias, seed 0) on the toy request (SplitMix64(0) inputs, valid_lens 3, 2) through
+    reference() must print mha_toy_example's rows."""
+    out = subprocess.run([toy_example], check=True, capture_output=True, text=True).stdout
+    rows = [list(map(float, line.split("=")[1].split()))
+            for line in out.splitlines() if line.startswith("[")]
+    v = _signed(0, 2 * 4 * 100 + 2 * 2 * 6 * 100)
+    q, k, vv = v[:800].reshape(2, 4, 100), v[800:2000].reshape(2, 6, 100), v[2000:].reshape(2, 6, 100)
+    w = {f"w_{m}": uniform(f"W_{m}.weight", 0, (100, 100), 100) for m in "qkvo"}
+    w.update({f"b_{m}": np.zeros(100, dtype=np.float32) for m in "qkvo"})
+    ours = np.concatenate([reference(q[b:b + 1], w, 5, valid, k[b:b + 1], vv[b:b + 1])[0, :, :4]
+                           for b, valid in enumerate((3, 2))])
+    err = float(np.max(np.abs(ours - np.array(rows))))
+    if not (len(rows) == 8 and err <= 1e-5):
+        sys.exit(f"SeededWeights written again here differ from mha_toy_example's ({err:.3g})")
+    print(f"check SeededWeights against {toy_example}: max diff {err:.1e}", file=sys.stderr)
+
+
 def inputs_of(B, L, E):
     rng = np.random.default_rng(7)
     return rng.uniform(-1.0, 1.0, size=(B, L, E)).astype(np.float32)
 
 
-def reference(x, w, h, valid):
-    """The layer in float64: softmax(q k^T / sqrt(p)) v per head, keys >= valid masked."""
-    x = x.astype(np.float64)
-    B, L, E = x.shape
+def reference(x, w, h, valid, keys=None, values=None):
+    """The layer in float64: softmax(q k^T / sqrt(p)) v per head, keys >= valid masked;
+    self-attention unless keys and values are given."""
+    src = {"q": x, "k": x if keys is None else keys, "v": x if values is None else values}
+    B, _, E = x.shape
     p = E // h
-    proj = {m: x @ w[f"w_{m}"].T.astype(np.float64) + w[f"b_{m}"] for m in ("q", "k", "v")}
-    heads = {m: proj[m].reshape(B, L, h, p).transpose(0, 2, 1, 3) for m in proj}
+    proj = {m: src[m].astype(np.float64) @ w[f"w_{m}"].T.astype(np.float64) + w[f"b_{m}"]
+            for m in src}
+    heads = {m: proj[m].reshape(B, -1, h, p).transpose(0, 2, 1, 3) for m in proj}
     s = heads["q"] @ heads["k"].transpose(0, 1, 3, 2) / np.sqrt(p)
     s[..., valid:] = -np.inf
     s = np.exp(s - s.max(axis=-1, keepdims=True))
     a = s / s.sum(axis=-1, keepdims=True)
-    ctx = (a @ heads["v"]).transpose(0, 2, 1, 3).reshape(B, L, E)
+    ctx = (a @ heads["v"]).transpose(0, 2, 1, 3).reshape(B, -1, E)
     return ctx @ w["w_o"].T.astype(np.float64) + w["b_o"]
 
 
@@ -258,6 +285,10 @@ def main():
     ap.add_argument("--cache", default=os.path.expanduser("~/.cache/mha-serve/onnxruntime"))
     args = ap.parse_args()
     shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
+    toy_example = os.path.join(os.path.dirname(args.bench), "..", "tools", "mha_toy_example")
+    if not os.path.exists(toy_example):
+        sys.exit(f"{toy_example}: not built (the check that the weights are mha_core_bench's)")
+    check_seeded_weights(toy_example)
     module = ensure_onnxruntime(args.cache)
     work = tempfile.mkdtemp(prefix="mha_ort.")
 
