@@ -151,10 +151,15 @@ def _init(name, array):
     return numpy_helper.from_array(np.ascontiguousarray(array), name)
 
 
+def _linear(nodes, inits, w, m, src, dst):
+    """dst = src W_m^T + b_m."""
+    inits += [_init(f"w_{m}_t", w[f"w_{m}"].T), _init(f"b_{m}", w[f"b_{m}"])]
+    nodes += [helper.make_node("MatMul", [src, f"w_{m}_t"], [f"{m}_mm"]),
+              helper.make_node("Add", [f"{m}_mm", f"b_{m}"], [dst])]
+
+
 def _output_projection(nodes, inits, w, src):
-    inits += [_init("w_o_t", w["w_o"].T), _init("b_o", w["b_o"])]
-    nodes += [helper.make_node("MatMul", [src, "w_o_t"], ["out_mm"]),
-              helper.make_node("Add", ["out_mm", "b_o"], ["output"])]
+    _linear(nodes, inits, w, "o", src, "output")
 
 
 def graph_attention(B, L, E, h, w, padded):
@@ -176,9 +181,7 @@ def graph_mha(B, L, E, h, w, padded):
     nodes, inits = [], []
     graph_inputs = [helper.make_tensor_value_info("input", TensorProto.FLOAT, [B, L, E])]
     for m in ("q", "k", "v"):
-        inits += [_init(f"w_{m}_t", w[f"w_{m}"].T), _init(f"b_{m}", w[f"b_{m}"])]
-        nodes.append(helper.make_node("MatMul", ["input", f"w_{m}_t"], [f"{m}_mm"]))
-        nodes.append(helper.make_node("Add", [f"{m}_mm", f"b_{m}"], [m]))
+        _linear(nodes, inits, w, m, "input", m)
     ins = ["q", "k", "v"]
     if padded:
         ins += ["", "mask_index"]
@@ -197,9 +200,7 @@ def graph_unfused(B, L, E, h, w, padded):
     inits.append(_init("ctx_shape", np.array([B, L, E], dtype=np.int64)))
     inits.append(_init("scale", np.array(1.0 / np.sqrt(p), dtype=np.float32)))
     for m in ("q", "k", "v"):
-        inits += [_init(f"w_{m}_t", w[f"w_{m}"].T), _init(f"b_{m}", w[f"b_{m}"])]
-        nodes.append(helper.make_node("MatMul", ["input", f"w_{m}_t"], [f"{m}_mm"]))
-        nodes.append(helper.make_node("Add", [f"{m}_mm", f"b_{m}"], [f"{m}_rows"]))
+        _linear(nodes, inits, w, m, "input", f"{m}_rows")
         nodes.append(helper.make_node("Reshape", [f"{m}_rows", "heads_shape"], [f"{m}_4d"]))
         perm = [0, 2, 3, 1] if m == "k" else [0, 2, 1, 3]  # k transposed for q k^T
         nodes.append(helper.make_node("Transpose", [f"{m}_4d"], [f"{m}_h"], perm=perm))

@@ -368,6 +368,22 @@ TEST(AttentionTest, SelfAttentionEqualsCrossAttentionOnSameInput) {
   EXPECT_LE(MaxAbsDiff(self, cross), 1e-5);
 }
 
+// Four threads call `mha` on `in` `reps` times each; every answer equals a lone call's.
+void ExpectConcurrentCallsAgree(const MultiHeadAttention& mha, const AttentionInputs& in,
+                                int reps) {
+  std::vector<float> expected(in.batch * in.num_queries * mha.config().num_hiddens);
+  ASSERT_TRUE(mha.Forward(in, expected.data()).ok());
+  std::vector<std::vector<float>> outs(4, std::vector<float>(expected.size()));
+  std::vector<std::thread> threads;
+  for (auto& out : outs) {
+    threads.emplace_back([&] {
+      for (int rep = 0; rep < reps; ++rep) ASSERT_TRUE(mha.Forward(in, out.data()).ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& out : outs) EXPECT_EQ(out, expected);
+}
+
 TEST(AttentionTest, ConcurrentCallsAgree) {
   ModelConfig config{
       .num_hiddens = 64, .num_heads = 8, .query_size = 64, .key_size = 64, .value_size = 64};
@@ -379,17 +395,7 @@ TEST(AttentionTest, ConcurrentCallsAgree) {
   const std::vector<int32_t> lens = {70, 33};
   AttentionInputs in{
       .batch = 2, .num_queries = 70, .num_keys = 70, .queries = x.data(), .valid_lens = lens};
-  std::vector<float> expected(2 * 70 * 64);
-  ASSERT_TRUE(mha->Forward(in, expected.data()).ok());
-  std::vector<std::vector<float>> outs(4, std::vector<float>(expected.size()));
-  std::vector<std::thread> threads;
-  for (auto& out : outs) {
-    threads.emplace_back([&] {
-      for (int rep = 0; rep < 10; ++rep) ASSERT_TRUE(mha->Forward(in, out.data()).ok());
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (const auto& out : outs) EXPECT_EQ(out, expected);
+  ExpectConcurrentCallsAgree(*mha, in, 10);
 }
 
 // The small-shape path (blocks of at most kSmallBlockMacs multiply-adds run by
@@ -440,17 +446,7 @@ TEST(AttentionTest, SmallShapeConcurrentCallsAgree) {
   const std::vector<int32_t> lens = {11};
   const AttentionInputs in{
       .batch = 1, .num_queries = 16, .num_keys = 16, .queries = x.data(), .valid_lens = lens};
-  std::vector<float> expected(16 * 256);
-  ASSERT_TRUE(mha->Forward(in, expected.data()).ok());
-  std::vector<std::vector<float>> outs(4, std::vector<float>(expected.size()));
-  std::vector<std::thread> threads;
-  for (auto& out : outs) {
-    threads.emplace_back([&] {
-      for (int rep = 0; rep < 20; ++rep) ASSERT_TRUE(mha->Forward(in, out.data()).ok());
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (const auto& out : outs) EXPECT_EQ(out, expected);
+  ExpectConcurrentCallsAgree(*mha, in, 20);
 }
 
 TEST(AttentionTest, RejectsBadInputsNamingTheField) {
