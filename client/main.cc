@@ -15,10 +15,10 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "base/command_line.h"
@@ -72,9 +72,10 @@ ABSL_FLAG(int64_t, batch, kRequest.batch, "B: batch rows of generated inputs.");
 ABSL_FLAG(int64_t, num_queries, kRequest.num_queries, "Q: queries per batch row.");
 ABSL_FLAG(int64_t, num_keys, kRequest.num_keys,
           "K: keys (and values) per batch row; 0 = self-attention on the queries.");
-ABSL_FLAG(std::string, valid_lens, "3,2",
+ABSL_FLAG(std::string, valid_lens, "",
           "Comma-separated key lengths, B entries (per row) or B*Q (per query); 'none' for "
-          "no mask.");
+          "no mask. Empty: the toy request's 3,2 for its sizes (--batch=2 --num_queries=4 "
+          "--num_keys=6, no --input), else none (or an --input .safetensors' own valid_lens).");
 ABSL_FLAG(bool, causal, kRequest.causal, "Causal mask: query i sees keys j <= i.");
 ABSL_FLAG(uint64_t, seed, kRequest.seed,
           "Seed of the generated inputs and of Poisson intervals. Inputs: SplitMix64 from the "
@@ -84,7 +85,9 @@ ABSL_FLAG(uint64_t, seed, kRequest.seed,
 ABSL_FLAG(std::string, input, "",
           "Inputs from files instead of generated ones: one .safetensors (tensors queries, "
           "keys, values, valid_lens) or .npy files: queries (self-attention) or "
-          "queries,keys,values.");
+          "queries,keys,values. infer: a .safetensors that also holds an output tensor (as "
+          "the exporter's io.safetensors and infer --output do) is compared with the "
+          "server's output (max abs difference).");
 
 // infer, heatmap.
 ABSL_FLAG(std::string, output, "",
@@ -143,6 +146,10 @@ ABSL_FLAG(int32_t, cell_size, kHeatmap.style.cell_size,
           "heatmap: pixels per weight; 0 = fit each map in about 240 pixels.");
 ABSL_FLAG(int32_t, columns, kHeatmap.style.columns,
           "heatmap: maps per grid row; 0 = ceil(sqrt(heads)).");
+ABSL_FLAG(std::string, scale, "linear",
+          "heatmap: colour scale: linear (0 .. the largest weight, shared by every map), log "
+          "(log10 of the weight, from the smallest positive weight, at most 6 decades down, to "
+          "the largest) or row (each query row of each map from 0 to its own largest weight).");
 
 // heads.
 ABSL_FLAG(int64_t, prune, 0,
@@ -164,6 +171,10 @@ ABSL_FLAG(bool, stateless, kDecode.stateless,
           "decode: unary Attend instead of AttendSession: the prefill as causal "
           "self-attention, then per step the new token as the query and every token so far "
           "(itself included) as keys and values.");
+ABSL_FLAG(bool, check, false,
+          "decode: run the other mode too (sessions and --stateless) on the same tokens, and "
+          "print whether the two output sums agree within 1e-5 x the sum of |output| and the "
+          "sessions' speed-up in decode tokens/s.");
 
 namespace {
 
@@ -177,23 +188,25 @@ constexpr char kUsage[] =
     "           --output=FILE.npy|.safetensors\n"
     "  bench    load test: --concurrency=1:64:x2 or --request_rate=..., --mode=unary|stream,\n"
     "           warm-up then windows until stable; table, --json, --csv\n"
-    "  heatmap  attention weights of one batch row as a PNG, one map per head\n"
+    "  heatmap  attention weights of one batch row as a PNG, one map per head;\n"
+    "           --scale=linear|log|row\n"
     "  heads    head importance: drop each head (head_mask), rank by output change\n"
     "  health   grpc.health.v1 Check of the server and every model\n"
     "  decode   autoregressive decoding: --sessions=S causal self-attention sessions\n"
     "           (AttendSession), each a prefill of --prefill=P tokens then\n"
     "           --decode_tokens=N steps of one; --stateless sends the same tokens through\n"
     "           Attend, all keys and values every step. Latency by context length,\n"
-    "           decode tokens/s; --json\n"
+    "           decode tokens/s; --json; --check runs both and compares their outputs\n"
     "infer and bench speak --protocol (attention, kserve or http); the others attention.\n"
     "Errors print one line, 'error: CODE: message', and exit 1 (decode: its first failed\n"
     "step, naming session and step); bench also exits 1 when a step measured nothing or a\n"
     "request failed with a code not in --allow_errors. Usage errors (a flag's value, flags\n"
-    "that disagree, an argument too many) print 'error: --flag: message' and exit 2.";
+    "that disagree, a flag the verb does not read, an argument too many) print\n"
+    "'error: --flag: message' and exit 2. --version prints the version and build type.";
 
 absl::StatusOr<std::vector<int32_t>> ParseValidLens(const std::string& text) {
   std::vector<int32_t> lens;
-  if (text.empty() || text == "none") return lens;
+  if (text == "none") return lens;
   for (absl::string_view part : absl::StrSplit(text, ',')) {
     int32_t len = 0;
     if (!absl::SimpleAtoi(part, &len)) {
@@ -294,12 +307,22 @@ absl::StatusOr<mha::client::RequestOptions> RequestFromFlags() {
   request.batch = absl::GetFlag(FLAGS_batch);
   request.num_queries = absl::GetFlag(FLAGS_num_queries);
   request.num_keys = absl::GetFlag(FLAGS_num_keys);
-  MHA_ASSIGN_OR_RETURN(request.valid_lens, ParseValidLens(absl::GetFlag(FLAGS_valid_lens)));
   request.causal = absl::GetFlag(FLAGS_causal);
   request.seed = absl::GetFlag(FLAGS_seed);
   request.return_attention = absl::GetFlag(FLAGS_return_attention);
   for (absl::string_view f : absl::StrSplit(absl::GetFlag(FLAGS_input), ',', absl::SkipEmpty())) {
     request.input_files.emplace_back(f);
+  }
+  // No --valid_lens: the toy request's lengths for the toy request only (as
+  // mha-serve-client does), else none.
+  const bool toy = request.input_files.empty() && request.batch == kRequest.batch &&
+                   request.num_queries == kRequest.num_queries &&
+                   request.num_keys == kRequest.num_keys;
+  const std::string valid_lens = absl::GetFlag(FLAGS_valid_lens);
+  if (!valid_lens.empty()) {
+    MHA_ASSIGN_OR_RETURN(request.valid_lens, ParseValidLens(valid_lens));
+  } else {
+    request.valid_lens = toy ? kRequest.valid_lens : std::vector<int32_t>{};
   }
   MHA_RETURN_IF_ERROR(mha::client::CheckRequestOptions(request));
   return request;
@@ -337,6 +360,56 @@ absl::StatusOr<mha::client::Protocol> ProtocolFromFlags(const std::string& verb)
   return protocol;
 }
 
+// The flags each verb reads besides the connection's (kConnectionFlags); any other
+// on its command line is a usage error rather than silently ignored.
+const std::set<std::string> kConnectionFlags = {
+    "protocol", "target",  "targets",         "tls",     "tls_ca",
+    "tls_cert", "tls_key", "tls_server_name", "timeout", "max_message_size"};
+const std::set<std::string> kRequestFlags = {"model",       "model_version", "batch",
+                                             "num_queries", "num_keys",      "valid_lens",
+                                             "causal",      "seed",          "input"};
+std::set<std::string> VerbFlags(const std::string& verb) {
+  std::set<std::string> flags;
+  if (verb == "infer" || verb == "bench" || verb == "heatmap" || verb == "heads") {
+    flags = kRequestFlags;
+  }
+  if (verb == "infer") flags.insert({"output", "return_attention"});
+  if (verb == "bench") {
+    flags.insert({"concurrency", "request_rate", "request_distribution", "mode", "streams", "rpc",
+                  "channels", "warmup", "window", "stable_windows", "stability", "max_windows",
+                  "duration", "max_requests", "allow_errors", "max_errors", "json", "csv",
+                  "progress"});
+  }
+  if (verb == "heatmap") {
+    flags.insert({"output", "json", "batch_index", "cell_size", "columns", "scale"});
+  }
+  if (verb == "heads") flags.insert({"prune", "json"});
+  if (verb == "health") flags.insert("service");
+  if (verb == "decode") {
+    flags.insert({"model", "model_version", "seed", "sessions", "prefill", "decode_tokens",
+                  "stateless", "check", "json"});
+  }
+  return flags;
+}
+
+// A usage error naming the first flag on the command line that `verb` does not read,
+// and the verbs that do.
+absl::Status CheckFlagsApplyToVerb(const std::string& verb, const std::vector<std::string>& given,
+                                   const std::vector<std::string>& verbs) {
+  const std::set<std::string> flags = VerbFlags(verb);
+  for (const std::string& name : given) {
+    if (kConnectionFlags.count(name) > 0 || flags.count(name) > 0) continue;
+    std::vector<std::string> readers;
+    for (const std::string& other : verbs) {
+      if (VerbFlags(other).count(name) > 0) readers.push_back(other);
+    }
+    return UsageError(absl::StrCat("--", name, ": ", verb, " does not read it (",
+                                   readers.empty() ? "no verb" : absl::StrJoin(readers, ", "),
+                                   " only)"));
+  }
+  return absl::OkStatus();
+}
+
 // Every flag is checked (usage errors) before the verb connects.
 absl::Status RunVerb(const std::string& verb, const mha::client::ChannelOptions& channel) {
   namespace client = mha::client;
@@ -355,6 +428,7 @@ absl::Status RunVerb(const std::string& verb, const mha::client::ChannelOptions&
     options.decode.seed = absl::GetFlag(FLAGS_seed);
     MHA_RETURN_IF_ERROR(client::CheckDecodeOptions(options.decode));
     options.json = absl::GetFlag(FLAGS_json);
+    options.check = absl::GetFlag(FLAGS_check);
     return client::Decode(channel, options, std::cout);
   }
   MHA_ASSIGN_OR_RETURN(const client::RequestOptions request, RequestFromFlags());
@@ -380,6 +454,8 @@ absl::Status RunVerb(const std::string& verb, const mha::client::ChannelOptions&
     options.batch_index = absl::GetFlag(FLAGS_batch_index);
     options.style.cell_size = absl::GetFlag(FLAGS_cell_size);
     options.style.columns = absl::GetFlag(FLAGS_columns);
+    MHA_ASSIGN_OR_RETURN(options.style.scale,
+                         client::ParseHeatmapScale(absl::GetFlag(FLAGS_scale)));
     return client::Heatmap(channel, request, options, std::cout);
   }
   if (verb == "heads") {
@@ -413,13 +489,7 @@ void KeepRequestBuffersInTheHeap() {
 int main(int argc, char** argv) {
   KeepRequestBuffersInTheHeap();
   mha::SkipMutexDeadlockDetectionInRelease();
-  // --help lists this file's flags (absl's default looks for <program>.cc).
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) {
-    return absl::EndsWith(file, "client/main.cc");
-  };
-  usage.contains_helpshort_flags = usage.contains_help_flags;
-  absl::SetFlagsUsageConfig(usage);
+  // --help (base/command_line.h) prints this and every flag; --version the version.
   absl::SetProgramUsageMessage(kUsage);
   const std::vector<std::string> args = mha::ParseCommandLineOrExit(argc, argv);
 
@@ -434,7 +504,8 @@ int main(int argc, char** argv) {
     mha::ExitWithUsageError(absl::StrCat("unexpected argument '", args[1], "' after the verb ",
                                          args[0], " (flags are --name=value)"));
   }
-  const absl::Status status = Run(args[0]);
+  absl::Status status = CheckFlagsApplyToVerb(args[0], mha::FlagsOnCommandLine(argc, argv), verbs);
+  if (status.ok()) status = Run(args[0]);
   if (!status.ok()) {
     std::fflush(stdout);
     std::fprintf(stderr, "%s\n", mha::client::ErrorLine(status).c_str());

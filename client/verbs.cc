@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <numeric>
+#include <optional>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -132,9 +133,11 @@ absl::Status WriteOutput(const std::string& path, const AttendRequest& request,
 }
 
 // Where `png`'s maps and colour bar are, for scripts that read its pixels.
-nlohmann::json LayoutJson(const HeatmapLayout& layout, const std::string& png,
+nlohmann::json LayoutJson(const HeatmapLayout& layout, HeatmapScale scale, const std::string& png,
                           int64_t batch_index) {
   nlohmann::json json = {{"png", png},
+                         {"scale", HeatmapScaleName(scale)},
+                         {"min_weight", layout.min_weight},
                          {"width", layout.width},
                          {"height", layout.height},
                          {"cell_size", layout.cell_size},
@@ -154,13 +157,50 @@ nlohmann::json LayoutJson(const HeatmapLayout& layout, const std::string& png,
   return json;
 }
 
+// The "output" tensor of infer's input, when it is one .safetensors that has one.
+absl::StatusOr<std::optional<Array>> StoredOutput(const RequestOptions& request) {
+  if (request.input_files.size() != 1 || !absl::EndsWith(request.input_files[0], ".safetensors")) {
+    return std::nullopt;
+  }
+  MHA_ASSIGN_OR_RETURN(auto tensors, ReadSafetensors(request.input_files[0]));
+  auto it = tensors.find("output");
+  if (it == tensors.end()) return std::nullopt;
+  return std::move(it->second);
+}
+
+// "stored output (FILE): max abs difference 2.4e-06 over 1000 values".
+absl::StatusOr<std::string> CompareWithStored(const std::string& file, const Array& stored,
+                                              const Tensor& output) {
+  if (stored.shape != Shape(output)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(file, ": the stored output has shape (", absl::StrJoin(stored.shape, ", "),
+                     "), the server's ", ShapeString(output), ": not the same request?"));
+  }
+  double max_diff = 0;
+  for (int i = 0; i < output.data_size(); ++i) {
+    const double diff = std::abs(static_cast<double>(output.data(i)) - stored.values[i]);
+    max_diff = std::isnan(diff) ? diff : std::max(max_diff, diff);
+    if (std::isnan(max_diff)) break;
+  }
+  return absl::StrFormat("stored output (%s): max abs difference %.3g over %d values", file,
+                         max_diff, output.data_size());
+}
+
 }  // namespace
+
+absl::StatusOr<HeatmapScale> ParseHeatmapScale(const std::string& text) {
+  for (HeatmapScale scale : {HeatmapScale::kLinear, HeatmapScale::kLog, HeatmapScale::kRow}) {
+    if (text == HeatmapScaleName(scale)) return scale;
+  }
+  return UsageError(absl::StrCat("--scale: expected linear, log or row, got ", text));
+}
 
 absl::Status Infer(const ChannelOptions& channel, const RequestOptions& request_options,
                    const InferOptions& options, std::ostream& out) {
   MHA_RETURN_IF_ERROR(CheckOutputPath(options.output));
   MHA_ASSIGN_OR_RETURN(Session session, Open(channel, request_options.model));
   MHA_ASSIGN_OR_RETURN(const AttendRequest request, MakeRequest(request_options, session.model));
+  MHA_ASSIGN_OR_RETURN(const std::optional<Array> stored, StoredOutput(request_options));
   out << ModelLine(session.model) << "\n" << RequestLine(request) << "\n";
   MHA_ASSIGN_OR_RETURN(const Timed timed, Attend(*session.connection, request));
   const Tensor& output = timed.response.output();
@@ -197,6 +237,11 @@ absl::Status Infer(const ChannelOptions& channel, const RequestOptions& request_
                            t.compute_us(), t.batch_rows());
   }
   out << "\n";
+  if (stored) {
+    MHA_ASSIGN_OR_RETURN(const std::string line,
+                         CompareWithStored(request_options.input_files[0], *stored, output));
+    out << line << "\n";
+  }
   if (!options.output.empty()) {
     MHA_RETURN_IF_ERROR(WriteOutput(options.output, request, timed.response));
     out << "wrote " << options.output << "\n";
@@ -268,12 +313,22 @@ absl::Status Heatmap(const ChannelOptions& channel, const RequestOptions& reques
       RenderHeatmap(
           options.output, row, heads, rows, cols,
           [&](int64_t q, int64_t k) { return IsMasked(request, b, q, k); }, style));
-  out << absl::StrFormat(
-      "wrote %s (%d x %d pixels): %d heads, %d queries x %d keys, scale 0 .. %.4g\n",
-      options.output, layout.width, layout.height, heads, rows, cols, layout.max_weight);
+  std::string scale;
+  switch (style.scale) {
+    case HeatmapScale::kLog:
+      scale = absl::StrFormat("log scale %.4g .. %.4g", layout.min_weight, layout.max_weight);
+      break;
+    case HeatmapScale::kRow:
+      scale = "each query row scaled 0 .. its largest weight";
+      break;
+    default:
+      scale = absl::StrFormat("scale 0 .. %.4g", layout.max_weight);
+  }
+  out << absl::StrFormat("wrote %s (%d x %d pixels): %d heads, %d queries x %d keys, %s\n",
+                         options.output, layout.width, layout.height, heads, rows, cols, scale);
   if (!options.json.empty()) {
     MHA_RETURN_IF_ERROR(
-        WriteText(options.json, LayoutJson(layout, options.output, b).dump(2) + "\n"));
+        WriteText(options.json, LayoutJson(layout, style.scale, options.output, b).dump(2) + "\n"));
   }
   return absl::OkStatus();
 }
@@ -393,9 +448,25 @@ absl::Status Decode(const ChannelOptions& channel, const DecodeCommandOptions& o
                        RunDecode(decode, session.connection->channel(), session.model));
   report.target = channel.targets.empty() ? channel.target : absl::StrJoin(channel.targets, ",");
   PrintDecodeTable(report, out);
+  std::optional<DecodeCheck> check;
+  if (options.check) {
+    DecodeOptions other = decode;
+    other.stateless = !decode.stateless;
+    out << "check: the same tokens through "
+        << (other.stateless ? "Attend (stateless)" : "AttendSession") << "\n";
+    MHA_ASSIGN_OR_RETURN(DecodeReport second,
+                         RunDecode(other, session.connection->channel(), session.model));
+    second.target = report.target;
+    PrintDecodeTable(second, out);
+    check = CompareDecodeRuns(report, second, kDecodeCheckTolerance);
+    out << DecodeCheckLine(*check) << "\n";
+  }
   if (!options.json.empty()) {
-    MHA_RETURN_IF_ERROR(WriteText(options.json, DecodeJson(report)));
+    MHA_RETURN_IF_ERROR(WriteText(options.json, DecodeJson(report, check)));
     out << "wrote " << options.json << "\n";
+  }
+  if (check && !check->match) {
+    return absl::FailedPreconditionError(absl::StrCat("decode --", DecodeCheckLine(*check)));
   }
   return absl::OkStatus();
 }

@@ -26,6 +26,10 @@
 
 namespace mha::client {
 
+// infer: when the request's input is one .safetensors that holds an "output" tensor
+// (the exporter's io.safetensors: PyTorch's answer; infer --output's: an earlier
+// answer), it prints that tensor's max abs difference from the server's output
+// (INVALID_ARGUMENT naming the file when their shapes differ).
 struct InferOptions {
   // .npy: the output; .safetensors: the inputs sent and the output (and the
   // attention weights when asked), loadable again with --input.
@@ -41,6 +45,9 @@ struct BenchCommandOptions {
 };
 absl::Status Bench(const ChannelOptions& channel, const RequestOptions& request,
                    const BenchCommandOptions& options, std::ostream& out, std::ostream& progress);
+
+// "linear", "log" or "row"; a usage error naming --scale otherwise.
+absl::StatusOr<HeatmapScale> ParseHeatmapScale(const std::string& text);
 
 struct HeatmapOptions {
   std::string output = "attention.png";
@@ -67,8 +74,15 @@ absl::Status Health(const ChannelOptions& channel, const HealthOptions& options,
 struct DecodeCommandOptions {
   DecodeOptions decode;  // its timeout is the channel's
   std::string json;      // report file, when set
+  // Also runs the other mode (decode.stateless flipped) on the same tokens and prints
+  // whether the output sums agree within kDecodeCheckTolerance x the sum of |output|,
+  // and the sessions' decode tokens/s over the stateless run's. The JSON report is
+  // the first run's, with a "check" object.
+  bool check = false;
 };
+inline constexpr double kDecodeCheckTolerance = 1e-5;
 // Fails with the first failed step's status (the run stops there); no table then.
+// With `check`, FAILED_PRECONDITION when the sums disagree.
 absl::Status Decode(const ChannelOptions& channel, const DecodeCommandOptions& options,
                     std::ostream& out);
 

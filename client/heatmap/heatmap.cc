@@ -100,30 +100,39 @@ absl::StatusOr<HeatmapLayout> PlanLayout(int64_t heads, int64_t rows, int64_t co
   return layout;
 }
 
-// The top of the colour scale: the largest finite weight that is not masked.
-float MaxWeight(absl::Span<const float> weights, int64_t rows, int64_t cols,
-                const std::function<bool(int64_t, int64_t)>& masked) {
-  float max_weight = 0;
+// The largest finite weight that is not masked, and the smallest positive one.
+void WeightRange(absl::Span<const float> weights, int64_t rows, int64_t cols,
+                 const std::function<bool(int64_t, int64_t)>& masked, float* max_weight,
+                 float* min_positive) {
+  *max_weight = 0;
+  *min_positive = INFINITY;
   for (size_t i = 0; i < weights.size(); ++i) {
     const int64_t k = static_cast<int64_t>(i) % cols, q = (static_cast<int64_t>(i) / cols) % rows;
-    if (!masked(q, k) && std::isfinite(weights[i])) max_weight = std::max(max_weight, weights[i]);
+    if (masked(q, k) || !std::isfinite(weights[i])) continue;
+    *max_weight = std::max(*max_weight, weights[i]);
+    if (weights[i] > 0) *min_positive = std::min(*min_positive, weights[i]);
   }
-  return max_weight;
 }
 
-// One head's (rows, cols) weights as cells, `scale` the top of the colour scale,
-// and a frame around them.
-void DrawCells(cairo_t* cr, const HeatmapLayout& layout, const HeatmapLayout::Map& map,
-               absl::Span<const float> weights, const std::function<bool(int64_t, int64_t)>& masked,
-               float scale) {
+// One head's (rows, cols) weights as cells on `layout`'s scale, and a frame around them.
+void DrawCells(cairo_t* cr, const HeatmapLayout& layout, HeatmapScale scale,
+               const HeatmapLayout::Map& map, absl::Span<const float> weights,
+               const std::function<bool(int64_t, int64_t)>& masked) {
   const double c = layout.cell_size;
   // Cells: whole pixels and no antialiasing, so a masked cell stays exactly background.
   cairo_set_antialias(cr, CAIRO_ANTIALIAS_NONE);
   for (int64_t q = 0; q < layout.rows; ++q) {
+    float row_max = 0;
+    for (int64_t k = 0; k < layout.cols; ++k) {
+      const float w = weights[static_cast<size_t>(q * layout.cols + k)];
+      if (!masked(q, k) && std::isfinite(w)) row_max = std::max(row_max, w);
+    }
     for (int64_t k = 0; k < layout.cols; ++k) {
       if (masked(q, k)) continue;
       uint8_t rgb[3];
-      Viridis(weights[static_cast<size_t>(q * layout.cols + k)] / scale, rgb);
+      Viridis(
+          ScalePosition(scale, layout, weights[static_cast<size_t>(q * layout.cols + k)], row_max),
+          rgb);
       SetColor(cr, rgb);
       cairo_rectangle(cr, map.x + k * c, map.y + q * c, c, c);
       cairo_fill(cr);
@@ -158,7 +167,20 @@ void DrawAxes(cairo_t* cr, const HeatmapLayout& layout, const HeatmapLayout::Map
   cairo_restore(cr);
 }
 
-void DrawColourBar(cairo_t* cr, const HeatmapLayout& layout) {
+// The weight at position t of the colour bar, as its label.
+std::string BarLabel(HeatmapScale scale, const HeatmapLayout& layout, double t) {
+  switch (scale) {
+    case HeatmapScale::kLog:
+      return absl::StrFormat(
+          "%.3g", layout.min_weight * std::pow(layout.max_weight / layout.min_weight, t));
+    case HeatmapScale::kRow:
+      return t == 0 ? "0" : absl::StrFormat("%.3g x max", t);
+    default:
+      return absl::StrFormat("%.3g", t * layout.max_weight);
+  }
+}
+
+void DrawColourBar(cairo_t* cr, const HeatmapLayout& layout, HeatmapScale scale) {
   cairo_set_antialias(cr, CAIRO_ANTIALIAS_NONE);
   for (int y = 0; y < layout.bar_height; ++y) {
     uint8_t rgb[3];
@@ -174,13 +196,41 @@ void DrawColourBar(cairo_t* cr, const HeatmapLayout& layout) {
     cairo_move_to(cr, layout.bar_x + kBarWidth, y);
     cairo_line_to(cr, layout.bar_x + kBarWidth + 4, y);
     cairo_stroke(cr);
-    Text(cr, absl::StrFormat("%.3g", t * layout.max_weight), layout.bar_x + kBarWidth + 7, y + 4, 0,
-         10);
+    Text(cr, BarLabel(scale, layout, t), layout.bar_x + kBarWidth + 7, y + 4, 0, 10);
   }
-  Text(cr, "weight", layout.bar_x, layout.bar_y - 6, 0, 10);
+  Text(cr,
+       scale == HeatmapScale::kLog   ? "weight (log)"
+       : scale == HeatmapScale::kRow ? "weight / row max"
+                                     : "weight",
+       layout.bar_x, layout.bar_y - 6, 0, 10);
 }
 
 }  // namespace
+
+double ScalePosition(HeatmapScale scale, const HeatmapLayout& layout, float weight, float row_max) {
+  switch (scale) {
+    case HeatmapScale::kLog:
+      if (!(weight > layout.min_weight) || layout.max_weight <= layout.min_weight) {
+        return weight >= layout.max_weight && layout.max_weight > 0 ? 1.0 : 0.0;
+      }
+      return std::log(weight / layout.min_weight) / std::log(layout.max_weight / layout.min_weight);
+    case HeatmapScale::kRow:
+      return row_max > 0 ? weight / row_max : 0.0;
+    default:
+      return layout.max_weight > 0 ? weight / layout.max_weight : weight;
+  }
+}
+
+const char* HeatmapScaleName(HeatmapScale scale) {
+  switch (scale) {
+    case HeatmapScale::kLog:
+      return "log";
+    case HeatmapScale::kRow:
+      return "row";
+    default:
+      return "linear";
+  }
+}
 
 void Viridis(double t, uint8_t rgb[3]) {
   t = std::clamp(std::isfinite(t) ? t : 0.0, 0.0, 1.0) * 8;
@@ -203,8 +253,13 @@ absl::StatusOr<HeatmapLayout> RenderHeatmap(const std::string& path,
         "heatmap: ", weights.size(), " weights for shape (", heads, ", ", rows, ", ", cols, ")"));
   }
   MHA_ASSIGN_OR_RETURN(HeatmapLayout layout, PlanLayout(heads, rows, cols, style));
-  layout.max_weight = MaxWeight(weights, rows, cols, masked);
-  const float scale = layout.max_weight > 0 ? layout.max_weight : 1.0f;
+  float min_positive = 0;
+  WeightRange(weights, rows, cols, masked, &layout.max_weight, &min_positive);
+  if (style.scale == HeatmapScale::kLog) {
+    layout.min_weight = std::isfinite(min_positive)
+                            ? std::max(min_positive, layout.max_weight * 1e-6f)
+                            : layout.max_weight;
+  }
 
   std::unique_ptr<cairo_surface_t, CairoDeleter> surface(
       cairo_image_surface_create(CAIRO_FORMAT_RGB24, layout.width, layout.height));
@@ -215,11 +270,11 @@ absl::StatusOr<HeatmapLayout> RenderHeatmap(const std::string& path,
   DrawTitle(cr, style.title);
   const size_t map_size = static_cast<size_t>(rows * cols);
   for (const HeatmapLayout::Map& map : layout.heads) {
-    DrawCells(cr, layout, map, weights.subspan(static_cast<size_t>(map.head) * map_size, map_size),
-              masked, scale);
+    DrawCells(cr, layout, style.scale, map,
+              weights.subspan(static_cast<size_t>(map.head) * map_size, map_size), masked);
     DrawAxes(cr, layout, map);
   }
-  DrawColourBar(cr, layout);
+  DrawColourBar(cr, layout, style.scale);
 
   cairo_surface_flush(surface.get());
   if (cairo_surface_write_to_png(surface.get(), path.c_str()) != CAIRO_STATUS_SUCCESS) {

@@ -79,6 +79,7 @@ StepReport RunStep(const BenchOptions& options, const LoadTarget& target, int co
   auto started = StartLoad(options, target, concurrency, rate, seed, &recorder);
   if (!started.ok()) {  // options were checked before; keep the failure visible anyway
     step.stats.errors[std::string(absl::StatusCodeToString(started.status().code()))] = 1;
+    step.all_errors = step.stats.errors;
     return step;
   }
   std::unique_ptr<LoadManager> load = *std::move(started);

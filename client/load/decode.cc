@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <iterator>
 #include <limits>
@@ -52,11 +53,16 @@ struct DecodeStep {
 
 // What one session measured; the decode phase from its first send to its last
 // response.
+// Sums of output values and of their magnitudes.
+struct OutputSums {
+  double sum = 0, abs_sum = 0;
+};
+
 struct SessionResult {
   Sample prefill;
   std::vector<DecodeStep> steps;
   int64_t decode_start_ns = 0, decode_end_ns = 0;
-  double output_sum = 0;
+  OutputSums output;
 };
 
 // What the sessions of a run share: where they send, the prefill barrier, the
@@ -168,8 +174,8 @@ Sample TimedSample(int64_t start_ns, const Timing& timing) {
 
 // INTERNAL unless `output` is (1, tokens, p_o) with its values in `data` (the
 // server answers in the encoding of the request's queries: data); adds them to
-// `sum`.
-absl::Status CheckOutput(const Tensor& output, int64_t tokens, int64_t p_o, double* sum) {
+// `sums`.
+absl::Status CheckOutput(const Tensor& output, int64_t tokens, int64_t p_o, OutputSums* sums) {
   const bool shape_ok = output.shape_size() == 3 && output.shape(0) == 1 &&
                         output.shape(1) == tokens && output.shape(2) == p_o;
   if (!shape_ok || output.data_size() != tokens * p_o) {
@@ -177,7 +183,10 @@ absl::Status CheckOutput(const Tensor& output, int64_t tokens, int64_t p_o, doub
         absl::StrFormat("the server's output has shape %s and %d data values, expected (1, %d, %d)",
                         ShapeString(output), output.data_size(), tokens, p_o));
   }
-  for (float v : output.data()) *sum += v;
+  for (float v : output.data()) {
+    sums->sum += v;
+    sums->abs_sum += std::abs(v);
+  }
   return absl::OkStatus();
 }
 
@@ -342,11 +351,11 @@ class SessionDriver {
     const bool prefill = session.step < 0;
     const int64_t context = o.prefill + session.step + 1;
     const int64_t new_tokens = prefill ? o.prefill : 1;
-    double unused_sum = 0;
+    OutputSums unused_sums;
     absl::Status checked =
         session.response.context_tokens() == context
             ? CheckOutput(session.response.output(), new_tokens, shared_.model().num_hiddens(),
-                          prefill ? &unused_sum : &session.result->output_sum)
+                          prefill ? &unused_sums : &session.result->output)
             : absl::InternalError(absl::StrCat("the server reports context_tokens ",
                                                session.response.context_tokens(), ", expected ",
                                                context));
@@ -443,11 +452,11 @@ void StatelessSession(Shared& shared, int64_t s, SessionResult& result) {
   connection->set_call_group(&shared.calls());
 
   auto call = [&](const AttendRequest& request, int64_t new_tokens,
-                  double* sum) -> absl::StatusOr<Sample> {
+                  OutputSums* sums) -> absl::StatusOr<Sample> {
     const int64_t start_ns = SteadyNowNs();
     MHA_ASSIGN_OR_RETURN(const AttendResponse response, connection->Attend(request));
     const Sample sample = TimedSample(start_ns, response.timing());
-    MHA_RETURN_IF_ERROR(CheckOutput(response.output(), new_tokens, p_o, sum));
+    MHA_RETURN_IF_ERROR(CheckOutput(response.output(), new_tokens, p_o, sums));
     return sample;
   };
 
@@ -456,8 +465,8 @@ void StatelessSession(Shared& shared, int64_t s, SessionResult& result) {
   request.set_model_version(o.model_version);
   request.set_causal(true);
   CopyRows(tokens, 0, o.prefill, request.mutable_queries());
-  double unused_sum = 0;
-  absl::StatusOr<Sample> prefill = call(request, o.prefill, &unused_sum);
+  OutputSums unused_sums;
+  absl::StatusOr<Sample> prefill = call(request, o.prefill, &unused_sums);
   if (prefill.ok()) {
     result.prefill = *prefill;
   } else {
@@ -477,7 +486,7 @@ void StatelessSession(Shared& shared, int64_t s, SessionResult& result) {
     CopyRows(tokens, row, 1, request.mutable_queries());
     AppendRow(tokens, row, request.mutable_keys());
     AppendRow(tokens, row, request.mutable_values());
-    absl::StatusOr<Sample> sample = call(request, 1, &result.output_sum);
+    absl::StatusOr<Sample> sample = call(request, 1, &result.output);
     if (!sample.ok()) {
       shared.Fail(InStep(sample.status(), kCall, s, DecodeStepName(n, o.decode_tokens, context)));
       return;
@@ -505,7 +514,8 @@ void Aggregate(const std::vector<SessionResult>& results, DecodeReport& report) 
     }
     start_ns = std::min(start_ns, r.decode_start_ns);
     end_ns = std::max(end_ns, r.decode_end_ns);
-    report.output_sum += r.output_sum;
+    report.output_sum += r.output.sum;
+    report.output_abs_sum += r.output.abs_sum;
   }
   // A decode step is one token: tokens/s are Summarize's responses per second.
   decode.duration_ns = std::max<int64_t>(end_ns - start_ns, 0);

@@ -82,7 +82,8 @@ struct DecodeReport {
   // session order: the same in both modes up to float rounding, a check that the
   // server's cache gives what recomputing does.
   double output_sum = 0;
-  int64_t calls = 0;  // AttendSession streams, or Attend calls, made
+  double output_abs_sum = 0;  // of |value|: the scale of output_sum's rounding
+  int64_t calls = 0;          // AttendSession streams, or Attend calls, made
 };
 
 // Runs the load on `channel` against `model` (GetModel's answer for

@@ -1,6 +1,7 @@
 #include "client/load/report.h"
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <initializer_list>
 #include <map>
@@ -21,10 +22,10 @@ std::string LoadLabel(const StepReport& step) {
                               : absl::StrFormat("rate %g/s", step.request_rate);
 }
 
-int64_t ErrorCount(const StepStats& stats) {
-  int64_t errors = 0;
-  for (const auto& [code, count] : stats.errors) errors += count;
-  return errors;
+int64_t ErrorCount(const std::map<std::string, int64_t>& errors) {
+  int64_t total = 0;
+  for (const auto& [code, count] : errors) total += count;
+  return total;
 }
 
 // "UNAVAILABLE=3;INTERNAL=1", or "0".
@@ -63,6 +64,20 @@ std::string CallName(Protocol protocol, Mode mode) {
       return "POST /v2/models/{model}/infer, binary tensors";
     default:
       return stream ? "AttendStream" : "Attend";
+  }
+}
+
+// What one request of a step is, as the table's rpc column and its last line name
+// it: "Attend", "ModelStreamInfer", "ServerReady" (the health RPCs are unary).
+std::string CallLabel(Protocol protocol, Mode mode, Rpc rpc) {
+  const bool stream = mode == Mode::kStream;
+  switch (protocol) {
+    case Protocol::kKServe:
+      return rpc == Rpc::kHealth ? "ServerReady" : stream ? "ModelStreamInfer" : "ModelInfer";
+    case Protocol::kHttp:
+      return rpc == Rpc::kHealth ? "GET ready" : "POST infer";
+    default:
+      return rpc == Rpc::kHealth ? "Health" : stream ? "AttendStream" : "Attend";
   }
 }
 
@@ -105,7 +120,7 @@ void BenchProgress::WindowDone(const StepReport& step, int window, const StepSta
        << absl::StrFormat("[%s %s] window %d: %.1f req/s, p50 %.3f ms, p99 %.3f ms, errors %d",
                           RpcName(step.rpc), LoadLabel(step), window, stats.requests_per_s,
                           stats.latency.p50_us * 1e-3, stats.latency.p99_us * 1e-3,
-                          ErrorCount(stats))
+                          ErrorCount(stats.errors))
        << (interactive_ ? "" : "\n") << std::flush;
 }
 
@@ -118,7 +133,7 @@ void BenchProgress::StepDone(const StepReport& step) {
               RpcName(step.rpc), LoadLabel(step),
               step.stable ? "stable" : absl::StrCat("NOT stable (", step.end_reason, ")"),
               step.windows, s.requests_per_s, s.latency.p50_us * 1e-3, s.latency.p99_us * 1e-3,
-              ErrorCount(s))
+              ErrorCount(step.all_errors))
        << std::flush;
 }
 
@@ -131,7 +146,9 @@ void PrintTable(const BenchReport& report, std::ostream& out) {
       report.tokens_per_request, ModeName(o.mode),
       o.request_rates.empty() ? "fixed concurrency"
                               : (o.poisson ? "fixed rate, Poisson" : "fixed rate, constant"));
-  out << absl::StrFormat("%-17s %-6s %10s %11s %8s %8s %8s %8s %8s %8s %s %s\n", "load", "rpc",
+  // errors: every failed request of the step (warm-up, windows and drain), the
+  // count CheckBenchReport judges; the latencies and req/s are the last windows'.
+  out << absl::StrFormat("%-17s %-16s %10s %11s %8s %8s %8s %8s %8s %8s %s %s\n", "load", "rpc",
                          "req/s", "tokens/s", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "max ms",
                          "errors", ServerHeader(), "stable");
   for (const StepReport& step : report.steps) {
@@ -142,24 +159,31 @@ void PrintTable(const BenchReport& report, std::ostream& out) {
     const bool timing =
         attend && (report.protocol == Protocol::kAttention || s.server_batch_rows > 0);
     const LatencyStats& l = s.latency;
-    out << absl::StrFormat(
-        "%-17s %-6s %10.1f %11s %s %8s %s %s\n", LoadLabel(step), RpcName(step.rpc),
-        s.requests_per_s, attend ? absl::StrFormat("%.0f", s.tokens_per_s) : "-",
-        MsColumns({l.p50_us, l.p90_us, l.p95_us, l.p99_us, l.max_us}), ErrorText(s.errors),
-        ServerColumns(s, timing), step.stable ? "yes" : absl::StrFormat("no, %s", step.end_reason));
+    out << absl::StrFormat("%-17s %-16s %10.1f %11s %s %8s %s %s\n", LoadLabel(step),
+                           CallLabel(report.protocol, o.mode, step.rpc), s.requests_per_s,
+                           attend ? absl::StrFormat("%.0f", s.tokens_per_s) : "-",
+                           MsColumns({l.p50_us, l.p90_us, l.p95_us, l.p99_us, l.max_us}),
+                           ErrorText(step.all_errors), ServerColumns(s, timing),
+                           step.stable ? "yes" : absl::StrFormat("no, %s", step.end_reason));
   }
+  const std::string attend_call = CallLabel(report.protocol, o.mode, Rpc::kAttend);
+  const std::string health_call = CallLabel(report.protocol, o.mode, Rpc::kHealth);
   for (const auto& [health, attend] : HealthPairs(report)) {
     const StepStats& h = health->stats;
     const StepStats& a = attend->stats;
     out << absl::StrFormat(
-        "%s: Attend / Health p50 latency %.2fx, p99 %.2fx; Attend throughput %.2fx of Health's\n",
-        LoadLabel(*attend), Ratio(a.latency.p50_us, h.latency.p50_us),
-        Ratio(a.latency.p99_us, h.latency.p99_us), Ratio(a.requests_per_s, h.requests_per_s));
+        "%s: %s / %s p50 latency %.2fx, p99 %.2fx; %s throughput %.2fx of %s's\n",
+        LoadLabel(*attend), attend_call, health_call, Ratio(a.latency.p50_us, h.latency.p50_us),
+        Ratio(a.latency.p99_us, h.latency.p99_us), attend_call,
+        Ratio(a.requests_per_s, h.requests_per_s), health_call);
   }
-  out << absl::StrFormat("requests sent: %d Attend%s\n", report.attend_requests,
-                         report.health_requests > 0
-                             ? absl::StrFormat(", %d Health/Check", report.health_requests)
-                             : "");
+  int64_t errors = 0;
+  for (const StepReport& step : report.steps) errors += ErrorCount(step.all_errors);
+  out << absl::StrFormat(
+      "requests sent: %d %s%s; failed: %d\n", report.attend_requests, attend_call,
+      report.health_requests > 0 ? absl::StrFormat(", %d %s", report.health_requests, health_call)
+                                 : "",
+      errors);
 }
 
 namespace {
@@ -244,7 +268,8 @@ std::string ToCsv(const BenchReport& report) {
                   ModeName(step.rpc == Rpc::kHealth ? Mode::kUnary : report.options.mode),
                   step.concurrency, step.request_rate, s.requests_per_s, s.tokens_per_s, l.p50_us,
                   l.p90_us, l.p95_us, l.p99_us, l.max_us, l.mean_us, s.requests, s.ok,
-                  ErrorCount(s), s.errors.empty() ? "" : ErrorText(s.errors), s.server_batch_rows,
+                  ErrorCount(step.all_errors),
+                  step.all_errors.empty() ? "" : ErrorText(step.all_errors), s.server_batch_rows,
                   s.server_queue_us, s.server_compute_us, step.stable ? "true" : "false",
                   step.end_reason, step.windows, step.sent, ProtocolName(report.protocol)));
   }
@@ -365,7 +390,31 @@ void PrintDecodeTable(const DecodeReport& report, std::ostream& out) {
                                         report.calls, o.sessions * (1 + o.decode_tokens)));
 }
 
-std::string DecodeJson(const DecodeReport& report) {
+DecodeCheck CompareDecodeRuns(const DecodeReport& first, const DecodeReport& second,
+                              double relative_tolerance) {
+  const DecodeReport& session = first.options.stateless ? second : first;
+  const DecodeReport& stateless = first.options.stateless ? first : second;
+  DecodeCheck check;
+  check.session_sum = session.output_sum;
+  check.stateless_sum = stateless.output_sum;
+  check.difference = std::abs(check.session_sum - check.stateless_sum);
+  check.relative_tolerance = relative_tolerance;
+  check.tolerance = relative_tolerance * session.output_abs_sum;
+  check.match = check.difference <= check.tolerance;
+  check.speedup = Ratio(session.decode_tokens_per_s, stateless.decode_tokens_per_s);
+  return check;
+}
+
+std::string DecodeCheckLine(const DecodeCheck& c) {
+  return absl::StrFormat(
+      "check: output sums %.9g (AttendSession) and %.9g (stateless Attend): %s, |difference| "
+      "%.3g %s tolerance %.3g (%g x the sum of |output|); AttendSession decode tokens/s %.2fx "
+      "stateless Attend's",
+      c.session_sum, c.stateless_sum, c.match ? "match" : "DO NOT MATCH", c.difference,
+      c.match ? "<=" : ">", c.tolerance, c.relative_tolerance, c.speedup);
+}
+
+std::string DecodeJson(const DecodeReport& report, const std::optional<DecodeCheck>& check) {
   using nlohmann::json;
   const DecodeOptions& o = report.options;
   const attention::v1::ModelInfo& m = report.model;
@@ -387,8 +436,18 @@ std::string DecodeJson(const DecodeReport& report) {
         {"tokens_per_s", report.decode_tokens_per_s},
         {"steps", DecodeStepsJson(report.decode)}}},
       {"output_sum", report.output_sum},
+      {"output_abs_sum", report.output_abs_sum},
       {"calls", report.calls},
   };
+  if (check) {
+    root["check"] = {{"session_output_sum", check->session_sum},
+                     {"stateless_output_sum", check->stateless_sum},
+                     {"difference", check->difference},
+                     {"tolerance", check->tolerance},
+                     {"relative_tolerance", check->relative_tolerance},
+                     {"match", check->match},
+                     {"speedup", check->speedup}};
+  }
   for (const ContextBucket& bucket : report.buckets) {
     json entry = DecodeStepsJson(bucket.stats);
     entry["label"] = bucket.label;

@@ -4,6 +4,7 @@
 #ifndef MHA_CLIENT_LOAD_REPORT_H_
 #define MHA_CLIENT_LOAD_REPORT_H_
 
+#include <optional>
 #include <ostream>
 #include <string>
 
@@ -61,8 +62,28 @@ nlohmann::json ModelJson(const attention::v1::ModelInfo& model);
 // tokens/s.
 void PrintDecodeTable(const DecodeReport& report, std::ostream& out);
 
-// decode: the same numbers for scripts (latencies in microseconds), as bench's --json.
-std::string DecodeJson(const DecodeReport& report);
+// decode --check: two runs of the same tokens, one over sessions and one stateless
+// (in either order), compared.
+struct DecodeCheck {
+  double session_sum = 0, stateless_sum = 0;  // DecodeReport::output_sum of each
+  double difference = 0;                      // |session_sum - stateless_sum|
+  double relative_tolerance = 0;
+  double tolerance = 0;  // relative_tolerance x the session run's output_abs_sum
+  bool match = false;    // difference <= tolerance
+  // The session run's decode tokens/s over the stateless run's.
+  double speedup = 0;
+};
+DecodeCheck CompareDecodeRuns(const DecodeReport& first, const DecodeReport& second,
+                              double relative_tolerance);
+// "check: output sums 1.234 (AttendSession) and 1.234 (Attend): match, |difference|
+// 2e-07 <= tolerance 3e-04 (1e-05 x the sum of |output|, 30.1); AttendSession decode
+// tokens/s 3.52x stateless Attend's"
+std::string DecodeCheckLine(const DecodeCheck& check);
+
+// decode: the same numbers for scripts (latencies in microseconds), as bench's --json;
+// with `check`, a "check" object.
+std::string DecodeJson(const DecodeReport& report,
+                       const std::optional<DecodeCheck>& check = std::nullopt);
 
 // Writes `text` to `path`; INVALID_ARGUMENT naming the path on failure.
 absl::Status WriteText(const std::string& path, const std::string& text);

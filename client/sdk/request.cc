@@ -1,5 +1,7 @@
 #include "client/sdk/request.h"
 
+#include <algorithm>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -171,8 +173,20 @@ absl::StatusOr<AttendRequest> MakeRequest(const RequestOptions& options, const M
         "model ", model.name(), " has d_q ", model.query_size(), ", d_k ", model.key_size(),
         ", d_v ", model.value_size(), " and cannot self-attend: give keys (--num_keys > 0)"));
   }
-  // With input files, B and Q (and maybe the lengths) are the files'.
-  MHA_RETURN_IF_ERROR(CheckValidLensCount(request.valid_lens(), q.shape(0), q.shape(1)));
+  // With input files, B and Q (and maybe the lengths) are the files': lengths of the
+  // wrong count are still the user's to fix, a usage error naming where they came from.
+  const bool lens_from_file = options.input_files.size() == 1 &&
+                              absl::EndsWith(options.input_files[0], ".safetensors") &&
+                              !std::equal(options.valid_lens.begin(), options.valid_lens.end(),
+                                          request.valid_lens().begin(), request.valid_lens().end());
+  if (absl::Status lens = CheckValidLensCount(request.valid_lens(), q.shape(0), q.shape(1));
+      !lens.ok()) {
+    if (!lens_from_file) return UsageError(absl::StrCat(lens.message(), " (B and Q from --input)"));
+    return UsageError(absl::StrCat("--input: ", options.input_files[0], ": its valid_lens has ",
+                                   request.valid_lens_size(), " entries for queries ",
+                                   ShapeString(q), ": expected B = ", q.shape(0),
+                                   " or B*Q = ", q.shape(0) * q.shape(1)));
+  }
   return request;
 }
 

@@ -40,7 +40,9 @@ struct RequestOptions {
 absl::Status CheckRequestOptions(const RequestOptions& options);
 
 // CheckRequestOptions' errors, then INVALID_ARGUMENT naming the flag or file when
-// the inputs disagree with `model`'s sizes or with each other.
+// the inputs disagree with `model`'s sizes or with each other; valid_lens of a count
+// that fits neither B nor B*Q of the input files is a usage error naming --valid_lens
+// or the file they came from.
 absl::StatusOr<attention::v1::AttendRequest> MakeRequest(const RequestOptions& options,
                                                          const attention::v1::ModelInfo& model);
 

@@ -15,6 +15,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "base/splitmix64.h"
@@ -92,9 +93,16 @@ class ClientTest : public ::testing::Test {
   std::unique_ptr<ServerProcess> server_;
 };
 
+// mha_requests_total summed over every model and code (defined with the bench tests).
+int64_t RequestsTotal(const ServerProcess& server);
+
 TEST(ClientHelpTest, ListsEveryFlagWithItsDefault) {
   const ClientRun run = RunClient({"--help"});
+  EXPECT_EQ(run.exit_code, 0) << Describe(run);
   const std::string help = run.out + run.err;
+  // Flags and defaults, not where they are defined.
+  EXPECT_FALSE(absl::StrContains(help, "main.cc")) << help;
+  EXPECT_FALSE(absl::StrContains(help, MHA_SOURCE_DIR)) << help;
   for (const char* flag : {"--protocol",
                            "--target",
                            "--targets",
@@ -137,6 +145,8 @@ TEST(ClientHelpTest, ListsEveryFlagWithItsDefault) {
                            "--batch_index",
                            "--cell_size",
                            "--columns",
+                           "--scale",
+                           "--check",
                            "--prune",
                            "--service"}) {
     EXPECT_TRUE(absl::StrContains(help, absl::StrCat(flag, " ("))) << flag << "\n" << help;
@@ -167,8 +177,18 @@ void ExpectUsageError(const ClientRun& run, const std::string& expected) {
 TEST(ClientUsageTest, UsageErrorsExitTwoNamingTheFlag) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"infer", "--batch=0"}, "error: --batch: must be >= 1, got 0"},
-      {{"infer", "--batch=8"},
+      {{"infer", "--batch=8", "--valid_lens=3,2"},
        "error: --valid_lens: 2 entries (3,2) for batch 8: give B = 8 or B*Q = 32 entries"},
+      {{"infer", "--num_keys=0", "--valid_lens=1,2,3"},
+       "error: --valid_lens: 3 entries (1,2,3) for batch 2: give B = 2 or B*Q = 8 entries"},
+      // A flag another verb reads is refused rather than ignored.
+      {{"infer", "--duration=5s"}, "error: --duration: infer does not read it (bench only)"},
+      {{"decode", "--batch=4"},
+       "error: --batch: decode does not read it (infer, bench, heatmap, heads only)"},
+      {{"health", "--json=h.json"},
+       "error: --json: health does not read it (bench, heatmap, heads, decode only)"},
+      {{"bench", "--nocheck"}, "error: --check: bench does not read it (decode only)"},
+      {{"heatmap", "--scale=cubic"}, "error: --scale: expected linear, log or row, got cubic"},
       {{"infer", "--batch=two"}, "error: --batch: expected an integer, got 'two'"},
       {{"bench", "--duration=5"},
        "error: --duration: expected a duration with a unit (5s, 500ms, 2m, 1h30m), got '5'"},
@@ -203,6 +223,60 @@ TEST(ClientUsageTest, TheServerRejectsPositionalArgumentsAndNamesDurationUnits) 
   ExpectUsageError(run, "error: unexpected argument 'models': attention_server takes flags only");
   run = RunServer({"--port=0", "--metrics_port=-1", "--drain_timeout=30"});
   ExpectUsageError(run, "error: --drain_timeout: expected a duration with a unit");
+}
+
+// CMakeLists.txt's project(mha_serve VERSION x.y.z).
+std::string ProjectVersion() {
+  const std::string cmake = ReadFile(std::string(MHA_SOURCE_DIR) + "/CMakeLists.txt");
+  const size_t at = cmake.find("project(mha_serve VERSION ");
+  if (at == std::string::npos) return "";
+  const size_t start = at + std::strlen("project(mha_serve VERSION ");
+  return cmake.substr(start, cmake.find_first_of(" )", start) - start);
+}
+
+// --version on every program a user runs: the two binaries print the project's
+// version and this build's type; the Python CLI and exporter the version and
+// "(python)". Each exits 0 with one line on stdout.
+TEST(VersionTest, EveryProgramPrintsTheProjectVersion) {
+  const std::string version = ProjectVersion();
+  ASSERT_FALSE(version.empty()) << "no project VERSION in CMakeLists.txt";
+  const std::string python_path = std::string("PYTHONPATH=") + MHA_SOURCE_DIR + "/client/python";
+  struct Case {
+    std::string binary;
+    std::vector<std::string> args;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {MHA_CLIENT_PATH,
+       {"--version"},
+       absl::StrCat("attention_client ", version, " (", MHA_BUILD_TYPE, ")\n")},
+      {MHA_SERVER_PATH,
+       {"--version"},
+       absl::StrCat("attention_server ", version, " (", MHA_BUILD_TYPE, ")\n")},
+      {"/usr/bin/env",
+       {python_path, MHA_PYTHON, "-m", "mha_serve", "--version"},
+       absl::StrCat("mha-serve-client ", version, " (python)\n")},
+      {"/usr/bin/env",
+       {python_path, MHA_PYTHON, "-m", "mha_serve.export", "--version"},
+       absl::StrCat("mha_serve.export ", version, " (python)\n")},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrCat(c.binary, " ", absl::StrJoin(c.args, " ")));
+    const RunResult run = RunProgram(c.binary, c.args, absl::Seconds(60));
+    EXPECT_EQ(run.exit_code, 0) << Describe(run);
+    EXPECT_EQ(run.out, c.expected) << Describe(run);
+    EXPECT_FALSE(absl::StrContains(run.out + run.err, "NDEBUG")) << Describe(run);
+  }
+  // The build type is this build's own: never absl's "Debug build" on a release.
+  EXPECT_FALSE(std::string(MHA_BUILD_TYPE).empty());
+}
+
+TEST(VersionTest, TheServersHelpExitsZeroWithoutSourcePaths) {
+  const RunResult run = RunServer({"--help"});
+  EXPECT_EQ(run.exit_code, 0) << Describe(run);
+  EXPECT_TRUE(absl::StrContains(run.out, "--port (")) << run.out;
+  EXPECT_FALSE(absl::StrContains(run.out + run.err, "main.cc")) << run.out;
+  EXPECT_FALSE(absl::StrContains(run.out + run.err, "--flagfile")) << run.out;
 }
 
 TEST_F(ClientTest, InferDefaultRequestMatchesTheCore) {
@@ -302,6 +376,137 @@ TEST_F(ClientTest, InferFromNpyFilesMatchesTheCore) {
   EXPECT_LE(MaxAbsDiff(std::vector<float>(output->values.begin(), output->values.end()),
                        CoreForward(kToy, 0, self).output),
             1e-5f);
+}
+
+// Without --valid_lens only the toy request itself (B 2, Q 4, K 6, no --input) gets
+// the toy lengths 3,2; other sizes and files send none, and the server's answer is
+// the core's for what was sent.
+TEST_F(ClientTest, TheToyValidLensAreTheToyRequestsOnly) {
+  struct Case {
+    std::vector<std::string> flags;
+    std::string request_line;
+  };
+  const std::vector<Case> cases = {
+      {{}, "request: queries (2, 4, 100), keys (2, 6, 100), values (2, 6, 100), valid_lens [3, 2]"},
+      {{"--batch=8"},
+       "request: queries (8, 4, 100), keys (8, 6, 100), values (8, 6, 100), valid_lens []"},
+      {{"--num_keys=2"},
+       "request: queries (2, 4, 100), keys (2, 2, 100), values (2, 2, 100), valid_lens []"},
+      {{"--num_queries=3", "--num_keys=0"},
+       "request: queries (2, 3, 100) (self-attention), valid_lens []"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrJoin(c.flags, " "));
+    std::vector<std::string> args = {"infer", TargetFlag(), "--output=" + Path("run.safetensors")};
+    args.insert(args.end(), c.flags.begin(), c.flags.end());
+    const ClientRun run = RunClient(args);
+    ASSERT_EQ(run.exit_code, 0) << Describe(run);
+    EXPECT_TRUE(absl::StrContains(run.out, c.request_line + "\n")) << run.out;
+    auto file = core::SafetensorsFile::Open(Path("run.safetensors"));
+    ASSERT_TRUE(file.ok()) << file.status();
+    const AttendRequest sent = RequestFromFile(**file);
+    EXPECT_LE(MaxAbsDiff((*file)->Get("output")->ToFloat("output").value(),
+                         CoreForward(kToy, 0, sent).output),
+              1e-5f);
+  }
+  // A .npy input of another batch size: no lengths unless given.
+  AttendRequest three;
+  *three.mutable_queries() = MakeTensor({3, 5, 100}, 0.3f);
+  ASSERT_TRUE(client::WriteNpy(Path("q.npy"), {3, 5, 100}, three.queries().data()).ok());
+  const ClientRun run = RunClient({"infer", TargetFlag(), "--input=" + Path("q.npy")});
+  ASSERT_EQ(run.exit_code, 0) << Describe(run);
+  EXPECT_TRUE(absl::StrContains(run.out, "(self-attention), valid_lens []\n")) << run.out;
+}
+
+// Lengths that fit neither B nor B*Q of the --input files are the user's to fix: a
+// usage error (exit 2) naming the flag or the file, and no request sent.
+TEST_F(ClientTest, InputFilesWithTheWrongValidLensCountAreUsageErrors) {
+  const AttendRequest toy = ToyRequest();
+  std::vector<client::SafetensorsEntry> entries = {
+      client::F32Entry("queries", {2, 4, 100}, toy.queries().data()),
+      client::F32Entry("keys", {2, 6, 100}, toy.keys().data()),
+      client::F32Entry("values", {2, 6, 100}, toy.values().data()),
+      client::I32Entry("valid_lens", {3}, std::vector<int32_t>{1, 2, 3})};
+  ASSERT_TRUE(client::WriteSafetensors(Path("io.safetensors"), entries).ok());
+  ASSERT_TRUE(client::WriteNpy(Path("q.npy"), {3, 5, 100}, MakeTensor({3, 5, 100}).data()).ok());
+  const int64_t before = RequestsTotal(*server_);
+  ExpectUsageError(RunClient({"infer", TargetFlag(), "--input=" + Path("io.safetensors")}),
+                   "error: --input: " + Path("io.safetensors") +
+                       ": its valid_lens has 3 entries for queries (2, 4, 100): expected B = 2 "
+                       "or B*Q = 8");
+  ExpectUsageError(
+      RunClient({"infer", TargetFlag(), "--input=" + Path("q.npy"), "--valid_lens=3,2"}),
+      "error: --valid_lens: 2 entries (3,2) for batch 3: give B = 3 or B*Q = 15 entries, or "
+      "--valid_lens=none (B and Q from --input)");
+  ExpectUsageError(RunClient({"bench", TargetFlag(), "--input=" + Path("io.safetensors")}),
+                   "error: --input: ");
+  EXPECT_EQ(RequestsTotal(*server_), before) << "a usage error sent a request";
+}
+
+// infer --input=FILE.safetensors with an "output" tensor (the exporter's
+// io.safetensors): the server's output against it, as a max abs difference.
+TEST_F(ClientTest, InferComparesWithTheOutputStoredInTheInputFile) {
+  AttendRequest request;
+  *request.mutable_queries() = MakeTensor({3, 5, 100}, 0.3f);
+  *request.mutable_keys() = MakeTensor({3, 7, 100}, 1.1f);
+  *request.mutable_values() = MakeTensor({3, 7, 100}, 2.7f);
+  for (int len : {7, 1, 4}) request.add_valid_lens(len);
+  std::vector<float> expected = CoreForward(kToy, 0, request).output;
+  auto write = [&](const std::string& name, const std::vector<float>& output,
+                   std::vector<int64_t> output_shape) {
+    const std::vector<int32_t> lens(request.valid_lens().begin(), request.valid_lens().end());
+    ASSERT_TRUE(client::WriteSafetensors(
+                    Path(name), {client::F32Entry("queries", {3, 5, 100}, request.queries().data()),
+                                 client::F32Entry("keys", {3, 7, 100}, request.keys().data()),
+                                 client::F32Entry("values", {3, 7, 100}, request.values().data()),
+                                 client::I32Entry("valid_lens", {3}, lens),
+                                 client::F32Entry("output", output_shape, output)})
+                    .ok());
+  };
+  // The printed difference, parsed.
+  auto difference = [](const std::string& out) {
+    const size_t at = out.find("max abs difference ");
+    return at == std::string::npos
+               ? -1.0
+               : std::strtod(out.c_str() + at + std::strlen("max abs difference "), nullptr);
+  };
+
+  write("same.safetensors", expected, {3, 5, 100});
+  ClientRun run = RunClient({"infer", TargetFlag(), "--input=" + Path("same.safetensors")});
+  ASSERT_EQ(run.exit_code, 0) << Describe(run);
+  EXPECT_TRUE(absl::StrContains(
+      run.out, "stored output (" + Path("same.safetensors") + "): max abs difference "))
+      << run.out;
+  EXPECT_TRUE(absl::StrContains(run.out, " over 1500 values\n")) << run.out;
+  EXPECT_GE(difference(run.out), 0.0) << run.out;
+  EXPECT_LE(difference(run.out), 1e-5) << run.out;
+
+  // One value off by 0.25: the difference says so (and infer still succeeds).
+  std::vector<float> off = expected;
+  off[737] += 0.25f;
+  write("off.safetensors", off, {3, 5, 100});
+  run = RunClient({"infer", TargetFlag(), "--input=" + Path("off.safetensors")});
+  ASSERT_EQ(run.exit_code, 0) << Describe(run);
+  EXPECT_NEAR(difference(run.out), 0.25, 1e-4) << run.out;
+
+  // A stored output of another shape is not this request's: an error naming the file.
+  write("other.safetensors", std::vector<float>(expected.begin(), expected.begin() + 1000),
+        {2, 5, 100});
+  run = RunClient({"infer", TargetFlag(), "--input=" + Path("other.safetensors")});
+  EXPECT_EQ(run.exit_code, 1) << Describe(run);
+  EXPECT_TRUE(absl::StartsWith(run.err, "error: INVALID_ARGUMENT: " + Path("other.safetensors") +
+                                            ": the stored output has shape (2, 5, 100), the "
+                                            "server's (3, 5, 100)"))
+      << run.err;
+
+  // A file infer wrote itself holds its output: the same request again compares to ~0.
+  run = RunClient({"infer", TargetFlag(), "--output=" + Path("run.safetensors")});
+  ASSERT_EQ(run.exit_code, 0) << Describe(run);
+  run = RunClient({"infer", TargetFlag(), "--input=" + Path("run.safetensors")});
+  ASSERT_EQ(run.exit_code, 0) << Describe(run);
+  EXPECT_TRUE(absl::StrContains(run.out, "valid_lens [3, 2]")) << run.out;
+  EXPECT_LE(difference(run.out), 1e-5) << run.out;
+  EXPECT_GE(difference(run.out), 0.0) << run.out;
 }
 
 TEST_F(ClientTest, ErrorsAreOneLineWithTheCodeName) {
@@ -412,6 +617,46 @@ TEST_F(ClientTest, DecodeSessionsAddUpToTheCoreWithAndWithoutTheCache) {
     // f32 sums of 2,100 values, each within 1e-5 of the core's.
     EXPECT_NEAR(report["output_sum"].get<double>(), expected.sum, 1e-5 * expected.sum_abs)
         << "expected " << expected.sum;
+  }
+}
+
+// --check runs the stateless equivalent on the same tokens: both sums are the
+// core's, they match within the stated tolerance, and the speed-up is printed.
+TEST_F(ClientTest, DecodeCheckComparesSessionsWithTheStatelessRun) {
+  constexpr int64_t kSessions = 2, kPrefill = 4, kSteps = 6;
+  const DecodeSum expected = ExpectedDecodeSum(kSessions, kPrefill, kSteps);
+  for (const bool stateless : {false, true}) {
+    SCOPED_TRACE(stateless ? "--stateless --check" : "--check");
+    std::vector<std::string> args = {"decode",
+                                     TargetFlag(),
+                                     absl::StrCat("--sessions=", kSessions),
+                                     absl::StrCat("--prefill=", kPrefill),
+                                     absl::StrCat("--decode_tokens=", kSteps),
+                                     "--check",
+                                     "--json=" + Path("decode.json")};
+    if (stateless) args.push_back("--stateless");
+    const ClientRun run = RunClient(args);
+    ASSERT_EQ(run.exit_code, 0) << Describe(run);
+    // Both runs' tables, then the verdict naming the tolerance and the speed-up.
+    EXPECT_TRUE(absl::StrContains(run.out, "calls: 14 Attend\n")) << run.out;
+    EXPECT_TRUE(absl::StrContains(run.out, "calls: 2 AttendSession stream(s), 14 steps\n"))
+        << run.out;
+    EXPECT_TRUE(absl::StrContains(run.out, "check: output sums ")) << run.out;
+    EXPECT_TRUE(absl::StrContains(run.out, "(stateless Attend): match, |difference| ")) << run.out;
+    EXPECT_TRUE(absl::StrContains(run.out,
+                                  " x the sum of |output|); AttendSession decode "
+                                  "tokens/s "))
+        << run.out;
+    EXPECT_TRUE(absl::StrContains(run.out, "x stateless Attend's\n")) << run.out;
+
+    const json check = json::parse(ReadFile(Path("decode.json")))["check"];
+    ASSERT_TRUE(check.is_object()) << check.dump();
+    EXPECT_EQ(check["match"], true);
+    EXPECT_DOUBLE_EQ(check["relative_tolerance"].get<double>(), 1e-5);
+    EXPECT_NEAR(check["tolerance"].get<double>(), 1e-5 * expected.sum_abs, 1e-7 * expected.sum_abs);
+    EXPECT_NEAR(check["session_output_sum"].get<double>(), expected.sum, 1e-5 * expected.sum_abs);
+    EXPECT_NEAR(check["stateless_output_sum"].get<double>(), expected.sum, 1e-5 * expected.sum_abs);
+    EXPECT_GT(check["speedup"].get<double>(), 0);
   }
 }
 
@@ -705,6 +950,14 @@ TEST(ClientBenchTest, FailuresBackOffWhenTheServerDies) {
   EXPECT_GT(failed, 0) << step.dump();
   EXPECT_LT(failed, 200) << step.dump();
   EXPECT_EQ(step["all_errors"].size(), 1u) << step.dump();
+  // One count: the table's row, its last line and the error line agree.
+  const std::string count = absl::StrCat("UNAVAILABLE=", failed);
+  EXPECT_TRUE(absl::StrContains(dead.run.out, " " + count + " ")) << dead.run.out;
+  EXPECT_TRUE(absl::StrContains(dead.run.out, absl::StrCat("; failed: ", failed, "\n")))
+      << dead.run.out;
+  EXPECT_TRUE(absl::StrContains(
+      dead.run.err, absl::StrCat(": ", failed, " failed request(s) (", count, ") not allowed")))
+      << dead.run.err;
 }
 
 TEST(ClientBenchTest, MaxErrorsEndsTheRunEarly) {
@@ -718,6 +971,10 @@ TEST(ClientBenchTest, MaxErrorsEndsTheRunEarly) {
   const json& step = dead.report["steps"][0];
   EXPECT_EQ(step["end_reason"], "max_errors") << step.dump();
   EXPECT_EQ(step["all_errors"].value("UNAVAILABLE", int64_t{0}), 10) << step.dump();
+  EXPECT_TRUE(absl::StrContains(dead.run.out, " UNAVAILABLE=10 ")) << dead.run.out;
+  EXPECT_TRUE(absl::StrContains(dead.run.out, "; failed: 10\n")) << dead.run.out;
+  EXPECT_TRUE(absl::StrContains(dead.run.err, ": 10 failed request(s) (UNAVAILABLE=10)"))
+      << dead.run.err;
 }
 
 // A server that refuses whatever would wait behind other work (--max_queue_wait_us=1):
@@ -853,23 +1110,41 @@ uint32_t CellPixel(cairo_surface_t* png, const json& layout, int head, int64_t q
   return pixel & 0xffffff;  // RGB of ARGB32 / RGB24
 }
 
+// The attention weights (B, h, Q, K) of `request` (flags) as `infer
+// --return_attention --output=FILE` records them, checked against the core's (the
+// file records no --causal: `causal` says whether the flags have it).
+std::vector<float> RecordedWeights(const std::vector<std::string>& request,
+                                   const std::string& path, bool causal = false) {
+  std::vector<std::string> infer = {"infer", "--return_attention", "--output=" + path};
+  infer.insert(infer.end(), request.begin(), request.end());
+  const ClientRun run = RunClient(infer);
+  EXPECT_EQ(run.exit_code, 0) << Describe(run);
+  auto file = core::SafetensorsFile::Open(path);
+  EXPECT_TRUE(file.ok()) << file.status();
+  if (!file.ok()) return {};
+  const std::vector<float> weights = (*file)->Get("attention")->ToFloat("attention").value();
+  AttendRequest recorded = RequestFromFile(**file);
+  recorded.set_return_attention(true);
+  recorded.set_causal(causal);
+  EXPECT_LE(MaxAbsDiff(weights, CoreForward(kToy, 0, recorded).attention), 1e-5f);
+  return weights;
+}
+
+// `pixel` is viridis' colour at `t`, to 1 in each channel.
+void ExpectViridis(uint32_t pixel, double t, const std::string& where) {
+  uint8_t rgb[3];
+  client::Viridis(t, rgb);
+  EXPECT_NEAR((pixel >> 16) & 0xff, rgb[0], 1) << where;
+  EXPECT_NEAR((pixel >> 8) & 0xff, rgb[1], 1) << where;
+  EXPECT_NEAR(pixel & 0xff, rgb[2], 1) << where;
+}
+
 TEST_F(ClientTest, HeatmapDrawsEveryHeadWithMaskedKeysBlank) {
   // The same request twice: once recorded with its weights, once drawn.
   const std::vector<std::string> request = {TargetFlag(), "--num_queries=5", "--num_keys=7",
                                             "--valid_lens=4,6", "--seed=3"};
-  std::vector<std::string> infer = {"infer", "--return_attention",
-                                    "--output=" + Path("run.safetensors")};
-  infer.insert(infer.end(), request.begin(), request.end());
-  ClientRun run = RunClient(infer);
-  ASSERT_EQ(run.exit_code, 0) << Describe(run);
-  auto file = core::SafetensorsFile::Open(Path("run.safetensors"));
-  ASSERT_TRUE(file.ok()) << file.status();
-  const std::vector<float> weights = (*file)->Get("attention")->ToFloat("attention").value();
+  const std::vector<float> weights = RecordedWeights(request, Path("run.safetensors"));
   ASSERT_EQ(weights.size(), 2u * 5 * 5 * 7);  // (B, h, Q, K)
-  // The recorded weights are the core's.
-  AttendRequest recorded = RequestFromFile(**file);
-  recorded.set_return_attention(true);
-  EXPECT_LE(MaxAbsDiff(weights, CoreForward(kToy, 0, recorded).attention), 1e-5f);
 
   for (int b : {0, 1}) {
     SCOPED_TRACE(absl::StrCat("batch row ", b));
@@ -878,7 +1153,7 @@ TEST_F(ClientTest, HeatmapDrawsEveryHeadWithMaskedKeysBlank) {
                                         "--output=" + Path("map.png"),
                                         "--json=" + Path("map.json")};
     heatmap.insert(heatmap.end(), request.begin(), request.end());
-    run = RunClient(heatmap);
+    const ClientRun run = RunClient(heatmap);
     ASSERT_EQ(run.exit_code, 0) << Describe(run);
     const json layout = ReadJson(Path("map.json"));
     cairo_surface_t* png = cairo_image_surface_create_from_png(Path("map.png").c_str());
@@ -916,12 +1191,8 @@ TEST_F(ClientTest, HeatmapDrawsEveryHeadWithMaskedKeysBlank) {
             continue;
           }
           // Unmasked: the viridis colour of this weight on the 0..max scale.
-          uint8_t rgb[3];
-          client::Viridis(weights[((b * 5 + h) * 5 + q) * 7 + k] / max_weight, rgb);
-          const int r = (pixel >> 16) & 0xff, g = (pixel >> 8) & 0xff, bl = pixel & 0xff;
-          EXPECT_NEAR(r, rgb[0], 1) << "head " << h << " (" << q << ", " << k << ")";
-          EXPECT_NEAR(g, rgb[1], 1);
-          EXPECT_NEAR(bl, rgb[2], 1);
+          ExpectViridis(pixel, weights[((b * 5 + h) * 5 + q) * 7 + k] / max_weight,
+                        absl::StrCat("head ", h, " (", q, ", ", k, ")"));
           EXPECT_NE(pixel, 0xffffffu);
         }
       }
@@ -937,6 +1208,73 @@ TEST_F(ClientTest, HeatmapDrawsEveryHeadWithMaskedKeysBlank) {
     };
     EXPECT_GT((bar_pixel(bar["y"].get<int>() + 1) >> 8) & 0xff, 200u);  // green of yellow
     EXPECT_LT((bar_pixel(bar["y"].get<int>() + bar["height"].get<int>() - 2) >> 8) & 0xff, 40u);
+    cairo_surface_destroy(png);
+  }
+}
+
+// A causal map on --scale=row and --scale=log: every unmasked cell has the colour
+// of its weight on that scale (row: over its row's largest, so each row's largest is
+// the top colour; log: log10 between the smallest positive weight and the largest),
+// and the masked (future) keys stay blank.
+TEST_F(ClientTest, HeatmapScalesRowAndLogKeepACausalMapReadable) {
+  constexpr int kQ = 6, kHeads = 5;
+  const std::vector<std::string> request = {
+      TargetFlag(),   "--batch=1", absl::StrCat("--num_queries=", kQ),
+      "--num_keys=0", "--causal",  "--seed=4"};
+  const std::vector<float> weights =
+      RecordedWeights(request, Path("run.safetensors"), /*causal=*/true);
+  ASSERT_EQ(weights.size(), static_cast<size_t>(kHeads * kQ * kQ));  // (1, h, Q, K)
+  auto weight = [&](int h, int q, int k) { return weights[(h * kQ + q) * kQ + k]; };
+  float max_weight = 0, min_positive = 1;
+  for (int h = 0; h < kHeads; ++h) {
+    for (int q = 0; q < kQ; ++q) {
+      for (int k = 0; k <= q; ++k) {
+        max_weight = std::max(max_weight, weight(h, q, k));
+        if (weight(h, q, k) > 0) min_positive = std::min(min_positive, weight(h, q, k));
+      }
+    }
+  }
+  EXPECT_FLOAT_EQ(max_weight, 1.0f) << "row 0 of a causal map has one weight, 1";
+
+  for (const std::string scale : {"row", "log"}) {
+    SCOPED_TRACE("--scale=" + scale);
+    std::vector<std::string> heatmap = {
+        "heatmap", "--scale=" + scale, "--output=" + Path("map.png"), "--json=" + Path("map.json")};
+    heatmap.insert(heatmap.end(), request.begin(), request.end());
+    const ClientRun run = RunClient(heatmap);
+    ASSERT_EQ(run.exit_code, 0) << Describe(run);
+    EXPECT_TRUE(absl::StrContains(
+        run.out, scale == "row" ? "each query row scaled 0 .. its largest weight" : "log scale "))
+        << run.out;
+    const json layout = ReadJson(Path("map.json"));
+    EXPECT_EQ(layout["scale"], scale);
+    if (scale == "log") {
+      EXPECT_NEAR(layout["min_weight"].get<float>(), min_positive, 1e-6f * min_positive);
+    }
+    cairo_surface_t* png = cairo_image_surface_create_from_png(Path("map.png").c_str());
+    ASSERT_EQ(cairo_surface_status(png), CAIRO_STATUS_SUCCESS);
+    cairo_surface_flush(png);
+    for (int h = 0; h < kHeads; ++h) {
+      for (int q = 0; q < kQ; ++q) {
+        float row_max = 0;
+        for (int k = 0; k <= q; ++k) row_max = std::max(row_max, weight(h, q, k));
+        for (int k = 0; k < kQ; ++k) {
+          const uint32_t pixel = CellPixel(png, layout, h, q, k);
+          if (k > q) {
+            EXPECT_EQ(pixel, 0xffffffu)
+                << "future key not blank: head " << h << " (" << q << ", " << k << ")";
+            continue;
+          }
+          const double t = scale == "row" ? weight(h, q, k) / row_max
+                                          : std::log(weight(h, q, k) / min_positive) /
+                                                std::log(max_weight / min_positive);
+          ExpectViridis(pixel, t, absl::StrCat("head ", h, " (", q, ", ", k, ")"));
+          if (scale == "row" && weight(h, q, k) == row_max) {
+            EXPECT_EQ(pixel, 0xfde725u) << "a row's largest weight is the top colour";
+          }
+        }
+      }
+    }
     cairo_surface_destroy(png);
   }
 }
@@ -1321,13 +1659,16 @@ TEST_F(ClientProtocolTest, BenchCompletesRequestsOverEveryProtocol) {
     std::string protocol;
     std::vector<std::string> flags;
     std::vector<std::string> rpcs;
+    std::vector<std::string> calls;  // the table's rpc column: the call each step sent
   };
   const std::vector<Case> cases = {
-      {"attention", {}, {"attend"}},
-      {"kserve", {}, {"attend"}},
-      {"kserve", {"--mode=stream"}, {"attend"}},
-      {"http", {}, {"attend"}},
-      {"http", {"--rpc=health"}, {"health", "attend"}},
+      {"attention", {}, {"attend"}, {"Attend"}},
+      {"attention", {"--mode=stream"}, {"attend"}, {"AttendStream"}},
+      {"kserve", {}, {"attend"}, {"ModelInfer"}},
+      {"kserve", {"--mode=stream"}, {"attend"}, {"ModelStreamInfer"}},
+      {"kserve", {"--rpc=health"}, {"health", "attend"}, {"ServerReady", "ModelInfer"}},
+      {"http", {}, {"attend"}, {"POST infer"}},
+      {"http", {"--rpc=health"}, {"health", "attend"}, {"GET ready", "POST infer"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(absl::StrCat(c.protocol, " ", absl::StrJoin(c.flags, " ")));
@@ -1343,6 +1684,17 @@ TEST_F(ClientProtocolTest, BenchCompletesRequestsOverEveryProtocol) {
     EXPECT_EQ(report["protocol"], c.protocol);
     ASSERT_EQ(report["steps"].size(), c.rpcs.size()) << report.dump();
     for (size_t i = 0; i < c.rpcs.size(); ++i) ExpectSaneStep(report["steps"][i], c.rpcs[i]);
+    // The table's rows (after the header lines) name the call, as does its last line.
+    const std::vector<std::string> lines = absl::StrSplit(run.out, '\n', absl::SkipEmpty());
+    ASSERT_GE(lines.size(), 3 + c.calls.size()) << run.out;
+    for (size_t i = 0; i < c.calls.size(); ++i) {
+      EXPECT_TRUE(absl::StartsWith(lines[2 + i],
+                                   absl::StrFormat("%-17s %-16s ", "concurrency 2", c.calls[i])))
+          << lines[2 + i];
+    }
+    const std::string sent = absl::StrCat(
+        "requests sent: ", report["attend_requests"].get<int64_t>(), " ", c.calls.back());
+    EXPECT_TRUE(absl::StrContains(run.out, sent)) << run.out;
   }
 }
 

@@ -74,6 +74,7 @@ TEST(BenchProgressTest, InteractiveWindowLinesRewriteOneLine) {
   // A step whose load never started (no end reason) wrote no line to clear.
   StepReport failed = ConcurrencyStep();
   failed.stats.errors["INVALID_ARGUMENT"] = 1;
+  failed.all_errors = failed.stats.errors;  // as RunStep leaves it
   progress.StepDone(failed);
   EXPECT_EQ(out.str(),
             "\r\033[K[attend concurrency 4] window 1: 100.0 req/s, p50 1.000 ms, p99 2.000 ms, "
@@ -161,6 +162,26 @@ TEST(CheckBenchReportTest, AStepThatMeasuredNothingFailsTheRun) {
   EXPECT_EQ(status.message(),
             "bench: attend concurrency 4: measured nothing: no request finished in its last 3 "
             "window(s) of 2s (a longer --window, or is the server answering?)");
+}
+
+// The table's errors column, its last line and CheckBenchReport's line count the
+// same failures: every one of the step (warm-up and drain too), not only the last
+// windows' (a server that died mid-run fails requests in all of them).
+TEST(ReportTest, TheTableAndTheErrorLineGiveOneErrorCount) {
+  BenchReport report = OneStep(300, {{"UNAVAILABLE", 5}});
+  report.protocol = Protocol::kKServe;
+  report.attend_requests = 301;
+  ASSERT_TRUE(report.steps[0].stats.errors.empty());  // none in the windows measured
+  std::ostringstream table;
+  PrintTable(report, table);
+  EXPECT_NE(table.str().find(" UNAVAILABLE=5 "), std::string::npos) << table.str();
+  EXPECT_NE(table.str().find("requests sent: 301 ModelInfer; failed: 5\n"), std::string::npos)
+      << table.str();
+  EXPECT_NE(std::string(CheckBenchReport(report).message())
+                .find("5 failed request(s) (UNAVAILABLE=5) not allowed"),
+            std::string::npos);
+  const std::vector<std::string> csv = {ToCsv(report)};
+  EXPECT_NE(csv[0].find(",5,UNAVAILABLE=5,"), std::string::npos) << csv[0];
 }
 
 }  // namespace
