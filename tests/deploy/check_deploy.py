@@ -38,7 +38,7 @@ def server_defaults(binary):
     proc = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30)
     text = proc.stdout + proc.stderr
     defaults = {}
-    for match in re.finditer(r"--(\w+) \((.*?)\);\s+default: (.*?);", text, re.S):
+    for match in re.finditer(r"--(\w+) \((.*?)\);\s+default:\s+(.*?);", text, re.S):
         defaults[match.group(1)] = match.group(3).strip('"')
     for flag in ("port", "metrics_port", "host", "metrics_host", "drain_timeout",
                  "model_repository", "session_idle_timeout"):
