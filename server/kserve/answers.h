@@ -1,0 +1,90 @@
+// What the Open Inference Protocol answers, whichever transport carries it: the gRPC
+// front (server/kserve_grpc/) and the HTTP front (server/kserve_http/) both call these,
+// so that each call is written once. Messages only (proto/inference/*.pb.h); no gRPC
+// service, no HTTP.
+//
+//   AdmitInfer         find, admit, decode and validate one infer request
+//   ToTritonConfig     ModelConfig          (dims without the batch dimension)
+//   ToModelMetadata    ModelMetadata        (-1 for variable dimensions)
+//   ToServerMetadata   ServerMetadata       (name "mha-serve", version, extensions)
+//   CollectStatistics  ModelStatistics      (from the counters /metrics exposes)
+//   KserveModels       ServerReady, ModelReady, RepositoryIndex, and the repository
+//                      RPCs (load, unload: explicit model control only,
+//                      server/models/model_lifecycle.h, else PERMISSION_DENIED)
+//
+// Thread safety: thread-safe; the repository, batcher, lifecycle and metrics must
+// outlive what uses them.
+#ifndef MHA_SERVER_KSERVE_ANSWERS_H_
+#define MHA_SERVER_KSERVE_ANSWERS_H_
+
+#include <atomic>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "proto/inference/grpc_service.pb.h"
+#include "server/kserve/inference_codec.h"
+#include "server/models/model_lifecycle.h"
+#include "server/models/model_repository.h"
+#include "server/serving/batcher.h"
+#include "server/serving/meter.h"
+#include "server/serving/metrics.h"
+#include "server/serving/model_source.h"
+
+namespace mha::server {
+
+inline constexpr char kServerName[] = "mha-serve";
+
+// Finds the model, asks its queue (Batcher::Admit), decodes and validates
+// `request` into `decoded` and sizes `response`: the request ready to submit.
+absl::StatusOr<Admitted> AdmitInfer(const inference::ModelInferRequest& request,
+                                    const ModelSource& models, const Batcher& batcher,
+                                    InferDecoded* decoded, inference::ModelInferResponse* response);
+
+// Triton's ModelConfig and ModelMetadata of a served model.
+inference::ModelConfig ToTritonConfig(const Model& model);
+inference::ModelMetadataResponse ToModelMetadata(const Model& model);
+// ServerMetadata: name, version and the extensions served.
+inference::ServerMetadataResponse ToServerMetadata();
+// ModelStatistics of `name` ("" = every model, one entry per model under its newest
+// version) and `version` ("" = the newest served).
+absl::StatusOr<inference::ModelStatisticsResponse> CollectStatistics(const ModelRepository& models,
+                                                                     const Metrics& metrics,
+                                                                     absl::string_view name,
+                                                                     absl::string_view version);
+
+// Readiness, the repository index and model control, for both fronts.
+class KserveModels {
+ public:
+  // `lifecycle` answers load and unload (PERMISSION_DENIED when null).
+  KserveModels(const ModelRepository* models, const Batcher* batcher,
+               ModelLifecycle* lifecycle = nullptr)
+      : models_(models), batcher_(batcher), lifecycle_(lifecycle) {}
+
+  // ServerReady / ModelReady answer false from now on (shutdown).
+  void SetNotReady() { ready_.store(false, std::memory_order_relaxed); }
+  // OK when `model` (nullptr: every model) serves; otherwise UNAVAILABLE with the
+  // reason: the server is shutting down, or the model is still warming up.
+  absl::Status Readiness(const Model* model = nullptr) const;
+  // RepositoryIndex: every model served or in the repository directory, by name:
+  // READY, or UNAVAILABLE with the reason (warming up, "not loaded", or "load failed:
+  // " and the error naming the file). A model that serves an earlier version while
+  // its newest files failed to load is READY with that reason. Only the READY ones
+  // when `ready_only`.
+  inference::RepositoryIndexResponse Index(bool ready_only) const;
+  // The repository RPCs: `load` true loads, false unloads. INVALID_ARGUMENT naming
+  // repository_name (other than "") or parameters (any).
+  absl::Status ControlModel(bool load, absl::string_view repository_name,
+                            const std::string& model_name, bool has_parameters) const;
+
+ private:
+  const ModelRepository* const models_;
+  const Batcher* const batcher_;
+  ModelLifecycle* const lifecycle_;
+  std::atomic<bool> ready_{true};
+};
+
+}  // namespace mha::server
+
+#endif  // MHA_SERVER_KSERVE_ANSWERS_H_

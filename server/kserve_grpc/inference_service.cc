@@ -1,0 +1,165 @@
+#include "server/kserve_grpc/inference_service.h"
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "server/grpc_common/deadline.h"
+#include "server/grpc_common/grpc_status.h"
+#include "server/grpc_common/stream_reactor.h"
+#include "server/serving/meter.h"
+
+namespace mha::server {
+namespace {
+
+using inference::ModelInferRequest;
+using inference::ModelInferResponse;
+using inference::ModelStreamInferResponse;
+
+// ModelStreamInfer: a failed request is answered with error_message; the stream
+// goes on.
+struct InferStreamFront {
+  using Request = ModelInferRequest;
+  using Response = ModelStreamInferResponse;
+  using Decoded = InferDecoded;
+  static constexpr Protocol kProtocol = Protocol::kKserveGrpc;
+  static constexpr bool kEndStreamOnError = false;
+
+  static const std::string& ModelName(const Request& request) { return request.model_name(); }
+  static const std::string& RequestId(const Request& request) { return request.id(); }
+  static absl::StatusOr<Admitted> Admit(const Request& request, const ModelSource& models,
+                                        const Batcher& batcher, Decoded* decoded,
+                                        Response* response) {
+    return AdmitInfer(request, models, batcher, decoded, response->mutable_infer_response());
+  }
+  static void Computed(const ComputeTiming& /*timing*/, Response* /*response*/) {}
+  static void Failed(const absl::Status& status, Response* response) {
+    ModelInferResponse* infer = response->mutable_infer_response();
+    infer->clear_outputs();
+    infer->clear_raw_output_contents();
+    response->set_error_message(
+        absl::StrCat(absl::StatusCodeToString(status.code()), ": ", status.message()));
+  }
+};
+
+grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ServerLive(
+    grpc::CallbackServerContext* context, const inference::ServerLiveRequest* /*request*/,
+    inference::ServerLiveResponse* response) {
+  response->set_live(true);
+  return Answer(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ServerReady(
+    grpc::CallbackServerContext* context, const inference::ServerReadyRequest* /*request*/,
+    inference::ServerReadyResponse* response) {
+  response->set_ready(answers_->Readiness().ok());
+  return Answer(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ModelReady(
+    grpc::CallbackServerContext* context, const inference::ModelReadyRequest* request,
+    inference::ModelReadyResponse* response) {
+  absl::StatusOr<std::shared_ptr<const Model>> model =
+      models_->Find(request->name(), request->version());
+  response->set_ready(model.ok() && answers_->Readiness(model->get()).ok());
+  return Answer(context, model.status());
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ServerMetadata(
+    grpc::CallbackServerContext* context, const inference::ServerMetadataRequest* /*request*/,
+    inference::ServerMetadataResponse* response) {
+  *response = ToServerMetadata();
+  return Answer(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ModelMetadata(
+    grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
+    inference::ModelMetadataResponse* response) {
+  absl::StatusOr<std::shared_ptr<const Model>> model =
+      models_->Find(request->name(), request->version());
+  if (model.ok()) *response = ToModelMetadata(**model);
+  return Answer(context, model.status());
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerContext* context,
+                                                           const ModelInferRequest* request,
+                                                           ModelInferResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  struct Call {
+    Call(Metrics* metrics) : meter(metrics, Protocol::kKserveGrpc) {}
+    Meter meter;
+    InferDecoded decoded;  // the converted inputs live until the answer
+  };
+  auto call = std::make_shared<Call>(metrics_);
+  auto answer = [this, reactor, request, call](const absl::Status& status) {
+    call->meter.Answered(status, *models_, request->model_name());
+    reactor->Finish(ToGrpcStatus(status));
+  };
+  absl::StatusOr<Admitted> admitted =
+      AdmitInfer(*request, *models_, *batcher_, &call->decoded, response);
+  if (!admitted.ok()) {
+    answer(admitted.status());
+    return reactor;
+  }
+  call->meter.Accepted(admitted->request);
+  absl::Status submitted = batcher_->Submit(MakeWorkItem(
+      *admitted, DeadlineOf(context), [context] { return context->IsCancelled(); },
+      [answer](absl::Status status, const ComputeTiming& /*timing*/) { answer(status); }));
+  if (!submitted.ok()) answer(submitted);
+  return reactor;
+}
+
+grpc::ServerBidiReactor<ModelInferRequest, ModelStreamInferResponse>*
+InferenceServiceImpl::ModelStreamInfer(grpc::CallbackServerContext* context) {
+  return new OrderedStreamReactor<InferStreamFront>(context, models_, batcher_, metrics_);
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ModelConfig(
+    grpc::CallbackServerContext* context, const inference::ModelConfigRequest* request,
+    inference::ModelConfigResponse* response) {
+  absl::StatusOr<std::shared_ptr<const Model>> model =
+      models_->Find(request->name(), request->version());
+  if (model.ok()) *response->mutable_config() = ToTritonConfig(**model);
+  return Answer(context, model.status());
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::ModelStatistics(
+    grpc::CallbackServerContext* context, const inference::ModelStatisticsRequest* request,
+    inference::ModelStatisticsResponse* response) {
+  absl::StatusOr<inference::ModelStatisticsResponse> stats =
+      CollectStatistics(*models_, *metrics_, request->name(), request->version());
+  if (stats.ok()) *response = *std::move(stats);
+  return Answer(context, stats.status());
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelLoad(
+    grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest* request,
+    inference::RepositoryModelLoadResponse* /*response*/) {
+  return Answer(context, answers_->ControlModel(true, request->repository_name(), request->model_name(),
+                                      !request->parameters().empty()));
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelUnload(
+    grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
+    inference::RepositoryModelUnloadResponse* /*response*/) {
+  return Answer(context, answers_->ControlModel(false, request->repository_name(), request->model_name(),
+                                      !request->parameters().empty()));
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryIndex(
+    grpc::CallbackServerContext* context, const inference::RepositoryIndexRequest* request,
+    inference::RepositoryIndexResponse* response) {
+  *response = answers_->Index(request->ready());
+  return Answer(context, absl::OkStatus());
+}
+
+}  // namespace mha::server
