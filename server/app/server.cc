@@ -136,10 +136,10 @@ absl::Status Server::StartServices() {
                                                                      : AvailableMemoryBytes() / 4,
                      .idle_timeout = options_.session_idle_timeout},
       models_.get(), batcher_.get(), *metrics_->registry());
-  service_ = std::make_unique<AttentionServiceImpl>(models_.get(), batcher_.get(), metrics_.get(),
-                                                    sessions_.get());
+  path_ = std::make_unique<RequestPath>(models_.get(), batcher_.get(), metrics_.get());
+  service_ = std::make_unique<AttentionServiceImpl>(models_.get(), path_.get(), sessions_.get());
   kserve_models_ = std::make_unique<KserveModels>(models_.get(), batcher_.get(), lifecycle_.get());
-  inference_service_ = std::make_unique<InferenceServiceImpl>(models_.get(), batcher_.get(),
+  inference_service_ = std::make_unique<InferenceServiceImpl>(models_.get(), path_.get(),
                                                               metrics_.get(), kserve_models_.get());
   return absl::OkStatus();
 }
@@ -178,7 +178,7 @@ absl::Status Server::StartHttp(int64_t max_receive) {
                                                 .tls_key = options_.tls_key,
                                                 .tls_client_ca = options_.tls_client_ca},
                                                {.models = models_.get(),
-                                                .batcher = batcher_.get(),
+                                                .path = path_.get(),
                                                 .metrics = metrics_.get(),
                                                 .answers = kserve_models_.get()}));
   return absl::OkStatus();

@@ -37,6 +37,7 @@
 #include "server/models/model_repository.h"
 #include "server/serving/batcher.h"
 #include "server/serving/metrics.h"
+#include "server/serving/submit.h"
 
 namespace mha::server {
 
@@ -134,6 +135,7 @@ class Server {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<MetricsExposer> exposer_;
   std::unique_ptr<Batcher> batcher_;
+  std::unique_ptr<RequestPath> path_;  // every front's way to the batcher
   std::unique_ptr<ModelLifecycle> lifecycle_;
   std::unique_ptr<SessionManager> sessions_;  // destroyed after grpc_server_
   std::unique_ptr<KserveModels> kserve_models_;  // both KServe fronts' readiness

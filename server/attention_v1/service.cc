@@ -7,7 +7,6 @@
 #include "base/status_macros.h"
 #include "core/config.h"
 #include "server/attention_v1/codec.h"
-#include "server/serving/meter.h"
 #include "server/grpc_common/deadline.h"
 #include "server/grpc_common/grpc_status.h"
 #include "server/grpc_common/stream_reactor.h"
@@ -18,19 +17,12 @@ namespace {
 using attention::v1::AttendRequest;
 using attention::v1::AttendResponse;
 
-// Finds the model, then asks its queue before decoding: a request the queue would
-// refuse now is refused before its tensors are read (under overload most are). So a
-// malformed request that meets a full queue gets RESOURCE_EXHAUSTED (retry later,
-// then INVALID_ARGUMENT); an unknown model gets NOT_FOUND. Submit checks again.
-absl::StatusOr<Admitted> AdmitAttend(const AttendRequest& request, const ModelSource& models,
-                                     const Batcher& batcher, AttendResponse* response) {
-  response->set_request_id(request.request_id());
-  MHA_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
-                       models.Find(request.model(), request.model_version()));
-  MHA_RETURN_IF_ERROR(batcher.Admit(model.get()));
-  MHA_ASSIGN_OR_RETURN(ValidatedRequest validated, ValidateRequest(request, *model));
+// Decodes and validates `request` for `model` and sizes `response`.
+absl::StatusOr<Prepared> DecodeAttend(const AttendRequest& request, const Model& model,
+                                      AttendResponse* response) {
+  MHA_ASSIGN_OR_RETURN(ValidatedRequest validated, ValidateRequest(request, model));
   const OutputViews outputs = PrepareResponse(validated, WantsRawResponse(request), response);
-  return Admitted{.model = std::move(model), .request = validated, .outputs = outputs};
+  return Prepared{.request = validated, .outputs = outputs};
 }
 
 // AttendStream: the first failed request ends the stream (service.h).
@@ -42,11 +34,16 @@ struct AttendFront {
   static constexpr bool kEndStreamOnError = true;
 
   static const std::string& ModelName(const Request& request) { return request.model(); }
+  static const std::string& ModelVersion(const Request& request) {
+    return request.model_version();
+  }
   static const std::string& RequestId(const Request& request) { return request.request_id(); }
-  static absl::StatusOr<Admitted> Admit(const Request& request, const ModelSource& models,
-                                        const Batcher& batcher, Decoded* /*decoded*/,
-                                        Response* response) {
-    return AdmitAttend(request, models, batcher, response);
+  static void Begin(const Request& request, Response* response) {
+    response->set_request_id(request.request_id());
+  }
+  static absl::StatusOr<Prepared> Decode(const Request& request, const Model& model,
+                                         Decoded* /*decoded*/, Response* response) {
+    return DecodeAttend(request, model, response);
   }
   static void Computed(const ComputeTiming& timing, Response* response) {
     EncodeTiming(timing, response);
@@ -85,30 +82,24 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
                                                        const AttendRequest* request,
                                                        AttendResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto meter = std::make_shared<Meter>(metrics_, Protocol::kAttentionV1);
-  auto answer = [this, reactor, request, meter](const absl::Status& status) {
-    meter->Answered(status, *models_, request->model());
-    reactor->Finish(ToGrpcStatus(status));
-  };
-  absl::StatusOr<Admitted> admitted = AdmitAttend(*request, *models_, *batcher_, response);
-  if (!admitted.ok()) {
-    answer(admitted.status());
-    return reactor;
-  }
-  meter->Accepted(admitted->request);
-  absl::Status submitted = batcher_->Submit(MakeWorkItem(
-      *admitted, DeadlineOf(context), [context] { return context->IsCancelled(); },
-      [response, answer](absl::Status status, const ComputeTiming& timing) {
+  AttendFront::Begin(*request, response);
+  path_->Submit(
+      Call{.protocol = Protocol::kAttentionV1,
+           .model = request->model(),
+           .version = request->model_version(),
+           .deadline = DeadlineOf(context),
+           .cancelled = [context] { return context->IsCancelled(); }},
+      [&](const Model& model) { return DecodeAttend(*request, model, response); },
+      [reactor, response](absl::Status status, const ComputeTiming& timing) {
         if (status.ok()) EncodeTiming(timing, response);
-        answer(status);
-      }));
-  if (!submitted.ok()) answer(submitted);
+        reactor->Finish(ToGrpcStatus(status));
+      });
   return reactor;
 }
 
 grpc::ServerBidiReactor<AttendRequest, AttendResponse>* AttentionServiceImpl::AttendStream(
     grpc::CallbackServerContext* context) {
-  return new OrderedStreamReactor<AttendFront>(context, models_, batcher_, metrics_);
+  return new OrderedStreamReactor<AttendFront>(context, path_);
 }
 
 grpc::ServerBidiReactor<attention::v1::SessionRequest, attention::v1::SessionResponse>*

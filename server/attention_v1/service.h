@@ -1,6 +1,7 @@
 // attention.v1.AttentionService on gRPC's callback API. Handlers decode and
-// validate (server/attention_v1/codec.h) and submit to the Batcher; they never block and never
-// compute. Compute workers finish the reactors.
+// validate (server/attention_v1/codec.h) through the one submit path
+// (server/serving/submit.h); they never block and compute only a request small
+// enough to run inline. Compute workers finish the reactors.
 //
 // Every Attend request, and every request on an AttendStream, is counted once when
 // it is answered: mha_requests_total{model,code}, mha_request_duration_seconds,
@@ -12,19 +13,17 @@
 // prefixed with "request N (request_id \"...\"): "; the responses of the requests
 // before it are written first.
 //
-// Thread safety: thread-safe; the repository, batcher and metrics must outlive the
-// service.
+// Thread safety: thread-safe; the repository, the submit path and the sessions
+// must outlive the service.
 #ifndef MHA_SERVER_ATTENTION_V1_SERVICE_H_
 #define MHA_SERVER_ATTENTION_V1_SERVICE_H_
 
 #include <grpcpp/grpcpp.h>
 
 #include "proto/attention.grpc.pb.h"
-#include "server/serving/batcher.h"
-#include "server/serving/metrics.h"
-#include "server/models/model_repository.h"
 #include "server/attention_v1/session.h"
-#include "server/grpc_common/stream_reactor.h"
+#include "server/models/model_repository.h"
+#include "server/serving/submit.h"
 
 namespace mha::server {
 
@@ -34,9 +33,9 @@ attention::v1::ModelInfo ToModelInfo(const Model& model);
 class AttentionServiceImpl final : public attention::v1::AttentionService::CallbackService {
  public:
   // `sessions` serves AttendSession (nullptr: UNIMPLEMENTED).
-  AttentionServiceImpl(const ModelRepository* models, Batcher* batcher, Metrics* metrics,
+  AttentionServiceImpl(const ModelRepository* models, const RequestPath* path,
                        SessionManager* sessions)
-      : models_(models), batcher_(batcher), metrics_(metrics), sessions_(sessions) {}
+      : models_(models), path_(path), sessions_(sessions) {}
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const attention::v1::AttendRequest* request,
@@ -54,8 +53,7 @@ class AttentionServiceImpl final : public attention::v1::AttentionService::Callb
 
  private:
   const ModelRepository* models_;
-  Batcher* batcher_;
-  Metrics* metrics_;
+  const RequestPath* path_;
   SessionManager* sessions_;
 };
 

@@ -10,6 +10,12 @@
 // flag come from its first message (server/attention_v1/session_codec.h); the model version it
 // started with serves it to the end, also across a reload (the session holds it).
 //
+// Steps do not go through the submit path (server/serving/submit.h) that every
+// request takes: a session finds its model once, at its first message, and is
+// counted by the session metrics below, not per step in mha_requests_total. Each
+// step is admitted by Batcher::Submit as every item is (queue bound, a warming
+// model, shutdown: the session ends with that status).
+//
 // Limits, each ending only the stream that meets it:
 //   --session_cache_bytes   every session's blocks together (SessionOptions
 //                           ::cache_bytes); a step whose new blocks do not fit

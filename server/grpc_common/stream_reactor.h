@@ -1,10 +1,10 @@
 // One bidirectional stream of requests answered in request order, for any gRPC
 // front: attention.v1's AttendStream and the Open Inference Protocol's
-// ModelStreamInfer are this reactor with their Front.
+// ModelStreamInfer are this reactor with their Front. Each request goes through
+// the one submit path (server/serving/submit.h), which admits and counts it.
 //
 // Up to kMaxStreamInFlight requests of one stream are in the queue at once (reads
-// pause beyond that: flow control). Every request is counted once when answered
-// (server/serving/meter.h's Meter).
+// pause beyond that: flow control).
 //
 // A Front is a struct of types and static functions:
 //   using Request = ...;   // what the client sends
@@ -12,14 +12,16 @@
 //   struct Decoded;        // what a request keeps while it computes
 //   static constexpr Protocol kProtocol;
 //   // true: the first failed request ends the stream with its status (after the
-//   // responses before it); false: it is answered with Failed's response and the
-//   // stream goes on.
+//   // responses before it) and no more requests are read; false: it is answered
+//   // with Failed's response and the stream goes on.
 //   static constexpr bool kEndStreamOnError;
 //   static const std::string& ModelName(const Request&);
+//   static const std::string& ModelVersion(const Request&);
 //   static const std::string& RequestId(const Request&);  // for error messages
-//   // Finds the model, admits, validates and sizes `response`.
-//   static absl::StatusOr<Admitted> Admit(const Request&, const ModelSource&,
-//                                         const Batcher&, Decoded*, Response*);
+//   static void Begin(const Request&, Response*);  // before anything: echo the id
+//   // Decodes and validates for `model` (found and admitted) and sizes `response`.
+//   static absl::StatusOr<Prepared> Decode(const Request&, const Model&, Decoded*,
+//                                          Response*);
 //   static void Computed(const ComputeTiming&, Response*);  // after an OK forward
 //   static void Failed(const absl::Status&, Response*);  // kEndStreamOnError false
 //
@@ -41,10 +43,7 @@
 #include "server/grpc_common/deadline.h"
 #include "server/grpc_common/grpc_status.h"
 #include "server/serving/abbreviate.h"
-#include "server/serving/batcher.h"
-#include "server/serving/meter.h"
-#include "server/serving/metrics.h"
-#include "server/serving/model_source.h"
+#include "server/serving/submit.h"
 
 namespace mha::server {
 
@@ -59,9 +58,8 @@ class OrderedStreamReactor final
   using Request = typename Front::Request;
   using Response = typename Front::Response;
 
-  OrderedStreamReactor(grpc::CallbackServerContext* context, const ModelSource* models,
-                       Batcher* batcher, Metrics* metrics)
-      : context_(context), models_(models), batcher_(batcher), metrics_(metrics) {
+  OrderedStreamReactor(grpc::CallbackServerContext* context, const RequestPath* path)
+      : context_(context), path_(path) {
     absl::MutexLock lock(&mu_);
     reading_ = true;
     this->StartRead(&incoming_);
@@ -75,7 +73,6 @@ class OrderedStreamReactor final
       Advance();
       return;
     }
-    std::unique_ptr<Slot> owned;
     Slot* slot;
     {
       // Consecutive reads complete on different gRPC threads; the lock (held when
@@ -84,41 +81,35 @@ class OrderedStreamReactor final
       // read also reads members the constructor set on another thread, so nothing
       // here is touched before the lock.
       absl::MutexLock lock(&mu_);
-      owned = std::make_unique<Slot>(metrics_);
-      slot = owned.get();
-      slot->request.Swap(&incoming_);
-      slot->index = next_index_++;
-    }
-    absl::StatusOr<Admitted> admitted =
-        Front::Admit(slot->request, *models_, *batcher_, &slot->decoded, &slot->response);
-    {
-      absl::MutexLock lock(&mu_);
       if (stop_ || finished_) {  // a late message on a stream that is ending
         reading_ = false;
         Advance();
         return;
       }
+      auto owned = std::make_unique<Slot>();
+      slot = owned.get();
+      slot->request.Swap(&incoming_);
+      slot->index = next_index_++;
       // From here the stream cannot finish before this slot is done.
       slots_.push_back(std::move(owned));
     }
-    absl::Status submitted = admitted.status();
-    if (admitted.ok()) {
-      Ref();
-      slot->meter.Accepted(admitted->request);
-      submitted = batcher_->Submit(MakeWorkItem(
-          *admitted, DeadlineOf(context_), [context = context_] { return context->IsCancelled(); },
-          [this, slot](absl::Status status, const ComputeTiming& timing) {
-            if (status.ok()) Front::Computed(timing, &slot->response);
-            OnComputed(slot, std::move(status));
-          }));
-      if (!submitted.ok()) Unref();
-    }
+    Ref();  // released by the answer, which comes exactly once
+    Front::Begin(slot->request, &slot->response);
+    path_->Submit(
+        Call{.protocol = Front::kProtocol,
+             .model = Front::ModelName(slot->request),
+             .version = Front::ModelVersion(slot->request),
+             .deadline = DeadlineOf(context_),
+             .cancelled = [context = context_] { return context->IsCancelled(); }},
+        [slot](const Model& model) {
+          return Front::Decode(slot->request, model, &slot->decoded, &slot->response);
+        },
+        [this, slot](absl::Status status, const ComputeTiming& timing) {
+          if (status.ok()) Front::Computed(timing, &slot->response);
+          OnComputed(slot, std::move(status));
+        });
     absl::MutexLock lock(&mu_);
     reading_ = false;
-    if (!submitted.ok()) {
-      Complete(slot, std::move(submitted));
-      if (Front::kEndStreamOnError) no_more_reads_ = true;
-    }
     Advance();
   }
 
@@ -137,8 +128,6 @@ class OrderedStreamReactor final
 
  private:
   struct Slot {
-    explicit Slot(Metrics* metrics) : meter(metrics, Front::kProtocol) {}
-    Meter meter;
     Request request;
     Response response;
     typename Front::Decoded decoded;
@@ -158,12 +147,12 @@ class OrderedStreamReactor final
 
   void Complete(Slot* slot, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     slot->done = true;
-    slot->meter.Answered(status, *models_, Front::ModelName(slot->request));
     if (status.ok()) return;
     if (!Front::kEndStreamOnError) {
       Front::Failed(status, &slot->response);
       return;
     }
+    no_more_reads_ = true;
     slot->status =
         absl::Status(status.code(), absl::StrCat("request ", slot->index, " (request_id \"",
                                                  Abbreviate(Front::RequestId(slot->request)),
@@ -214,10 +203,8 @@ class OrderedStreamReactor final
   }
 
   grpc::CallbackServerContext* const context_;
-  const ModelSource* const models_;
-  Batcher* const batcher_;
-  Metrics* const metrics_;
-  std::atomic<int> refs_{1};  // gRPC's, released in OnDone, plus one per queued item
+  const RequestPath* const path_;
+  std::atomic<int> refs_{1};  // gRPC's, released in OnDone, plus one per unanswered request
 
   absl::Mutex mu_;
   Request incoming_ ABSL_GUARDED_BY(mu_);  // the read buffer (gRPC fills it)

@@ -52,19 +52,12 @@ void SetDuration(const ModelStatisticsSnapshot::Duration& from, inference::Stati
 
 }  // namespace
 
-absl::StatusOr<Admitted> AdmitInfer(const ModelInferRequest& request, const ModelSource& models,
-                                    const Batcher& batcher, InferDecoded* decoded,
-                                    ModelInferResponse* response) {
-  response->set_id(request.id());
-  MHA_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
-                       models.Find(request.model_name(), request.model_version()));
-  MHA_RETURN_IF_ERROR(batcher.Admit(model.get()));
-  MHA_ASSIGN_OR_RETURN(ValidatedRequest validated, DecodeInferRequest(request, *model, decoded));
+absl::StatusOr<Prepared> DecodeInfer(const ModelInferRequest& request, const Model& model,
+                                     InferDecoded* decoded, ModelInferResponse* response) {
+  MHA_ASSIGN_OR_RETURN(ValidatedRequest validated, DecodeInferRequest(request, model, decoded));
   const OutputViews outputs = PrepareInferResponse(request, validated, *decoded, response);
-  return Admitted{.model = std::move(model),
-                  .request = validated,
-                  .outputs = outputs,
-                  .deadline = absl::Now() + decoded->timeout};
+  return Prepared{
+      .request = validated, .outputs = outputs, .deadline = absl::Now() + decoded->timeout};
 }
 
 inference::ModelConfig ToTritonConfig(const Model& model) {

@@ -3,7 +3,7 @@
 // so that each call is written once. Messages only (proto/inference/*.pb.h); no gRPC
 // service, no HTTP.
 //
-//   AdmitInfer         find, admit, decode and validate one infer request
+//   DecodeInfer        decode and validate one infer request for the submit path
 //   ToTritonConfig     ModelConfig          (dims without the batch dimension)
 //   ToModelMetadata    ModelMetadata        (-1 for variable dimensions)
 //   ToServerMetadata   ServerMetadata       (name "mha-serve", version, extensions)
@@ -28,19 +28,19 @@
 #include "server/models/model_lifecycle.h"
 #include "server/models/model_repository.h"
 #include "server/serving/batcher.h"
-#include "server/serving/meter.h"
 #include "server/serving/metrics.h"
-#include "server/serving/model_source.h"
+#include "server/serving/submit.h"
 
 namespace mha::server {
 
 inline constexpr char kServerName[] = "mha-serve";
 
-// Finds the model, asks its queue (Batcher::Admit), decodes and validates
-// `request` into `decoded` and sizes `response`: the request ready to submit.
-absl::StatusOr<Admitted> AdmitInfer(const inference::ModelInferRequest& request,
-                                    const ModelSource& models, const Batcher& batcher,
-                                    InferDecoded* decoded, inference::ModelInferResponse* response);
+// Decodes and validates `request` for `model` (found and admitted by the submit
+// path, server/serving/submit.h) into `decoded`, and sizes `response`. Its
+// deadline is the `timeout` parameter's.
+absl::StatusOr<Prepared> DecodeInfer(const inference::ModelInferRequest& request,
+                                     const Model& model, InferDecoded* decoded,
+                                     inference::ModelInferResponse* response);
 
 // Triton's ModelConfig and ModelMetadata of a served model.
 inference::ModelConfig ToTritonConfig(const Model& model);

@@ -8,7 +8,7 @@
 #include "server/grpc_common/deadline.h"
 #include "server/grpc_common/grpc_status.h"
 #include "server/grpc_common/stream_reactor.h"
-#include "server/serving/meter.h"
+#include "server/serving/submit.h"
 
 namespace mha::server {
 namespace {
@@ -27,11 +27,16 @@ struct InferStreamFront {
   static constexpr bool kEndStreamOnError = false;
 
   static const std::string& ModelName(const Request& request) { return request.model_name(); }
+  static const std::string& ModelVersion(const Request& request) {
+    return request.model_version();
+  }
   static const std::string& RequestId(const Request& request) { return request.id(); }
-  static absl::StatusOr<Admitted> Admit(const Request& request, const ModelSource& models,
-                                        const Batcher& batcher, Decoded* decoded,
-                                        Response* response) {
-    return AdmitInfer(request, models, batcher, decoded, response->mutable_infer_response());
+  static void Begin(const Request& request, Response* response) {
+    response->mutable_infer_response()->set_id(request.id());
+  }
+  static absl::StatusOr<Prepared> Decode(const Request& request, const Model& model,
+                                         Decoded* decoded, Response* response) {
+    return DecodeInfer(request, model, decoded, response->mutable_infer_response());
   }
   static void Computed(const ComputeTiming& /*timing*/, Response* /*response*/) {}
   static void Failed(const absl::Status& status, Response* response) {
@@ -43,7 +48,7 @@ struct InferStreamFront {
   }
 };
 
-grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, const absl::Status& status) {
+grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl::Status& status) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
@@ -55,14 +60,14 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ServerLive(
     grpc::CallbackServerContext* context, const inference::ServerLiveRequest* /*request*/,
     inference::ServerLiveResponse* response) {
   response->set_live(true);
-  return Answer(context, absl::OkStatus());
+  return Reply(context, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::ServerReady(
     grpc::CallbackServerContext* context, const inference::ServerReadyRequest* /*request*/,
     inference::ServerReadyResponse* response) {
   response->set_ready(answers_->Readiness().ok());
-  return Answer(context, absl::OkStatus());
+  return Reply(context, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelReady(
@@ -71,14 +76,14 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelReady(
   absl::StatusOr<std::shared_ptr<const Model>> model =
       models_->Find(request->name(), request->version());
   response->set_ready(model.ok() && answers_->Readiness(model->get()).ok());
-  return Answer(context, model.status());
+  return Reply(context, model.status());
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::ServerMetadata(
     grpc::CallbackServerContext* context, const inference::ServerMetadataRequest* /*request*/,
     inference::ServerMetadataResponse* response) {
   *response = ToServerMetadata();
-  return Answer(context, absl::OkStatus());
+  return Reply(context, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelMetadata(
@@ -87,40 +92,31 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelMetadata(
   absl::StatusOr<std::shared_ptr<const Model>> model =
       models_->Find(request->name(), request->version());
   if (model.ok()) *response = ToModelMetadata(**model);
-  return Answer(context, model.status());
+  return Reply(context, model.status());
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerContext* context,
                                                            const ModelInferRequest* request,
                                                            ModelInferResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  struct Call {
-    Call(Metrics* metrics) : meter(metrics, Protocol::kKserveGrpc) {}
-    Meter meter;
-    InferDecoded decoded;  // the converted inputs live until the answer
-  };
-  auto call = std::make_shared<Call>(metrics_);
-  auto answer = [this, reactor, request, call](const absl::Status& status) {
-    call->meter.Answered(status, *models_, request->model_name());
-    reactor->Finish(ToGrpcStatus(status));
-  };
-  absl::StatusOr<Admitted> admitted =
-      AdmitInfer(*request, *models_, *batcher_, &call->decoded, response);
-  if (!admitted.ok()) {
-    answer(admitted.status());
-    return reactor;
-  }
-  call->meter.Accepted(admitted->request);
-  absl::Status submitted = batcher_->Submit(MakeWorkItem(
-      *admitted, DeadlineOf(context), [context] { return context->IsCancelled(); },
-      [answer](absl::Status status, const ComputeTiming& /*timing*/) { answer(status); }));
-  if (!submitted.ok()) answer(submitted);
+  auto decoded = std::make_shared<InferDecoded>();  // the converted inputs live until the answer
+  response->set_id(request->id());
+  path_->Submit(
+      Call{.protocol = Protocol::kKserveGrpc,
+           .model = request->model_name(),
+           .version = request->model_version(),
+           .deadline = DeadlineOf(context),
+           .cancelled = [context] { return context->IsCancelled(); }},
+      [&](const Model& model) { return DecodeInfer(*request, model, decoded.get(), response); },
+      [reactor, decoded](absl::Status status, const ComputeTiming& /*timing*/) {
+        reactor->Finish(ToGrpcStatus(status));
+      });
   return reactor;
 }
 
 grpc::ServerBidiReactor<ModelInferRequest, ModelStreamInferResponse>*
 InferenceServiceImpl::ModelStreamInfer(grpc::CallbackServerContext* context) {
-  return new OrderedStreamReactor<InferStreamFront>(context, models_, batcher_, metrics_);
+  return new OrderedStreamReactor<InferStreamFront>(context, path_);
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelConfig(
@@ -129,7 +125,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelConfig(
   absl::StatusOr<std::shared_ptr<const Model>> model =
       models_->Find(request->name(), request->version());
   if (model.ok()) *response->mutable_config() = ToTritonConfig(**model);
-  return Answer(context, model.status());
+  return Reply(context, model.status());
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelStatistics(
@@ -138,20 +134,20 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelStatistics(
   absl::StatusOr<inference::ModelStatisticsResponse> stats =
       CollectStatistics(*models_, *metrics_, request->name(), request->version());
   if (stats.ok()) *response = *std::move(stats);
-  return Answer(context, stats.status());
+  return Reply(context, stats.status());
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelLoad(
     grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest* request,
     inference::RepositoryModelLoadResponse* /*response*/) {
-  return Answer(context, answers_->ControlModel(true, request->repository_name(), request->model_name(),
+  return Reply(context, answers_->ControlModel(true, request->repository_name(), request->model_name(),
                                       !request->parameters().empty()));
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelUnload(
     grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
     inference::RepositoryModelUnloadResponse* /*response*/) {
-  return Answer(context, answers_->ControlModel(false, request->repository_name(), request->model_name(),
+  return Reply(context, answers_->ControlModel(false, request->repository_name(), request->model_name(),
                                       !request->parameters().empty()));
 }
 
@@ -159,7 +155,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryIndex(
     grpc::CallbackServerContext* context, const inference::RepositoryIndexRequest* request,
     inference::RepositoryIndexResponse* response) {
   *response = answers_->Index(request->ready());
-  return Answer(context, absl::OkStatus());
+  return Reply(context, absl::OkStatus());
 }
 
 }  // namespace mha::server

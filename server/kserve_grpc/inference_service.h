@@ -20,8 +20,8 @@
 //                    (server/models/model_lifecycle.h), else PERMISSION_DENIED
 // RPCs not listed (shared memory, trace) answer UNIMPLEMENTED.
 //
-// Thread safety: thread-safe; the repository, batcher, metrics and answers must
-// outlive it.
+// Thread safety: thread-safe; the repository, submit path, metrics and answers
+// must outlive it.
 #ifndef MHA_SERVER_KSERVE_GRPC_INFERENCE_SERVICE_H_
 #define MHA_SERVER_KSERVE_GRPC_INFERENCE_SERVICE_H_
 
@@ -30,17 +30,17 @@
 #include "proto/inference/grpc_service.grpc.pb.h"
 #include "server/kserve/answers.h"
 #include "server/models/model_repository.h"
-#include "server/serving/batcher.h"
 #include "server/serving/metrics.h"
+#include "server/serving/submit.h"
 
 namespace mha::server {
 
 class InferenceServiceImpl final : public inference::GRPCInferenceService::CallbackService {
  public:
   // `answers`: readiness, the index and model control (shared with HTTP).
-  InferenceServiceImpl(const ModelRepository* models, Batcher* batcher, Metrics* metrics,
-                       const KserveModels* answers)
-      : models_(models), batcher_(batcher), metrics_(metrics), answers_(answers) {}
+  InferenceServiceImpl(const ModelRepository* models, const RequestPath* path,
+                       const Metrics* metrics, const KserveModels* answers)
+      : models_(models), path_(path), metrics_(metrics), answers_(answers) {}
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* request,
@@ -81,8 +81,8 @@ class InferenceServiceImpl final : public inference::GRPCInferenceService::Callb
 
  private:
   const ModelRepository* models_;
-  Batcher* batcher_;
-  Metrics* metrics_;
+  const RequestPath* path_;
+  const Metrics* metrics_;  // ModelStatistics
   const KserveModels* answers_;
 };
 

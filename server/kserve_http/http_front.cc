@@ -11,11 +11,10 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "base/status_macros.h"
 #include "server/kserve/inference_codec.h"
 #include "server/kserve_http/http_codec.h"
-#include "server/serving/meter.h"
+#include "server/serving/submit.h"
 
 namespace mha::server {
 namespace {
@@ -73,35 +72,32 @@ absl::StatusOr<std::optional<int64_t>> HeaderLength(const httplib::Request& req)
   return length;
 }
 
-// POST .../models/{name}[/versions/{v}]/infer: decodes the request, waits on the
-// HTTP thread for its forward pass, and fills `res` with the answer.
-absl::Status Infer(const HttpFront::Services& s, const std::string& model,
-                   const httplib::Request& req, httplib::Response& res, Meter& meter) {
-  MHA_ASSIGN_OR_RETURN(const std::optional<int64_t> header_length, HeaderLength(req));
-  MHA_ASSIGN_OR_RETURN(const inference::ModelInferRequest request,
-                       ParseInferRequest(model, req.matches[2].str(), req.body, header_length));
+// POST .../models/{name}[/versions/{v}]/infer: parses the body, submits the
+// request (server/serving/submit.h), waits on the HTTP thread for its answer, and
+// fills `res` with it.
+absl::Status Infer(const RequestPath& path, const Call& call, const httplib::Request& req,
+                   httplib::Response& res) {
+  absl::StatusOr<inference::ModelInferRequest> request;
+  if (absl::StatusOr<std::optional<int64_t>> header_length = HeaderLength(req);
+      !header_length.ok()) {
+    request = header_length.status();
+  } else {
+    request = ParseInferRequest(call.model, call.version, req.body, *header_length);
+  }
+  if (!request.ok()) {
+    path.Refused(call, request.status());
+    return request.status();
+  }
   InferDecoded decoded;
   inference::ModelInferResponse response;
-  MHA_ASSIGN_OR_RETURN(const Admitted admitted,
-                       AdmitInfer(request, *s.models, *s.batcher, &decoded, &response));
-  meter.Accepted(admitted.request);
-  // A mutex rather than absl::Notification, whose already-notified fast path
-  // takes no lock: ThreadSanitizer sees the hand-off only through the lock.
-  absl::Mutex mu;
-  bool computed = false;
-  absl::Status result;
-  MHA_RETURN_IF_ERROR(s.batcher->Submit(MakeWorkItem(
-      admitted, absl::InfiniteFuture(), nullptr, [&](absl::Status status, const ComputeTiming&) {
-        absl::MutexLock lock(&mu);
-        result = std::move(status);
-        computed = true;
-      })));
-  {
-    absl::MutexLock lock(&mu);
-    mu.Await(absl::Condition(&computed));
-  }
-  MHA_RETURN_IF_ERROR(result);
-  MHA_ASSIGN_OR_RETURN(HttpBody body, EncodeInferResponse(request, response));
+  response.set_id(request->id());
+  Completion completion;
+  path.Submit(
+      call,
+      [&](const Model& model) { return DecodeInfer(*request, model, &decoded, &response); },
+      completion.Callback());
+  MHA_RETURN_IF_ERROR(completion.Wait());
+  MHA_ASSIGN_OR_RETURN(HttpBody body, EncodeInferResponse(*request, response));
   res.status = 200;
   if (body.header_length >= 0) {
     res.set_header("Inference-Header-Content-Length", std::to_string(body.header_length));
@@ -265,9 +261,9 @@ void HttpFront::RouteInfer() {
   server_->Post(absl::StrCat(kModelPath, "/infer"),
                 [s](const httplib::Request& req, httplib::Response& res) {
                   const std::string model = req.matches[1].str();
-                  Meter meter(s.metrics, Protocol::kKserveHttp);
-                  const absl::Status status = Infer(s, model, req, res, meter);
-                  meter.Answered(status, *s.models, model);
+                  const std::string version = req.matches[2].str();
+                  Call call{.protocol = Protocol::kKserveHttp, .model = model, .version = version};
+                  const absl::Status status = Infer(*s.path, call, req, res);
                   if (!status.ok()) SendError(status, res);
                 });
 }

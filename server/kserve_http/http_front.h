@@ -14,13 +14,14 @@
 // Errors: {"error": "..."} with the status of the canonical code (HttpStatusOf).
 // Bodies over max_body_bytes get 413 before they are read.
 //
-// Served by cpp-httplib: a pool of `threads` threads, one per connection being
-// served (a keep-alive connection holds its thread for up to 100 requests or 5 s
+// Infer requests go through the one submit path (server/serving/submit.h), as
+// the gRPC fronts' do. Served by cpp-httplib: a pool of `threads` threads, one per
+// connection being served (a keep-alive connection holds its thread for up to 100 requests or 5 s
 // idle; connections beyond `threads` wait their turn in the accept queue).
 // An infer request waits on its thread for the batcher's answer; compute runs on
 // the compute workers as for gRPC.
 //
-// Thread safety: Start and Stop from one thread; the repository, batcher, metrics
+// Thread safety: Start and Stop from one thread; the repository, submit path, metrics
 // and the answers it shares with the gRPC front (server/kserve/answers.h) must
 // outlive the front.
 #ifndef MHA_SERVER_KSERVE_HTTP_HTTP_FRONT_H_
@@ -35,8 +36,8 @@
 #include "absl/status/statusor.h"
 #include "server/kserve/answers.h"
 #include "server/models/model_repository.h"
-#include "server/serving/batcher.h"
 #include "server/serving/metrics.h"
+#include "server/serving/submit.h"
 
 namespace httplib {
 class Server;
@@ -61,8 +62,8 @@ class HttpFront {
   };
   struct Services {
     const ModelRepository* models;
-    Batcher* batcher;
-    Metrics* metrics;
+    const RequestPath* path;  // infer
+    const Metrics* metrics;   // statistics
     const KserveModels* answers;  // readiness, the index, model control
   };
 

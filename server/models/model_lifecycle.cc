@@ -14,6 +14,7 @@
 #include "base/status_macros.h"
 #include "core/kv_cache.h"
 #include "server/serving/abbreviate.h"
+#include "server/serving/submit.h"
 
 namespace mha::server {
 namespace {
@@ -32,23 +33,6 @@ struct ZeroFloats {
 };
 
 // Submits `item` as a warm-up item and waits for its answer.
-absl::Status SubmitAndWait(Batcher& batcher, WorkItem item) {
-  absl::Mutex mu;
-  std::optional<absl::Status> result;
-  item.warmup = true;
-  item.done = [&](absl::Status status, const ComputeTiming&) {
-    absl::MutexLock lock(&mu);
-    result = std::move(status);
-  };
-  MHA_RETURN_IF_ERROR(batcher.Submit(std::move(item)));
-  absl::MutexLock lock(&mu);
-  mu.Await(absl::Condition(
-      +[](std::optional<absl::Status>* r) { return r->has_value(); }, &result));
-  return *result;
-}
-
-// One warm-up pass through the batcher, as a request would run, on zero inputs
-// (the kernels' work does not depend on the values); K 0 = self-attention.
 absl::Status WarmOnce(Batcher& batcher, const std::shared_ptr<const Model>& model,
                       const WarmupShape& shape) {
   const core::ModelConfig& c = model->config;
@@ -69,7 +53,8 @@ absl::Status WarmOnce(Batcher& batcher, const std::shared_ptr<const Model>& mode
                                                     .queries = queries.data,
                                                     .keys = self ? nullptr : key_data.data,
                                                     .values = self ? nullptr : value_data.data},
-                                         .output = output.data});
+                                         .output = output.data,
+                                         .warmup = true});
 }
 
 // Session steps (server/attention_v1/session.h) of 1, 2, 4, ... 64 new tokens (up to the
@@ -106,6 +91,7 @@ absl::Status WarmSessionSteps(Batcher& batcher, const std::shared_ptr<const Mode
     MHA_RETURN_IF_ERROR(SubmitAndWait(
         batcher, WorkItem{.model = model,
                           .inputs = {.batch = 1, .num_queries = rows, .num_keys = rows},
+                          .warmup = true,
                           .step = &step}));
   }
   return absl::OkStatus();

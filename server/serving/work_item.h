@@ -1,8 +1,8 @@
 // What every front (attention.v1 with its sessions, KServe over gRPC and HTTP) and
 // the warm-up hand the scheduler: one request as core views, where its results go,
 // and how to answer it. No protocol types: fronts decode into views
-// (server/serving/request.h), make a WorkItem (server/serving/meter.h MakeWorkItem)
-// and encode their answer from what it computed.
+// (server/serving/request.h), the submit path makes the WorkItem
+// (server/serving/submit.h), and fronts encode their answer from what it computed.
 #ifndef MHA_SERVER_SERVING_WORK_ITEM_H_
 #define MHA_SERVER_SERVING_WORK_ITEM_H_
 
