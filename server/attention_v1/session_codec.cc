@@ -7,6 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 #include "server/attention_v1/codec.h"
+#include "server/serving/session_store.h"
 
 namespace mha::server {
 namespace {
@@ -105,10 +106,12 @@ absl::StatusOr<SessionStepInput> DecodeSessionStep(const SessionRequest& request
   }
   const int64_t limit = model.limits.session_tokens();
   if (step.num_keys > limit - cached) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "context: ", cached, " cached + ", step.num_keys, " new tokens exceed ",
-        model.limits.max_session_tokens > 0 ? "max_session_tokens " : "max_sequence_length ", limit,
-        " of model ", model.name, " (a session's token limit)"));
+    return WithSessionEnd(
+        absl::ResourceExhaustedError(absl::StrCat(
+            "context: ", cached, " cached + ", step.num_keys, " new tokens exceed ",
+            model.limits.max_session_tokens > 0 ? "max_session_tokens " : "max_sequence_length ",
+            limit, " of model ", model.name, " (a session's token limit)")),
+        SessionEnd::kTokenLimit);
   }
   if (queries.has_value()) MHA_RETURN_IF_ERROR(CheckFiniteValues("queries", *queries));
   if (keys.has_value()) {

@@ -1,7 +1,7 @@
 // The AttendSession codec: one SessionRequest checked against its session and
 // model into the views of one paged step (core::PagedStep), and its response
 // sized. No gRPC types; the session reactor (server/attention_v1/session.h) and the fuzz target
-// call it.
+// call it. A failed step's status carries why the session ends (SessionEndOf).
 //
 // DecodeSessionStep checks, in this order (the first failure is returned):
 //   max_request_bytes  serialized size over the model's limit -> RESOURCE_EXHAUSTED
@@ -17,7 +17,8 @@
 //                      (1, T_k, d_v); causal needs T_k == T -> INVALID_ARGUMENT
 //   token limit        cached + new keys over the model's session limit
 //                      (limits.max_session_tokens, else max_sequence_length)
-//                      -> RESOURCE_EXHAUSTED naming the limit
+//                      -> RESOURCE_EXHAUSTED naming the limit, carrying
+//                      SessionEnd::kTokenLimit (server/serving/session_store.h)
 //   values             every entry finite -> INVALID_ARGUMENT naming the position
 #ifndef MHA_SERVER_ATTENTION_V1_SESSION_CODEC_H_
 #define MHA_SERVER_ATTENTION_V1_SESSION_CODEC_H_

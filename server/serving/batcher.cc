@@ -148,7 +148,7 @@ absl::Status Batcher::AdmitLocked(const ModelQueue* found, bool warmup) const {
 bool Batcher::RunsInline(const ModelQueue& queue, const WorkItem& item) const {
   if (options_.inline_max_flops <= 0 || queued_ > 0 || computing_ > 0 || item.warmup) return false;
   // Awaited sessions' steps are gathered by a worker (batcher.h).
-  if (item.step != nullptr && !queue.awaited.empty()) return false;
+  if (item.step != nullptr && queue.pacing.awaiting()) return false;
   const BatchingPolicy& policy = queue.model->batching;
   if (policy.enabled && policy.max_queue_delay > absl::ZeroDuration()) return false;
   const core::AttentionInputs& in = item.inputs;
@@ -170,11 +170,7 @@ absl::Status Batcher::Submit(WorkItem item) {
     ModelQueue& queue = it->second;
     item.enqueued = absl::Now();
     if (item.step != nullptr && !item.warmup) {
-      if (const auto pace = queue.sessions.find(item.step); pace != queue.sessions.end()) {
-        pace->second.prompt =
-            item.enqueued - pace->second.answered <= queue.model->batching.session_gather;
-      }
-      std::erase(queue.awaited, item.step);
+      queue.pacing.Queued(item.step, item.enqueued, queue.model->batching.session_gather);
     }
     if (!RunsInline(queue, item)) {
       queue.rows += item.rows();
@@ -201,10 +197,7 @@ absl::Status Batcher::Submit(WorkItem item) {
 
 void Batcher::SessionEnded(const Model* model, const core::PagedStep* step) {
   absl::MutexLock lock(&mu_);
-  if (const auto it = queues_.find(model); it != queues_.end()) {
-    it->second.sessions.erase(step);
-    std::erase(it->second.awaited, step);
-  }
+  if (const auto it = queues_.find(model); it != queues_.end()) it->second.pacing.Ended(step);
 }
 
 int64_t Batcher::queue_size() const {
@@ -240,7 +233,7 @@ Batcher::ModelQueue* Batcher::OldestQueue() {
 bool Batcher::Gathers(const ModelQueue& queue) const {
   const BatchingPolicy& policy = queue.model->batching;
   if (stopping_ || !policy.enabled || policy.session_gather <= absl::ZeroDuration() ||
-      queue.awaited.empty() || Full(queue)) {
+      !queue.pacing.awaiting() || Full(queue)) {
     return false;
   }
   // Only steps wait, and only when nothing else is queued: a request, or another
@@ -253,12 +246,12 @@ bool Batcher::Gathers(const ModelQueue& queue) const {
 absl::Time Batcher::LoneSessionPoll() const {
   const ModelQueue* lone = nullptr;
   for (const auto& [model, queue] : queues_) {
-    if (queue.sessions.empty()) continue;
-    if (lone != nullptr || queue.sessions.size() > 1) return absl::InfinitePast();
+    if (queue.pacing.sessions() == 0) continue;
+    if (lone != nullptr || queue.pacing.sessions() > 1) return absl::InfinitePast();
     lone = &queue;
   }
-  if (lone == nullptr || lone->awaited.size() != 1) return absl::InfinitePast();
-  return lone->awaited_since + lone->model->batching.session_gather;
+  if (lone == nullptr) return absl::InfinitePast();
+  return lone->pacing.PollDeadline(lone->model->batching.session_gather);
 }
 
 bool Batcher::Full(const ModelQueue& queue) const {
@@ -352,7 +345,7 @@ Batcher::Batch Batcher::NextBatch() {
     const BatchingPolicy& policy = queue->model->batching;
     if (Gathers(*queue)) {
       const absl::Time due =
-          std::max(queue->items.front().enqueued, queue->awaited_since) + policy.session_gather;
+          queue->pacing.GatherDeadline(queue->items.front().enqueued, policy.session_gather);
       if (absl::Now() < due) {
         // Wait for the awaited sessions, the delay, or a reason to stop gathering.
         auto ready = [this, queue]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -402,17 +395,7 @@ void Batcher::BatchDone(const Batch& batch, absl::Duration elapsed, bool compute
   --computing_;
   const WorkItem& front = batch.items.front();
   if (front.step != nullptr && !front.warmup) {  // its sessions are answered next
-    const absl::Time now = absl::Now();
-    queue.awaited.clear();
-    queue.awaited_since = now;
-    // A failed call's sessions end: none is awaited.
-    if (computed) {
-      for (const WorkItem& item : batch.items) {
-        ModelQueue::Pace& pace = queue.sessions[item.step];
-        pace.answered = now;
-        if (pace.prompt) queue.awaited.push_back(item.step);
-      }
-    }
+    queue.pacing.CallEnded(batch.items, computed, absl::Now());
   }
   if (!computed || batch.tokens == 0) return;
   const double sample = absl::ToDoubleSeconds(elapsed) / static_cast<double>(batch.tokens);

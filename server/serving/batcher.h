@@ -26,12 +26,13 @@
 //     compute time per token (a moving average over its recent calls), over the
 //     workers. An idle model admits any request; until it has computed once, only
 //     max_queue_size applies.
-//   - Session steps (WorkItem::step, server/attention_v1/session.h) of different sessions of a
+//   - Session steps (WorkItem::step, server/serving/session_store.h) of different sessions of a
 //     model merge with each other, never with requests: continuous batching, one
 //     core::MultiHeadAttention::ForwardPaged call whose projections are one GEMM
 //     over every step's new tokens and whose attention runs per session over its
 //     own cached blocks, unpadded.
-//   - Gathering session steps (policy.session_gather): a session whose last step
+//   - Gathering session steps (policy.session_gather; the state is each queue's
+//     SessionPacing, server/serving/session_pacing.h): a session whose last step
 //     came within session_gather of the answer to the step before (a client
 //     decoding in a loop) is prompt. When a session call ends, its prompt sessions
 //     are awaited, and queued steps wait until every awaited session has queued
@@ -92,7 +93,6 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -100,6 +100,7 @@
 #include "server/serving/batch_merge.h"
 #include "server/serving/metrics.h"
 #include "server/serving/model.h"
+#include "server/serving/session_pacing.h"
 #include "server/serving/work_item.h"
 
 namespace mha::server {
@@ -166,18 +167,7 @@ class Batcher {
     bool warming = false;          // admits warm-up items only
     bool retiring = false;         // RemoveModel'd: erased once unused
     int waiters = 0;               // workers awaiting a condition that reads this queue
-    // Sessions (by WorkItem::step) that have been answered: when their last step
-    // was, and whether the step before it came promptly (gathering, above).
-    // Warm-up steps are not sessions; an entry goes with SessionEnded.
-    struct Pace {
-      absl::Time answered;
-      bool prompt = false;
-    };
-    absl::flat_hash_map<const core::PagedStep*, Pace> sessions;
-    // The prompt sessions of the last session call computed, which have not
-    // queued their next step since it ended (at awaited_since).
-    std::vector<const core::PagedStep*> awaited;
-    absl::Time awaited_since;
+    SessionPacing pacing;  // its sessions' steps (gathering, above)
   };
   struct Batch {
     const Model* model = nullptr;

@@ -23,7 +23,7 @@ struct ModelLimits {
   int64_t max_sequence_length = 4096;                 // Q and K
   int64_t max_request_bytes = int64_t{64} << 20;      // serialized AttendRequest
   int64_t max_attention_elements = int64_t{1} << 24;  // B*h*Q*K, return_attention
-  // Keys one AttendSession may cache (server/attention_v1/session.h); 0 = max_sequence_length.
+  // Keys one AttendSession may cache (server/serving/session_store.h); 0 = max_sequence_length.
   int64_t max_session_tokens = 0;
 
   int64_t session_tokens() const {

@@ -42,7 +42,7 @@ struct WorkItem {
   absl::Time enqueued;  // set by Submit
   // A warm-up pass (server/app/server.h): admitted while the model is still warming up.
   bool warmup = false;
-  // A session step (server/attention_v1/session.h), owned by the session: computed with
+  // A session step (server/serving/session_store.h), owned by the session: computed with
   // core::MultiHeadAttention::ForwardPaged instead of Forward, merged only with
   // other steps, never padded. `inputs` then says only B = 1, Q = T and K = the
   // step's new keys, for the batcher's accounting; `output` is unused.
