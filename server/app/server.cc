@@ -124,13 +124,12 @@ absl::Status Server::StartServices() {
   MHA_ASSIGN_OR_RETURN(batcher_, Batcher::Create({.num_workers = options_.compute_workers,
                                                   .inline_max_flops = options_.inline_max_flops},
                                                  metrics_.get()));
-  for (const auto& model : models_->models()) {
-    MHA_RETURN_IF_ERROR(batcher_->AddModel(model, /*warming=*/true));
-  }
+  states_ = std::make_unique<ModelStates>();
   lifecycle_ = std::make_unique<ModelLifecycle>(
       ModelLifecycle::Options{.control = options_.model_control,
                               .poll_interval = options_.repository_poll},
-      models_.get(), batcher_.get(), metrics_.get());
+      models_.get(), states_.get(), batcher_.get(), metrics_.get());
+  MHA_RETURN_IF_ERROR(lifecycle_->QueueStartUpModels());
   sessions_ = std::make_unique<SessionManager>(
       SessionOptions{.cache_bytes = options_.session_cache_bytes > 0 ? options_.session_cache_bytes
                                                                      : AvailableMemoryBytes() / 4,
@@ -138,7 +137,7 @@ absl::Status Server::StartServices() {
       models_.get(), batcher_.get(), *metrics_->registry());
   path_ = std::make_unique<RequestPath>(models_.get(), batcher_.get(), metrics_.get());
   service_ = std::make_unique<AttentionServiceImpl>(models_.get(), path_.get(), sessions_.get());
-  kserve_models_ = std::make_unique<KserveModels>(models_.get(), batcher_.get(), lifecycle_.get());
+  kserve_models_ = std::make_unique<KserveModels>(models_.get(), states_.get(), lifecycle_.get());
   inference_service_ = std::make_unique<InferenceServiceImpl>(models_.get(), path_.get(),
                                                               metrics_.get(), kserve_models_.get());
   return absl::OkStatus();
@@ -229,39 +228,24 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   for (const auto& model : server->models_->models()) {
     health->SetServingStatus(model->name, false);
   }
+  // Each model turns SERVING as it turns ready, at start-up and later.
+  server->lifecycle_->SetHealth([health](const std::string& name, bool serving) {
+    health->SetServingStatus(name, serving);
+  });
   server->warmup_thread_ = std::thread(&Server::Warm, server.get());
   return server;
 }
 
 void Server::Warm() {
-  grpc::HealthCheckServiceInterface* health = grpc_server_->GetHealthCheckService();
-  std::vector<WarmupReport> reports;
-  absl::Status failed;
-  for (const auto& model : models_->models()) {
-    absl::StatusOr<absl::Duration> took = WarmUp(*batcher_, model);
-    if (!took.ok()) {
-      failed = took.status();
-      break;
-    }
-    metrics_->Warmed(model->name, *took);
-    reports.push_back({.model = model->name,
-                       .passes = static_cast<int64_t>(model->warmup.size()),
-                       .took = *took});
-    batcher_->SetReady(model.get());
-    health->SetServingStatus(model->name, true);
-  }
-  if (failed.ok()) {
-    health->SetServingStatus(true);  // overall last: every model is ready
-    // From here on, loads and unloads set the models' health themselves.
-    lifecycle_->SetHealth([health](const std::string& name, bool serving) {
-      health->SetServingStatus(name, serving);
-    });
+  absl::StatusOr<std::vector<WarmupReport>> reports = lifecycle_->StartUp();
+  if (reports.ok()) {
+    // Overall last: every model is ready.
+    grpc_server_->GetHealthCheckService()->SetServingStatus(true);
     lifecycle_->StartPolling();
   }
   absl::MutexLock lock(&warmup_mu_);
   warmed_ = true;
-  warmup_ = failed.ok() ? absl::StatusOr<std::vector<WarmupReport>>(std::move(reports))
-                        : absl::StatusOr<std::vector<WarmupReport>>(failed);
+  warmup_ = std::move(reports);
 }
 
 absl::StatusOr<std::vector<WarmupReport>> Server::WaitUntilReady() {
@@ -277,7 +261,7 @@ void Server::Shutdown() {
   shut_down_ = true;
   // No reload starts from here on; one in progress finishes first.
   if (lifecycle_ != nullptr) lifecycle_->Stop();
-  if (kserve_models_ != nullptr) kserve_models_->SetNotReady();
+  if (states_ != nullptr) states_->ShuttingDown();
   if (http_ != nullptr) http_->Stop();
   // Sessions waiting for their next message end now; computing ones after their
   // step's response (server/attention_v1/session.h). gRPC's shutdown below waits for them.

@@ -35,6 +35,7 @@
 #include "server/kserve_http/http_front.h"
 #include "server/models/model_lifecycle.h"
 #include "server/models/model_repository.h"
+#include "server/models/model_states.h"
 #include "server/serving/batcher.h"
 #include "server/serving/metrics.h"
 #include "server/serving/submit.h"
@@ -79,13 +80,6 @@ struct ServerOptions {
   // message starts with the field's name as written here, e.g.
   // "limits.max_batch_size: expected >= 1, got 0". Server::Create calls it.
   absl::Status Validate() const;
-};
-
-// One model's warm-up (config.pbtxt `warmup` blocks).
-struct WarmupReport {
-  std::string model;
-  int64_t passes = 0;
-  absl::Duration took;
 };
 
 class Server {
@@ -136,6 +130,7 @@ class Server {
   std::unique_ptr<MetricsExposer> exposer_;
   std::unique_ptr<Batcher> batcher_;
   std::unique_ptr<RequestPath> path_;  // every front's way to the batcher
+  std::unique_ptr<ModelStates> states_;  // every readiness answer's
   std::unique_ptr<ModelLifecycle> lifecycle_;
   std::unique_ptr<SessionManager> sessions_;  // destroyed after grpc_server_
   std::unique_ptr<KserveModels> kserve_models_;  // both KServe fronts' readiness

@@ -164,16 +164,9 @@ absl::StatusOr<inference::ModelStatisticsResponse> CollectStatistics(const Model
 }
 
 absl::Status KserveModels::Readiness(const Model* model) const {
-  if (!ready_.load(std::memory_order_relaxed)) {
-    return absl::UnavailableError("the server is shutting down");
-  }
-  const auto warming = [](const Model* m) {
-    return absl::UnavailableError(absl::StrCat("model ", m->name, " is warming up"));
-  };
-  if (model != nullptr) return batcher_->IsReady(model) ? absl::OkStatus() : warming(model);
-  for (const auto& m : models_->models()) {
-    if (!batcher_->IsReady(m.get())) return warming(m.get());
-  }
+  if (model != nullptr) return states_->Readiness(*model);
+  MHA_RETURN_IF_ERROR(states_->Serving());
+  for (const auto& m : models_->models()) MHA_RETURN_IF_ERROR(states_->Readiness(*m));
   return absl::OkStatus();
 }
 
@@ -181,35 +174,39 @@ inference::RepositoryIndexResponse KserveModels::Index(bool ready_only) const {
   using ModelIndex = inference::RepositoryIndexResponse::ModelIndex;
   // By name, then version (0: a model with no version served).
   std::map<std::pair<std::string, int64_t>, ModelIndex> entries;
+  auto add = [&entries](const std::string& name, int64_t version, const std::string& state,
+                        const std::string& reason) {
+    ModelIndex& entry = entries[{name, version}];
+    entry.set_name(name);
+    if (version > 0) entry.set_version(absl::StrCat(version));
+    entry.set_state(state);
+    entry.set_reason(reason);
+  };
   std::set<std::string> served;
   for (const auto& model : models_->models()) {
-    const absl::Status readiness = Readiness(model.get());
-    ModelIndex& entry = entries[{model->name, model->version}];
-    entry.set_name(model->name);
-    entry.set_version(absl::StrCat(model->version));
-    entry.set_state(readiness.ok() ? "READY" : "UNAVAILABLE");
-    entry.set_reason(readiness.ok() ? "" : std::string(readiness.message()));
+    const ModelStates::IndexEntry state = states_->Index(*model);
+    add(model->name, model->version, state.state, state.reason);
     served.insert(model->name);
+  }
+  // Versions of models not served yet: loading or warming up.
+  std::set<std::string> coming;
+  for (const ModelStates::Version& v : states_->Versions()) {
+    if (served.contains(v.name)) continue;
+    add(v.name, v.version, v.entry.state, v.entry.reason);
+    coming.insert(v.name);
   }
   // Folders not served; none listed when the repository cannot be read now.
   const std::vector<std::string> on_disk =
       models_->ListDirectory().value_or(std::vector<std::string>{});
   for (const std::string& name : on_disk) {
-    if (served.contains(name)) continue;
-    ModelIndex& entry = entries[{name, 0}];
-    entry.set_name(name);
-    entry.set_state("UNAVAILABLE");
-    entry.set_reason("not loaded");
+    if (!served.contains(name) && !coming.contains(name)) add(name, 0, "UNAVAILABLE", "not loaded");
   }
   // A model whose newest files failed to load: the reason on each version still
   // serving (they stay READY), or on the model when none does.
   for (const auto& [name, failure] : models_->Failures()) {
     const std::string reason = absl::StrCat("load failed: ", failure);
     if (!served.contains(name)) {
-      ModelIndex& entry = entries[{name, 0}];
-      entry.set_name(name);
-      entry.set_state("UNAVAILABLE");
-      entry.set_reason(reason);
+      add(name, 0, "UNAVAILABLE", reason);
       continue;
     }
     for (auto it = entries.lower_bound({name, 0}); it != entries.end() && it->first.first == name;

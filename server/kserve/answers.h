@@ -17,7 +17,6 @@
 #ifndef MHA_SERVER_KSERVE_ANSWERS_H_
 #define MHA_SERVER_KSERVE_ANSWERS_H_
 
-#include <atomic>
 #include <string>
 
 #include "absl/status/status.h"
@@ -27,6 +26,7 @@
 #include "server/kserve/inference_codec.h"
 #include "server/models/model_lifecycle.h"
 #include "server/models/model_repository.h"
+#include "server/models/model_states.h"
 #include "server/serving/batcher.h"
 #include "server/serving/metrics.h"
 #include "server/serving/submit.h"
@@ -58,20 +58,20 @@ absl::StatusOr<inference::ModelStatisticsResponse> CollectStatistics(const Model
 class KserveModels {
  public:
   // `lifecycle` answers load and unload (PERMISSION_DENIED when null).
-  KserveModels(const ModelRepository* models, const Batcher* batcher,
+  // Readiness reads `states` (server/models/model_states.h).
+  KserveModels(const ModelRepository* models, const ModelStates* states,
                ModelLifecycle* lifecycle = nullptr)
-      : models_(models), batcher_(batcher), lifecycle_(lifecycle) {}
+      : models_(models), states_(states), lifecycle_(lifecycle) {}
 
-  // ServerReady / ModelReady answer false from now on (shutdown).
-  void SetNotReady() { ready_.store(false, std::memory_order_relaxed); }
-  // OK when `model` (nullptr: every model) serves; otherwise UNAVAILABLE with the
-  // reason: the server is shutting down, or the model is still warming up.
+  // OK when `model` (nullptr: every model served) is ready; otherwise UNAVAILABLE
+  // with the reason (ModelStates::Readiness: shutting down, warming up, ...).
   absl::Status Readiness(const Model* model = nullptr) const;
-  // RepositoryIndex: every model served or in the repository directory, by name:
-  // READY, or UNAVAILABLE with the reason (warming up, "not loaded", or "load failed:
-  // " and the error naming the file). A model that serves an earlier version while
-  // its newest files failed to load is READY with that reason. Only the READY ones
-  // when `ready_only`.
+  // RepositoryIndex: every version served or being loaded, and every folder of the
+  // repository directory, by name then version: its state (ModelStates::Index:
+  // READY, LOADING, UNLOADING, or UNAVAILABLE with the reason), "not loaded", or
+  // "load failed: " and the error naming the file. A model that serves an earlier
+  // version while its newest files failed to load is READY with that reason. Only
+  // the READY ones when `ready_only`.
   inference::RepositoryIndexResponse Index(bool ready_only) const;
   // The repository RPCs: `load` true loads, false unloads. INVALID_ARGUMENT naming
   // repository_name (other than "") or parameters (any).
@@ -80,9 +80,8 @@ class KserveModels {
 
  private:
   const ModelRepository* const models_;
-  const Batcher* const batcher_;
+  const ModelStates* const states_;
   ModelLifecycle* const lifecycle_;
-  std::atomic<bool> ready_{true};
 };
 
 }  // namespace mha::server

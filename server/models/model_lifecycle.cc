@@ -140,9 +140,9 @@ absl::StatusOr<absl::Duration> WarmUp(Batcher& batcher, const std::shared_ptr<co
   return absl::Now() - start;
 }
 
-ModelLifecycle::ModelLifecycle(const Options& options, ModelRepository* models, Batcher* batcher,
-                               Metrics* metrics)
-    : options_(options), models_(models), batcher_(batcher), metrics_(metrics) {}
+ModelLifecycle::ModelLifecycle(const Options& options, ModelRepository* models,
+                               ModelStates* states, Batcher* batcher, Metrics* metrics)
+    : options_(options), models_(models), states_(states), batcher_(batcher), metrics_(metrics) {}
 
 ModelLifecycle::~ModelLifecycle() { Stop(); }
 
@@ -183,17 +183,66 @@ void ModelLifecycle::SetServing(const std::string& name, bool serving) {
   if (set_serving_) set_serving_(name, serving);
 }
 
-namespace {
-
-// Takes the models' addresses and drops the references: the batcher's queues,
-// retired with RemoveModel, then hold the last ones.
-std::vector<const Model*> Release(ModelRepository::Versions versions) {
-  std::vector<const Model*> released;
-  for (const auto& model : versions) released.push_back(model.get());
-  return released;
+absl::Status ModelLifecycle::Queue(const std::shared_ptr<const Model>& model) {
+  MHA_RETURN_IF_ERROR(states_->Move(*model, ModelState::kLoading));
+  MHA_RETURN_IF_ERROR(batcher_->AddModel(model, /*warming=*/true));
+  return states_->Move(*model, ModelState::kWarming);
 }
 
-}  // namespace
+void ModelLifecycle::Ready(const Model& model) {
+  batcher_->SetReady(&model);
+  states_->Move(model, ModelState::kReady).IgnoreError();  // warming: allowed
+}
+
+// The batcher's retired queues then hold the last references (RemoveModel).
+void ModelLifecycle::Fail(ModelRepository::Versions versions, const absl::Status& status) {
+  std::vector<const Model*> failed;
+  for (const auto& model : versions) {
+    // A version the load did not reach has no state and no queue.
+    if (!states_->Move(*model, ModelState::kFailed, status.message()).ok()) continue;
+    states_->Forget(*model).IgnoreError();  // failed: allowed
+    failed.push_back(model.get());
+  }
+  versions.clear();
+  for (const Model* model : failed) batcher_->RemoveModel(model);
+}
+
+void ModelLifecycle::Retire(ModelRepository::Versions versions) {
+  std::vector<const Model*> retired;
+  for (const auto& model : versions) {
+    states_->Move(*model, ModelState::kUnloading).IgnoreError();  // ready: allowed
+    states_->Forget(*model).IgnoreError();
+    retired.push_back(model.get());
+  }
+  versions.clear();
+  for (const Model* model : retired) batcher_->RemoveModel(model);
+}
+
+absl::Status ModelLifecycle::QueueStartUpModels() {
+  for (const auto& model : models_->models()) MHA_RETURN_IF_ERROR(Queue(model));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<WarmupReport>> ModelLifecycle::StartUp() {
+  std::vector<WarmupReport> reports;
+  for (const auto& model : models_->models()) {
+    absl::StatusOr<absl::Duration> took = WarmUp(*batcher_, model);
+    if (!took.ok()) {
+      states_->Move(*model, ModelState::kFailed, took.status().message()).IgnoreError();
+      return took.status();
+    }
+    metrics_->Warmed(model->name, *took);
+    reports.push_back({.model = model->name,
+                       .passes = static_cast<int64_t>(model->warmup.size()),
+                       .took = *took});
+    absl::MutexLock lock(&mu_);
+    Ready(*model);
+    SetServing(model->name, true);
+  }
+  absl::MutexLock lock(&mu_);
+  started_ = true;
+  return reports;
+}
 
 absl::Status ModelLifecycle::LoadLocked(const std::string& name) {
   // What the served version (if any) warmed up with; no reference is kept: the
@@ -212,7 +261,7 @@ absl::Status ModelLifecycle::LoadLocked(const std::string& name) {
     absl::Duration took;
     size_t passes = 0;
     for (const auto& model : versions) {
-      status.Update(batcher_->AddModel(model, /*warming=*/true));
+      status.Update(Queue(model));
       if (!status.ok()) break;
       // The default second pass grows the shared workspaces to the largest batch the
       // batcher may form for this model. When the version it replaces had the same
@@ -230,13 +279,11 @@ absl::Status ModelLifecycle::LoadLocked(const std::string& name) {
     if (status.ok()) {
       std::vector<int64_t> numbers;
       for (const auto& model : versions) {
-        batcher_->SetReady(model.get());
+        Ready(*model);
         numbers.push_back(model->version);
       }
       const std::string source = versions.back()->weights_source;
-      for (const Model* old : Release(models_->Swap(std::move(versions)))) {
-        batcher_->RemoveModel(old);
-      }
+      Retire(models_->Swap(std::move(versions)));
       metrics_->Warmed(name, took);
       metrics_->Loaded(name, true);
       SetServing(name, true);
@@ -246,7 +293,7 @@ absl::Status ModelLifecycle::LoadLocked(const std::string& name) {
       return absl::OkStatus();
     }
     const std::string fingerprint = versions.front()->fingerprint;
-    for (const Model* model : Release(std::move(versions))) batcher_->RemoveModel(model);
+    Fail(std::move(versions), status);
     models_->RecordFailure(name, fingerprint, status);
   }
   metrics_->Loaded(name, false);
@@ -257,10 +304,10 @@ absl::Status ModelLifecycle::LoadLocked(const std::string& name) {
 }
 
 void ModelLifecycle::UnloadLocked(const std::string& name) {
-  const std::vector<const Model*> removed = Release(models_->Remove(name));
+  ModelRepository::Versions removed = models_->Remove(name);
   if (removed.empty()) return;
   SetServing(name, false);
-  for (const Model* model : removed) batcher_->RemoveModel(model);
+  Retire(std::move(removed));
   Log(absl::StrCat("model ", name, ": unloaded"));
 }
 
@@ -316,7 +363,7 @@ absl::Status ModelLifecycle::Control(const std::string& name, bool load) {
   }
   absl::MutexLock lock(&mu_);
   if (stopped_) return absl::UnavailableError("the server is shutting down");
-  if (!set_serving_) {
+  if (!started_) {
     return absl::UnavailableError(
         "the server is still warming up its models; retry when its "
         "health is SERVING");

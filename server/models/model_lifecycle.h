@@ -43,6 +43,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -50,6 +51,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/models/model_repository.h"
+#include "server/models/model_states.h"
 #include "server/serving/batcher.h"
 #include "server/serving/metrics.h"
 
@@ -70,6 +72,13 @@ absl::string_view ModelControlName(ModelControl control);
 absl::StatusOr<absl::Duration> WarmUp(Batcher& batcher, const std::shared_ptr<const Model>& model,
                                       size_t passes = SIZE_MAX);
 
+// One model's start-up warm-up.
+struct WarmupReport {
+  std::string model;
+  int64_t passes = 0;
+  absl::Duration took;
+};
+
 class ModelLifecycle {
  public:
   struct Options {
@@ -82,16 +91,27 @@ class ModelLifecycle {
     int failed = 0;    // loads that failed (the previous version keeps serving)
   };
 
-  // The repository, batcher and metrics outlive the lifecycle.
-  ModelLifecycle(const Options& options, ModelRepository* models, Batcher* batcher,
-                 Metrics* metrics);
+  // The repository, states, batcher and metrics outlive the lifecycle. Every
+  // version it loads, warms, serves and unloads moves through `states`
+  // (server/models/model_states.h), which every readiness answer reads.
+  ModelLifecycle(const Options& options, ModelRepository* models, ModelStates* states,
+                 Batcher* batcher, Metrics* metrics);
   ~ModelLifecycle();  // Stop()
 
-  // Called with a model's name and whether it serves after each load and unload
-  // (the server sets its gRPC health from it). Set when the start-up warm-up has
-  // ended; until then Load and Unload are UNAVAILABLE.
+  // Called with a model's name and whether it serves as it turns ready or is
+  // unloaded, start-up included (the server sets its gRPC health from it).
   using ServingCallback = std::function<void(const std::string& name, bool serving)>;
   void SetHealth(ServingCallback set_serving);
+
+  // Start-up, before serving: queues the models the repository loaded at Create,
+  // warming (their requests get UNAVAILABLE naming the warm-up). INVALID_ARGUMENT
+  // naming the model and max_queue_size when a queue cannot be made.
+  absl::Status QueueStartUpModels();
+  // Start-up: warms those models up, in order, as a load does (warming, then
+  // ready and SERVING); the first failure stops it, naming the model and the pass
+  // (the models not warmed never serve; the caller should shut down). Load and
+  // Unload are UNAVAILABLE until it has succeeded.
+  absl::StatusOr<std::vector<WarmupReport>> StartUp();
   // kPoll: starts re-reading the repository every poll interval. Otherwise nothing.
   void StartPolling();
   // Stops polling and refuses later changes (shutdown). Idempotent.
@@ -104,7 +124,7 @@ class ModelLifecycle {
   ReloadReport Reload(bool log_unchanged = true);
   // The repository RPCs. PERMISSION_DENIED unless kExplicit; INVALID_ARGUMENT
   // naming model_name for a name that is not a plain folder name ("", "../x");
-  // UNAVAILABLE until the start-up warm-up has ended (SetHealth). Load (re)loads
+  // UNAVAILABLE until the start-up warm-up has ended (StartUp). Load (re)loads
   // `name` from its folder (NOT_FOUND when the repository has none) and serves it
   // once warm: the load's error, naming the file, when it fails (the previous
   // version keeps serving). Unload: NOT_FOUND when `name` is not served.
@@ -119,15 +139,23 @@ class ModelLifecycle {
   // Loads, warms and swaps in `name`; logs the outcome.
   absl::Status LoadLocked(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UnloadLocked(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A version's steps (model_states.h): queued warming; ready and admitted;
+  // failed (its queue retired); unloading and gone (its queue retired).
+  absl::Status Queue(const std::shared_ptr<const Model>& model);
+  void Ready(const Model& model);
+  void Fail(ModelRepository::Versions versions, const absl::Status& status);
+  void Retire(ModelRepository::Versions versions);
   void SetServing(const std::string& name, bool serving) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PollLoop();
 
   const Options options_;
   ModelRepository* const models_;
+  ModelStates* const states_;
   Batcher* const batcher_;
   Metrics* const metrics_;
   absl::Mutex mu_;  // one change at a time
   ServingCallback set_serving_ ABSL_GUARDED_BY(mu_);  // empty until SetHealth
+  bool started_ ABSL_GUARDED_BY(mu_) = false;         // StartUp succeeded
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   absl::Mutex poll_mu_;
   bool stop_polling_ ABSL_GUARDED_BY(poll_mu_) = false;

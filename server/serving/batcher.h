@@ -118,7 +118,9 @@ class Batcher {
   // Adds a queue for `model` with its BatchingPolicy. INVALID_ARGUMENT naming the
   // model and max_queue_size when < 1. A `warming` model admits only warm-up items
   // (WorkItem::warmup) until SetReady; other requests get UNAVAILABLE naming the
-  // warm-up.
+  // warm-up. This is the admission gate only: the model's state, which readiness
+  // answers read, is the models layer's (server/models/model_states.h), whose
+  // lifecycle calls SetReady as the version turns ready.
   absl::Status AddModel(std::shared_ptr<const Model> model, bool warming = false);
   void SetReady(const Model* model);
   // Retires `model`'s queue (a reload replaced the model, or removed it): requests
@@ -128,7 +130,7 @@ class Batcher {
   // by an idle worker while a retired queue remains), and its pages go back to the
   // system.
   void RemoveModel(const Model* model);
-  bool IsReady(const Model* model) const;  // served and not warming up
+  bool IsReady(const Model* model) const;  // queued and not warming up (admits requests)
   ~Batcher();                              // Shutdown()
 
   // OK: queued, `done` will be called (or, inline, was called). RESOURCE_EXHAUSTED
