@@ -66,18 +66,13 @@ float* AllocateTensor(int64_t elements, bool raw, Tensor* tensor) {
 absl::StatusOr<ValidatedRequest> ValidateRequest(const AttendRequest& request, const Model& model) {
   const auto bytes = static_cast<int64_t>(request.ByteSizeLong());
   MHA_RETURN_IF_ERROR(CheckRequestBytes(bytes, model));
-  MHA_ASSIGN_OR_RETURN(std::optional<TensorView> queries,
-                       ViewTensor("queries", request.has_queries(), request.queries()));
-  MHA_ASSIGN_OR_RETURN(std::optional<TensorView> keys,
-                       ViewTensor("keys", request.has_keys(), request.keys()));
-  MHA_ASSIGN_OR_RETURN(std::optional<TensorView> values,
-                       ViewTensor("values", request.has_values(), request.values()));
+  MHA_ASSIGN_OR_RETURN(const MessageTensors tensors, ViewTensors(request));
   return Validate(
       RequestView{
           .bytes = bytes,
-          .queries = queries,
-          .keys = keys,
-          .values = values,
+          .queries = tensors.queries,
+          .keys = tensors.keys,
+          .values = tensors.values,
           .valid_lens = absl::MakeConstSpan(request.valid_lens().data(), request.valid_lens_size()),
           .causal = request.causal(),
           .return_attention = request.return_attention(),

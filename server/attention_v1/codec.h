@@ -22,6 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "base/status_macros.h"
 #include "core/attention.h"
 #include "proto/attention.pb.h"
 #include "server/serving/model.h"
@@ -35,6 +36,22 @@ namespace mha::server {
 // raw is not whole float32s.
 absl::StatusOr<std::optional<TensorView>> ViewTensor(absl::string_view field, bool present,
                                                      const attention::v1::Tensor& tensor);
+// An attention.v1 message's queries, keys and values (AttendRequest,
+// SessionRequest: the same three fields) as views; nullopt for an absent one. The
+// first error of ViewTensor, in that order.
+struct MessageTensors {
+  std::optional<TensorView> queries, keys, values;
+};
+template <typename Message>
+absl::StatusOr<MessageTensors> ViewTensors(const Message& message) {
+  MessageTensors views;
+  MHA_ASSIGN_OR_RETURN(views.queries,
+                       ViewTensor("queries", message.has_queries(), message.queries()));
+  MHA_ASSIGN_OR_RETURN(views.keys, ViewTensor("keys", message.has_keys(), message.keys()));
+  MHA_ASSIGN_OR_RETURN(views.values,
+                       ViewTensor("values", message.has_values(), message.values()));
+  return views;
+}
 // Sizes `tensor` for `elements` zeroed floats, in raw or in data, and returns them.
 float* AllocateTensor(int64_t elements, bool raw, attention::v1::Tensor* tensor);
 

@@ -63,12 +63,10 @@ absl::StatusOr<SessionStepInput> DecodeSessionStep(const SessionRequest& request
           "model: ", model.name, " uses additive scoring; sessions need dot-product scoring"));
     }
   }
-  MHA_ASSIGN_OR_RETURN(std::optional<TensorView> queries,
-                       ViewTensor("queries", request.has_queries(), request.queries()));
-  MHA_ASSIGN_OR_RETURN(std::optional<TensorView> keys,
-                       ViewTensor("keys", request.has_keys(), request.keys()));
-  MHA_ASSIGN_OR_RETURN(std::optional<TensorView> values,
-                       ViewTensor("values", request.has_values(), request.values()));
+  MHA_ASSIGN_OR_RETURN(const MessageTensors tensors, ViewTensors(request));
+  const std::optional<TensorView>& queries = tensors.queries;
+  const std::optional<TensorView>& keys = tensors.keys;
+  const std::optional<TensorView>& values = tensors.values;
   SessionStepInput step{.raw = !request.queries().raw().empty()};
   if (queries.has_value()) {
     MHA_ASSIGN_OR_RETURN(step.num_queries,
