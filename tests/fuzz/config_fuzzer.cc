@@ -9,7 +9,7 @@
 #include "absl/strings/string_view.h"
 #include "core/attention.h"
 #include "core/weights.h"
-#include "server/model_repository.h"
+#include "server/models/model_repository.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace {

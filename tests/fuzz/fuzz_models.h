@@ -13,8 +13,8 @@
 #include <fstream>
 #include <string>
 
-#include "server/codec.h"
-#include "server/model_repository.h"
+#include "server/serving/request.h"
+#include "server/models/model_repository.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace mha::fuzzing {

@@ -24,7 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "proto/inference/grpc_service.pb.h"
-#include "server/http_codec.h"
+#include "server/kserve_http/http_codec.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace {

@@ -1,5 +1,5 @@
 // libFuzzer target: raw bytes -> inference.ModelInferRequest::ParseFromArray ->
-// FindInferModel + DecodeInferRequest (the Open Inference Protocol decoder) against
+// ModelRepository::Find + DecodeInferRequest (the Open Inference Protocol decoder) against
 // the fuzzers' model repository, as the gRPC and HTTP fronts do. A request that
 // decodes must satisfy the limits it was checked against; when small enough it is
 // computed into its prepared response, whose outputs must match their shapes.
@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "proto/inference/grpc_service.pb.h"
-#include "server/inference_codec.h"
+#include "server/kserve/inference_codec.h"
 #include "tests/fuzz/fuzz_models.h"
 #include "tests/fuzz/fuzz_util.h"
 
@@ -19,8 +19,8 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   inference::ModelInferRequest request;
   if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;
-  absl::StatusOr<std::shared_ptr<const mha::server::Model>> model = mha::server::FindInferModel(
-      mha::fuzzing::Repository(), request.model_name(), request.model_version());
+  absl::StatusOr<std::shared_ptr<const mha::server::Model>> model =
+      mha::fuzzing::Repository().Find(request.model_name(), request.model_version());
   mha::server::InferDecoded decoded;
   absl::StatusOr<mha::server::ValidatedRequest> validated =
       model.ok() ? mha::server::DecodeInferRequest(request, **model, &decoded)

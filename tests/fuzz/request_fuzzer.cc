@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "proto/attention.pb.h"
-#include "server/codec.h"
+#include "server/attention_v1/codec.h"
 #include "tests/fuzz/fuzz_models.h"
 #include "tests/fuzz/fuzz_util.h"
 

@@ -1,5 +1,5 @@
 // libFuzzer target: raw bytes -> a stream of attention.v1.SessionRequest -> one
-// attention session driven the way its reactor (server/session.cc) drives it,
+// attention session driven the way its reactor (server/attention_v1/session.cc) drives it,
 // against the fuzzers' model repository (fuzz_models.h).
 //
 // Input layout: the stream's messages, each as a varint length and that many bytes
@@ -43,7 +43,7 @@
 #include "core/attention.h"
 #include "core/kv_cache.h"
 #include "proto/attention.pb.h"
-#include "server/session_codec.h"
+#include "server/attention_v1/session_codec.h"
 #include "tests/fuzz/fuzz_models.h"
 #include "tests/fuzz/fuzz_util.h"
 
@@ -331,7 +331,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::vector<SessionRequest> stream = SplitStream(data, size);
   if (stream.empty()) return 0;
 
-  // The reactor's state (server/session.cc, Session).
+  // The reactor's state (server/attention_v1/session.cc, Session).
   std::shared_ptr<const mha::server::Model> model;
   SessionSettings settings;
   KvCachePool pool(kBudgetBytes, /*retain_bytes=*/kBudgetBytes);

@@ -12,7 +12,7 @@
 #include "core/safetensors.h"
 #include "gtest/gtest.h"
 #include "proto/inference/grpc_service.grpc.pb.h"
-#include "server/model_repository.h"
+#include "server/models/model_repository.h"
 #include "tests/integration/client_util.h"
 #include "tests/integration/metrics_scrape.h"
 #include "tests/integration/server_process.h"

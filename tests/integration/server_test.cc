@@ -11,7 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "core/safetensors.h"
 #include "gtest/gtest.h"
-#include "server/model_repository.h"
+#include "server/models/model_repository.h"
 #include "tests/integration/client_util.h"
 #include "tests/integration/server_process.h"
 

@@ -1,6 +1,6 @@
 // BatchMerger against layouts written out by hand: the header's worked example,
 // one valid_len per query, self-attention, and Scatter's row placement.
-#include "server/batch_merge.h"
+#include "server/serving/batch_merge.h"
 
 #include <cstdint>
 #include <initializer_list>

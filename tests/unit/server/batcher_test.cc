@@ -5,7 +5,7 @@
 //
 // To make merging deterministic, each test holds the single worker busy inside
 // the first request's `done` callback while it queues the rest.
-#include "server/batcher.h"
+#include "server/serving/batcher.h"
 
 #include <time.h>
 
@@ -20,8 +20,8 @@
 #include "absl/time/clock.h"
 #include "core/kv_cache.h"
 #include "gtest/gtest.h"
-#include "server/codec.h"
-#include "server/model_repository.h"
+#include "server/attention_v1/codec.h"
+#include "server/models/model_repository.h"
 #include "tests/integration/client_util.h"
 
 namespace mha::server {

@@ -1,7 +1,7 @@
 // The attention.v1 codec in-process: every validation rule with its exact status
-// code and a message naming the field (server/codec.h lists the rules), and the
+// code and a message naming the field (server/attention_v1/codec.h lists the rules), and the
 // response encoding. The same rules over gRPC: tests/integration/validation_test.cc.
-#include "server/codec.h"
+#include "server/attention_v1/codec.h"
 
 #include <algorithm>
 #include <functional>
@@ -10,7 +10,7 @@
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
-#include "server/model_repository.h"
+#include "server/models/model_repository.h"
 #include "tests/integration/client_util.h"
 #include "tests/temp_dir.h"
 

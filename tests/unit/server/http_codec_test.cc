@@ -1,7 +1,7 @@
 // The KServe v2 HTTP body codec: request bodies (JSON and binary tensor data) to
 // ModelInferRequest with exact bytes, every refusal with its code and the field it
 // names, and response bodies parsed back bit-exactly.
-#include "server/http_codec.h"
+#include "server/kserve_http/http_codec.h"
 
 #include <bit>
 #include <cmath>

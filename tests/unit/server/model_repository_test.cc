@@ -1,6 +1,6 @@
 // ModelRepository and its config resolution in-process: the embedded default, a
 // repository directory, name resolution, and errors naming the model and file.
-#include "server/model_repository.h"
+#include "server/models/model_repository.h"
 
 #include <filesystem>
 #include <string>

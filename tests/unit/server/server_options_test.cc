@@ -1,8 +1,8 @@
 // ServerOptions::Validate and the status mapping at the RPC edge.
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
-#include "server/grpc_status.h"
-#include "server/server.h"
+#include "server/grpc_common/grpc_status.h"
+#include "server/app/server.h"
 
 namespace mha::server {
 namespace {

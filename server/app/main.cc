@@ -1,0 +1,297 @@
+// attention_server: serves attention.v1.AttentionService and the Open Inference
+// Protocol (KServe v2) over gRPC, and KServe v2 over HTTP when --http_port is set
+// (docs/service.md). Every flag lives here and fills ServerOptions.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "base/command_line.h"
+#include "base/mutex_mode.h"
+#include "core/config.h"
+#include "server/app/server.h"
+
+namespace {
+const mha::server::ServerOptions kDefaults;
+const mha::server::ModelLimits kLimits;
+
+// libgomp lets a thread spin for 300000 iterations after a parallel region before it
+// sleeps; a server shares its cores with gRPC's threads, so it spins for less
+// (docs/performance.md has the measurements). libgomp reads the variable when it
+// loads, before main, so the server sets it and runs itself again. An operator's
+// OMP_WAIT_POLICY or GOMP_SPINCOUNT is left alone.
+void ShortenOpenMpSpin(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr) {
+    return;
+  }
+  // The binary's own path, not /proc/self/exe: the process name (ps, pgrep, pkill)
+  // comes from the path exec is given.
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n > 0) {
+    self[n] = '\0';
+    setenv("GOMP_SPINCOUNT", "10000", 1);
+    execv(self, argv);
+    unsetenv("GOMP_SPINCOUNT");
+  }
+  // No /proc, or exec refused: carry on with libgomp's default.
+  std::fprintf(stderr, "note: could not re-run with GOMP_SPINCOUNT=10000; OpenMP spins long\n");
+}
+// ServerOptions fields and the flags that fill them, where the names differ.
+constexpr std::pair<absl::string_view, absl::string_view> kFlagOfField[] = {
+    {"limits.max_batch_size", "max_batch_size"},
+    {"limits.max_sequence_length", "max_sequence_length"},
+    {"limits.max_request_bytes", "max_request_bytes"},
+    {"limits.max_attention_elements", "max_attention_elements"},
+    {"batching.max_batch_size", "max_batch_size"},
+    {"batching.max_batch_tokens", "max_batch_tokens"},
+    {"batching.max_queue_size", "max_queue_size"},
+    {"batching.max_queue_delay", "max_queue_delay_us"},
+    {"batching.max_queue_wait", "max_queue_wait_us"},
+    {"batching.session_gather", "session_gather_us"},
+    {"repository_poll", "repository_poll_secs"},
+};
+
+// "field: problem" from ServerOptions::Validate, as "--flag: problem".
+std::string NameTheFlag(absl::string_view message) {
+  const size_t colon = message.find(':');
+  if (colon == absl::string_view::npos) return std::string(message);
+  absl::string_view flag = message.substr(0, colon);
+  for (const auto& [field, name] : kFlagOfField) {
+    if (field == flag) flag = name;
+  }
+  return absl::StrCat("--", flag, message.substr(colon));
+}
+}  // namespace
+
+ABSL_FLAG(std::string, host, kDefaults.host,
+          "Address to listen on; 127.0.0.1 (loopback) by default, 0.0.0.0 for all.");
+ABSL_FLAG(int32_t, port, kDefaults.port,
+          "gRPC port; 0 picks a free one. The bound address is printed as "
+          "'listening on HOST:PORT'.");
+ABSL_FLAG(int32_t, metrics_port, 9464,
+          "Prometheus /metrics port; 0 picks a free one, -1 turns metrics off. The bound "
+          "address is printed as 'metrics on HOST:PORT'.");
+ABSL_FLAG(int32_t, http_port, 8000,
+          "KServe v2 HTTP/REST port (same host and TLS flags as gRPC); 0 picks a free one, "
+          "-1 turns HTTP off. The bound address is printed as 'http on HOST:PORT'.");
+ABSL_FLAG(int32_t, http_threads, kDefaults.http_threads,
+          "HTTP connections served at once (one thread each, keep-alive included).");
+ABSL_FLAG(std::string, metrics_host, kDefaults.metrics_host,
+          "Address /metrics listens on; loopback by default, 0.0.0.0 for all.");
+ABSL_FLAG(std::string, model_repository, kDefaults.model_repository,
+          "Directory of <name>/config.pbtxt models; empty serves the embedded 'default' "
+          "model (p_o 100, h 5, d_q = d_k = d_v = 100, seeded weights).");
+ABSL_FLAG(std::string, model_control, "none",
+          "none: load every model at start, and re-read the repository on SIGHUP; poll: "
+          "also re-read it every --repository_poll_secs; explicit: load --load_models at "
+          "start, then only the RepositoryModelLoad/Unload calls load and unload (SIGHUP "
+          "re-reads the loaded ones). A changed model warms up beside the old one and "
+          "replaces it without failing a request.");
+ABSL_FLAG(int32_t, repository_poll_secs, 15,
+          "With --model_control=poll: seconds between re-reads of the repository.");
+ABSL_FLAG(std::vector<std::string>, load_models, {},
+          "With --model_control=explicit: the models (comma-separated) loaded at start.");
+ABSL_FLAG(int32_t, compute_threads, kDefaults.compute_threads,
+          "OpenMP threads for compute in total; 0 = the CPUs this process may use "
+          "(affinity mask and cgroup quota).");
+ABSL_FLAG(int32_t, compute_workers, kDefaults.compute_workers,
+          "Forward calls run concurrently; each gets compute_threads / compute_workers "
+          "threads.");
+ABSL_FLAG(double, inline_max_flops, kDefaults.inline_max_flops,
+          "A request of at most this many FLOPs (the toy model's (2, 4, 100) request is 0.8M) "
+          "runs on the thread that received it when no compute is queued or running; larger "
+          "ones go to the compute workers. 0 = always hand off.");
+ABSL_FLAG(bool, default_warmup, kDefaults.default_warmup,
+          "Warm up a model whose config.pbtxt lists no warmup passes with the default ones "
+          "(B 1 x Q 128, and the largest batch the batcher may form), so its first request "
+          "and later load find weights packed and workspaces grown.");
+ABSL_FLAG(int64_t, max_queue_size, kDefaults.batching.max_queue_size,
+          "Requests waiting for compute, per model, before new ones get RESOURCE_EXHAUSTED.");
+ABSL_FLAG(bool, batching, kDefaults.batching.enabled,
+          "Merge concurrent requests of a model into one forward call (dynamic batching); "
+          "false runs each request on its own.");
+ABSL_FLAG(int64_t, max_queue_delay_us,
+          absl::ToInt64Microseconds(kDefaults.batching.max_queue_delay),
+          "How long the oldest queued request waits for others to fill its batch; 0 merges "
+          "only what is already queued.");
+ABSL_FLAG(int64_t, max_queue_wait_us, absl::ToInt64Microseconds(kDefaults.batching.max_queue_wait),
+          "Refuse (RESOURCE_EXHAUSTED) a request whose expected queue wait, the work queued "
+          "ahead of it at the model's recent compute speed, is longer; 0 = no bound in time.");
+ABSL_FLAG(int64_t, session_gather_us, absl::ToInt64Microseconds(kDefaults.batching.session_gather),
+          "AttendSession: how long queued steps wait for the sessions of the model's "
+          "previous session call that stepped promptly to send their next steps, so that "
+          "sessions decoding together keep running as one call, and how long an idle "
+          "worker polls for the server's only session's next step; 0 = neither.");
+ABSL_FLAG(int64_t, max_batch_tokens, kDefaults.batching.max_batch_tokens,
+          "Limit on rows x padded sequence length of a merged forward call.");
+ABSL_FLAG(int64_t, max_batch_size, kLimits.max_batch_size,
+          "Default limit on B per request, and on the rows of a merged forward call (a "
+          "model's config.pbtxt may override either).");
+ABSL_FLAG(int64_t, max_sequence_length, kLimits.max_sequence_length,
+          "Default limit on Q and K per request.");
+ABSL_FLAG(int64_t, max_request_bytes, kLimits.max_request_bytes,
+          "Default limit on a serialized request; gRPC's receive limit is set to match.");
+ABSL_FLAG(int64_t, max_attention_elements, kLimits.max_attention_elements,
+          "Default limit on B*h*Q*K attention weights returned by return_attention.");
+ABSL_FLAG(absl::Duration, drain_timeout, kDefaults.drain_timeout,
+          "On SIGTERM/SIGINT: how long in-flight calls may take to finish.");
+ABSL_FLAG(int64_t, session_cache_bytes, 0,
+          "AttendSession: bytes of projected keys and values every session together may "
+          "cache; a step over it gets RESOURCE_EXHAUSTED. 0 = a quarter of the memory the "
+          "process may use (cgroup limit or RAM).");
+ABSL_FLAG(absl::Duration, session_idle_timeout, kDefaults.session_idle_timeout,
+          "AttendSession: a session with no message for this long after its last response "
+          "ends with DEADLINE_EXCEEDED and its cache is released.");
+ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate chain; enables TLS with --tls_key.");
+ABSL_FLAG(std::string, tls_key, "", "PEM server private key.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle; requires and verifies client certificates (mutual TLS).");
+
+int main(int argc, char** argv) {
+  ShortenOpenMpSpin(argv);
+  mha::SkipMutexDeadlockDetectionInRelease();
+  // --help lists this file's flags (absl's default looks for <program>.cc).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "server/app/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
+  absl::SetProgramUsageMessage(
+      "Serves multi-head attention over gRPC (attention.v1.AttentionService and\n"
+      "inference.GRPCInferenceService) and, with --http_port, KServe v2 over HTTP.\n"
+      "Usage: attention_server [--port=50051] [--model_repository=DIR] ...");
+  const std::vector<std::string> args = mha::ParseCommandLineOrExit(argc, argv);
+  if (!args.empty()) {
+    mha::ExitWithUsageError(absl::StrCat("unexpected argument '", args[0],
+                                         "': attention_server takes flags only, --name=value "
+                                         "(--help lists them)"));
+  }
+
+  mha::server::ServerOptions options;
+  options.host = absl::GetFlag(FLAGS_host);
+  options.port = absl::GetFlag(FLAGS_port);
+  options.model_repository = absl::GetFlag(FLAGS_model_repository);
+  options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
+  options.compute_workers = absl::GetFlag(FLAGS_compute_workers);
+  options.inline_max_flops = absl::GetFlag(FLAGS_inline_max_flops);
+  options.default_warmup = absl::GetFlag(FLAGS_default_warmup);
+  if (auto control = mha::server::ParseModelControl(absl::GetFlag(FLAGS_model_control));
+      control.ok()) {
+    options.model_control = *control;
+  } else {
+    mha::ExitWithUsageError(NameTheFlag(control.status().message()));
+  }
+  options.repository_poll = absl::Seconds(absl::GetFlag(FLAGS_repository_poll_secs));
+  options.load_models = absl::GetFlag(FLAGS_load_models);
+  options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
+  options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  options.http_port = absl::GetFlag(FLAGS_http_port);
+  options.http_threads = absl::GetFlag(FLAGS_http_threads);
+  options.batching.enabled = absl::GetFlag(FLAGS_batching);
+  options.batching.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
+  options.batching.max_queue_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_queue_delay_us));
+  options.batching.max_queue_wait = absl::Microseconds(absl::GetFlag(FLAGS_max_queue_wait_us));
+  options.batching.session_gather = absl::Microseconds(absl::GetFlag(FLAGS_session_gather_us));
+  options.batching.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  options.limits.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
+  options.batching.max_batch_size = options.limits.max_batch_size;
+  options.limits.max_sequence_length = absl::GetFlag(FLAGS_max_sequence_length);
+  options.limits.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
+  options.limits.max_attention_elements = absl::GetFlag(FLAGS_max_attention_elements);
+  options.drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
+  options.session_cache_bytes = absl::GetFlag(FLAGS_session_cache_bytes);
+  options.session_idle_timeout = absl::GetFlag(FLAGS_session_idle_timeout);
+  options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key = absl::GetFlag(FLAGS_tls_key);
+  options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  if (const absl::Status valid = options.Validate(); !valid.ok()) {
+    mha::ExitWithUsageError(NameTheFlag(valid.message()));
+  }
+
+  // Signals are taken synchronously by sigwait below; block them before any
+  // thread starts so every thread inherits the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  auto server = mha::server::Server::Create(options);
+  if (!server.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(server.status().message()).c_str());
+    return 1;
+  }
+  for (const auto& model : (*server)->models().models()) {
+    const mha::core::ModelConfig& c = model->config;
+    std::fprintf(stderr,
+                 "model %s: p_o %lld, h %lld, d_q %lld, d_k %lld, d_v %lld, bias %s, %s, "
+                 "weights %s, max_batch_size %lld, max_sequence_length %lld\n",
+                 model->name.c_str(), static_cast<long long>(c.num_hiddens),
+                 static_cast<long long>(c.num_heads), static_cast<long long>(c.query_size),
+                 static_cast<long long>(c.key_size), static_cast<long long>(c.value_size),
+                 c.bias ? "on" : "off", std::string(mha::core::PrecisionName(c.precision)).c_str(),
+                 model->weights_source.c_str(),
+                 static_cast<long long>(model->limits.max_batch_size),
+                 static_cast<long long>(model->limits.max_sequence_length));
+  }
+  std::fprintf(
+      stderr, "compute: %d worker(s) x %d thread(s); batching %s%s\n", options.compute_workers,
+      (*server)->threads_per_worker(),
+      options.batching.enabled
+          ? absl::StrCat("on (max_queue_delay ",
+                         absl::FormatDuration(options.batching.max_queue_delay), ")")
+                .c_str()
+          : "off",
+      options.tls_client_ca.empty() ? (options.tls_cert.empty() ? "" : ", TLS") : ", mutual TLS");
+  if ((*server)->metrics_port() != 0) {
+    std::printf("metrics on %s\n", (*server)->metrics_address().c_str());
+  }
+  if ((*server)->http_port() != 0) {
+    std::printf("http on %s\n", (*server)->http_address().c_str());
+  }
+  // Health answers from here on (NOT_SERVING); "listening on" means serving.
+  std::printf("warming up on %s\n", (*server)->address().c_str());
+  std::fflush(stdout);
+  const auto warmed = (*server)->WaitUntilReady();
+  if (!warmed.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(warmed.status().message()).c_str());
+    (*server)->Shutdown();
+    return 1;
+  }
+  for (const mha::server::WarmupReport& report : *warmed) {
+    if (report.passes == 0) continue;
+    std::fprintf(stderr, "model %s: warm-up, %lld pass(es) in %s\n", report.model.c_str(),
+                 static_cast<long long>(report.passes), absl::FormatDuration(report.took).c_str());
+  }
+  std::printf("listening on %s\n", (*server)->address().c_str());
+  std::fflush(stdout);
+
+  int signal_number = 0;
+  // SIGHUP re-reads the repository (server/models/model_lifecycle.h logs what changed);
+  // SIGTERM and SIGINT drain and stop.
+  while (sigwait(&signals, &signal_number) == 0 && signal_number == SIGHUP) {
+    std::fprintf(stderr, "received SIGHUP: re-reading the model repository\n");
+    (*server)->Reload();
+  }
+  std::fprintf(stderr, "received %s: draining (up to %s)\n",
+               signal_number == SIGTERM ? "SIGTERM" : "SIGINT",
+               absl::FormatDuration(options.drain_timeout).c_str());
+  (*server)->Shutdown();
+  std::fprintf(stderr, "stopped\n");
+  return 0;
+}

@@ -1,0 +1,288 @@
+#include "server/app/server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <algorithm>
+#include <climits>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "server/app/cpu.h"
+
+namespace mha::server {
+namespace {
+
+absl::StatusOr<std::string> ReadFile(absl::string_view flag, const std::string& path) {
+  std::ifstream file(path);
+  if (!file) return absl::NotFoundError(absl::StrCat(flag, ": cannot read ", path));
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+// Options::Validate has checked the fields' combinations.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
+    const ServerOptions& options) {
+  if (options.tls_cert.empty()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions ssl;
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  MHA_ASSIGN_OR_RETURN(pair.cert_chain, ReadFile("tls_cert", options.tls_cert));
+  MHA_ASSIGN_OR_RETURN(pair.private_key, ReadFile("tls_key", options.tls_key));
+  ssl.pem_key_cert_pairs.push_back(std::move(pair));
+  if (!options.tls_client_ca.empty()) {
+    MHA_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile("tls_client_ca", options.tls_client_ca));
+    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(ssl);
+}
+
+absl::Status AtLeast(absl::string_view field, int64_t value, int64_t least) {
+  if (value >= least) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, ": expected >= ", least, ", got ", value));
+}
+
+absl::Status NotNegative(absl::string_view field, absl::Duration value) {
+  if (value >= absl::ZeroDuration()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": expected >= 0, got ", absl::ToInt64Microseconds(value), " us"));
+}
+
+absl::Status PortInRange(absl::string_view field, int32_t port, int32_t least) {
+  if (port >= least && port <= 65535) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": expected ", least, " to 65535, got ", port));
+}
+
+std::string HostPort(const std::string& host, int port) {
+  return absl::StrContains(host, ':') ? absl::StrCat("[", host, "]:", port)
+                                      : absl::StrCat(host, ":", port);
+}
+
+}  // namespace
+
+absl::Status ServerOptions::Validate() const {
+  MHA_RETURN_IF_ERROR(PortInRange("port", port, 0));
+  MHA_RETURN_IF_ERROR(PortInRange("metrics_port", metrics_port, -1));
+  MHA_RETURN_IF_ERROR(PortInRange("http_port", http_port, -1));
+  MHA_RETURN_IF_ERROR(AtLeast("http_threads", http_threads, 1));
+  MHA_RETURN_IF_ERROR(AtLeast("compute_threads", compute_threads, 0));
+  MHA_RETURN_IF_ERROR(AtLeast("compute_workers", compute_workers, 1));
+  if (!(inline_max_flops >= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("inline_max_flops: expected >= 0, got ", inline_max_flops));
+  }
+  for (auto [field, value] : {std::pair{"limits.max_batch_size", limits.max_batch_size},
+                              {"limits.max_sequence_length", limits.max_sequence_length},
+                              {"limits.max_request_bytes", limits.max_request_bytes},
+                              {"limits.max_attention_elements", limits.max_attention_elements},
+                              {"batching.max_batch_size", batching.max_batch_size},
+                              {"batching.max_batch_tokens", batching.max_batch_tokens},
+                              {"batching.max_queue_size", batching.max_queue_size}}) {
+    MHA_RETURN_IF_ERROR(AtLeast(field, value, 1));
+  }
+  MHA_RETURN_IF_ERROR(NotNegative("batching.max_queue_delay", batching.max_queue_delay));
+  MHA_RETURN_IF_ERROR(NotNegative("batching.max_queue_wait", batching.max_queue_wait));
+  MHA_RETURN_IF_ERROR(NotNegative("batching.session_gather", batching.session_gather));
+  MHA_RETURN_IF_ERROR(NotNegative("drain_timeout", drain_timeout));
+  MHA_RETURN_IF_ERROR(AtLeast("session_cache_bytes", session_cache_bytes, 0));
+  if (session_idle_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("session_idle_timeout: expected > 0, got ",
+                                                   absl::FormatDuration(session_idle_timeout)));
+  }
+  if (repository_poll < absl::Seconds(1)) {
+    return absl::InvalidArgumentError(absl::StrCat("repository_poll: expected >= 1 s, got ",
+                                                   absl::FormatDuration(repository_poll)));
+  }
+  if (model_control != ModelControl::kExplicit && !load_models.empty()) {
+    return absl::InvalidArgumentError(
+        "load_models: needs model_control explicit (the other modes load every model)");
+  }
+  if (model_control != ModelControl::kNone && model_repository.empty()) {
+    return absl::InvalidArgumentError(
+        "model_control: poll and explicit need a model_repository to read");
+  }
+  if (tls_cert.empty() != tls_key.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(tls_cert.empty() ? "tls_cert" : "tls_key",
+                     ": tls_cert and tls_key go together; give both or neither"));
+  }
+  if (!tls_client_ca.empty() && tls_cert.empty()) {
+    return absl::InvalidArgumentError("tls_client_ca: needs tls_cert and tls_key");
+  }
+  return absl::OkStatus();
+}
+
+// The batcher, the models' lifecycle, the session manager and the RPC services.
+absl::Status Server::StartServices() {
+  MHA_ASSIGN_OR_RETURN(batcher_, Batcher::Create({.num_workers = options_.compute_workers,
+                                                  .inline_max_flops = options_.inline_max_flops},
+                                                 metrics_.get()));
+  states_ = std::make_unique<ModelStates>();
+  lifecycle_ = std::make_unique<ModelLifecycle>(
+      ModelLifecycle::Options{.control = options_.model_control,
+                              .poll_interval = options_.repository_poll},
+      models_.get(), states_.get(), batcher_.get(), metrics_.get());
+  MHA_RETURN_IF_ERROR(lifecycle_->QueueStartUpModels());
+  sessions_ = std::make_unique<SessionManager>(
+      SessionOptions{.cache_bytes = options_.session_cache_bytes > 0 ? options_.session_cache_bytes
+                                                                     : AvailableMemoryBytes() / 4,
+                     .idle_timeout = options_.session_idle_timeout},
+      models_.get(), batcher_.get(), *metrics_->registry());
+  path_ = std::make_unique<RequestPath>(models_.get(), batcher_.get(), metrics_.get());
+  service_ = std::make_unique<AttentionServiceImpl>(models_.get(), path_.get(), sessions_.get());
+  kserve_models_ = std::make_unique<KserveModels>(models_.get(), states_.get(), lifecycle_.get());
+  inference_service_ = std::make_unique<InferenceServiceImpl>(models_.get(), path_.get(),
+                                                              metrics_.get(), kserve_models_.get());
+  return absl::OkStatus();
+}
+
+// Builds and starts the gRPC server on options_.host:port with both services;
+// UNAVAILABLE naming the address when it cannot listen.
+absl::Status Server::StartGrpc(const std::shared_ptr<grpc::ServerCredentials>& credentials,
+                               int64_t max_receive) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  // gRPC sets SO_REUSEPORT by default, which would let a second server bind a busy
+  // port and take half of its connections; a port in use fails start-up instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.AddListeningPort(HostPort(options_.host, options_.port), credentials, &port_);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(max_receive, INT_MAX)));
+  builder.SetMaxSendMessageSize(INT_MAX);
+  builder.RegisterService(service_.get());
+  builder.RegisterService(inference_service_.get());
+  grpc_server_ = builder.BuildAndStart();
+  if (grpc_server_ == nullptr || port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("port: cannot listen on ",
+                                               HostPort(options_.host, options_.port),
+                                               " (address in use, or a bad host or TLS key pair)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Server::StartHttp(int64_t max_receive) {
+  if (options_.http_port < 0) return absl::OkStatus();
+  MHA_ASSIGN_OR_RETURN(http_, HttpFront::Start({.host = options_.host,
+                                                .port = options_.http_port,
+                                                .threads = options_.http_threads,
+                                                .max_body_bytes = max_receive,
+                                                .tls_cert = options_.tls_cert,
+                                                .tls_key = options_.tls_key,
+                                                .tls_client_ca = options_.tls_client_ca},
+                                               {.models = models_.get(),
+                                                .path = path_.get(),
+                                                .metrics = metrics_.get(),
+                                                .answers = kserve_models_.get()}));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& options) {
+  MHA_RETURN_IF_ERROR(options.Validate());
+  std::unique_ptr<Server> server(new Server());
+  server->options_ = options;
+  // TLS files are read before anything is loaded or bound: a bad path fails fast.
+  MHA_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                       MakeCredentials(options));
+  const int threads = options.compute_threads > 0 ? options.compute_threads : AvailableCpus();
+  server->threads_per_worker_ = std::max(1, threads / options.compute_workers);
+
+  MHA_ASSIGN_OR_RETURN(
+      server->models_,
+      ModelRepository::Create({.path = options.model_repository,
+                               .default_limits = options.limits,
+                               .default_batching = options.batching,
+                               .num_threads = server->threads_per_worker_,
+                               .default_warmup = options.default_warmup,
+                               .only = options.model_control == ModelControl::kExplicit
+                                           ? std::optional(options.load_models)
+                                           : std::nullopt}));
+  std::vector<std::string> names;
+  for (const auto& model : server->models_->models()) names.push_back(model->name);
+  server->metrics_ = std::make_unique<Metrics>(names);
+  if (options.metrics_port >= 0) {
+    MHA_ASSIGN_OR_RETURN(server->exposer_,
+                         MetricsExposer::Start(HostPort(options.metrics_host, options.metrics_port),
+                                               server->metrics_->registry()));
+  }
+  MHA_RETURN_IF_ERROR(server->StartServices());
+  // The transport refuses bigger messages itself; each model's own limit is
+  // checked in validation, so the transport allows the largest of them (of the
+  // models loaded at start-up: a model loaded later that allows more is held to
+  // this until a restart).
+  int64_t max_receive = options.limits.max_request_bytes;
+  for (const auto& model : server->models_->models()) {
+    max_receive = std::max(max_receive, model->limits.max_request_bytes);
+  }
+  MHA_RETURN_IF_ERROR(server->StartGrpc(credentials, max_receive));
+  MHA_RETURN_IF_ERROR(server->StartHttp(max_receive));
+  // gRPC's health service starts with "" SERVING: not so until the warm-up is done.
+  grpc::HealthCheckServiceInterface* health = server->grpc_server_->GetHealthCheckService();
+  health->SetServingStatus(false);
+  for (const auto& model : server->models_->models()) {
+    health->SetServingStatus(model->name, false);
+  }
+  // Each model turns SERVING as it turns ready, at start-up and later.
+  server->lifecycle_->SetHealth([health](const std::string& name, bool serving) {
+    health->SetServingStatus(name, serving);
+  });
+  server->warmup_thread_ = std::thread(&Server::Warm, server.get());
+  return server;
+}
+
+void Server::Warm() {
+  absl::StatusOr<std::vector<WarmupReport>> reports = lifecycle_->StartUp();
+  if (reports.ok()) {
+    // Overall last: every model is ready.
+    grpc_server_->GetHealthCheckService()->SetServingStatus(true);
+    lifecycle_->StartPolling();
+  }
+  absl::MutexLock lock(&warmup_mu_);
+  warmed_ = true;
+  warmup_ = std::move(reports);
+}
+
+absl::StatusOr<std::vector<WarmupReport>> Server::WaitUntilReady() {
+  absl::MutexLock lock(&warmup_mu_);
+  warmup_mu_.Await(absl::Condition(&warmed_));
+  return warmup_;
+}
+
+Server::~Server() { Shutdown(); }
+
+void Server::Shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  // No reload starts from here on; one in progress finishes first.
+  if (lifecycle_ != nullptr) lifecycle_->Stop();
+  if (states_ != nullptr) states_->ShuttingDown();
+  if (http_ != nullptr) http_->Stop();
+  // Sessions waiting for their next message end now; computing ones after their
+  // step's response (server/attention_v1/session.h). gRPC's shutdown below waits for them.
+  if (sessions_ != nullptr) sessions_->Shutdown();
+  if (grpc_server_ != nullptr) {
+    // Turns every status NOT_SERVING and ignores later updates.
+    if (auto* health = grpc_server_->GetHealthCheckService()) health->Shutdown();
+    grpc_server_->Shutdown(absl::ToChronoTime(absl::Now() + options_.drain_timeout));
+  }
+  if (batcher_ != nullptr) batcher_->Shutdown();
+  // After the batcher: a warm-up pass still queued has been computed, or refused.
+  if (warmup_thread_.joinable()) warmup_thread_.join();
+  if (grpc_server_ != nullptr) grpc_server_->Wait();
+}
+
+std::string Server::address() const { return HostPort(options_.host, port_); }
+
+std::string Server::http_address() const { return HostPort(options_.host, http_port()); }
+
+std::string Server::metrics_address() const {
+  return HostPort(options_.metrics_host, metrics_port());
+}
+
+}  // namespace mha::server

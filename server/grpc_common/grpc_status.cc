@@ -1,0 +1,15 @@
+#include "server/grpc_common/grpc_status.h"
+
+#include <string>
+
+#include "server/serving/abbreviate.h"
+
+namespace mha::server {
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      Abbreviate(status.message(), kMaxStatusMessageBytes));
+}
+
+}  // namespace mha::server

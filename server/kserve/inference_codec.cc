@@ -1,0 +1,352 @@
+#include "server/kserve/inference_codec.h"
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status_macros.h"
+#include "server/serving/abbreviate.h"
+
+namespace mha::server {
+namespace {
+
+using inference::InferParameter;
+using inference::ModelInferRequest;
+using inference::ModelInferResponse;
+using InputTensor = inference::ModelInferRequest::InferInputTensor;
+
+enum class Input { kQueries, kKeys, kValues, kValidLens, kHeadMask };
+constexpr const char* kInputNames[] = {"queries", "keys", "values", "valid_lens", "head_mask"};
+constexpr int kNumInputs = 5;
+
+std::optional<Input> InputNamed(absl::string_view name) {
+  for (int i = 0; i < kNumInputs; ++i) {
+    if (name == kInputNames[i]) return static_cast<Input>(i);
+  }
+  return std::nullopt;
+}
+
+// "inputs[1] ("keys")": how messages name an input.
+std::string Field(int index, absl::string_view name) {
+  return absl::StrCat("inputs[", index, "] (\"", Abbreviate(name), "\")");
+}
+
+int ElementBytes(absl::string_view datatype) {
+  if (datatype == "FP32" || datatype == "INT32") return 4;
+  if (datatype == "FP16" || datatype == "BF16") return 2;
+  if (datatype == "INT64") return 8;
+  return 0;
+}
+
+struct Parsed {
+  const InputTensor* tensor[kNumInputs] = {};
+  int index[kNumInputs] = {};
+  int64_t elements[kNumInputs] = {};
+  const std::string* raw[kNumInputs] = {};  // raw_input_contents entry, when raw
+};
+
+absl::StatusOr<int64_t> CountElements(const InputTensor& input, const std::string& field) {
+  int64_t elements = 1;
+  for (int64_t dim : input.shape()) {
+    if (dim < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": every dimension must be >= 0, got shape ", ShapeString(input.shape())));
+    }
+    if (__builtin_mul_overflow(elements, dim, &elements) || elements > (int64_t{1} << 40)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": shape ", ShapeString(input.shape()), " is too large"));
+    }
+  }
+  return elements;
+}
+
+absl::Status CheckDatatype(Input which, const InputTensor& input, const std::string& field) {
+  const std::string& type = input.datatype();
+  const bool is_float = type == "FP32" || type == "FP16" || type == "BF16";
+  if (which == Input::kValidLens) {
+    if (type == "INT32" || type == "INT64") return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected datatype INT32 or INT64, got ", Abbreviate(type)));
+  }
+  if (is_float) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": expected datatype FP32, FP16 or BF16, got ", Abbreviate(type)));
+}
+
+// Names, datatypes, counts and where each input's values are.
+absl::StatusOr<Parsed> ParseInputs(const ModelInferRequest& request) {
+  Parsed parsed;
+  const bool raw = request.raw_input_contents_size() > 0;
+  if (raw && request.raw_input_contents_size() != request.inputs_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("raw_input_contents: ", request.raw_input_contents_size(), " entries for ",
+                     request.inputs_size(), " inputs; give one per input, in the order of inputs"));
+  }
+  for (int i = 0; i < request.inputs_size(); ++i) {
+    const InputTensor& input = request.inputs(i);
+    const std::string field = Field(i, input.name());
+    const std::optional<Input> which = InputNamed(input.name());
+    if (!which.has_value()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field,
+                       ": unknown input; expected queries, keys, values, valid_lens or "
+                       "head_mask"));
+    }
+    const int w = static_cast<int>(*which);
+    if (parsed.tensor[w] != nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": given twice (also inputs[", parsed.index[w], "])"));
+    }
+    MHA_RETURN_IF_ERROR(CheckDatatype(*which, input, field));
+    MHA_ASSIGN_OR_RETURN(const int64_t elements, CountElements(input, field));
+    if (raw) {
+      if (input.has_contents()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ": has contents while raw_input_contents is set; use one or the other"));
+      }
+      const int64_t bytes = elements * ElementBytes(input.datatype());
+      const std::string& data = request.raw_input_contents(i);
+      if (static_cast<int64_t>(data.size()) != bytes) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ": shape ", ShapeString(input.shape()), " of ", input.datatype(), " needs ",
+            bytes, " bytes, raw_input_contents[", i, "] has ", data.size()));
+      }
+      parsed.raw[w] = &data;
+    } else {
+      const inference::InferTensorContents& c = input.contents();
+      const std::string& type = input.datatype();
+      int64_t given = 0;
+      if (type == "FP32") {
+        given = c.fp32_contents_size();
+      } else if (type == "INT32") {
+        given = c.int_contents_size();
+      } else if (type == "INT64") {
+        given = c.int64_contents_size();
+      } else {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ": ", type,
+                         " values must come in raw_input_contents (typed contents have "
+                         "no 16-bit field)"));
+      }
+      if (given != elements) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ": shape ",
+                                                       ShapeString(input.shape()), " needs ",
+                                                       elements, " values, contents has ", given));
+      }
+    }
+    parsed.tensor[w] = &input;
+    parsed.index[w] = i;
+    parsed.elements[w] = elements;
+  }
+  return parsed;
+}
+
+// An FP32, FP16 or BF16 input as f32 values, converted into `storage` unless it
+// can be read in place.
+TensorView FloatView(const Parsed& parsed, Input which, std::vector<float>* storage) {
+  const int w = static_cast<int>(which);
+  const InputTensor& input = *parsed.tensor[w];
+  const int64_t n = parsed.elements[w];
+  TensorView view{.shape = absl::MakeConstSpan(input.shape().data(), input.shape_size()),
+                  .size = n};
+  if (parsed.raw[w] == nullptr) {
+    view.data = input.contents().fp32_contents().data();
+    return view;
+  }
+  const char* bytes = parsed.raw[w]->data();
+  if (input.datatype() == "FP32" && reinterpret_cast<uintptr_t>(bytes) % alignof(float) == 0) {
+    view.data = reinterpret_cast<const float*>(bytes);
+    return view;
+  }
+  storage->resize(static_cast<size_t>(n));
+  if (input.datatype() == "FP32") {
+    std::memcpy(storage->data(), bytes, static_cast<size_t>(n) * sizeof(float));
+  } else {
+    const bool bf16 = input.datatype() == "BF16";
+    for (int64_t i = 0; i < n; ++i) {
+      uint16_t h;
+      std::memcpy(&h, bytes + 2 * i, sizeof(h));
+      (*storage)[i] = bf16 ? std::bit_cast<float>(static_cast<uint32_t>(h) << 16) : HalfToFloat(h);
+    }
+  }
+  view.data = storage->data();
+  return view;
+}
+
+absl::Status DecodeValidLens(const Parsed& parsed, std::vector<int32_t>* out) {
+  const int w = static_cast<int>(Input::kValidLens);
+  const InputTensor& input = *parsed.tensor[w];
+  const std::string field = Field(parsed.index[w], input.name());
+  if (input.shape_size() != 1 && input.shape_size() != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected shape [B] or [B, Q], got ", ShapeString(input.shape())));
+  }
+  const int64_t n = parsed.elements[w];
+  out->resize(static_cast<size_t>(n));
+  const bool int64 = input.datatype() == "INT64";
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t value;
+    if (parsed.raw[w] != nullptr) {
+      const char* at = parsed.raw[w]->data() + i * (int64 ? 8 : 4);
+      if (int64) {
+        std::memcpy(&value, at, sizeof(value));
+      } else {
+        int32_t v32;
+        std::memcpy(&v32, at, sizeof(v32));
+        value = v32;
+      }
+    } else {
+      value = int64 ? input.contents().int64_contents(static_cast<int>(i))
+                    : input.contents().int_contents(static_cast<int>(i));
+    }
+    if (value < 0 || value > std::numeric_limits<int32_t>::max()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": value ", value, " at index ", i, " is out of range [0, K]"));
+    }
+    (*out)[i] = static_cast<int32_t>(value);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DecodeParameters(const ModelInferRequest& request, bool* causal,
+                              InferDecoded* decoded) {
+  for (const auto& [name, value] : request.parameters()) {
+    if (name == "causal") {
+      if (value.parameter_choice_case() != InferParameter::kBoolParam) {
+        return absl::InvalidArgumentError("parameters.causal: expected a bool");
+      }
+      *causal = value.bool_param();
+    } else if (name == "timeout") {
+      int64_t us = -1;
+      if (value.parameter_choice_case() == InferParameter::kInt64Param) us = value.int64_param();
+      if (value.parameter_choice_case() == InferParameter::kUint64Param) {
+        us = static_cast<int64_t>(
+            std::min<uint64_t>(value.uint64_param(), std::numeric_limits<int64_t>::max()));
+      }
+      if (us < 0) {
+        return absl::InvalidArgumentError(
+            "parameters.timeout: expected an integer >= 0 (microseconds)");
+      }
+      decoded->timeout = absl::Microseconds(us);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DecodeOutputs(const ModelInferRequest& request, InferDecoded* decoded) {
+  bool want_output = false;
+  for (int i = 0; i < request.outputs_size(); ++i) {
+    const std::string& name = request.outputs(i).name();
+    bool* seen = name == "output"      ? &want_output
+                 : name == "attention" ? &decoded->want_attention
+                                       : nullptr;
+    if (seen == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("outputs[", i, "] (\"", Abbreviate(name),
+                                                     "\"): unknown output; expected output "
+                                                     "or attention"));
+    }
+    if (*seen) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("outputs[", i, "] (\"", name, "\"): requested twice"));
+    }
+    *seen = true;
+    if (name == "attention" && !want_output) decoded->attention_first = true;
+  }
+  return absl::OkStatus();
+}
+
+void AddOutput(const char* name, std::initializer_list<int64_t> shape, int64_t elements,
+               ModelInferResponse* response, float** view) {
+  ModelInferResponse::InferOutputTensor* out = response->add_outputs();
+  out->set_name(name);
+  out->set_datatype("FP32");
+  for (int64_t d : shape) out->add_shape(d);
+  std::string* bytes = response->add_raw_output_contents();
+  bytes->resize(static_cast<size_t>(elements) * sizeof(float));
+  *view = reinterpret_cast<float*>(bytes->data());
+}
+
+}  // namespace
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1f;
+  uint32_t mantissa = h & 0x3ff;
+  if (exponent == 0x1f) return std::bit_cast<float>(sign | 0x7f800000 | (mantissa << 13));
+  if (exponent != 0) {
+    return std::bit_cast<float>(sign | ((exponent + 112) << 23) | (mantissa << 13));
+  }
+  if (mantissa == 0) return std::bit_cast<float>(sign);
+  const float magnitude = std::ldexp(static_cast<float>(mantissa), -24);  // subnormal
+  return sign != 0 ? -magnitude : magnitude;
+}
+
+absl::StatusOr<ValidatedRequest> DecodeInferRequest(const ModelInferRequest& request,
+                                                    const Model& model, InferDecoded* decoded) {
+  bool causal = false;
+  MHA_RETURN_IF_ERROR(DecodeParameters(request, &causal, decoded));
+  MHA_RETURN_IF_ERROR(DecodeOutputs(request, decoded));
+  MHA_ASSIGN_OR_RETURN(const Parsed parsed, ParseInputs(request));
+  RequestView view{.bytes = static_cast<int64_t>(request.ByteSizeLong()),
+                   .causal = causal,
+                   .return_attention = decoded->want_attention};
+  auto present = [&parsed](Input which) { return parsed.tensor[static_cast<int>(which)]; };
+  if (present(Input::kQueries))
+    view.queries = FloatView(parsed, Input::kQueries, &decoded->queries);
+  if (present(Input::kKeys)) view.keys = FloatView(parsed, Input::kKeys, &decoded->keys);
+  if (present(Input::kValues)) view.values = FloatView(parsed, Input::kValues, &decoded->values);
+  if (const InputTensor* mask = present(Input::kHeadMask)) {
+    if (mask->shape_size() != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Field(parsed.index[static_cast<int>(Input::kHeadMask)], mask->name()),
+                       ": expected shape [h], got ", ShapeString(mask->shape())));
+    }
+    const TensorView m = FloatView(parsed, Input::kHeadMask, &decoded->head_mask);
+    view.head_mask = absl::MakeConstSpan(m.data, static_cast<size_t>(m.size));
+  }
+  if (present(Input::kValidLens)) {
+    MHA_RETURN_IF_ERROR(DecodeValidLens(parsed, &decoded->valid_lens));
+    view.valid_lens = decoded->valid_lens;
+  }
+  MHA_ASSIGN_OR_RETURN(ValidatedRequest validated, Validate(view, model));
+  // The core reads B or B*Q lengths by count; the shape must say which.
+  if (const InputTensor* lens = present(Input::kValidLens)) {
+    const int64_t b = validated.inputs.batch, q = validated.inputs.num_queries;
+    const bool per_row = lens->shape_size() == 1 && lens->shape(0) == b;
+    const bool per_query = lens->shape_size() == 2 && lens->shape(0) == b && lens->shape(1) == q;
+    if (!per_row && !per_query) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          Field(parsed.index[static_cast<int>(Input::kValidLens)], lens->name()),
+          ": expected shape [", b, "] or [", b, ", ", q, "], got ", ShapeString(lens->shape())));
+    }
+  }
+  return validated;
+}
+
+OutputViews PrepareInferResponse(const ModelInferRequest& request,
+                                 const ValidatedRequest& validated, const InferDecoded& decoded,
+                                 ModelInferResponse* response) {
+  response->set_model_name(validated.model->name);
+  response->set_model_version(absl::StrCat(validated.model->version));
+  response->set_id(request.id());
+  const core::AttentionInputs& in = validated.inputs;
+  const core::ModelConfig& c = validated.model->config;
+  OutputViews views;
+  auto add_attention = [&] {
+    if (decoded.want_attention) {
+      AddOutput("attention", {in.batch, c.num_heads, in.num_queries, in.num_keys},
+                validated.attention_elements(), response, &views.attention);
+    }
+  };
+  if (decoded.attention_first) add_attention();
+  AddOutput("output", {in.batch, in.num_queries, c.num_hiddens}, validated.output_elements(),
+            response, &views.output);
+  if (!decoded.attention_first) add_attention();
+  return views;
+}
+
+}  // namespace mha::server

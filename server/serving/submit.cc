@@ -1,0 +1,112 @@
+#include "server/serving/submit.h"
+
+#include <algorithm>
+#include <memory>
+#include <optional>
+#include <utility>
+
+#include "absl/synchronization/mutex.h"
+
+namespace mha::server {
+namespace {
+
+// One request's accounting, from receipt to answer: mha_requests_total,
+// mha_request_duration_seconds, mha_inflight_requests (accepted requests) and
+// mha_tokens_total (OK answers). One per request.
+class Meter {
+ public:
+  Meter(Metrics* metrics, const Call& call)
+      : metrics_(metrics), protocol_(call.protocol), received_(call.received) {}
+
+  // Validated and about to be submitted: in flight from now.
+  void Accepted(const ValidatedRequest& request) {
+    model_ = &metrics_->ForModel(request.model->name);
+    rows_ = request.inputs.batch;
+    tokens_ = request.inputs.batch * request.inputs.num_queries;
+    model_->inflight().Increment();
+  }
+
+  // Counts the answer once. A request never accepted is counted under the model
+  // `requested` resolves to, or "_unknown" when it names none that is served.
+  void Answered(const absl::Status& status, const ModelSource& models,
+                absl::string_view requested) {
+    ModelMetrics* model = model_;
+    if (model != nullptr) {
+      model->inflight().Decrement();
+    } else {
+      absl::StatusOr<std::shared_ptr<const Model>> found = models.Find(requested, "");
+      model = &metrics_->ForModel(found.ok() ? (*found)->name : kUnknownModelLabel);
+    }
+    model->Answered(protocol_, status.code(), absl::Now() - received_, rows_);
+    if (status.ok()) model->tokens().Increment(static_cast<double>(tokens_));
+  }
+
+ private:
+  Metrics* metrics_;
+  Protocol protocol_;
+  absl::Time received_;
+  ModelMetrics* model_ = nullptr;
+  int64_t rows_ = 0;
+  int64_t tokens_ = 0;
+};
+
+}  // namespace
+
+void RequestPath::Submit(const Call& call,
+                         absl::FunctionRef<absl::StatusOr<Prepared>(const Model& model)> decode,
+                         Answer answer) const {
+  Meter meter(metrics_, call);
+  auto refuse = [&](const absl::Status& status) {
+    meter.Answered(status, *models_, call.model);
+    answer(status, ComputeTiming{});
+  };
+  absl::StatusOr<std::shared_ptr<const Model>> model = models_->Find(call.model, call.version);
+  if (!model.ok()) return refuse(model.status());
+  if (absl::Status admitted = batcher_->Admit(model->get()); !admitted.ok()) {
+    return refuse(admitted);
+  }
+  absl::StatusOr<Prepared> prepared = decode(**model);
+  if (!prepared.ok()) return refuse(prepared.status());
+  meter.Accepted(prepared->request);
+  absl::Status submitted = batcher_->Submit(WorkItem{
+      .model = *std::move(model),
+      .inputs = prepared->request.inputs,
+      .output = prepared->outputs.output,
+      .attention = prepared->outputs.attention,
+      .deadline = std::min(call.deadline, prepared->deadline),
+      .cancelled = call.cancelled,
+      .done = [meter, models = models_, answer](absl::Status status,
+                                                const ComputeTiming& timing) mutable {
+        meter.Answered(status, *models, "");
+        answer(std::move(status), timing);
+      },
+  });
+  if (!submitted.ok()) refuse(submitted);
+}
+
+void RequestPath::Refused(const Call& call, const absl::Status& status) const {
+  Meter(metrics_, call).Answered(status, *models_, call.model);
+}
+
+Answer Completion::Callback() {
+  return [this](absl::Status status, const ComputeTiming& /*timing*/) {
+    absl::MutexLock lock(&mu_);
+    status_ = std::move(status);
+    done_ = true;
+  };
+}
+
+absl::Status Completion::Wait() {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(&done_));
+  return status_;
+}
+
+absl::Status SubmitAndWait(Batcher& batcher, WorkItem item) {
+  Completion completion;
+  item.done = completion.Callback();
+  if (absl::Status submitted = batcher.Submit(std::move(item)); !submitted.ok()) return submitted;
+  return completion.Wait();
+}
+
+}  // namespace mha::server
