@@ -802,8 +802,10 @@ TEST_F(BatcherGatherTest, TheWorkerPollsForALoneSessionForSessionGather) {
   const absl::Duration polled = ProcessCpu() - start;
   absl::SleepFor(absl::Seconds(1));
   const absl::Duration after = ProcessCpu() - start - polled;
-  // Polling yields the core, so under load it gets a share of it; sleeping gets none.
-  EXPECT_GE(polled, absl::Milliseconds(100));
+  // Polling yields the core, so under load it gets a share of it; sleeping gets none
+  // (a few ms at most). ctest runs two tests at once: 100 ms, a quarter of the window,
+  // failed beside a busy neighbour; a tenth still tells polling from sleeping.
+  EXPECT_GE(polled, absl::Milliseconds(40));
   EXPECT_LT(after, absl::Milliseconds(300));
 }
 
