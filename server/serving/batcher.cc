@@ -105,6 +105,11 @@ bool Batcher::IsReady(const Model* model) const {
   return it != queues_.end() && !it->second.warming;
 }
 
+bool Batcher::polling() const {
+  absl::MutexLock lock(&mu_);
+  return polling_;
+}
+
 Batcher::~Batcher() { Shutdown(); }
 
 absl::Status Batcher::Admit(const Model* model) const {

@@ -131,6 +131,9 @@ class Batcher {
   // system.
   void RemoveModel(const Model* model);
   bool IsReady(const Model* model) const;  // queued and not warming up (admits requests)
+  // True while an idle worker polls for a lone session's next step (the gather window
+  // after its answer; see "Gathering session steps" above).
+  bool polling() const;
   ~Batcher();                              // Shutdown()
 
   // OK: queued, `done` will be called (or, inline, was called). RESOURCE_EXHAUSTED
