@@ -1,7 +1,5 @@
 #include "core/attention.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <span>
