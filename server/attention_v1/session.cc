@@ -1,5 +1,6 @@
 #include "server/attention_v1/session.h"
 
+#include <atomic>
 #include <memory>
 #include <utility>
 
@@ -16,11 +17,17 @@ using attention::v1::SessionResponse;
 // store's session, writes the step's response, and finishes when the session
 // ends. Owned by gRPC: deleted in OnDone. While a step computes only its own
 // thread and then the worker touch the request, the response and the step.
-class SessionManager::Reactor final : public grpc::ServerBidiReactor<SessionRequest, SessionResponse>,
-                                      public SessionStream {
+class SessionManager::Reactor final
+    : public grpc::ServerBidiReactor<SessionRequest, SessionResponse>,
+      public SessionStream {
  public:
   Reactor(SessionManager* manager, grpc::CallbackServerContext* context)
-      : manager_(manager), context_(context), session_(manager->store_.Open(this)) {}
+      : manager_(manager), context_(context) {
+    // Open may start the first read, whose OnReadDone runs on a gRPC thread; the
+    // hand-off goes through gRPC core, which ThreadSanitizer cannot see, so the
+    // pointer is published with release/acquire ordering that it can.
+    session_.store(manager->store_.Open(this), std::memory_order_release);
+  }
 
   // SessionStream: called by the store under the session's lock.
   void Read() override {
@@ -38,33 +45,34 @@ class SessionManager::Reactor final : public grpc::ServerBidiReactor<SessionRequ
   void End(const absl::Status& status) override { Finish(ToGrpcStatus(status)); }
 
   void OnReadDone(bool ok) override {
+    SessionStore::Session* const live = session();
     if (!ok) {  // the client half-closed, or the call is gone
-      session_->ClientDone();
+      live->ClientDone();
       return;
     }
-    if (!session_->Received()) return;
-    const bool first = session_->model() == nullptr;
+    if (!live->Received()) return;
+    const bool first = live->model() == nullptr;
     std::shared_ptr<const Model> model;
     if (first) {
       absl::StatusOr<std::shared_ptr<const Model>> found =
           manager_->models_->Find(request_.model(), request_.model_version());
-      if (!found.ok()) return session_->Fail(found.status());
+      if (!found.ok()) return live->Fail(found.status());
       model = *std::move(found);
       settings_ = SettingsOf(request_);
     }
-    const Model& decoding = first ? *model : *session_->model();
+    const Model& decoding = first ? *model : *live->model();
     absl::StatusOr<SessionStepInput> input =
-        DecodeSessionStep(request_, first, settings_, decoding, session_->cached());
-    if (!input.ok()) return session_->Fail(input.status());
+        DecodeSessionStep(request_, first, settings_, decoding, live->cached());
+    if (!input.ok()) return live->Fail(input.status());
     float* output = PrepareSessionResponse(*input, decoding, &response_);
-    session_->Step(std::move(model), ToPagedStep(*input, settings_, /*cache=*/nullptr, output),
-                   DeadlineOf(context_), [context = context_] { return context->IsCancelled(); });
+    live->Step(std::move(model), ToPagedStep(*input, settings_, /*cache=*/nullptr, output),
+               DeadlineOf(context_), [context = context_] { return context->IsCancelled(); });
   }
 
-  void OnWriteDone(bool ok) override { session_->Written(ok); }
+  void OnWriteDone(bool ok) override { session()->Written(ok); }
 
   void OnDone() override {
-    manager_->store_.Close(session_);
+    manager_->store_.Close(session());
     delete this;
   }
 
@@ -74,7 +82,9 @@ class SessionManager::Reactor final : public grpc::ServerBidiReactor<SessionRequ
   SessionRequest request_;
   SessionResponse response_;
   SessionSettings settings_;
-  SessionStore::Session* const session_;  // last member: Open may call Read or End
+  SessionStore::Session* session() const { return session_.load(std::memory_order_acquire); }
+
+  std::atomic<SessionStore::Session*> session_{nullptr};
 };
 
 grpc::ServerBidiReactor<SessionRequest, SessionResponse>* SessionManager::Open(
