@@ -11,8 +11,8 @@
 #include <utility>
 
 #include "absl/strings/cord.h"
-#include "absl/types/optional.h"
 #include "absl/strings/str_cat.h"
+#include "absl/types/optional.h"
 #include "server/serving/metrics.h"
 
 namespace mha::server {
@@ -194,19 +194,21 @@ void SessionStore::Session::ClientDone() {
   EndLocked(absl::OkStatus(), SessionEnd::kClient);
 }
 
-void SessionStore::Session::ExpireIfIdle(absl::Time now) {
+bool SessionStore::Session::ExpireIfIdle(absl::Time now) {
   absl::MutexLock lock(&mu_);
+  if (state_ == State::kComputing || state_ == State::kWriting) return true;
   if (stop_requested_ && state_ == State::kReading && now - idle_since_ >= kShutdownGrace) {
     EndLocked(ShutdownError(), SessionEnd::kShutdown);
-    return;
+    return false;
   }
   const absl::Duration timeout = store_->options_.idle_timeout;
-  if (state_ != State::kReading || now - idle_since_ < timeout) return;
-  EndLocked(absl::DeadlineExceededError(absl::StrCat(
-                "session idle for over ", absl::FormatDuration(timeout),
-                " (--session_idle_timeout) after ", steps_, " steps; its cache of ", cached(),
-                " tokens is released")),
+  if (state_ != State::kReading || now - idle_since_ < timeout) return false;
+  EndLocked(absl::DeadlineExceededError(
+                absl::StrCat("session idle for over ", absl::FormatDuration(timeout),
+                             " (--session_idle_timeout) after ", steps_, " steps; its cache of ",
+                             cached(), " tokens is released")),
             SessionEnd::kIdleTimeout);
+  return false;
 }
 
 void SessionStore::Session::Stop() {
@@ -319,13 +321,17 @@ void SessionStore::ReapIdle() {
   }
   // Shutting down: sessions that answered a step computing at shutdown end at
   // their client's next message, or here after kShutdownGrace. Looks every 50 ms
-  // until every session is gone, for at most twice the grace.
-  const absl::Time give_up = absl::Now() + 2 * kShutdownGrace;
+  // until every session is gone, for at most twice the grace after the last step
+  // still computing or being written: a step can outlast the grace, and its
+  // session must still end after its answer, not at --drain_timeout.
+  absl::Time give_up = absl::Now() + 2 * kShutdownGrace;
   auto none = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return sessions_.empty(); };
   while (!sessions_.empty() && absl::Now() < give_up) {
     mu_.AwaitWithTimeout(absl::Condition(&none), absl::Milliseconds(50));
     const absl::Time now = absl::Now();
-    for (Session* session : sessions_) session->ExpireIfIdle(now);
+    for (Session* session : sessions_) {
+      if (session->ExpireIfIdle(now)) give_up = std::max(give_up, now + 2 * kShutdownGrace);
+    }
   }
 }
 

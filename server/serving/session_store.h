@@ -166,8 +166,9 @@ class SessionStore::Session {
 
   void OnComputed(absl::Status status, const ComputeTiming& timing);
   // The reaper, under the store's lock: ends a reading session idle past the
-  // timeout, or past kShutdownGrace after Shutdown.
-  void ExpireIfIdle(absl::Time now);
+  // timeout, or past kShutdownGrace after Shutdown. Returns whether the session's
+  // step is still computing or being written (its grace has not started).
+  bool ExpireIfIdle(absl::Time now);
   void Stop();  // Shutdown, under the store's lock
   absl::Status ShutdownError() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status StepError(const absl::Status& status) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
