@@ -276,17 +276,20 @@ class ConfigShapesTest(ServerCase):
                                           timeout=TIMEOUT).config
             heads = int(config.parameters["num_heads"].string_value)
             request = API.inf.ModelInferRequest(model_name=name)
+            http_inputs = []
             for tensor in config.input:
                 fill = iter(sizes.get(tensor.name) or [])
                 shape = [next(fill) if d == -1 else d for d in tensor.dims]
                 if tensor.name == "valid_lens":
-                    data = np.full(shape, 4, dtype="<i4").tobytes()
+                    array = np.full(shape, 4, dtype="<i4")
                     datatype = "INT32"
                 else:
-                    data = kg.uniform(7, *shape).tobytes()
+                    array = kg.uniform(7, *shape)
                     datatype = "FP32"
                 request.inputs.add(name=tensor.name, datatype=datatype, shape=shape)
-                request.raw_input_contents.append(data)
+                request.raw_input_contents.append(array.tobytes())
+                http_inputs.append({"name": tensor.name, "datatype": datatype, "shape": shape,
+                                    "data": array.ravel().tolist()})
             for tensor in config.output:
                 request.outputs.add(name=tensor.name)
             response = self.inf.ModelInfer(request, timeout=TIMEOUT)
@@ -294,6 +297,13 @@ class ConfigShapesTest(ServerCase):
             self.assertEqual(shapes["attention"], [2, heads, 3, 4], name)
             self.assertEqual(len(shapes["output"]), 3, name)
             self.assertEqual(shapes["output"][:2], [2, 3], name)
+            # The same request over HTTP (JSON), as perf_analyzer -i http would send it.
+            status, _, content = curl(self.http, "POST", f"/v2/models/{name}/infer", json.dumps(
+                {"inputs": http_inputs,
+                 "outputs": [{"name": t.name} for t in config.output]}))
+            self.assertEqual(status, 200, content[:300])
+            http_shapes = {o["name"]: o["shape"] for o in json.loads(content)["outputs"]}
+            self.assertEqual(http_shapes, shapes, name)
 
 
 class UnimplementedTest(ServerCase):

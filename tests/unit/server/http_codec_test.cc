@@ -706,6 +706,13 @@ TEST(HttpCodecTest, ErrorBodiesAreCappedAtOneKiB) {
   EXPECT_LE(error.size(), 1024u);
   EXPECT_THAT(error, ::testing::EndsWith("... (9000 bytes)"));
   EXPECT_EQ(Json::parse(ErrorBody("short"))["error"], "short");
+  // Cut at a character boundary: two-byte characters stay whole.
+  std::string accents;
+  for (int i = 0; i < 3000; ++i) accents += "\xc3\xa9";
+  const std::string cut = Json::parse(ErrorBody(accents))["error"];
+  EXPECT_LE(cut.size(), 1024u);
+  EXPECT_EQ(cut.find("\xef\xbf\xbd"), std::string::npos) << "no replacement character";
+  EXPECT_THAT(cut, ::testing::EndsWith("... (6000 bytes)"));
 }
 
 TEST(HttpCodecTest, ErrorBodyEscapes) {
