@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -41,10 +42,11 @@ const mha::client::DecodeOptions kDecode;
 ABSL_FLAG(std::string, protocol, "attention",
           "infer, bench: attention (attention.v1 over gRPC), kserve (the Open Inference "
           "Protocol over gRPC on the same --target: ModelInfer, ModelStreamInfer) or http "
-          "(KServe v2 REST with binary tensors on the server's --http_port; plain HTTP, no "
-          "TLS; --target is the HTTP HOST[:PORT], port 8000 when omitted, 127.0.0.1:8000 when "
-          "--target keeps its default; one keep-alive connection per concurrency slot). Other "
-          "verbs: attention only.");
+          "(KServe v2 REST with binary tensors on the server's --http_port; HTTPS with --tls, "
+          "--tls_ca, --tls_cert/--tls_key; --target is the HTTP HOST[:PORT], port 8000 when "
+          "omitted, 127.0.0.1:8000 when --target is not given; one keep-alive connection per "
+          "concurrency slot). An empty --model takes the server's only model (or \"default\") "
+          "for every protocol. Other verbs: attention only.");
 ABSL_FLAG(std::string, target, kChannel.target,
           "Server address, HOST:PORT (any gRPC target; with --protocol=http the HTTP server's).");
 ABSL_FLAG(std::string, targets, "",
@@ -280,11 +282,13 @@ absl::StatusOr<mha::client::BenchOptions> BenchFromFlags() {
   return bench;
 }
 
-mha::client::ChannelOptions ChannelFromFlags(mha::client::Protocol protocol) {
+// `target_given`: --target is on the command line.
+mha::client::ChannelOptions ChannelFromFlags(mha::client::Protocol protocol, bool target_given) {
   mha::client::ChannelOptions channel;
   channel.protocol = protocol;
   channel.target = absl::GetFlag(FLAGS_target);
-  if (protocol == mha::client::Protocol::kHttp && channel.target == kChannel.target) {
+  // --target as given, even when it equals the gRPC default; unset, http's default.
+  if (protocol == mha::client::Protocol::kHttp && !target_given) {
     channel.target = absl::StrCat("127.0.0.1:", mha::client::kDefaultHttpPort);
   }
   for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_targets), ',', absl::SkipEmpty())) {
@@ -344,10 +348,9 @@ absl::StatusOr<mha::client::Protocol> ProtocolFromFlags(const std::string& verb)
     return UsageError(
         absl::StrCat(flag, ": --targets spreads gRPC calls; give one HTTP server in --target"));
   }
-  if (absl::GetFlag(FLAGS_tls) || !absl::GetFlag(FLAGS_tls_ca).empty() ||
-      !absl::GetFlag(FLAGS_tls_cert).empty() || !absl::GetFlag(FLAGS_tls_key).empty() ||
-      !absl::GetFlag(FLAGS_tls_server_name).empty()) {
-    return UsageError(absl::StrCat(flag, " is plain HTTP: the --tls flags apply to gRPC only"));
+  if (!absl::GetFlag(FLAGS_tls_server_name).empty()) {
+    return UsageError(absl::StrCat(
+        flag, ": --tls_server_name applies to gRPC only; HTTPS checks the --target host"));
   }
   if (verb == "bench" && absl::GetFlag(FLAGS_mode) == "stream") {
     return UsageError(absl::StrCat(
@@ -466,9 +469,10 @@ absl::Status RunVerb(const std::string& verb, const mha::client::ChannelOptions&
   return absl::InternalError(absl::StrCat("no verb ", verb));
 }
 
-absl::Status Run(const std::string& verb) {
+absl::Status Run(const std::string& verb, const std::vector<std::string>& given) {
   MHA_ASSIGN_OR_RETURN(const mha::client::Protocol protocol, ProtocolFromFlags(verb));
-  const mha::client::ChannelOptions channel = ChannelFromFlags(protocol);
+  const mha::client::ChannelOptions channel =
+      ChannelFromFlags(protocol, std::find(given.begin(), given.end(), "target") != given.end());
   return mha::client::WithChannelHint(RunVerb(verb, channel), channel);
 }
 
@@ -488,6 +492,10 @@ void KeepRequestBuffersInTheHeap() {
 
 int main(int argc, char** argv) {
   KeepRequestBuffersInTheHeap();
+  // cpp-httplib writes HTTPS through OpenSSL's plain write(): a server that drops the
+  // connection (a refused client certificate) would kill the client with SIGPIPE
+  // instead of letting it report the error.
+  std::signal(SIGPIPE, SIG_IGN);
   mha::SkipMutexDeadlockDetectionInRelease();
   // --help (base/command_line.h) prints this and every flag; --version the version.
   absl::SetProgramUsageMessage(kUsage);
@@ -504,8 +512,9 @@ int main(int argc, char** argv) {
     mha::ExitWithUsageError(absl::StrCat("unexpected argument '", args[1], "' after the verb ",
                                          args[0], " (flags are --name=value)"));
   }
-  absl::Status status = CheckFlagsApplyToVerb(args[0], mha::FlagsOnCommandLine(argc, argv), verbs);
-  if (status.ok()) status = Run(args[0]);
+  const std::vector<std::string> given = mha::FlagsOnCommandLine(argc, argv);
+  absl::Status status = CheckFlagsApplyToVerb(args[0], given, verbs);
+  if (status.ok()) status = Run(args[0], given);
   if (!status.ok()) {
     std::fflush(stdout);
     std::fprintf(stderr, "%s\n", mha::client::ErrorLine(status).c_str());

@@ -24,7 +24,7 @@ namespace mha::client {
 
 // How infer and bench reach the model: attention.v1 over gRPC, the Open Inference
 // Protocol over gRPC (inference.GRPCInferenceService, same port), or its KServe v2
-// REST form over plain HTTP/1.1 (the server's --http_port). client/sdk/kserve.h
+// REST form over HTTP/1.1 or HTTPS (the server's --http_port). client/sdk/kserve.h
 // translates requests and responses for the last two.
 enum class Protocol { kAttention, kKServe, kHttp };
 

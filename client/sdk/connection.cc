@@ -1,5 +1,6 @@
 #include "client/sdk/connection.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -7,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/status_macros.h"
 #include "client/sdk/kserve.h"
 #include "client/sdk/status.h"
 #include "proto/attention.grpc.pb.h"
@@ -107,7 +109,12 @@ class KServeConnection final : public Connection {
     grpc::ClientContext context;
     SetTimeout(&context, timeout_);
     inference::ModelMetadataRequest request;
-    request.set_name(model.empty() ? kDefaultModel : model);
+    if (model.empty()) {
+      MHA_ASSIGN_OR_RETURN(const std::string chosen, ChooseServedModel());
+      request.set_name(chosen);
+    } else {
+      request.set_name(model);
+    }
     inference::ModelMetadataResponse metadata;
     const grpc::Status status = stub_->ModelMetadata(&context, request, &metadata);
     if (!status.ok()) return CallError("ModelMetadata", status);
@@ -142,6 +149,27 @@ class KServeConnection final : public Connection {
   }
 
  private:
+  // The model an empty --model names (ChooseModel) among the ready ones.
+  absl::StatusOr<std::string> ChooseServedModel() {
+    grpc::ClientContext context;
+    SetTimeout(&context, timeout_);
+    inference::RepositoryIndexRequest request;
+    request.set_ready(true);
+    inference::RepositoryIndexResponse index;
+    const grpc::Status status = stub_->RepositoryIndex(&context, request, &index);
+    if (!status.ok()) return CallError("RepositoryIndex", status);
+    std::vector<std::string> names;
+    for (const auto& m : index.models()) {
+      if (std::find(names.begin(), names.end(), m.name()) == names.end()) names.push_back(m.name());
+    }
+    auto chosen = ChooseModel(names);
+    if (!chosen.ok()) {
+      return absl::Status(chosen.status().code(),
+                          absl::StrCat("RepositoryIndex: ", chosen.status().message()));
+    }
+    return chosen;
+  }
+
   std::unique_ptr<inference::GRPCInferenceService::Stub> stub_;
   const absl::Duration timeout_;
 };
@@ -154,8 +182,18 @@ class RestConnection final : public Connection {
   }
 
   absl::StatusOr<ModelInfo> GetModel(const std::string& model) override {
+    std::string name = model;
+    if (name.empty()) {
+      MHA_ASSIGN_OR_RETURN(const std::vector<std::string> served, http_connection_.ReadyModels());
+      auto chosen = ChooseModel(served);
+      if (!chosen.ok()) {
+        return absl::Status(chosen.status().code(),
+                            absl::StrCat("POST /v2/repository/index: ", chosen.status().message()));
+      }
+      name = *std::move(chosen);
+    }
     MHA_ASSIGN_OR_RETURN(const inference::ModelMetadataResponse metadata,
-                         http_connection_.ModelMetadata(model.empty() ? kDefaultModel : model));
+                         http_connection_.ModelMetadata(name));
     return ModelInfoFromMetadata(metadata);
   }
 
@@ -181,7 +219,11 @@ class RestConnection final : public Connection {
 
 absl::StatusOr<std::unique_ptr<Connection>> Connection::Open(const ChannelOptions& options) {
   if (options.protocol == Protocol::kHttp) {
-    MHA_ASSIGN_OR_RETURN(const HttpEndpoint endpoint, ParseHttpTarget(options.target));
+    MHA_ASSIGN_OR_RETURN(HttpEndpoint endpoint, ParseHttpTarget(options.target));
+    endpoint.tls = options.tls || !options.tls_ca.empty() || !options.tls_cert.empty();
+    endpoint.tls_ca = options.tls_ca;
+    endpoint.tls_cert = options.tls_cert;
+    endpoint.tls_key = options.tls_key;
     return std::make_unique<RestConnection>(endpoint, options.timeout);
   }
   MHA_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, MakeChannel(options));

@@ -48,9 +48,11 @@ class Connection {
   // http: the server; unused otherwise.
   const HttpEndpoint& http() const { return http_; }
 
-  // The sizes of `model`; "" is the server's default model for attention and
-  // kDefaultModel for kserve and http (from the model metadata: no bias, precision
-  // or limits, and num_heads 0 when the metadata does not give h).
+  // The sizes of `model`; "" is the server's default model: attention.v1 picks it
+  // on the server, kserve and http pick it the same way from the ready models of
+  // the repository index (ChooseModel: the only one, else "default", else an error
+  // suggesting --model=). kserve and http read the model metadata: no bias,
+  // precision or limits, and num_heads 0 when the metadata does not give h.
   virtual absl::StatusOr<attention::v1::ModelInfo> GetModel(const std::string& model) = 0;
   // Sends `request`: Attend, ModelInfer, or POST /v2/models/{model}/infer with
   // binary tensors.

@@ -79,10 +79,25 @@ std::string HttpTargetString(const HttpEndpoint& endpoint) {
   return absl::StrCat(v6 ? "[" : "", endpoint.host, v6 ? "]" : "", ":", endpoint.port);
 }
 
+namespace {
+
+std::unique_ptr<httplib::Client> MakeClient(const HttpEndpoint& endpoint) {
+  if (!endpoint.tls) return std::make_unique<httplib::Client>(endpoint.host, endpoint.port);
+  // The scheme-less constructor makes a plain client; an https:// base URL makes an
+  // SSL one that takes the client certificate files.
+  const bool v6 = endpoint.host.find(':') != std::string::npos;
+  auto client = std::make_unique<httplib::Client>(
+      absl::StrCat("https://", v6 ? "[" : "", endpoint.host, v6 ? "]" : "", ":", endpoint.port),
+      endpoint.tls_cert, endpoint.tls_key);
+  client->enable_server_certificate_verification(true);
+  if (!endpoint.tls_ca.empty()) client->set_ca_cert_path(endpoint.tls_ca);
+  return client;
+}
+
+}  // namespace
+
 HttpConnection::HttpConnection(const HttpEndpoint& endpoint, absl::Duration timeout)
-    : endpoint_(endpoint),
-      timeout_(timeout),
-      client_(std::make_unique<httplib::Client>(endpoint.host, endpoint.port)) {
+    : endpoint_(endpoint), timeout_(timeout), client_(MakeClient(endpoint)) {
   client_->set_keep_alive(true);
   client_->set_tcp_nodelay(true);
   // Bodies are tensors: no compression either way.
@@ -130,6 +145,22 @@ absl::StatusOr<inference::ModelMetadataResponse> HttpConnection::ModelMetadata(
   auto metadata = ParseHttpModelMetadata(result->body);
   if (!metadata.ok()) return Prefixed("GET", path, metadata.status());
   return metadata;
+}
+
+absl::StatusOr<std::vector<std::string>> HttpConnection::ReadyModels() {
+  constexpr char kPath[] = "/v2/repository/index";
+  const absl::Time start = absl::Now();
+  const httplib::Result result = client_->Post(kPath, R"({"ready": true})", "application/json");
+  if (!result) {
+    return Prefixed("POST", kPath,
+                    TransportError(result.error(), absl::Now() - start, timeout_, endpoint_));
+  }
+  if (result->status != 200) {
+    return Prefixed("POST", kPath, HttpError(result->status, result->body));
+  }
+  auto names = ParseHttpIndexNames(result->body);
+  if (!names.ok()) return Prefixed("POST", kPath, names.status());
+  return names;
 }
 
 absl::Status HttpConnection::Ready() {

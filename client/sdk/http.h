@@ -1,6 +1,7 @@
-// The KServe v2 REST calls attention_client makes, over plain HTTP/1.1 (no TLS)
-// with cpp-httplib: one keep-alive connection, one request at a time. Bodies are
-// built and read by client/sdk/kserve.h.
+// The KServe v2 REST calls attention_client makes, over HTTP/1.1 or HTTPS (server
+// verified with a CA bundle or the system roots, optional client certificate) with
+// cpp-httplib: one keep-alive connection, one request at a time. Bodies are built
+// and read by client/sdk/kserve.h.
 //
 //   HttpConnection http(ParseHttpTarget("127.0.0.1:8000").value(), absl::Seconds(10));
 //   auto metadata = http.ModelMetadata("default");  // GET /v2/models/default
@@ -15,6 +16,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -34,6 +36,11 @@ inline constexpr int kDefaultHttpPort = 8000;
 struct HttpEndpoint {
   std::string host = "127.0.0.1";
   int port = kDefaultHttpPort;
+  // HTTPS: the server's certificate is checked against tls_ca (PEM; empty: the
+  // system roots) and must name `host`; tls_cert + tls_key (PEM) are sent when
+  // the server asks for a client certificate.
+  bool tls = false;
+  std::string tls_ca, tls_cert, tls_key;
 };
 
 // "HOST:PORT", "HOST" (port 8000), "[V6]:PORT" or "[V6]". INVALID_ARGUMENT naming
@@ -58,6 +65,8 @@ class HttpConnection {
   absl::StatusOr<inference::ModelMetadataResponse> ModelMetadata(const std::string& model);
   // GET /v2/health/ready: OK when the server answers 200.
   absl::Status Ready();
+  // POST /v2/repository/index {"ready": true}: the names of the models ready.
+  absl::StatusOr<std::vector<std::string>> ReadyModels();
 
  private:
   const HttpEndpoint endpoint_;

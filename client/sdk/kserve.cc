@@ -1,5 +1,6 @@
 #include "client/sdk/kserve.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 #include <limits>
@@ -175,6 +176,34 @@ absl::StatusOr<Tensor> ToTensor(const ModelInferResponse::InferOutputTensor& out
 }
 
 }  // namespace
+
+absl::StatusOr<std::string> ChooseModel(const std::vector<std::string>& served) {
+  if (served.size() == 1) return served[0];
+  if (served.empty()) return absl::NotFoundError("model: the server serves no model that is ready");
+  if (std::find(served.begin(), served.end(), kDefaultModel) != served.end()) return kDefaultModel;
+  std::vector<std::string> choices;
+  for (const std::string& name : served) choices.push_back("--model=" + name);
+  return absl::InvalidArgumentError(absl::StrCat("model: required: the server serves ",
+                                                 absl::StrJoin(served, ", "), "; give ",
+                                                 absl::StrJoin(choices, " or ")));
+}
+
+absl::StatusOr<std::vector<std::string>> ParseHttpIndexNames(absl::string_view text) {
+  const json index = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (!index.is_array()) {
+    return absl::InvalidArgumentError("repository index: expected a JSON array");
+  }
+  std::vector<std::string> names;
+  for (const json& entry : index) {
+    const auto name = entry.is_object() ? entry.find("name") : entry.end();
+    if (!entry.is_object() || name == entry.end() || !name->is_string()) {
+      return absl::InvalidArgumentError("repository index: expected {\"name\": ...} entries");
+    }
+    const std::string value = name->get<std::string>();
+    if (std::find(names.begin(), names.end(), value) == names.end()) names.push_back(value);
+  }
+  return names;
+}
 
 ModelInferRequest ToModelInferRequest(const AttendRequest& request) {
   ModelInferRequest infer;

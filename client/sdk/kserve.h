@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -33,6 +34,16 @@ namespace mha::client {
 
 // The model an empty --model names: the Open Inference Protocol has no default model.
 inline constexpr char kDefaultModel[] = "default";
+
+// The model an empty --model names over kserve and http, as attention.v1 picks it:
+// of `served` (the names of the models ready on the server), the only one, else
+// kDefaultModel when served. NOT_FOUND when none is; otherwise INVALID_ARGUMENT
+// "model: required: the server serves a, b; give --model=a or --model=b".
+absl::StatusOr<std::string> ChooseModel(const std::vector<std::string>& served);
+
+// The model names of a repository index body (POST /v2/repository/index: a JSON
+// array of {"name": ...}), each once, in order. INVALID_ARGUMENT when it is not one.
+absl::StatusOr<std::vector<std::string>> ParseHttpIndexNames(absl::string_view json);
 
 // `request` as a ModelInferRequest: model_name request.model() (kDefaultModel when
 // empty), id request_id, one input per tensor present with its bytes in

@@ -142,7 +142,9 @@ bool IsMasked(const AttendRequest& request, int64_t b, int64_t q, int64_t j) {
 
 absl::StatusOr<AttendRequest> MakeRequest(const RequestOptions& options, const ModelInfo& model) {
   AttendRequest request;
-  request.set_model(options.model);
+  // The model GetModel resolved when --model is empty (kserve and http have no
+  // default model on the server).
+  request.set_model(options.model.empty() ? model.name() : options.model);
   request.set_model_version(options.model_version);
   request.set_causal(options.causal);
   request.set_return_attention(options.return_attention);

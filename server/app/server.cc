@@ -158,6 +158,7 @@ absl::Status Server::StartGrpc(const std::shared_ptr<grpc::ServerCredentials>& c
   builder.SetMaxSendMessageSize(INT_MAX);
   builder.RegisterService(service_.get());
   builder.RegisterService(inference_service_.get());
+  builder.RegisterCallbackGenericService(&unimplemented_);
   grpc_server_ = builder.BuildAndStart();
   if (grpc_server_ == nullptr || port_ == 0) {
     return absl::UnavailableError(absl::StrCat("port: cannot listen on ",
@@ -229,9 +230,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
     health->SetServingStatus(model->name, false);
   }
   // Each model turns SERVING as it turns ready, at start-up and later.
-  server->lifecycle_->SetHealth([health](const std::string& name, bool serving) {
-    health->SetServingStatus(name, serving);
-  });
+  server->lifecycle_->SetHealth(
+      [health](const std::string& name, bool serving) { health->SetServingStatus(name, serving); });
   server->warmup_thread_ = std::thread(&Server::Warm, server.get());
   return server;
 }

@@ -30,6 +30,7 @@
 #include "server/app/metrics_exposer.h"
 #include "server/attention_v1/service.h"
 #include "server/attention_v1/session.h"
+#include "server/grpc_common/unimplemented_service.h"
 #include "server/kserve/answers.h"
 #include "server/kserve_grpc/inference_service.h"
 #include "server/kserve_http/http_front.h"
@@ -129,13 +130,14 @@ class Server {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<MetricsExposer> exposer_;
   std::unique_ptr<Batcher> batcher_;
-  std::unique_ptr<RequestPath> path_;  // every front's way to the batcher
+  std::unique_ptr<RequestPath> path_;    // every front's way to the batcher
   std::unique_ptr<ModelStates> states_;  // every readiness answer's
   std::unique_ptr<ModelLifecycle> lifecycle_;
-  std::unique_ptr<SessionManager> sessions_;  // destroyed after grpc_server_
+  std::unique_ptr<SessionManager> sessions_;     // destroyed after grpc_server_
   std::unique_ptr<KserveModels> kserve_models_;  // both KServe fronts' readiness
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<InferenceServiceImpl> inference_service_;
+  UnimplementedService unimplemented_;  // every method not declared
   std::unique_ptr<grpc::Server> grpc_server_;
   std::unique_ptr<HttpFront> http_;
   bool shut_down_ = false;

@@ -8,8 +8,7 @@ namespace mha::server {
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      Abbreviate(status.message(), kMaxStatusMessageBytes));
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), CapMessage(status.message()));
 }
 
 }  // namespace mha::server

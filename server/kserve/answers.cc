@@ -66,16 +66,20 @@ inference::ModelConfig ToTritonConfig(const Model& model) {
   config.set_name(model.name);
   config.set_platform("mha_attention");
   config.set_backend(kServerName);
-  config.set_max_batch_size(static_cast<int32_t>(model.limits.max_batch_size));
+  // max_batch_size 0 and full shapes as dims, the batch dimension included: with
+  // max_batch_size > 0 Triton's clients take [-1] + dims as the full shape, which
+  // would make valid_lens [-1, -1] and head_mask [-1, h]. The dims equal
+  // ModelMetadata's shapes; the batch limits are in parameters.
+  config.set_max_batch_size(0);
   config.mutable_version_policy()->mutable_latest()->set_num_versions(1);
-  // Dims without the batch dimension; -1 = any length.
-  AddInput(&config, "queries", inference::TYPE_FP32, {-1, c.query_size}, false);
-  AddInput(&config, "keys", inference::TYPE_FP32, {-1, c.key_size}, c.SupportsSelfAttention());
-  AddInput(&config, "values", inference::TYPE_FP32, {-1, c.value_size}, c.SupportsSelfAttention());
+  AddInput(&config, "queries", inference::TYPE_FP32, {-1, -1, c.query_size}, false);
+  AddInput(&config, "keys", inference::TYPE_FP32, {-1, -1, c.key_size}, c.SupportsSelfAttention());
+  AddInput(&config, "values", inference::TYPE_FP32, {-1, -1, c.value_size},
+           c.SupportsSelfAttention());
   AddInput(&config, "valid_lens", inference::TYPE_INT32, {-1}, true);
   AddInput(&config, "head_mask", inference::TYPE_FP32, {c.num_heads}, true);
-  AddOutput(&config, "output", {-1, c.num_hiddens});
-  AddOutput(&config, "attention", {c.num_heads, -1, -1});
+  AddOutput(&config, "output", {-1, -1, c.num_hiddens});
+  AddOutput(&config, "attention", {-1, c.num_heads, -1, -1});
   inference::ModelInstanceGroup* group = config.add_instance_group();
   group->set_name(model.name);
   group->set_kind(inference::ModelInstanceGroup::KIND_CPU);
@@ -89,6 +93,16 @@ inference::ModelConfig ToTritonConfig(const Model& model) {
   parameters["num_hiddens"].set_string_value(absl::StrCat(c.num_hiddens));
   parameters["precision"].set_string_value(std::string(core::PrecisionName(c.precision)));
   parameters["scoring"].set_string_value(std::string(core::ScoringName(c.scoring)));
+  // The limits a request meets (B, Q and K), and the batcher's per call.
+  parameters["max_batch_size"].set_string_value(absl::StrCat(model.limits.max_batch_size));
+  parameters["max_sequence_length"].set_string_value(
+      absl::StrCat(model.limits.max_sequence_length));
+  if (model.batching.enabled) {
+    parameters["batch_max_rows"].set_string_value(absl::StrCat(model.batching.max_batch_size));
+    parameters["batch_max_tokens"].set_string_value(absl::StrCat(model.batching.max_batch_tokens));
+    parameters["batch_max_queue_size"].set_string_value(
+        absl::StrCat(model.batching.max_queue_size));
+  }
   return config;
 }
 
@@ -112,8 +126,9 @@ inference::ServerMetadataResponse ToServerMetadata() {
   inference::ServerMetadataResponse metadata;
   metadata.set_name(kServerName);
   metadata.set_version(MHA_VERSION);
-  for (const char* extension : {"binary_tensor_data", "model_configuration", "model_repository",
-                                "parameters", "statistics"}) {
+  for (const char* extension :
+       {"binary_tensor_data", "model_configuration", "model_repository",
+        "model_repository(unload_dependents)", "parameters", "statistics"}) {
     metadata.add_extensions(extension);
   }
   return metadata;
@@ -153,11 +168,21 @@ absl::StatusOr<inference::ModelStatisticsResponse> CollectStatistics(const Model
     SetDuration(s.success, stats->mutable_success());
     SetDuration(s.fail, stats->mutable_fail());
     SetDuration(s.queue, stats->mutable_queue());
-    SetDuration(s.compute, stats->mutable_compute_infer());
+    // Per computed request, as Triton counts them. Inputs are decoded and outputs
+    // encoded on the front's thread, not timed apart: compute_input and
+    // compute_output count the same requests with 0 ns (their time is in success's).
+    const ModelStatisticsSnapshot::Duration untimed{.count = s.request_compute.count, .ns = 0};
+    SetDuration(untimed, stats->mutable_compute_input());
+    SetDuration(s.request_compute, stats->mutable_compute_infer());
+    SetDuration(untimed, stats->mutable_compute_output());
+    SetDuration({}, stats->mutable_cache_hit());
+    SetDuration({}, stats->mutable_cache_miss());
     for (const auto& [rows, batch] : s.batches) {
       inference::InferBatchStatistics* b = out->add_batch_stats();
       b->set_batch_size(static_cast<uint64_t>(rows));
+      SetDuration({.count = batch.count, .ns = 0}, b->mutable_compute_input());
       SetDuration(batch, b->mutable_compute_infer());
+      SetDuration({.count = batch.count, .ns = 0}, b->mutable_compute_output());
     }
   }
   return response;
@@ -223,19 +248,32 @@ inference::RepositoryIndexResponse KserveModels::Index(bool ready_only) const {
 }
 
 absl::Status KserveModels::ControlModel(bool load, absl::string_view repository_name,
-                                                const std::string& model_name,
-                                                bool has_parameters) const {
+                                        const std::string& model_name,
+                                        const std::vector<ControlParameter>& parameters) const {
+  if (lifecycle_ == nullptr) {
+    return absl::PermissionDeniedError("model control is not available on this server");
+  }
+  if (lifecycle_->control() != ModelControl::kExplicit) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("model_control is ", ModelControlName(lifecycle_->control()),
+                     ": loading and unloading models needs --model_control=explicit"));
+  }
   if (!repository_name.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("repository_name: this server has one repository; leave it empty, got \"",
                      Abbreviate(repository_name), "\""));
   }
-  if (has_parameters) {
-    return absl::InvalidArgumentError(
-        "parameters: not supported; the model loads from its directory in the repository");
-  }
-  if (lifecycle_ == nullptr) {
-    return absl::PermissionDeniedError("model control is not available on this server");
+  for (const ControlParameter& parameter : parameters) {
+    const std::string field = absl::StrCat("parameters.", Abbreviate(parameter.name));
+    if (!load && parameter.name == "unload_dependents") {
+      // Nothing depends on an attention model: true and false unload the same.
+      if (!parameter.is_bool)
+        return absl::InvalidArgumentError(absl::StrCat(field, ": expected a bool"));
+      continue;
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, load ? ": not supported; the model loads from its directory in the repository"
+                    : ": not supported; unload takes only unload_dependents"));
   }
   return load ? lifecycle_->Load(model_name) : lifecycle_->Unload(model_name);
 }

@@ -4,13 +4,14 @@
 // service, no HTTP.
 //
 //   DecodeInfer        decode and validate one infer request for the submit path
-//   ToTritonConfig     ModelConfig          (dims without the batch dimension)
+//   ToTritonConfig     ModelConfig          (max_batch_size 0, dims = full shapes)
 //   ToModelMetadata    ModelMetadata        (-1 for variable dimensions)
 //   ToServerMetadata   ServerMetadata       (name "mha-serve", version, extensions)
 //   CollectStatistics  ModelStatistics      (from the counters /metrics exposes)
 //   KserveModels       ServerReady, ModelReady, RepositoryIndex, and the repository
 //                      RPCs (load, unload: explicit model control only,
-//                      server/models/model_lifecycle.h, else PERMISSION_DENIED)
+//                      server/models/model_lifecycle.h, else PERMISSION_DENIED;
+//                      unload takes Triton's unload_dependents and ignores it)
 //
 // Thread safety: thread-safe; the repository, batcher, lifecycle and metrics must
 // outlive what uses them.
@@ -18,6 +19,7 @@
 #define MHA_SERVER_KSERVE_ANSWERS_H_
 
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -73,10 +75,19 @@ class KserveModels {
   // version while its newest files failed to load is READY with that reason. Only
   // the READY ones when `ready_only`.
   inference::RepositoryIndexResponse Index(bool ready_only) const;
-  // The repository RPCs: `load` true loads, false unloads. INVALID_ARGUMENT naming
-  // repository_name (other than "") or parameters (any).
+  // A parameter of a load or unload call: its name, and whether its value is a bool.
+  struct ControlParameter {
+    std::string name;
+    bool is_bool = false;
+  };
+  // The repository RPCs: `load` true loads, false unloads. PERMISSION_DENIED without
+  // model control (checked first, whatever the request holds); then INVALID_ARGUMENT
+  // naming repository_name (other than "") or a parameter: unload accepts and ignores
+  // the bool `unload_dependents` (Triton's clients always send it; nothing depends on
+  // an attention model), and refuses any other; load refuses every parameter.
   absl::Status ControlModel(bool load, absl::string_view repository_name,
-                            const std::string& model_name, bool has_parameters) const;
+                            const std::string& model_name,
+                            const std::vector<ControlParameter>& parameters) const;
 
  private:
   const ModelRepository* const models_;

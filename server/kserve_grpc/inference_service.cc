@@ -3,11 +3,13 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "server/grpc_common/deadline.h"
 #include "server/grpc_common/grpc_status.h"
 #include "server/grpc_common/stream_reactor.h"
+#include "server/serving/abbreviate.h"
 #include "server/serving/submit.h"
 
 namespace mha::server {
@@ -27,9 +29,7 @@ struct InferStreamFront {
   static constexpr bool kEndStreamOnError = false;
 
   static const std::string& ModelName(const Request& request) { return request.model_name(); }
-  static const std::string& ModelVersion(const Request& request) {
-    return request.model_version();
-  }
+  static const std::string& ModelVersion(const Request& request) { return request.model_version(); }
   static const std::string& RequestId(const Request& request) { return request.id(); }
   static void Begin(const Request& request, Response* response) {
     response->mutable_infer_response()->set_id(request.id());
@@ -44,7 +44,7 @@ struct InferStreamFront {
     infer->clear_outputs();
     infer->clear_raw_output_contents();
     response->set_error_message(
-        absl::StrCat(absl::StatusCodeToString(status.code()), ": ", status.message()));
+        CapMessage(absl::StrCat(absl::StatusCodeToString(status.code()), ": ", status.message())));
   }
 };
 
@@ -52,6 +52,15 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context, const absl
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
+}
+
+std::vector<KserveModels::ControlParameter> ControlParameters(
+    const google::protobuf::Map<std::string, inference::ModelRepositoryParameter>& parameters) {
+  std::vector<KserveModels::ControlParameter> out;
+  for (const auto& [name, value] : parameters) {
+    out.push_back({.name = name, .is_bool = value.has_bool_param()});
+  }
+  return out;
 }
 
 }  // namespace
@@ -140,15 +149,17 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelStatistics(
 grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelLoad(
     grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest* request,
     inference::RepositoryModelLoadResponse* /*response*/) {
-  return Reply(context, answers_->ControlModel(true, request->repository_name(), request->model_name(),
-                                      !request->parameters().empty()));
+  return Reply(context,
+               answers_->ControlModel(true, request->repository_name(), request->model_name(),
+                                      ControlParameters(request->parameters())));
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelUnload(
     grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
     inference::RepositoryModelUnloadResponse* /*response*/) {
-  return Reply(context, answers_->ControlModel(false, request->repository_name(), request->model_name(),
-                                      !request->parameters().empty()));
+  return Reply(context,
+               answers_->ControlModel(false, request->repository_name(), request->model_name(),
+                                      ControlParameters(request->parameters())));
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryIndex(

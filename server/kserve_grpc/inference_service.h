@@ -13,12 +13,13 @@
 //   ModelInfer       one request, answered in raw_output_contents
 //   ModelStreamInfer one response per request, in request order; a failed request
 //                    gets error_message (and its id) and the stream goes on
-//   ModelConfig      a Triton ModelConfig (dims without the batch dimension)
+//   ModelConfig      a Triton ModelConfig (max_batch_size 0, dims = full shapes)
 //   ModelStatistics  from the counters /metrics exposes (ModelStatisticsSnapshot)
 //   RepositoryIndex  every served version and every folder not served, with reasons
 //   RepositoryModelLoad / RepositoryModelUnload  explicit model control only
 //                    (server/models/model_lifecycle.h), else PERMISSION_DENIED
-// RPCs not listed (shared memory, trace) answer UNIMPLEMENTED.
+// RPCs not listed (shared memory, trace, log settings) answer UNIMPLEMENTED naming
+// the RPC (server/grpc_common/unimplemented_service.h).
 //
 // Thread safety: thread-safe; the repository, submit path, metrics and answers
 // must outlive it.

@@ -110,6 +110,13 @@ absl::Status CheckDepth(absl::string_view text) {
 }
 
 absl::StatusOr<Json> ParseJson(absl::string_view text) {
+  // JSON has no raw NUL (a string holds it as \u0000); nlohmann's parser would take
+  // one for the end of the input and accept the bytes after it unread.
+  if (const size_t nul = text.find('\0'); nul != absl::string_view::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request body: invalid JSON: a NUL byte at offset ", nul,
+        " (nothing may follow the JSON value; binary data needs Inference-Header-Content-Length)"));
+  }
   MHA_RETURN_IF_ERROR(CheckDepth(text));
   try {
     return Json::parse(text.begin(), text.end());
@@ -640,7 +647,16 @@ absl::StatusOr<HttpBody> Encode(const ModelInferRequest& request,
       OrderedJson data = OrderedJson::array();
       data.get_ref<OrderedJson::array_t&>().reserve(size->first);
       for (int64_t e = 0; e < size->first; ++e) {
-        data.push_back(Element(*type, raw.data() + e * type->size));
+        OrderedJson value = Element(*type, raw.data() + e * type->size);
+        // nlohmann would write Inf and NaN as null, which reads back as no value.
+        if (value.is_number_float() && !std::isfinite(value.get<double>())) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("outputs[", i, "] (", Quote(output.name()), "): element ", e, " is ",
+                           value.get<double>(),
+                           ", which JSON cannot carry; ask for this output as binary data "
+                           "(parameters.binary_data: true)"));
+        }
+        data.push_back(std::move(value));
       }
       entry["data"] = std::move(data);
     }
@@ -713,13 +729,63 @@ absl::StatusOr<RepositoryBody> ParseRepositoryBody(absl::string_view body) {
     if (!parameters->is_object()) {
       return absl::InvalidArgumentError("parameters: expected an object");
     }
-    out.has_parameters = !parameters->empty();
+    for (const auto& [name, value] : parameters->items()) {
+      out.parameters.push_back({.name = name, .is_bool = value.is_boolean()});
+    }
   }
   return out;
 }
 
+namespace {
+
+OrderedJson DurationJson(const inference::StatisticDuration& d) {
+  OrderedJson out = OrderedJson::object();
+  out["count"] = d.count();
+  out["ns"] = d.ns();
+  return out;
+}
+
+}  // namespace
+
+std::string StatisticsBody(const inference::ModelStatisticsResponse& statistics) {
+  OrderedJson models = OrderedJson::array();
+  for (const inference::ModelStatistics& m : statistics.model_stats()) {
+    OrderedJson model = OrderedJson::object();
+    model["name"] = m.name();
+    model["version"] = m.version();
+    model["last_inference"] = m.last_inference();
+    model["inference_count"] = m.inference_count();
+    model["execution_count"] = m.execution_count();
+    const inference::InferStatistics& i = m.inference_stats();
+    OrderedJson stats = OrderedJson::object();
+    stats["success"] = DurationJson(i.success());
+    stats["fail"] = DurationJson(i.fail());
+    stats["queue"] = DurationJson(i.queue());
+    stats["compute_input"] = DurationJson(i.compute_input());
+    stats["compute_infer"] = DurationJson(i.compute_infer());
+    stats["compute_output"] = DurationJson(i.compute_output());
+    stats["cache_hit"] = DurationJson(i.cache_hit());
+    stats["cache_miss"] = DurationJson(i.cache_miss());
+    model["inference_stats"] = std::move(stats);
+    OrderedJson batches = OrderedJson::array();
+    for (const inference::InferBatchStatistics& b : m.batch_stats()) {
+      OrderedJson batch = OrderedJson::object();
+      batch["batch_size"] = b.batch_size();
+      batch["compute_input"] = DurationJson(b.compute_input());
+      batch["compute_infer"] = DurationJson(b.compute_infer());
+      batch["compute_output"] = DurationJson(b.compute_output());
+      batches.push_back(std::move(batch));
+    }
+    model["batch_stats"] = std::move(batches);
+    models.push_back(std::move(model));
+  }
+  OrderedJson root = OrderedJson::object();
+  root["model_stats"] = std::move(models);
+  return root.dump(-1, ' ', false, OrderedJson::error_handler_t::replace);
+}
+
 std::string ErrorBody(absl::string_view message) {
-  return Dump(Json{{"error", std::string(message)}});
+  return Dump(Json{{"error", CapMessage(message)}});
 }
 
 }  // namespace mha::server

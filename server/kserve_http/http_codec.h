@@ -57,7 +57,9 @@
 // of that name has parameters.binary_data true, or when the request has
 // binary_data_output true and that output does not set binary_data false. Floats are
 // printed with the fewest digits that read back (as float, or as double rounded to
-// float) to the same bits; FP16 and BF16 print as the floats they are exactly.
+// float) to the same bits; FP16 and BF16 print as the floats they are exactly. An
+// output sent as JSON with an Inf or NaN element (JSON has no such number) is
+// INVALID_ARGUMENT naming the output and the element; binary outputs carry them.
 //
 // Thread safety: pure functions of their arguments; call from any thread.
 #ifndef MHA_SERVER_KSERVE_HTTP_HTTP_CODEC_H_
@@ -66,6 +68,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -89,7 +92,8 @@ struct HttpBody {
   int64_t header_length = -1;  // Inference-Header-Content-Length; -1: no such header
 };
 
-// The body answering `request` (as parsed above) with `response`. INTERNAL when
+// The body answering `request` (as parsed above) with `response`; INVALID_ARGUMENT
+// for a non-finite value of a JSON output (above). INTERNAL when
 // the response is inconsistent (a server bug): raw_output_contents not one per
 // output, an unknown datatype or BYTES, or bytes that do not fill the output's shape.
 // Never throws.
@@ -99,16 +103,26 @@ absl::StatusOr<HttpBody> EncodeInferResponse(const inference::ModelInferRequest&
 // The body of a repository request (Triton's repository extension): POST
 // /v2/repository/index takes {"ready": bool}, .../models/{name}/load and /unload
 // take {"parameters": {...}}. Empty or a JSON object (the same depth guard as
-// infer); "ready" must be a bool. has_parameters: "parameters" is present and not
-// {} (this server loads only what the repository folder holds, so the front
-// refuses it). INVALID_ARGUMENT naming the field. Never throws.
+// infer); "ready" must be a bool; "parameters" an object, whose entries are
+// listed by name with whether each is a bool (KserveModels::ControlModel decides
+// which it takes). INVALID_ARGUMENT naming the field. Never throws.
 struct RepositoryBody {
+  struct Parameter {
+    std::string name;
+    bool is_bool = false;
+  };
   bool ready = false;
-  bool has_parameters = false;
+  std::vector<Parameter> parameters;
 };
 absl::StatusOr<RepositoryBody> ParseRepositoryBody(absl::string_view body);
 
-// {"error":"<message>"}, the message JSON-escaped (invalid UTF-8 becomes U+FFFD).
+// ModelStatistics as Triton writes it over HTTP: every count, nanosecond figure,
+// timestamp and batch size a JSON number (protobuf's JSON mapping would write the
+// uint64s as strings), every duration present.
+std::string StatisticsBody(const inference::ModelStatisticsResponse& statistics);
+
+// {"error":"<message>"}, the message capped (CapMessage) and JSON-escaped (invalid UTF-8 becomes
+// U+FFFD).
 std::string ErrorBody(absl::string_view message);
 
 }  // namespace mha::server

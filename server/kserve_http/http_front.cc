@@ -4,16 +4,20 @@
 #include <httplib.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <charconv>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 #include "server/kserve/inference_codec.h"
 #include "server/kserve_http/http_codec.h"
+#include "server/serving/abbreviate.h"
 #include "server/serving/submit.h"
 
 namespace mha::server {
@@ -28,6 +32,11 @@ constexpr char kModelPath[] = R"(/v2/models/([^/]+)(?:/versions/([^/]+))?)";
 void SendError(const absl::Status& status, httplib::Response& res) {
   res.status = HttpStatusOf(status.code());
   res.set_content(ErrorBody(status.message()), kJson);
+}
+
+void SendBody(std::string body, httplib::Response& res) {
+  res.status = 200;
+  res.set_content(std::move(body), kJson);
 }
 
 void SendJson(const json& body, httplib::Response& res) {
@@ -93,8 +102,7 @@ absl::Status Infer(const RequestPath& path, const Call& call, const httplib::Req
   response.set_id(request->id());
   Completion completion;
   path.Submit(
-      call,
-      [&](const Model& model) { return DecodeInfer(*request, model, &decoded, &response); },
+      call, [&](const Model& model) { return DecodeInfer(*request, model, &decoded, &response); },
       completion.Callback());
   MHA_RETURN_IF_ERROR(completion.Wait());
   MHA_ASSIGN_OR_RETURN(HttpBody body, EncodeInferResponse(*request, response));
@@ -169,6 +177,7 @@ absl::StatusOr<std::unique_ptr<HttpFront>> HttpFront::Start(const Options& optio
   server.set_keep_alive_max_count(100);
   server.set_keep_alive_timeout(5);
   front->Route();
+  front->RouteErrors(options.max_body_bytes);
   const std::string address = absl::StrCat(
       options.host.find(':') == std::string::npos ? options.host : "[" + options.host + "]", ":",
       options.port);
@@ -195,23 +204,111 @@ void HttpFront::Stop() {
 }
 
 void HttpFront::Route() {
+  // cpp-httplib parses a body labelled as a form (x-www-form-urlencoded, curl -d's
+  // default: 413 past 8 KiB) or as multipart before any handler sees it. Every body
+  // here is JSON or JSON + binary whatever its label, as Triton reads it: the label
+  // is set aside before routing. The Request is the server's own, non-const object.
+  server_->set_pre_routing_handler([](const httplib::Request& req, httplib::Response&) {
+    auto& headers = const_cast<httplib::Headers&>(req.headers);
+    for (auto& [name, value] : headers) {
+      if (absl::EqualsIgnoreCase(name, "Content-Type") &&
+          (absl::StartsWithIgnoreCase(value, "application/x-www-form-urlencoded") ||
+           absl::StartsWithIgnoreCase(value, "multipart/form-data"))) {
+        value = "application/octet-stream";
+      }
+    }
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
+  RouteUnimplemented();
   RouteMetadata();
   RouteRepository();
   RouteInfer();
 }
 
+void HttpFront::Handle(const std::string& method, const std::string& pattern,
+                       std::function<void(const httplib::Request&, httplib::Response&)> handler) {
+  routes_.push_back({.method = method, .pattern = std::regex(pattern)});
+  if (method == "GET") {
+    server_->Get(pattern, std::move(handler));
+  } else {
+    server_->Post(pattern, std::move(handler));
+  }
+}
+
+void HttpFront::RouteErrors(int64_t max_body_bytes) {
+  const std::vector<RouteEntry>* routes = &routes_;
+  server_->set_error_handler(httplib::Server::HandlerWithResponse(
+      [routes, max_body_bytes](const httplib::Request& req, httplib::Response& res) {
+        if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;  // ours
+        const std::string path = Abbreviate(req.path);
+        std::string message;
+        if (res.status == 404) {
+          std::vector<std::string> allowed;
+          for (const RouteEntry& route : *routes) {
+            if (std::regex_match(req.path, route.pattern) &&
+                std::find(allowed.begin(), allowed.end(), route.method) == allowed.end()) {
+              allowed.push_back(route.method);
+            }
+          }
+          if (allowed.empty()) {
+            message = absl::StrCat("no route ", Abbreviate(req.method), " ", path,
+                                   " (docs/service.md lists the routes)");
+          } else {
+            res.status = 405;
+            res.set_header("Allow", absl::StrJoin(allowed, ", "));
+            message = absl::StrCat(Abbreviate(req.method), " ", path, ": method not allowed; use ",
+                                   absl::StrJoin(allowed, " or "));
+          }
+        } else if (res.status == 413) {
+          message = absl::StrCat("request body: over the limit of ", max_body_bytes,
+                                 " bytes (the largest max_request_bytes)");
+        } else if (res.status == 400) {
+          message = "malformed HTTP request";
+        } else {
+          message = absl::StrCat("HTTP status ", res.status);
+        }
+        res.set_content(ErrorBody(message), kJson);
+        return httplib::Server::HandlerResponse::Handled;
+      }));
+}
+
+void HttpFront::RouteUnimplemented() {
+  struct Unserved {
+    std::string pattern;
+    const char* why;
+  };
+  const Unserved unserved[] = {
+      {R"(/v2/systemsharedmemory(?:/region/[^/]+)?/(?:status|register|unregister))",
+       "no shared-memory extension; send tensors in the request"},
+      {R"(/v2/cudasharedmemory(?:/region/[^/]+)?/(?:status|register|unregister))",
+       "no CUDA shared-memory extension (a CPU server); send tensors in the request"},
+      {"/v2/trace/setting", "no trace extension; /metrics and the statistics report timings"},
+      {absl::StrCat(kModelPath, "/trace/setting"),
+       "no trace extension; /metrics and the statistics report timings"},
+      {"/v2/logging", "no logging extension; logging is set by flags at start"},
+  };
+  for (const Unserved& route : unserved) {
+    const char* why = route.why;
+    for (const char* method : {"GET", "POST"}) {
+      Handle(method, route.pattern, [why](const httplib::Request& req, httplib::Response& res) {
+        SendError(absl::UnimplementedError(absl::StrCat(req.method, " ", Abbreviate(req.path),
+                                                        " is not served by mha-serve: ", why)),
+                  res);
+      });
+    }
+  }
+}
+
 void HttpFront::RouteMetadata() {
-  httplib::Server& server = *server_;
   const Services s = services_;
-  server.Get("/v2/health/live", [](const httplib::Request&, httplib::Response& res) {
-    SendJson(json::object(), res);
-  });
-  server.Get("/v2/health/ready", [s](const httplib::Request&, httplib::Response& res) {
+  Handle("GET", "/v2/health/live",
+         [](const httplib::Request&, httplib::Response& res) { SendJson(json::object(), res); });
+  Handle("GET", "/v2/health/ready", [s](const httplib::Request&, httplib::Response& res) {
     const absl::Status readiness = s.answers->Readiness();
     if (readiness.ok()) return SendJson(json::object(), res);
     SendError(readiness, res);
   });
-  server.Get("/v2", [](const httplib::Request&, httplib::Response& res) {
+  Handle("GET", "/v2", [](const httplib::Request&, httplib::Response& res) {
     const inference::ServerMetadataResponse m = ToServerMetadata();
     SendJson(
         {{"name", m.name()},
@@ -219,7 +316,14 @@ void HttpFront::RouteMetadata() {
          {"extensions", std::vector<std::string>(m.extensions().begin(), m.extensions().end())}},
         res);
   });
-  server.Get(kModelPath, [s](const httplib::Request& req, httplib::Response& res) {
+  // Before kModelPath, which would take "stats" for a model's name (as in Triton).
+  Handle("GET", "/v2/models/stats", [s](const httplib::Request&, httplib::Response& res) {
+    absl::StatusOr<inference::ModelStatisticsResponse> stats =
+        CollectStatistics(*s.models, *s.metrics, "", "");
+    if (!stats.ok()) return SendError(stats.status(), res);
+    SendBody(StatisticsBody(*stats), res);
+  });
+  Handle("GET", kModelPath, [s](const httplib::Request& req, httplib::Response& res) {
     absl::StatusOr<std::shared_ptr<const Model>> model =
         s.models->Find(req.matches[1].str(), req.matches[2].str());
     if (!model.ok()) return SendError(model.status(), res);
@@ -231,47 +335,46 @@ void HttpFront::RouteMetadata() {
               {"outputs", TensorsJson(m.outputs())}},
              res);
   });
-  server.Get(absl::StrCat(kModelPath, "/ready"),
-             [s](const httplib::Request& req, httplib::Response& res) {
-               absl::StatusOr<std::shared_ptr<const Model>> model =
-                   s.models->Find(req.matches[1].str(), req.matches[2].str());
-               if (!model.ok()) return SendError(model.status(), res);
-               const absl::Status readiness = s.answers->Readiness(model->get());
-               if (readiness.ok()) return SendJson(json::object(), res);
-               SendError(readiness, res);
-             });
-  server.Get(absl::StrCat(kModelPath, "/config"),
-             [s](const httplib::Request& req, httplib::Response& res) {
-               absl::StatusOr<std::shared_ptr<const Model>> model =
-                   s.models->Find(req.matches[1].str(), req.matches[2].str());
-               if (!model.ok()) return SendError(model.status(), res);
-               SendProto(ToTritonConfig(**model), res);
-             });
-  server.Get(
-      absl::StrCat(kModelPath, "/stats"), [s](const httplib::Request& req, httplib::Response& res) {
-        absl::StatusOr<inference::ModelStatisticsResponse> stats =
-            CollectStatistics(*s.models, *s.metrics, req.matches[1].str(), req.matches[2].str());
-        if (!stats.ok()) return SendError(stats.status(), res);
-        SendProto(*stats, res);
-      });
+  Handle("GET", absl::StrCat(kModelPath, "/ready"),
+         [s](const httplib::Request& req, httplib::Response& res) {
+           absl::StatusOr<std::shared_ptr<const Model>> model =
+               s.models->Find(req.matches[1].str(), req.matches[2].str());
+           if (!model.ok()) return SendError(model.status(), res);
+           const absl::Status readiness = s.answers->Readiness(model->get());
+           if (readiness.ok()) return SendJson(json::object(), res);
+           SendError(readiness, res);
+         });
+  Handle("GET", absl::StrCat(kModelPath, "/config"),
+         [s](const httplib::Request& req, httplib::Response& res) {
+           absl::StatusOr<std::shared_ptr<const Model>> model =
+               s.models->Find(req.matches[1].str(), req.matches[2].str());
+           if (!model.ok()) return SendError(model.status(), res);
+           SendProto(ToTritonConfig(**model), res);
+         });
+  Handle("GET", absl::StrCat(kModelPath, "/stats"),
+         [s](const httplib::Request& req, httplib::Response& res) {
+           absl::StatusOr<inference::ModelStatisticsResponse> stats =
+               CollectStatistics(*s.models, *s.metrics, req.matches[1].str(), req.matches[2].str());
+           if (!stats.ok()) return SendError(stats.status(), res);
+           SendBody(StatisticsBody(*stats), res);
+         });
 }
 
 void HttpFront::RouteInfer() {
   const Services s = services_;
-  server_->Post(absl::StrCat(kModelPath, "/infer"),
-                [s](const httplib::Request& req, httplib::Response& res) {
-                  const std::string model = req.matches[1].str();
-                  const std::string version = req.matches[2].str();
-                  Call call{.protocol = Protocol::kKserveHttp, .model = model, .version = version};
-                  const absl::Status status = Infer(*s.path, call, req, res);
-                  if (!status.ok()) SendError(status, res);
-                });
+  Handle("POST", absl::StrCat(kModelPath, "/infer"),
+         [s](const httplib::Request& req, httplib::Response& res) {
+           const std::string model = req.matches[1].str();
+           const std::string version = req.matches[2].str();
+           Call call{.protocol = Protocol::kKserveHttp, .model = model, .version = version};
+           const absl::Status status = Infer(*s.path, call, req, res);
+           if (!status.ok()) SendError(status, res);
+         });
 }
 
 void HttpFront::RouteRepository() {
-  httplib::Server& server = *server_;
   const Services s = services_;
-  server.Post("/v2/repository/index", [s](const httplib::Request& req, httplib::Response& res) {
+  Handle("POST", "/v2/repository/index", [s](const httplib::Request& req, httplib::Response& res) {
     const absl::StatusOr<RepositoryBody> body = ParseRepositoryBody(req.body);
     if (!body.ok()) return SendError(body.status(), res);
     json models = json::array();
@@ -284,17 +387,20 @@ void HttpFront::RouteRepository() {
     SendJson(models, res);
   });
   for (const bool load : {true, false}) {
-    server.Post(absl::StrCat(R"(/v2/repository/models/([^/]+)/)", load ? "load" : "unload"),
-                [s, load](const httplib::Request& req, httplib::Response& res) {
-                  const absl::StatusOr<RepositoryBody> body = ParseRepositoryBody(req.body);
-                  absl::Status status = body.status();
-                  if (status.ok()) {
-                    status = s.answers->ControlModel(load, "", req.matches[1].str(),
-                                                       body->has_parameters);
-                  }
-                  if (!status.ok()) return SendError(status, res);
-                  SendJson(json::object(), res);
-                });
+    Handle("POST", absl::StrCat(R"(/v2/repository/models/([^/]+)/)", load ? "load" : "unload"),
+           [s, load](const httplib::Request& req, httplib::Response& res) {
+             const absl::StatusOr<RepositoryBody> body = ParseRepositoryBody(req.body);
+             absl::Status status = body.status();
+             if (status.ok()) {
+               std::vector<KserveModels::ControlParameter> parameters;
+               for (const RepositoryBody::Parameter& p : body->parameters) {
+                 parameters.push_back({.name = p.name, .is_bool = p.is_bool});
+               }
+               status = s.answers->ControlModel(load, "", req.matches[1].str(), parameters);
+             }
+             if (!status.ok()) return SendError(status, res);
+             SendJson(json::object(), res);
+           });
   }
 }
 

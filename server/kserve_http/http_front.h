@@ -8,11 +8,16 @@
 //   GET  /v2/models/{m}[/versions/{v}]   model metadata
 //   GET  /v2/models/{m}[/versions/{v}]/ready    200, 503 while not ready
 //   GET  /v2/models/{m}[/versions/{v}]/config   Triton ModelConfig (protobuf JSON)
-//   GET  /v2/models/{m}[/versions/{v}]/stats    Triton ModelStatistics (protobuf JSON)
-//   POST /v2/models/{m}[/versions/{v}]/infer    JSON or JSON + binary (server/kserve_http/http_codec.h)
-//   POST /v2/repository/index            [{"name", "version", "state", "reason"}]
-// Errors: {"error": "..."} with the status of the canonical code (HttpStatusOf).
-// Bodies over max_body_bytes get 413 before they are read.
+//   GET  /v2/models/stats                Triton ModelStatistics of every model
+//   GET  /v2/models/{m}[/versions/{v}]/stats    Triton ModelStatistics (numbers, as Triton)
+//   POST /v2/models/{m}[/versions/{v}]/infer    JSON or JSON + binary
+//   (server/kserve_http/http_codec.h) POST /v2/repository/index            [{"name", "version",
+//   "state", "reason"}] Triton's shared memory, CUDA shared memory, trace and logging routes: 501
+// Errors: {"error": "..."} with the status of the canonical code (HttpStatusOf),
+// every one: an unknown route is 404, a known route with another method 405 with
+// Allow, a body over max_body_bytes 413 (before it is read) naming the limit.
+// A body is read as sent whatever its Content-Type (as Triton does): cpp-httplib
+// would parse a form-encoded one (curl -d's default) as a form, 413 past 8 KiB.
 //
 // Infer requests go through the one submit path (server/serving/submit.h), as
 // the gRPC fronts' do. Served by cpp-httplib: a pool of `threads` threads, one per
@@ -28,9 +33,12 @@
 #define MHA_SERVER_KSERVE_HTTP_HTTP_FRONT_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <regex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -41,7 +49,9 @@
 
 namespace httplib {
 class Server;
-}
+struct Request;
+struct Response;
+}  // namespace httplib
 
 namespace mha::server {
 
@@ -62,8 +72,8 @@ class HttpFront {
   };
   struct Services {
     const ModelRepository* models;
-    const RequestPath* path;  // infer
-    const Metrics* metrics;   // statistics
+    const RequestPath* path;      // infer
+    const Metrics* metrics;       // statistics
     const KserveModels* answers;  // readiness, the index, model control
   };
 
@@ -88,6 +98,21 @@ class HttpFront {
   // .../infer (POST): the HTTP thread waits for the batcher's forward pass.
   void RouteInfer();
 
+  // Registers `handler` for `method` ("GET" or "POST") and `pattern`, and keeps the
+  // pattern for the 405 answer of the error handler.
+  void Handle(const std::string& method, const std::string& pattern,
+              std::function<void(const httplib::Request&, httplib::Response&)> handler);
+  // The {"error": ...} bodies of the answers cpp-httplib gives itself (404, 413,
+  // 400), and 405 for a known route asked with another method.
+  void RouteErrors(int64_t max_body_bytes);
+  // Triton's routes this server does not serve: 501 naming them.
+  void RouteUnimplemented();
+
+  struct RouteEntry {
+    std::string method;
+    std::regex pattern;
+  };
+  std::vector<RouteEntry> routes_;
   Services services_{};
   std::unique_ptr<httplib::Server> server_;
   std::thread thread_;

@@ -425,7 +425,9 @@ void Batcher::Run(Batch& batch, Worker* worker) {
   // A warming model admits warm-up items only, so a batch is all warm-up or none:
   // warm-up passes stay out of the request metrics.
   ModelMetrics* metrics = batch.items.front().warmup ? nullptr : batch.metrics;
-  if (metrics != nullptr) metrics->Batch(rows, rows * queries, end - start);
+  if (metrics != nullptr) {
+    metrics->Batch(static_cast<int64_t>(batch.items.size()), rows, rows * queries, end - start);
+  }
   for (WorkItem& item : batch.items) {
     if (metrics != nullptr) {
       metrics->queue_duration().Observe(absl::ToDoubleSeconds(start - item.enqueued));

@@ -88,14 +88,17 @@ void ModelMetrics::Answered(Protocol protocol, absl::StatusCode code, absl::Dura
   last_inference_ms_.store(absl::ToUnixMillis(absl::Now()), std::memory_order_relaxed);
 }
 
-void ModelMetrics::Batch(int64_t rows, int64_t tokens, absl::Duration compute) {
+void ModelMetrics::Batch(int64_t requests, int64_t rows, int64_t tokens, absl::Duration compute) {
+  const auto ns = static_cast<uint64_t>(absl::ToInt64Nanoseconds(compute));
+  request_compute_.count.fetch_add(static_cast<uint64_t>(requests), std::memory_order_relaxed);
+  request_compute_.ns.fetch_add(static_cast<uint64_t>(requests) * ns, std::memory_order_relaxed);
   batch_size_.Observe(static_cast<double>(rows));
   batch_tokens_.Observe(static_cast<double>(tokens));
   compute_duration_.Observe(absl::ToDoubleSeconds(compute));
   absl::MutexLock lock(&batches_mu_);
   ModelStatisticsSnapshot::Duration& batch = batches_[rows];
   ++batch.count;
-  batch.ns += static_cast<uint64_t>(absl::ToInt64Nanoseconds(compute));
+  batch.ns += ns;
 }
 
 namespace {
@@ -117,6 +120,8 @@ ModelStatisticsSnapshot ModelMetrics::Statistics() const {
               fail_.ns.load(std::memory_order_relaxed)};
   out.queue = CountAndSum(queue_duration_);
   out.compute = CountAndSum(compute_duration_);
+  out.request_compute = {request_compute_.count.load(std::memory_order_relaxed),
+                         request_compute_.ns.load(std::memory_order_relaxed)};
   out.execution_count = out.compute.count;
   out.inference_count = inference_count_.load(std::memory_order_relaxed);
   out.last_inference_ms = static_cast<uint64_t>(last_inference_ms_.load(std::memory_order_relaxed));

@@ -68,6 +68,7 @@ struct ModelStatisticsSnapshot {
   Duration fail;                        // every other answer
   Duration queue;                       // computed requests: mha_queue_duration_seconds
   Duration compute;                     // forward calls: mha_compute_duration_seconds
+  Duration request_compute;             // computed requests, each its call's time
   uint64_t inference_count = 0;         // batch rows (B) answered OK
   uint64_t execution_count = 0;         // forward calls
   uint64_t last_inference_ms = 0;       // Unix ms of the last answer; 0 = none yet
@@ -90,8 +91,9 @@ class ModelMetrics {
   // An answered request of `rows` batch rows: mha_requests_total{code,protocol},
   // mha_request_duration_seconds{protocol} and the statistics.
   void Answered(Protocol protocol, absl::StatusCode code, absl::Duration duration, int64_t rows);
-  // A forward call of `rows` rows and `tokens` padded query tokens.
-  void Batch(int64_t rows, int64_t tokens, absl::Duration compute);
+  // A forward call of `requests` requests, `rows` rows and `tokens` padded query
+  // tokens.
+  void Batch(int64_t requests, int64_t rows, int64_t tokens, absl::Duration compute);
 
   prometheus::Histogram& queue_duration() { return queue_duration_; }
   prometheus::Gauge& queue_depth() { return queue_depth_; }
@@ -118,7 +120,7 @@ class ModelMetrics {
   prometheus::Gauge& queue_depth_;
   prometheus::Gauge& inflight_;
   prometheus::Counter& tokens_;
-  Totals success_, fail_;
+  Totals success_, fail_, request_compute_;
   std::atomic<uint64_t> inference_count_{0};
   std::atomic<int64_t> last_inference_ms_{0};
   mutable absl::Mutex batches_mu_;

@@ -712,6 +712,61 @@ TEST(ClientModelTest, SeveralModelsAndNoModelFlagSuggestsTheServedNames) {
   EXPECT_TRUE(absl::EndsWith(run.err, "; give --model=small or --model=tiny\n")) << run.err;
 }
 
+// kserve and http pick the model as attention.v1 does: the only one served, or a
+// usage hint naming every model.
+TEST(ClientModelTest, KserveAndHttpTakeTheOnlyModelOrSuggestTheNames) {
+  TempDir one;
+  one.Write("tiny/config.pbtxt", "num_hiddens: 8 num_heads: 2 seeded { seed: 1 }");
+  auto server =
+      ServerProcess::Start({"--port=0", "--http_port=0", "--model_repository=" + one.path()});
+  ASSERT_TRUE(server.ok()) << server.status();
+  for (const char* protocol : {"kserve", "http"}) {
+    SCOPED_TRACE(protocol);
+    const std::string target =
+        std::string(protocol) == "http" ? (*server)->http_target() : (*server)->target();
+    const ClientRun run =
+        RunClient({"infer", absl::StrCat("--protocol=", protocol), "--target=" + target});
+    ASSERT_EQ(run.exit_code, 0) << Describe(run);
+    EXPECT_TRUE(absl::StrContains(run.out, "model tiny: p_o 8")) << run.out;
+    EXPECT_TRUE(absl::StrContains(run.out, "output shape: (2, 4, 8)")) << run.out;
+  }
+
+  TempDir several;
+  for (const char* name : {"small", "tiny"}) {
+    several.Write(absl::StrCat(name, "/config.pbtxt"),
+                  "num_hiddens: 8 num_heads: 2 seeded { seed: 1 }");
+  }
+  server =
+      ServerProcess::Start({"--port=0", "--http_port=0", "--model_repository=" + several.path()});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::pair<const char*, std::string> cases[] = {
+      {"kserve", "error: INVALID_ARGUMENT: RepositoryIndex: model: required"},
+      {"http", "error: INVALID_ARGUMENT: POST /v2/repository/index: model: required"}};
+  for (const auto& [protocol, expected] : cases) {
+    SCOPED_TRACE(protocol);
+    const std::string target =
+        std::string(protocol) == "http" ? (*server)->http_target() : (*server)->target();
+    ClientRun run =
+        RunClient({"infer", absl::StrCat("--protocol=", protocol), "--target=" + target});
+    EXPECT_EQ(run.exit_code, 1) << Describe(run);
+    EXPECT_TRUE(absl::StartsWith(run.err, expected)) << run.err;
+    EXPECT_TRUE(absl::EndsWith(run.err, "; give --model=small or --model=tiny\n")) << run.err;
+    run = RunClient(
+        {"infer", absl::StrCat("--protocol=", protocol), "--target=" + target, "--model=small"});
+    EXPECT_EQ(run.exit_code, 0) << Describe(run);
+    EXPECT_TRUE(absl::StrContains(run.out, "model small: p_o 8")) << run.out;
+  }
+}
+
+// --target is used as given with --protocol=http, even when it equals the gRPC default.
+TEST(ClientUsageTest, HttpTargetIsNeverRewritten) {
+  const ClientRun run =
+      RunClient({"infer", "--protocol=http", "--target=127.0.0.1:50051", "--timeout=5s"});
+  EXPECT_EQ(run.exit_code, 1) << Describe(run);
+  EXPECT_TRUE(absl::StrContains(run.err, "127.0.0.1:50051")) << run.err;
+  EXPECT_FALSE(absl::StrContains(run.err, ":8000")) << run.err;
+}
+
 TEST_F(ClientTest, HealthChecksTheServerAndEveryModel) {
   ClientRun run = RunClient({"health", TargetFlag()});
   ASSERT_EQ(run.exit_code, 0) << Describe(run);
@@ -1113,8 +1168,8 @@ uint32_t CellPixel(cairo_surface_t* png, const json& layout, int head, int64_t q
 // The attention weights (B, h, Q, K) of `request` (flags) as `infer
 // --return_attention --output=FILE` records them, checked against the core's (the
 // file records no --causal: `causal` says whether the flags have it).
-std::vector<float> RecordedWeights(const std::vector<std::string>& request,
-                                   const std::string& path, bool causal = false) {
+std::vector<float> RecordedWeights(const std::vector<std::string>& request, const std::string& path,
+                                   bool causal = false) {
   std::vector<std::string> infer = {"infer", "--return_attention", "--output=" + path};
   infer.insert(infer.end(), request.begin(), request.end());
   const ClientRun run = RunClient(infer);
@@ -1435,6 +1490,54 @@ TEST(ClientTlsTest, InferOverMutualTls) {
   ExpectUsageError(run, "error: --tls_cert and --tls_key go together");
 }
 
+// --protocol=http speaks HTTPS with the same --tls flags as gRPC: server verified
+// against --tls_ca, and a client certificate when the server asks for one.
+TEST(ClientTlsTest, HttpOverTlsAndMutualTls) {
+  TempDir certs;
+  const absl::Status made = MakeTestCertificates(certs.path());
+  ASSERT_TRUE(made.ok()) << made;
+  auto file = [&](const char* name) { return certs.path() + "/" + name; };
+  auto tls = ServerProcess::Start({"--port=0", "--http_port=0", "--tls_cert=" + file("server.pem"),
+                                   "--tls_key=" + file("server.key")});
+  ASSERT_TRUE(tls.ok()) << tls.status();
+  const std::string target = "--target=" + (*tls)->http_target();
+  ClientRun run = RunClient({"infer", "--protocol=http", target, "--tls_ca=" + file("ca.pem")});
+  EXPECT_EQ(run.exit_code, 0) << Describe(run);
+  EXPECT_TRUE(absl::StrContains(run.out, "output shape: (2, 4, 100)")) << run.out;
+  // Plain HTTP to an HTTPS server, and HTTPS without the server's CA: refused.
+  for (const std::vector<std::string>& flags :
+       {std::vector<std::string>{}, std::vector<std::string>{"--tls"}}) {
+    std::vector<std::string> args = {"infer", "--protocol=http", target, "--timeout=5s"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    run = RunClient(args);
+    EXPECT_EQ(run.exit_code, 1) << Describe(run);
+    EXPECT_TRUE(absl::StartsWith(run.err, "error: ")) << run.err;
+  }
+
+  auto mutual = ServerProcess::Start(
+      {"--port=0", "--http_port=0", "--tls_cert=" + file("server.pem"),
+       "--tls_key=" + file("server.key"), "--tls_client_ca=" + file("ca.pem")});
+  ASSERT_TRUE(mutual.ok()) << mutual.status();
+  const std::string mutual_target = "--target=" + (*mutual)->http_target();
+  // bench's load connections (one per slot) speak HTTPS too.
+  std::vector<std::string> bench = QuickBench(mutual_target);
+  bench.insert(bench.end(),
+               {"--protocol=http", "--tls_ca=" + file("ca.pem"), "--tls_cert=" + file("client.pem"),
+                "--tls_key=" + file("client.key"), "--concurrency=2"});
+  run = RunClient(bench);
+  EXPECT_EQ(run.exit_code, 0) << Describe(run);
+  EXPECT_TRUE(absl::StrContains(run.out, "POST infer")) << run.out;
+  run = RunClient({"infer", "--protocol=http", mutual_target, "--tls_ca=" + file("ca.pem"),
+                   "--tls_cert=" + file("client.pem"), "--tls_key=" + file("client.key")});
+  EXPECT_EQ(run.exit_code, 0) << Describe(run);
+  EXPECT_TRUE(absl::StrContains(run.out, "output shape: (2, 4, 100)")) << run.out;
+  // Without a client certificate the handshake fails.
+  run = RunClient(
+      {"infer", "--protocol=http", mutual_target, "--tls_ca=" + file("ca.pem"), "--timeout=5s"});
+  EXPECT_EQ(run.exit_code, 1) << Describe(run);
+  EXPECT_TRUE(absl::StartsWith(run.err, "error: UNAVAILABLE: ")) << run.err;
+}
+
 // The last line of `text` (gRPC may log the handshake failure before the client's error).
 std::string LastLine(const std::string& text) {
   const std::vector<std::string> lines = absl::StrSplit(text, '\n', absl::SkipEmpty());
@@ -1730,7 +1833,7 @@ TEST(ClientUsageTest, ProtocolsOtherThanAttentionOnlyForInferAndBench) {
       {"health", "--protocol=kserve"},
       {"infer", "--protocol=grpc"},
       {"bench", "--protocol=http", "--mode=stream"},
-      {"infer", "--protocol=http", "--tls"},
+      {"infer", "--protocol=http", "--tls_server_name=localhost"},
       {"bench", "--protocol=http", "--targets=127.0.0.1:1,127.0.0.1:2"},
   };
   for (const std::vector<std::string>& args : usage_errors) {

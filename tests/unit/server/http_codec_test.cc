@@ -635,6 +635,86 @@ TEST(HttpCodecTest, InconsistentResponsesAreInternalErrors) {
   EXPECT_THAT(encode(bytes).message(), HasSubstr(R"(datatype "BYTES" has no HTTP encoding)"));
 }
 
+TEST(HttpCodecTest, NonFiniteJsonOutputsAreErrorsNamingTheOutput) {
+  for (const float bad : {std::numeric_limits<float>::infinity(), std::nanf("")}) {
+    ModelInferResponse response = BasicResponse();
+    AddOutput(&response, "fine", "FP32", {1}, Raw<float>({1.0f}));
+    AddOutput(&response, "output", "FP32", {3}, Raw<float>({0.5f, 2.0f, bad}));
+    const absl::StatusOr<HttpBody> encoded = EncodeInferResponse(ModelInferRequest(), response);
+    ASSERT_FALSE(encoded.ok());
+    EXPECT_EQ(encoded.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(encoded.status().message(), HasSubstr(R"(outputs[1] ("output"): element 2 is )"));
+    EXPECT_THAT(encoded.status().message(), HasSubstr("parameters.binary_data: true"));
+  }
+}
+
+TEST(HttpCodecTest, BytesAfterTheJsonValueAreRefused) {
+  for (const std::string& tail : {std::string("\0garbage", 8), std::string(" x")}) {
+    const absl::StatusOr<ModelInferRequest> parsed =
+        ParseInferRequest("m", "", absl::StrCat(R"({"inputs": []})", tail), std::nullopt);
+    ASSERT_FALSE(parsed.ok());
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(parsed.status().message(), HasSubstr("invalid JSON"));
+  }
+}
+
+TEST(HttpCodecTest, RepositoryBodyListsItsParameters) {
+  const absl::StatusOr<RepositoryBody> body =
+      ParseRepositoryBody(R"({"parameters": {"unload_dependents": false, "config": "{}"}})");
+  ASSERT_TRUE(body.ok()) << body.status();
+  ASSERT_EQ(body->parameters.size(), 2u);
+  EXPECT_EQ(body->parameters[0].name, "config");
+  EXPECT_FALSE(body->parameters[0].is_bool);
+  EXPECT_EQ(body->parameters[1].name, "unload_dependents");
+  EXPECT_TRUE(body->parameters[1].is_bool);
+  EXPECT_TRUE(ParseRepositoryBody("")->parameters.empty());
+}
+
+TEST(HttpCodecTest, StatisticsAreJsonNumbers) {
+  inference::ModelStatisticsResponse response;
+  inference::ModelStatistics* m = response.add_model_stats();
+  m->set_name("m");
+  m->set_version("1");
+  m->set_inference_count(uint64_t{1} << 40);
+  m->set_last_inference(1700000000000);
+  m->mutable_inference_stats()->mutable_compute_infer()->set_count(33711);
+  m->mutable_inference_stats()->mutable_compute_infer()->set_ns(18446744073709551615u);
+  inference::InferBatchStatistics* b = m->add_batch_stats();
+  b->set_batch_size(4);
+  b->mutable_compute_infer()->set_count(2);
+  const Json json = Json::parse(StatisticsBody(response));
+  const Json& model = json["model_stats"][0];
+  EXPECT_EQ(model["name"], "m");
+  EXPECT_EQ(model["inference_count"], uint64_t{1} << 40);
+  EXPECT_TRUE(model["last_inference"].is_number_unsigned());
+  EXPECT_EQ(model["execution_count"], 0);
+  EXPECT_EQ(model["inference_stats"]["compute_infer"]["count"], 33711);
+  EXPECT_EQ(model["inference_stats"]["compute_infer"]["ns"].get<uint64_t>(), 18446744073709551615u);
+  for (const char* name : {"success", "fail", "queue", "compute_input", "compute_infer",
+                           "compute_output", "cache_hit", "cache_miss"}) {
+    EXPECT_TRUE(model["inference_stats"][name]["count"].is_number()) << name;
+    EXPECT_TRUE(model["inference_stats"][name]["ns"].is_number()) << name;
+  }
+  EXPECT_EQ(model["batch_stats"][0]["batch_size"], 4);
+  EXPECT_EQ(model["batch_stats"][0]["compute_infer"]["count"], 2);
+  EXPECT_EQ(model["batch_stats"][0]["compute_output"]["count"], 0);
+}
+
+TEST(HttpCodecTest, ErrorBodiesAreCappedAtOneKiB) {
+  const std::string long_message(9000, 'x');
+  const std::string error = Json::parse(ErrorBody(long_message))["error"];
+  EXPECT_LE(error.size(), 1024u);
+  EXPECT_THAT(error, ::testing::EndsWith("... (9000 bytes)"));
+  EXPECT_EQ(Json::parse(ErrorBody("short"))["error"], "short");
+  // Cut at a character boundary: two-byte characters stay whole.
+  std::string accents;
+  for (int i = 0; i < 3000; ++i) accents += "\xc3\xa9";
+  const std::string cut = Json::parse(ErrorBody(accents))["error"];
+  EXPECT_LE(cut.size(), 1024u);
+  EXPECT_EQ(cut.find("\xef\xbf\xbd"), std::string::npos) << "no replacement character";
+  EXPECT_THAT(cut, ::testing::EndsWith("... (6000 bytes)"));
+}
+
 TEST(HttpCodecTest, ErrorBodyEscapes) {
   EXPECT_EQ(ErrorBody("inputs[0] (\"q\"): bad\nnext \\ line"),
             R"({"error":"inputs[0] (\"q\"): bad\nnext \\ line"})");

@@ -1,0 +1,35 @@
+// Answers every gRPC method no registered service declares (Triton's shared memory,
+// CUDA shared memory, trace and log settings RPCs, or a typo) with UNIMPLEMENTED and
+// a message naming the method, where gRPC itself would answer with an empty message:
+//
+//   /inference.GRPCInferenceService/SystemSharedMemoryRegister -> UNIMPLEMENTED
+//   "inference.GRPCInferenceService/SystemSharedMemoryRegister is not served by
+//    mha-serve: no shared-memory extension; send tensors in the request"
+//
+// Registered with ServerBuilder::RegisterCallbackGenericService; registered services
+// (and gRPC's health and reflection services) keep their methods.
+//
+// Thread safety: stateless; gRPC calls it from any thread.
+#ifndef MHA_SERVER_GRPC_COMMON_UNIMPLEMENTED_SERVICE_H_
+#define MHA_SERVER_GRPC_COMMON_UNIMPLEMENTED_SERVICE_H_
+
+#include <grpcpp/generic/async_generic_service.h>
+
+#include <string>
+
+#include "absl/strings/string_view.h"
+
+namespace mha::server {
+
+// The message answering `method` ("/package.Service/Method").
+std::string UnimplementedMessage(absl::string_view method);
+
+class UnimplementedService final : public grpc::CallbackGenericService {
+ public:
+  grpc::ServerGenericBidiReactor* CreateReactor(
+      grpc::GenericCallbackServerContext* context) override;
+};
+
+}  // namespace mha::server
+
+#endif  // MHA_SERVER_GRPC_COMMON_UNIMPLEMENTED_SERVICE_H_
