@@ -153,6 +153,7 @@ absl::Status LoadD2lNaming(const SafetensorsFile& file, const ModelConfig& c, We
 
 absl::Status Weights::Validate(const ModelConfig& c) const {
   const int64_t p = c.num_hiddens, h = c.num_heads, pa = c.additive_hidden;
+  const int64_t pkv = c.kv_hiddens();  // G * head_size: p_o unless grouped
   const bool additive = c.scoring == Scoring::kAdditive;
   // Optional tensors say which setting their expected size follows.
   const std::string bias = absl::StrCat(" (bias=", c.bias, ")");
@@ -165,12 +166,12 @@ absl::Status Weights::Validate(const ModelConfig& c) const {
   };
   const Expect expects[] = {
       {"W_q", w_q, p * c.query_size, ""},
-      {"W_k", w_k, p * c.key_size, ""},
-      {"W_v", w_v, p * c.value_size, ""},
+      {"W_k", w_k, pkv * c.key_size, ""},
+      {"W_v", w_v, pkv * c.value_size, ""},
       {"W_o", w_o, p * p, ""},
       {"b_q", b_q, c.bias ? p : 0, bias},
-      {"b_k", b_k, c.bias ? p : 0, bias},
-      {"b_v", b_v, c.bias ? p : 0, bias},
+      {"b_k", b_k, c.bias ? pkv : 0, bias},
+      {"b_v", b_v, c.bias ? pkv : 0, bias},
       {"b_o", b_o, c.bias ? p : 0, bias},
       {"score_w_q", score_w_q, additive ? h * pa * c.head_size() : 0, scoring},
       {"score_w_k", score_w_k, additive ? h * pa * c.head_size() : 0, scoring},
@@ -186,16 +187,18 @@ absl::Status Weights::Validate(const ModelConfig& c) const {
 }
 
 Weights SeededWeights(const ModelConfig& c, uint64_t seed) {
-  const int64_t p = c.num_hiddens;
+  const int64_t p = c.num_hiddens, pkv = c.kv_hiddens();
   Weights w;
+  // A grouped model's K and V weights are the first G * head_size rows of what the
+  // same seed gives a multi-head one.
   w.w_q = Uniform("W_q.weight", seed, p * c.query_size, c.query_size);
-  w.w_k = Uniform("W_k.weight", seed, p * c.key_size, c.key_size);
-  w.w_v = Uniform("W_v.weight", seed, p * c.value_size, c.value_size);
+  w.w_k = Uniform("W_k.weight", seed, pkv * c.key_size, c.key_size);
+  w.w_v = Uniform("W_v.weight", seed, pkv * c.value_size, c.value_size);
   w.w_o = Uniform("W_o.weight", seed, p * p, p);
   if (c.bias) {
     w.b_q = Uniform("W_q.bias", seed, p, c.query_size);
-    w.b_k = Uniform("W_k.bias", seed, p, c.key_size);
-    w.b_v = Uniform("W_v.bias", seed, p, c.value_size);
+    w.b_k = Uniform("W_k.bias", seed, pkv, c.key_size);
+    w.b_v = Uniform("W_v.bias", seed, pkv, c.value_size);
     w.b_o = Uniform("W_o.bias", seed, p, p);
   }
   if (c.scoring == Scoring::kAdditive) {
@@ -232,6 +235,13 @@ absl::StatusOr<Weights> WeightsFromSafetensors(const SafetensorsFile& file,
                      ": additive scoring needs d2l names (W_q.weight, ..., "
                      "attention.W_q.weight, attention.W_k.weight, attention.w_v.weight); "
                      "nn.MultiheadAttention has no additive form"));
+  }
+  if (config.kv_heads() != config.num_heads) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        file.source(), ": num_kv_heads: a grouped-query model (", config.kv_heads(),
+        " key/value heads for ", config.num_heads,
+        " query heads) loads from seeded weights only; nn.MultiheadAttention and d2l names "
+        "have one key/value head per query head"));
   }
   Weights w;
   std::set<std::string> used;

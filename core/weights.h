@@ -1,6 +1,7 @@
 // The learned parameters of one layer, float32, row-major, in the d2l layout:
-//   w_q (p_o, d_q), w_k (p_o, d_k), w_v (p_o, d_v), w_o (p_o, p_o)
-//   b_q, b_k, b_v, b_o (p_o) when ModelConfig::bias, else empty.
+//   w_q (p_o, d_q), w_k (p_kv, d_k), w_v (p_kv, d_v), w_o (p_o, p_o)
+//   b_q, b_o (p_o), b_k, b_v (p_kv) when ModelConfig::bias, else empty,
+// where p_kv = G * head_size (ModelConfig::kv_hiddens(); p_o unless grouped).
 // y = x W^T + b, as nn.Linear computes.
 // Additive scoring (ModelConfig::scoring kAdditive) adds, one set per head h:
 //   score_w_q (h, p_a, p), score_w_k (h, p_a, p), score_w_v (h, p_a)
