@@ -104,9 +104,10 @@ absl::Status CheckStep(std::span<const PagedStep> steps, size_t i, const ModelCo
     return absl::InvalidArgumentError(absl::StrCat("step ", i, ": ", field, ": ", what));
   };
   if (s.cache == nullptr) return error("cache", "missing");
-  if (s.cache->bf16() != (c.precision == Precision::kBf16)) {
-    return error("cache", absl::StrCat("holds ", s.cache->bf16() ? "bf16" : "f32",
-                                       ", the model's cache is ", PrecisionName(c.precision)));
+  if (s.cache->bf16() != c.cache_bf16()) {
+    return error("cache",
+                 absl::StrCat("holds ", s.cache->bf16() ? "bf16" : "f32", ", the model's cache is ",
+                              c.cache_bf16() ? "bf16" : "f32", " (kv_cache_precision)"));
   }
   if (s.cache->num_heads() != c.kv_heads() || s.cache->head_size() != c.head_size()) {
     return error("cache", absl::StrCat("made for ", s.cache->num_heads(), " heads of ",

@@ -136,7 +136,8 @@ class MultiHeadAttention {
   // padding to the longest), and one GEMM applies W_o to every step's rows. A
   // self-attention step fed in chunks gives the rows of one causal Forward on the
   // whole sequence. Dot-product scoring only; the cache holds f32, or bf16 for a
-  // bf16 model (KvSequence's bf16 flag must match the model's precision).
+  // bf16 model or ModelConfig::kv_cache_precision kBf16 (KvSequence's bf16 flag must
+  // match ModelConfig::cache_bf16()).
   // INVALID_ARGUMENT names the step and field; the caches are unchanged on error.
   absl::Status ForwardPaged(std::span<const PagedStep> steps, int max_threads = 0) const;
 

@@ -92,6 +92,10 @@ absl::Status ModelConfig::Validate() const {
       return absl::InvalidArgumentError("rope: rotary embeddings need dot-product scoring");
     }
   }
+  if (kv_cache_precision == Precision::kF32 && precision == Precision::kBf16) {
+    return absl::InvalidArgumentError(
+        "kv_cache_precision: a bf16 model's cache is bf16; f32 is for f32 models");
+  }
   if (!(dropout >= 0.0f && dropout < 1.0f)) {
     return absl::InvalidArgumentError(
         absl::StrCat("dropout: expected 0 <= dropout < 1, got ", dropout));

@@ -66,6 +66,9 @@ struct ModelConfig {
   // 0 = num_heads (multi-head). W_k, W_v are (G * head_size, d_k), (G * head_size, d_v).
   int64_t num_kv_heads = 0;
   std::optional<RotaryConfig> rope;  // absent: no rotary embedding
+  // The element type of sessions' K/V caches (ForwardPaged); absent: the model's
+  // precision. kBf16 halves an f32 model's cache; a bf16 model's is always bf16.
+  std::optional<Precision> kv_cache_precision;
 
   int64_t head_size() const { return num_hiddens / num_heads; }
   // G, resolved (never 0), and the width of the K and V projections.
@@ -76,6 +79,8 @@ struct ModelConfig {
   int64_t rotary_dim() const {
     return rope && rope->rotary_dim != 0 ? rope->rotary_dim : head_size();
   }
+  // Sessions' caches hold bf16 (KvSequence's bf16 flag), resolved.
+  bool cache_bf16() const { return kv_cache_precision.value_or(precision) == Precision::kBf16; }
   // Self-attention (keys and values omitted) needs d_k == d_v == d_q.
   bool SupportsSelfAttention() const { return key_size == query_size && value_size == query_size; }
   // INVALID_ARGUMENT naming the first field that is out of range.

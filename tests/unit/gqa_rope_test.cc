@@ -432,7 +432,7 @@ Layer Make(const ModelConfig& c, uint64_t seed = 3) {
 std::vector<float> SelfSession(const Layer& layer, KvCachePool& pool, const std::vector<float>& x,
                                const std::vector<int64_t>& chunks) {
   const ModelConfig& c = layer.config;
-  KvSequence seq(&pool, c.kv_heads(), c.head_size(), c.precision == Precision::kBf16);
+  KvSequence seq(&pool, c.kv_heads(), c.head_size(), c.cache_bf16());
   std::vector<float> out;
   int64_t at = 0;
   for (int64_t t : chunks) {
@@ -512,6 +512,46 @@ TEST(PagedGqaRopeBf16Test, Bf16SessionsMatchTheReference) {
        {std::vector<int64_t>(n, 1), std::vector<int64_t>{8, 8, 24}}) {
     EXPECT_LE(MaxAbsDiff(SelfSession(layer, pool, x, chunks), ref.output), kBf16Tolerance);
   }
+}
+
+// kv_cache_precision bf16 for an f32 model: half the cache bytes, and outputs within
+// a relative Frobenius error of 1e-2 of the f32 reference (issue 34's bound; bf16
+// keeps 8 significant bits of every cached key and value).
+TEST(PagedGqaRopeBf16Test, Bf16CacheOfAnF32Model) {
+  ModelConfig c = Grouped(128, 8, 2, true);
+  c.rope = RotaryConfig{};
+  c.kv_cache_precision = Precision::kBf16;
+  ASSERT_TRUE(c.cache_bf16());
+  const Layer layer = Make(c);
+  const int64_t n = 70;
+  std::mt19937_64 rng(4);
+  const std::vector<float> x = RandomVector(rng, n * c.query_size);
+  const AttentionInputs in{
+      .batch = 1, .num_queries = n, .num_keys = n, .queries = x.data(), .causal = true};
+  const RefResult ref = Reference(c, layer.weights, in);
+  KvCachePool pool(kBudget);
+  for (const std::vector<int64_t>& chunks :
+       {std::vector<int64_t>(n, 1), std::vector<int64_t>{30, 40}}) {
+    const std::vector<float> got = SelfSession(layer, pool, x, chunks);
+    double err = 0, norm = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      err += (got[i] - ref.output[i]) * (got[i] - ref.output[i]);
+      norm += ref.output[i] * ref.output[i];
+    }
+    EXPECT_LE(std::sqrt(err / norm), 1e-2) << chunks.size() << " chunks";
+    EXPECT_GT(std::sqrt(err / norm), 1e-6) << "the cache did not round to bf16";
+  }
+  KvSequence f32(&pool, 2, 16);  // an f32 cache is not this model's
+  ASSERT_TRUE(f32.Reserve(1).ok());
+  std::vector<float> y(128);
+  const PagedStep step{.num_queries = 1, .queries = x.data(), .cache = &f32, .output = y.data()};
+  EXPECT_TRUE(
+      absl::StrContains(layer.mha->ForwardPaged({&step, 1}).message(), "kv_cache_precision"));
+  ModelConfig bf16_model = Grouped(128, 8, 2, true);
+  bf16_model.precision = Precision::kBf16;
+  bf16_model.kv_cache_precision = Precision::kF32;
+  EXPECT_TRUE(absl::StartsWith(bf16_model.Validate().message(), "kv_cache_precision"))
+      << bf16_model.Validate();
 }
 
 // A grouped model caches G heads per token: 2 G d_h elements.
