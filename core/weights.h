@@ -49,6 +49,10 @@ Weights SeededWeights(const ModelConfig& config, uint64_t seed);
 //      attention.W_k.weight  (p_a, p)                       or (h, p_a, p)
 //      attention.w_v.weight  (1, p_a)                       or (h, p_a)
 //    "shared" is d2l's MultiHeadAttention holding one AdditiveAttention module.
+//  Hugging Face attention modules (the only naming for num_kv_heads G < h):
+//    q_proj.weight (p_o, d_q), k_proj.weight (p_kv, d_k), v_proj.weight (p_kv, d_v),
+//    o_proj.weight (p_o, p_o); when bias, q_proj.bias, k_proj.bias, v_proj.bias
+//    required and o_proj.bias optional (absent = zero, as Qwen2).
 //
 // The naming is detected from the tensor names. A missing, extra, mis-shaped or
 // non-float tensor is INVALID_ARGUMENT naming it; F16/BF16/F64 are converted.
