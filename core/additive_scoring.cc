@@ -32,7 +32,7 @@ void MultiHeadAttention::Impl::AdditiveScoreBlock(const Task& task, int64_t j0, 
                                                   TaskScratch& scratch) const {
   const int64_t pa = c_.additive_hidden;
   for (int64_t i = 0; i < task.mq; ++i) {
-    const int64_t n = std::clamp<int64_t>(task.limits[i] - j0, 0, nk);
+    const int64_t n = std::clamp<int64_t>(task.limit(i) - j0, 0, nk);
     kernels::AdditiveScores(task.qa + i * pa, task.kt + j0, task.kv_rows, task.score_v, pa,
                             scratch.s.data() + i * nk, n);
   }

@@ -52,6 +52,11 @@ absl::Status CheckSizes(const AttentionInputs& in, const ModelConfig& c) {
     return absl::InvalidArgumentError(absl::StrCat(
         "keys: self-attention has K == Q, got K = ", in.num_keys, ", Q = ", in.num_queries));
   }
+  if (c.rope && in.num_queries > in.num_keys) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "queries: a rotary model's queries are the last Q of its K positions, so Q <= K; got Q = ",
+        in.num_queries, ", K = ", in.num_keys));
+  }
   return absl::OkStatus();
 }
 
@@ -99,14 +104,15 @@ absl::Status CheckStep(std::span<const PagedStep> steps, size_t i, const ModelCo
     return absl::InvalidArgumentError(absl::StrCat("step ", i, ": ", field, ": ", what));
   };
   if (s.cache == nullptr) return error("cache", "missing");
-  if (s.cache->bf16() != (c.precision == Precision::kBf16)) {
-    return error("cache", absl::StrCat("holds ", s.cache->bf16() ? "bf16" : "f32",
-                                       ", the model's cache is ", PrecisionName(c.precision)));
-  }
-  if (s.cache->num_heads() != c.num_heads || s.cache->head_size() != c.head_size()) {
+  if (s.cache->bf16() != c.cache_bf16()) {
     return error("cache",
-                 absl::StrCat("made for ", s.cache->num_heads(), " heads of ", s.cache->head_size(),
-                              ", the model has ", c.num_heads, " of ", c.head_size()));
+                 absl::StrCat("holds ", s.cache->bf16() ? "bf16" : "f32", ", the model's cache is ",
+                              c.cache_bf16() ? "bf16" : "f32", " (kv_cache_precision)"));
+  }
+  if (s.cache->num_heads() != c.kv_heads() || s.cache->head_size() != c.head_size()) {
+    return error("cache", absl::StrCat("made for ", s.cache->num_heads(), " heads of ",
+                                       s.cache->head_size(), ", the model caches ", c.kv_heads(),
+                                       " key/value heads of ", c.head_size()));
   }
   if (s.num_queries < 0)
     return error("queries", absl::StrCat("expected >= 0 rows, got ", s.num_queries));
@@ -115,6 +121,9 @@ absl::Status CheckStep(std::span<const PagedStep> steps, size_t i, const ModelCo
   }
   if ((s.keys == nullptr) != (s.values == nullptr)) {
     return error("keys, values", "give both or neither (neither = self-attention)");
+  }
+  if (s.keys != nullptr && c.rope) {
+    return error("keys", "a rotary model's steps are self-attention (keys and values omitted)");
   }
   if (s.keys == nullptr) {
     if (!c.SupportsSelfAttention()) {
@@ -236,8 +245,9 @@ absl::Status MultiHeadAttention::ForwardPaged(std::span<const PagedStep> steps,
 double MultiHeadAttention::Flops(const ModelConfig& c, int64_t batch, int64_t num_queries,
                                  int64_t num_keys) {
   const double b = batch, q = num_queries, k = num_keys, e = c.num_hiddens;
+  const double ekv = static_cast<double>(c.kv_hiddens());
   const double projections =
-      2 * b * e * (q * c.query_size + k * c.key_size + k * c.value_size + q * e);
+      2 * b * (e * (q * c.query_size + q * e) + ekv * (k * c.key_size + k * c.value_size));
   const double context = 2 * b * q * k * e;  // all heads
   if (c.scoring == Scoring::kDotProduct) return projections + 2 * b * q * k * e + context;
   // Additive: A_q q and A_k k per head, then per (query, key, feature) an add, a

@@ -11,10 +11,18 @@
 //   queries (B, Q, d_q); keys (B, K, d_k); values (B, K, d_v); output (B, Q, p_o);
 //   attention weights, when asked for, (B, h, Q, K).
 //
+// Grouped-query heads (ModelConfig::num_kv_heads G < h): k and v have G heads, and
+// query head i attends with key/value head i / (h / G) (Hugging Face's repeat_kv,
+// without the copies). Rotary models (ModelConfig::rope) rotate every q and k head
+// after projection (core/config.h): key j of a call is at position j, query i at
+// K - Q + i (the queries are the last Q of the K tokens; Q > K is INVALID_ARGUMENT).
+//
 // Masks, all optional and combinable:
 //   valid_lens: B entries (one key length per batch row) or B*Q (one per query);
 //     keys j >= valid_len are masked. 0 <= valid_len <= K, else INVALID_ARGUMENT.
-//   causal: query i sees keys j <= i (top-left aligned, like PyTorch is_causal).
+//   causal: query i sees keys j <= i (top-left aligned, like PyTorch is_causal); in a
+//     rotary model the keys at positions <= its own, j <= K - Q + i (bottom-right
+//     aligned; the same when Q == K).
 //   head_mask: h factors multiplying each head's output before W_o.
 // A query whose every key is masked gets a zero context vector (not NaN, not the
 // uniform average); its attention-weight row is all zeros. Masked weights are
@@ -80,9 +88,10 @@ struct PagedStep {
   const float* keys = nullptr;
   const float* values = nullptr;
   // Query i (position n + i, n = cache->size() before the step) sees key positions
-  // <= n + i; needs T_k == T. Else every query sees every cached key.
+  // <= n + i; needs T_k == T. Else every query sees every cached key. A rotary
+  // model's steps are self-attention, token t of the sequence at position t.
   bool causal = false;
-  KvSequence* cache = nullptr;  // room reserved for T_k more tokens; appended to
+  KvSequence* cache = nullptr;  // G heads (kv_heads()); room for T_k more tokens
   float* output = nullptr;      // (T, p_o)
 
   int64_t new_keys() const { return keys == nullptr ? num_queries : num_keys; }
@@ -127,7 +136,8 @@ class MultiHeadAttention {
   // padding to the longest), and one GEMM applies W_o to every step's rows. A
   // self-attention step fed in chunks gives the rows of one causal Forward on the
   // whole sequence. Dot-product scoring only; the cache holds f32, or bf16 for a
-  // bf16 model (KvSequence's bf16 flag must match the model's precision).
+  // bf16 model or ModelConfig::kv_cache_precision kBf16 (KvSequence's bf16 flag must
+  // match ModelConfig::cache_bf16()).
   // INVALID_ARGUMENT names the step and field; the caches are unchanged on error.
   absl::Status ForwardPaged(std::span<const PagedStep> steps, int max_threads = 0) const;
 

@@ -1,5 +1,6 @@
 #include "core/attention_impl.h"
 
+#include <algorithm>
 #include <cstring>
 #include <initializer_list>
 #include <vector>
@@ -13,30 +14,42 @@ std::vector<float> Stack(std::initializer_list<const std::vector<float>*> parts)
   return out;
 }
 
+// The largest divisor of n that is at most `most` (>= 1).
+int64_t LargestDivisorAtMost(int64_t n, int64_t most) {
+  for (int64_t d = std::min(n, most); d > 1; --d) {
+    if (n % d == 0) return d;
+  }
+  return 1;
+}
+
 }  // namespace
 
 MultiHeadAttention::Impl::Impl(const ModelConfig& c, const Weights& w, const Options& o)
     : c_(c), o_(o), act_(c.precision == Precision::kBf16 ? Dt::bf16 : Dt::f32) {
-  const int64_t e = c.num_hiddens;
+  const int64_t e = c.num_hiddens, ekv = c.kv_hiddens();
   auto bias = [&](const std::vector<float>& b) { return b.empty() ? nullptr : b.data(); };
   q_ = std::make_unique<Linear>(w.w_q.data(), bias(w.b_q), e, c.query_size, act_);
-  k_ = std::make_unique<Linear>(w.w_k.data(), bias(w.b_k), e, c.key_size, act_);
-  v_ = std::make_unique<Linear>(w.w_v.data(), bias(w.b_v), e, c.value_size, act_);
+  k_ = std::make_unique<Linear>(w.w_k.data(), bias(w.b_k), ekv, c.key_size, act_);
+  v_ = std::make_unique<Linear>(w.w_v.data(), bias(w.b_v), ekv, c.value_size, act_);
   // A decode step's W_o and stacked Q/K/V projections of a few rows run by hand
   // (ForwardPaged); f32 models keep a panel copy of those weights for it (Linear).
   o_lin_ = std::make_unique<Linear>(w.w_o.data(), bias(w.b_o), e, e, act_, /*row_path=*/true);
   if (c.key_size == c.value_size) {
     const auto kv_w = Stack({&w.w_k, &w.w_v});
     const auto kv_b = Stack({&w.b_k, &w.b_v});
-    kv_ = std::make_unique<Linear>(kv_w.data(), c.bias ? kv_b.data() : nullptr, 2 * e, c.key_size,
+    kv_ = std::make_unique<Linear>(kv_w.data(), c.bias ? kv_b.data() : nullptr, 2 * ekv, c.key_size,
                                    act_);
   }
   if (c.SupportsSelfAttention()) {
     const auto qkv_w = Stack({&w.w_q, &w.w_k, &w.w_v});
     const auto qkv_b = Stack({&w.b_q, &w.b_k, &w.b_v});
-    qkv_ = std::make_unique<Linear>(qkv_w.data(), c.bias ? qkv_b.data() : nullptr, 3 * e,
+    qkv_ = std::make_unique<Linear>(qkv_w.data(), c.bias ? qkv_b.data() : nullptr, e + 2 * ekv,
                                     c.query_size, act_, /*row_path=*/true);
   }
+  const int64_t group = c.num_heads / c.kv_heads();
+  heads_per_task_ = LargestDivisorAtMost(group, o.query_block);
+  heads_per_paged_task_ = LargestDivisorAtMost(group, kPagedQueryRows);
+  if (c.rope) rope_.emplace(c);
   if (c.scoring == Scoring::kAdditive) {
     score_q_ = ToActivation(w.score_w_q);
     score_k_ = ToActivation(w.score_w_k);

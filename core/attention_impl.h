@@ -6,6 +6,7 @@
 //   additive_scoring.cc   additive scoring inside the dense pass
 //   paged_pass.cc         ForwardPaged: sessions' steps over their K/V caches
 //   online_softmax.h      the running max / sum and final normalisation both passes share
+//   rotary.h              rotary position embedding, applied where q and k are repacked
 //   workspace.h           buffers kept between calls, the thread policy, the task loop
 //
 // Internal to core/: only core/*.cc include it.
@@ -15,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -23,6 +25,7 @@
 #include "core/kernels.h"
 #include "core/matmul.h"
 #include "core/online_softmax.h"
+#include "core/rotary.h"
 #include "core/workspace.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
@@ -51,7 +54,8 @@ class MultiHeadAttention::Impl {
 
  private:
   // ---- dense pass (dense_pass.cc) ----
-  // How many keys each query sees: valid_lens and causal folded into one number.
+  // How many keys each query sees: valid_lens and causal folded into one number;
+  // `positions` (a rotary model): causal compares positions, bottom-right aligned.
   struct KeyLimits {
     std::vector<int32_t> per_query;  // (B, Q)
     int64_t kv_rows = 0;             // the largest: key rows projected per batch row
@@ -61,11 +65,14 @@ class MultiHeadAttention::Impl {
   struct Projections {
     internal::StridedOperand<const char> q, k, v;
   };
-  // Q, K, V after projection, repacked head-major: (B, h, L, p), dense, in act_.
+  // Q, K, V after projection, repacked head-major, dense, in act_; rotated to their
+  // positions in a rotary model. The queries of the heads_per_task_ (s) query heads
+  // one task attends with are interleaved row by row, so that its rows are one dense
+  // matrix: (B, h / s, Q, s, p); s = 1 (multi-head) is (B, h, Q, p).
   struct HeadMajor {
-    const char* q;    // (B, h, Q, p)
-    const char* k;    // (B, h, kv_rows, p)
-    const char* v;    // (B, h, kv_rows, p)
+    const char* q;    // (B, h / s, Q, s, p)
+    const char* k;    // (B, G, kv_rows, p)
+    const char* v;    // (B, G, kv_rows, p)
     int64_t kv_rows;  // key rows projected per batch row (the largest key limit)
   };
   // Additive scoring's projections of every head's queries and keys, f32; both null
@@ -84,18 +91,31 @@ class MultiHeadAttention::Impl {
     float* attention;                    // (B, h, Q, K), or nullptr
     int64_t q_blocks;                    // query blocks per (batch row, head)
   };
-  // One attention task: a block of queries of one head of one batch row.
+  // One attention task: a block of queries of `heads` query heads (heads_per_task_,
+  // which share one key/value head) of one batch row. Its rows are (query, head)
+  // pairs, row r = query r / heads of head r % heads.
   struct Task {
-    int64_t mq;             // queries in the block, <= query_block
-    const int32_t* limits;  // (mq): the keys each query sees
+    int64_t mq;             // rows: queries in the block times heads, <= query_block
+    int64_t heads;          // query heads in the task (1 unless grouped)
+    const int32_t* limits;  // (mq / heads): the keys each query sees
     int64_t max_limit;      // the largest of them
     const char* q;          // (mq, p)
     const char* k;          // (kv_rows, p)
     const char* v;          // (kv_rows, p)
-    float* ctx;             // (mq, p) at row stride p_o: this head's columns
-    float* attention;       // (mq, K) at row stride K, or nullptr
+    float* ctx;             // the first head's columns of the first query, row stride p_o
+    float* attention;       // (heads, Q, K) at the first head's first query, or nullptr
+    int64_t num_queries;    // Q
     int64_t num_keys;       // K
-    float factor;           // head_mask[h], else 1
+    const float* factors;   // head_mask of the task's heads, or nullptr (all 1)
+
+    int64_t limit(int64_t r) const { return limits[r / heads]; }
+    float factor(int64_t r) const { return factors == nullptr ? 1.0f : factors[r % heads]; }
+    float* ctx_row(int64_t r, int64_t E, int64_t p) const {
+      return ctx + (r / heads) * E + (r % heads) * p;
+    }
+    float* attention_row(int64_t r) const {
+      return attention + ((r % heads) * num_queries + r / heads) * num_keys;
+    }
     // Additive scoring only (else null): the block's A_q q (mq, p_a), the head's
     // (A_k k)^T (p_a, kv_rows) and its w_v (p_a).
     const float* qa;
@@ -105,7 +125,7 @@ class MultiHeadAttention::Impl {
   };
 
   // Forward's phases, in order.
-  static KeyLimits ComputeKeyLimits(const AttentionInputs& in);
+  static KeyLimits ComputeKeyLimits(const AttentionInputs& in, bool positions);
   // Q, K, V projections; key/value rows that no query can see are never projected.
   Projections Project(const AttentionInputs& in, int64_t kv_rows, Workspace& ws) const;
   Projections ProjectSelf(const AttentionInputs& in, int64_t kv_rows, const void* xq,
@@ -148,34 +168,41 @@ class MultiHeadAttention::Impl {
   Matmul ScoringPrimitive(int64_t m, int64_t n) const;
 
   // ---- paged pass (paged_pass.cc) ----
-  // One ForwardPaged task: a block of query rows of one head of one step.
+  static constexpr int64_t kPagedQueryRows = 64;  // rows (queries x heads) per task
+  // One ForwardPaged task: a block of query rows of `heads` query heads (sharing
+  // one key/value head) of one step.
   struct PagedTask {
     const PagedStep* step;
-    int64_t head;
+    int64_t head;    // the first query head
+    int64_t heads;   // query heads (heads_per_paged_task_)
     int64_t i0, mq;  // the step's query rows i0 .. i0 + mq
     int64_t cached;  // keys in the step's cache before it
     const float* q;  // the step's row 0 of the Q projection, row stride ldq
     int64_t ldq;
-    float* ctx;  // the step's row 0 of the concatenated heads, (T, p_o)
+    float* ctx;                         // the step's row 0 of the concatenated heads, (T, p_o)
+    const internal::RotaryTable* rope;  // the call's table, or nullptr
   };
   // The steps' new rows through the projections: row r of Q at q + r * ld; of the
-  // new keys and values likewise.
+  // new keys and values at k + r * ldkv, v + r * ldkv.
   struct PagedProjections {
     float* q = nullptr;
     float* k = nullptr;
     float* v = nullptr;
     int64_t rows = 0, padded_rows = 0, ld = 0;  // query rows, as projected (PagedRows)
+    int64_t ldkv = 0;
   };
   // ForwardPaged's phases, in order. PagedWork: the FLOPs the steps count as for
   // their threads. AttendPaged: every (step, head, block of query rows) into ctx
   // ((padded_rows, p_o)).
   double PagedWork(std::span<const PagedStep> steps) const;
   PagedProjections ProjectPaged(std::span<const PagedStep> steps, Workspace& ws) const;
-  // Steps' new keys and values (rows at k and v, row stride ld) into their caches.
-  void StorePaged(std::span<const PagedStep> steps, const float* k, const float* v,
-                  int64_t ld) const;
+  // Steps' new keys and values (rows at k and v, row stride ld) into their caches,
+  // the keys rotated to their positions when `rope` is given.
+  void StorePaged(std::span<const PagedStep> steps, const float* k, const float* v, int64_t ld,
+                  const internal::RotaryTable* rope) const;
   absl::Status AttendPaged(std::span<const PagedStep> steps, const PagedProjections& proj,
-                           int threads, Workspace& ws, float* ctx) const;
+                           const internal::RotaryTable* rope, int threads, Workspace& ws,
+                           float* ctx) const;
   // One task over a cache of element type T (float, or uint16_t for bf16).
   template <typename T>
   void AttendPagedTask(const PagedTask& task, TaskScratch& scratch) const;
@@ -199,6 +226,11 @@ class MultiHeadAttention::Impl {
   std::vector<char> score_q_, score_k_;
   std::vector<float> score_v_;
   mutable internal::MatmulCache attn_cache_;  // the block GEMMs' primitives
+  // Grouped-query heads: h / G query heads share each key/value head. A dense task
+  // attends with heads_per_task_ of them (a divisor of h / G, at most query_block
+  // rows), a paged task with heads_per_paged_task_; both 1 for multi-head models.
+  int64_t heads_per_task_ = 1, heads_per_paged_task_ = 1;
+  std::optional<internal::Rotary> rope_;  // a rotary model's
 };
 
 }  // namespace mha::core

@@ -1,5 +1,7 @@
 #include "core/config.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 
 namespace mha::core {
@@ -60,6 +62,39 @@ absl::Status ModelConfig::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("additive_hidden: only for scoring ADDITIVE, got ", additive_hidden, " with ",
                      ScoringName(scoring), " scoring"));
+  }
+  if (num_kv_heads < 0 || num_kv_heads > num_heads ||
+      (num_kv_heads > 0 && num_heads % num_kv_heads != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_kv_heads: expected 0 (= num_heads) or a divisor of num_heads = ", num_heads, ", got ",
+        num_kv_heads));
+  }
+  if (kv_heads() != num_heads && scoring != Scoring::kDotProduct) {
+    return absl::InvalidArgumentError(absl::StrCat("num_kv_heads: grouped key/value heads (",
+                                                   kv_heads(), " of ", num_heads,
+                                                   ") need dot-product scoring"));
+  }
+  if (rope) {
+    if (!std::isfinite(rope->theta) || rope->theta < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rope.theta: expected 0 (= 10000) or a finite value > 0, got ", rope->theta));
+    }
+    if (rope->rotary_dim < 0 || rope->rotary_dim > head_size() || rope->rotary_dim % 2 != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rotary_dim: expected 0 (= the head size) or an even number <= the head size ",
+          head_size(), ", got ", rope->rotary_dim));
+    }
+    if (rotary_dim() % 2 != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rotary_dim: 0 means the head size, ", head_size(), ", which is odd; give an even one"));
+    }
+    if (scoring != Scoring::kDotProduct) {
+      return absl::InvalidArgumentError("rope: rotary embeddings need dot-product scoring");
+    }
+  }
+  if (kv_cache_precision == Precision::kF32 && precision == Precision::kBf16) {
+    return absl::InvalidArgumentError(
+        "kv_cache_precision: a bf16 model's cache is bf16; f32 is for f32 models");
   }
   if (!(dropout >= 0.0f && dropout < 1.0f)) {
     return absl::InvalidArgumentError(

@@ -4,6 +4,7 @@
 #define MHA_CORE_CONFIG_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -30,6 +31,18 @@ enum class Scoring { kDotProduct, kAdditive };
 
 absl::string_view ScoringName(Scoring scoring);  // "dot_product" | "additive"
 
+// Rotary position embedding (RoPE) of q and k, applied to the first rotary_dim
+// features of every query and key head after projection: feature pairs rotated by
+// position * inv_freq[k], inv_freq[k] = theta^(-2k / rotary_dim), the angles in double
+// precision. Positions (docs/core.md): key j of a stateless call at j, query i at
+// K - Q + i; a session's token t at t.
+struct RotaryConfig {
+  double theta = 0;          // 0 = 10000
+  int64_t rotary_dim = 0;    // 0 = the head size; even, <= the head size
+  bool interleaved = false;  // false: pairs (k, k + rotary_dim/2) (Hugging Face's Llama);
+                             // true: pairs (2k, 2k + 1) (Meta's original)
+};
+
 // Sizes follow the d2l seeds: num_hiddens is p_o, query/key/value_size are the
 // input feature sizes d_q, d_k, d_v (they may differ from p_o).
 //
@@ -48,8 +61,26 @@ struct ModelConfig {
   Scoring scoring = Scoring::kDotProduct;
   int64_t additive_hidden = 0;  // p_a: required (>= 1) with kAdditive, else 0
   float dropout = 0.0f;         // accepted for parity with training configs; identity here
+  // G key/value heads (grouped-query attention; 1: multi-query), each shared by
+  // num_heads / G query heads: query head i uses key/value head i / (num_heads / G).
+  // 0 = num_heads (multi-head). W_k, W_v are (G * head_size, d_k), (G * head_size, d_v).
+  int64_t num_kv_heads = 0;
+  std::optional<RotaryConfig> rope;  // absent: no rotary embedding
+  // The element type of sessions' K/V caches (ForwardPaged); absent: the model's
+  // precision. kBf16 halves an f32 model's cache; a bf16 model's is always bf16.
+  std::optional<Precision> kv_cache_precision;
 
   int64_t head_size() const { return num_hiddens / num_heads; }
+  // G, resolved (never 0), and the width of the K and V projections.
+  int64_t kv_heads() const { return num_kv_heads == 0 ? num_heads : num_kv_heads; }
+  int64_t kv_hiddens() const { return kv_heads() * head_size(); }
+  // The rotary settings, resolved: theta 10000 when 0, rotary_dim the head size when 0.
+  double rope_theta() const { return rope && rope->theta != 0 ? rope->theta : 10000.0; }
+  int64_t rotary_dim() const {
+    return rope && rope->rotary_dim != 0 ? rope->rotary_dim : head_size();
+  }
+  // Sessions' caches hold bf16 (KvSequence's bf16 flag), resolved.
+  bool cache_bf16() const { return kv_cache_precision.value_or(precision) == Precision::kBf16; }
   // Self-attention (keys and values omitted) needs d_k == d_v == d_q.
   bool SupportsSelfAttention() const { return key_size == query_size && value_size == query_size; }
   // INVALID_ARGUMENT naming the first field that is out of range.

@@ -71,26 +71,32 @@ MultiHeadAttention::Impl::Task MultiHeadAttention::Impl::TaskAt(const TaskInputs
   const HeadMajor& hm = inputs.heads;
   const int64_t Q = in.num_queries, K = in.num_keys, H = c_.num_heads, E = c_.num_hiddens;
   const int64_t p = c_.head_size(), q_blocks = inputs.q_blocks;
+  // s query heads per task; multi-head models: s = 1, a task per (b, head, block).
+  const int64_t s = heads_per_task_, tasks_per_row = H / s, group = H / c_.kv_heads();
+  const int64_t per_block = o_.query_block / s;  // queries per task
   const size_t asz = SizeOf(act_);
-  const int64_t b = t / (H * q_blocks), h = (t / q_blocks) % H, qb = t % q_blocks;
-  const int64_t i0 = qb * o_.query_block;
-  const int64_t mq = std::min(o_.query_block, Q - i0);
+  const int64_t b = t / (tasks_per_row * q_blocks), hs = (t / q_blocks) % tasks_per_row;
+  const int64_t qb = t % q_blocks, h = hs * s, g = h / group;
+  const int64_t i0 = qb * per_block;
+  const int64_t nq = std::min(per_block, Q - i0);
   const int32_t* lim = &inputs.limits[b * Q + i0];
   const ScoringProjections& sp = inputs.scoring;
   const int64_t pa = c_.additive_hidden;
   const bool additive = sp.qa != nullptr;
   return {
-      .mq = mq,
+      .mq = nq * s,
+      .heads = s,
       .limits = lim,
-      .max_limit = *std::max_element(lim, lim + mq),
-      .q = hm.q + ((b * H + h) * Q + i0) * p * asz,
-      .k = hm.k + (b * H + h) * hm.kv_rows * p * asz,
-      .v = hm.v + (b * H + h) * hm.kv_rows * p * asz,
+      .max_limit = *std::max_element(lim, lim + nq),
+      .q = hm.q + ((b * tasks_per_row + hs) * Q + i0) * s * p * asz,
+      .k = hm.k + (b * c_.kv_heads() + g) * hm.kv_rows * p * asz,
+      .v = hm.v + (b * c_.kv_heads() + g) * hm.kv_rows * p * asz,
       .ctx = inputs.ctx + (b * Q + i0) * E + h * p,
       .attention =
           inputs.attention == nullptr ? nullptr : inputs.attention + ((b * H + h) * Q + i0) * K,
+      .num_queries = Q,
       .num_keys = K,
-      .factor = in.head_mask.empty() ? 1.0f : in.head_mask[h],
+      .factors = in.head_mask.empty() ? nullptr : in.head_mask.data() + h,
       .qa = additive ? sp.qa + ((b * H + h) * Q + i0) * pa : nullptr,
       .kt = additive ? sp.kt + (b * H + h) * pa * hm.kv_rows : nullptr,
       .kv_rows = hm.kv_rows,
@@ -101,9 +107,13 @@ MultiHeadAttention::Impl::Task MultiHeadAttention::Impl::TaskAt(const TaskInputs
 void MultiHeadAttention::Impl::AttendTask(const Task& task, dnnl::stream& stream,
                                           TaskScratch& scratch) const {
   const int64_t E = c_.num_hiddens, p = c_.head_size(), mq = task.mq;
-  if (task.attention != nullptr) std::fill_n(task.attention, mq * task.num_keys, 0.0f);
-  if (task.max_limit == 0 || (task.factor == 0.0f && task.attention == nullptr)) {
-    for (int64_t i = 0; i < mq; ++i) std::fill_n(task.ctx + i * E, p, 0.0f);
+  if (task.attention != nullptr) {
+    for (int64_t r = 0; r < mq; ++r) std::fill_n(task.attention_row(r), task.num_keys, 0.0f);
+  }
+  bool dropped = task.factors != nullptr;  // every head's factor 0
+  for (int64_t r = 0; r < task.heads && dropped; ++r) dropped = task.factor(r) == 0.0f;
+  if (task.max_limit == 0 || (dropped && task.attention == nullptr)) {
+    for (int64_t r = 0; r < mq; ++r) std::fill_n(task.ctx_row(r, E, p), p, 0.0f);
     return;
   }
 
@@ -123,8 +133,10 @@ void MultiHeadAttention::Impl::AttendTask(const Task& task, dnnl::stream& stream
     SoftmaxBlock(task, j0, nk, stats, scratch);
     ContextBlock(task, j0, nk, stream, scratch);
   }
-  // The final normalisation and head_mask, into this head's columns.
-  stats.Normalise(mq, scratch.o.data(), p, task.factor, task.ctx, E);
+  // The final normalisation and head_mask, into each head's columns.
+  for (int64_t r = 0; r < mq; ++r) {
+    stats.NormaliseRow(r, scratch.o.data() + r * p, p, task.factor(r), task.ctx_row(r, E, p));
+  }
 }
 
 // scratch.s (mq, nk) = the block's scores.
@@ -149,22 +161,20 @@ void MultiHeadAttention::Impl::ScoreBlock(const Task& task, int64_t j0, int64_t 
 // far is rescaled to the new max.
 void MultiHeadAttention::Impl::SoftmaxBlock(const Task& task, int64_t j0, int64_t nk,
                                             RowStats& stats, TaskScratch& scratch) const {
-  const int64_t p = c_.head_size(), K = task.num_keys;
+  const int64_t p = c_.head_size();
   const bool bf16 = act_ == Dt::bf16;
-  const int32_t* lim = task.limits;
-  float* a = task.attention;
   float* s = scratch.s.data();
   float* o = scratch.o.data();
   uint16_t* probs16 = bf16 ? scratch.p.data() : nullptr;
   for (int64_t i = 0; i < task.mq; ++i) {
     float* srow = s + i * nk;
     uint16_t* prow = bf16 ? probs16 + i * nk : nullptr;
-    const int64_t n = std::clamp<int64_t>(lim[i] - j0, 0, nk);
-    if (n > 0 && a != nullptr) {
+    const int64_t n = std::clamp<int64_t>(task.limit(i) - j0, 0, nk);
+    if (n > 0 && task.attention != nullptr) {
       // The whole row is in this one block: normalise now, hand out the weights.
       const float sum = kernels::ExpSubSum(srow, kernels::RowMax(srow, n), srow, n);
       kernels::Scale(srow, 1.0f / sum, n);
-      std::copy_n(srow, n, a + i * K);
+      std::copy_n(srow, n, task.attention_row(i));
       if (bf16) kernels::ToBf16(srow, prow, n);
       stats.sum[i] = 1.0f;
     } else if (n > 0) {
@@ -196,14 +206,17 @@ void MultiHeadAttention::Impl::ContextBlock(const Task& task, int64_t j0, int64_
 }
 
 MultiHeadAttention::Impl::KeyLimits MultiHeadAttention::Impl::ComputeKeyLimits(
-    const AttentionInputs& in) {
+    const AttentionInputs& in, bool positions) {
   const int64_t B = in.batch, Q = in.num_queries;
   const ValidLens lens = in.lens();
+  // Causal: query i sees keys j <= i (top-left), or in a model with positions keys at
+  // positions <= its own, K - Q + i (bottom-right).
+  const int64_t shift = positions ? in.num_keys - Q : 0;
   KeyLimits limits{.per_query = std::vector<int32_t>(static_cast<size_t>(B * Q))};
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t i = 0; i < Q; ++i) {
       int64_t lim = lens.at(b, i);
-      if (in.causal) lim = std::min(lim, i + 1);
+      if (in.causal) lim = std::min(lim, shift + i + 1);
       limits.per_query[b * Q + i] = static_cast<int32_t>(lim);
       limits.kv_rows = std::max(limits.kv_rows, lim);
     }
@@ -218,12 +231,12 @@ MultiHeadAttention::Impl::Projections MultiHeadAttention::Impl::Project(const At
   return in.self_attention() ? ProjectSelf(in, kv_rows, xq, ws) : ProjectCross(in, kv_rows, xq, ws);
 }
 
-// One (B*Q, 3 p_o) buffer, each row Q | K | V of one token.
+// One (B*Q, p_o + 2 p_kv) buffer, each row Q | K | V of one token.
 MultiHeadAttention::Impl::Projections MultiHeadAttention::Impl::ProjectSelf(
     const AttentionInputs& in, int64_t kv_rows, const void* xq, Workspace& ws) const {
-  const int64_t B = in.batch, Q = in.num_queries, E = c_.num_hiddens;
+  const int64_t B = in.batch, Q = in.num_queries, E = c_.num_hiddens, Ekv = c_.kv_hiddens();
   const size_t asz = SizeOf(act_);
-  const int64_t ld = 3 * E, d = c_.query_size;
+  const int64_t ld = E + 2 * Ekv, d = c_.query_size;
   Grow(ws.proj, B * Q * ld * asz);
   char* base = ws.proj.data();
   if (kv_rows == in.num_keys) {
@@ -237,22 +250,23 @@ MultiHeadAttention::Impl::Projections MultiHeadAttention::Impl::ProjectSelf(
   }
   return {.q = {base, ld, Q * ld},
           .k = {base + E * asz, ld, Q * ld},
-          .v = {base + 2 * E * asz, ld, Q * ld}};
+          .v = {base + (E + Ekv) * asz, ld, Q * ld}};
 }
 
-// Q in a (B*Q, p_o) buffer; K and V side by side in each row of a (B*K, 2 p_o) one
-// when keys and values are the same tensor, else as two (B*K, p_o) planes.
+// Q in a (B*Q, p_o) buffer; K and V side by side in each row of a (B*K, 2 p_kv) one
+// when keys and values are the same tensor, else as two (B*K, p_kv) planes.
 MultiHeadAttention::Impl::Projections MultiHeadAttention::Impl::ProjectCross(
     const AttentionInputs& in, int64_t kv_rows, const void* xq, Workspace& ws) const {
   const int64_t B = in.batch, Q = in.num_queries, K = in.num_keys, E = c_.num_hiddens;
+  const int64_t Ekv = c_.kv_hiddens();
   const size_t asz = SizeOf(act_);
   const bool fuse_kv = in.keys == in.values && kv_ != nullptr;
-  const int64_t ld = fuse_kv ? 2 * E : E;
+  const int64_t ld = fuse_kv ? 2 * Ekv : Ekv;
   Grow(ws.proj, B * Q * E * asz);
   q_->Run(*ws.stream, ws.bindings, 1, B * Q, {xq, c_.query_size}, {ws.proj.data(), E}, act_);
-  Grow(ws.kv, B * K * 2 * E * asz);
+  Grow(ws.kv, B * K * 2 * Ekv * asz);
   char* kbase = ws.kv.data();
-  char* vbase = fuse_kv ? kbase + E * asz : kbase + B * K * E * asz;
+  char* vbase = fuse_kv ? kbase + Ekv * asz : kbase + B * K * Ekv * asz;
   // Contiguous rows run as one 2-D GEMM; a per-batch prefix as a 3-D one.
   const int64_t batch = kv_rows == K ? 1 : B;
   const int64_t rows = kv_rows == K ? B * K : kv_rows;
@@ -270,38 +284,56 @@ MultiHeadAttention::Impl::Projections MultiHeadAttention::Impl::ProjectCross(
   return {.q = {ws.proj.data(), E, Q * E}, .k = {kbase, ld, K * ld}, .v = {vbase, ld, K * ld}};
 }
 
-// Head-major, so that every block GEMM has dense operands.
+// Head-major, so that every block GEMM has dense operands; a rotary model's queries
+// and keys are rotated to their positions on the way (key j at j, query i at K - Q + i).
 MultiHeadAttention::Impl::HeadMajor MultiHeadAttention::Impl::RepackHeadMajor(
     const AttentionInputs& in, const Projections& proj, int64_t kv_rows, int threads,
     Workspace& ws) const {
   const int64_t B = in.batch, Q = in.num_queries, E = c_.num_hiddens, H = c_.num_heads;
+  const int64_t G = c_.kv_heads(), Ekv = c_.kv_hiddens(), p = c_.head_size();
+  const int64_t s = heads_per_task_;  // query heads interleaved per task (HeadMajor)
   const size_t asz = SizeOf(act_);
-  Grow(ws.heads, (B * Q + 2 * B * kv_rows) * E * asz);
+  Grow(ws.heads, (B * Q * E + 2 * B * kv_rows * Ekv) * asz);
   char* qh = ws.heads.data();
   char* kh = qh + B * Q * E * asz;
-  char* vh = kh + B * kv_rows * E * asz;
-  const int64_t pb = c_.head_size() * asz;
+  char* vh = kh + B * kv_rows * Ekv * asz;
+  const int64_t pb = p * asz;
   const int64_t rows_per_batch = std::max(Q, kv_rows);
+  const std::shared_ptr<const internal::RotaryTable> table =
+      rope_ ? rope_->Table(in.num_keys) : nullptr;
+  const int64_t q_position = in.num_keys - Q;  // of query 0
   // Tiny problems run our loops on the calling thread: a fork/join costs more than
   // the work.
-  const bool parallel_repack = B * (Q + 2 * kv_rows) * E * asz >= kParallelBytes;
+  const bool parallel_repack = B * (Q * E + 2 * kv_rows * Ekv) * asz >= kParallelBytes;
   auto row = [asz](const StridedOperand<const char>& x, int64_t b, int64_t i) {
     return x.data + (b * x.batch_stride + i * x.row_stride) * asz;
+  };
+  // One head's p features from src to dst, rotated to `position` in a rotary model.
+  auto copy = [&](const char* src, char* dst, int64_t position) {
+    if (table == nullptr) {
+      std::memcpy(dst, src, pb);
+    } else if (act_ == Dt::f32) {
+      rope_->Apply(reinterpret_cast<const float*>(src), reinterpret_cast<float*>(dst), p, *table,
+                   position);
+    } else {
+      rope_->Apply(reinterpret_cast<const uint16_t*>(src), reinterpret_cast<uint16_t*>(dst), p,
+                   *table, position);
+    }
   };
   auto repack = [&](int64_t r) {
     const int64_t b = r / rows_per_batch, i = r % rows_per_batch;
     if (i < Q) {
       const char* src = row(proj.q, b, i);
       for (int64_t h = 0; h < H; ++h) {
-        std::memcpy(qh + ((b * H + h) * Q + i) * pb, src + h * pb, pb);
+        copy(src + h * pb, qh + (((b * (H / s) + h / s) * Q + i) * s + h % s) * pb, q_position + i);
       }
     }
     if (i < kv_rows) {
       const char* ksrc = row(proj.k, b, i);
       const char* vsrc = row(proj.v, b, i);
-      for (int64_t h = 0; h < H; ++h) {
-        std::memcpy(kh + ((b * H + h) * kv_rows + i) * pb, ksrc + h * pb, pb);
-        std::memcpy(vh + ((b * H + h) * kv_rows + i) * pb, vsrc + h * pb, pb);
+      for (int64_t g = 0; g < G; ++g) {
+        copy(ksrc + g * pb, kh + ((b * G + g) * kv_rows + i) * pb, i);
+        std::memcpy(vh + ((b * G + g) * kv_rows + i) * pb, vsrc + g * pb, pb);
       }
     }
   };
@@ -324,7 +356,8 @@ absl::Status MultiHeadAttention::Impl::RunAttentionTasks(const AttentionInputs& 
                                                          const KeyLimits& limits, float* attention,
                                                          int threads, Workspace& ws) const {
   Grow(ws.ctx, in.batch * in.num_queries * c_.num_hiddens * sizeof(float));
-  const int64_t q_blocks = (in.num_queries + o_.query_block - 1) / o_.query_block;
+  const int64_t per_block = o_.query_block / heads_per_task_;  // queries per task
+  const int64_t q_blocks = (in.num_queries + per_block - 1) / per_block;
   const TaskInputs inputs{.in = in,
                           .heads = heads,
                           .scoring = scoring,
@@ -332,7 +365,7 @@ absl::Status MultiHeadAttention::Impl::RunAttentionTasks(const AttentionInputs& 
                           .ctx = reinterpret_cast<float*>(ws.ctx.data()),
                           .attention = attention,
                           .q_blocks = q_blocks};
-  return internal::RunTasks(in.batch * c_.num_heads * q_blocks, threads, ws,
+  return internal::RunTasks(in.batch * (c_.num_heads / heads_per_task_) * q_blocks, threads, ws,
                             [&](int64_t t, dnnl::stream& stream, TaskScratch& scratch) {
                               AttendTask(TaskAt(inputs, t), stream, scratch);
                             });
@@ -350,7 +383,7 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
                                                float* attention, int max_threads) const {
   const int threads = ThreadsFor(in, max_threads);
   const internal::ThreadScope thread_scope(threads);
-  const KeyLimits limits = ComputeKeyLimits(in);
+  const KeyLimits limits = ComputeKeyLimits(in, rope_.has_value());
 
   internal::WorkspaceLease lease(*workspaces_);
   Workspace& ws = *lease;

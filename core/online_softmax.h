@@ -54,12 +54,12 @@ struct RowStats {
   // normalised context (times a head's mask factor), 0 for a row that saw no key.
   void Normalise(int64_t rows, const float* o, int64_t p, float factor, float* ctx,
                  int64_t ld) const {
-    for (int64_t i = 0; i < rows; ++i) {
-      const float scale = sum[i] > 0.0f ? factor / sum[i] : 0.0f;
-      const float* orow = o + i * p;
-      float* crow = ctx + i * ld;
-      for (int64_t d = 0; d < p; ++d) crow[d] = orow[d] * scale;
-    }
+    for (int64_t i = 0; i < rows; ++i) NormaliseRow(i, o + i * p, p, factor, ctx + i * ld);
+  }
+  // The same for row i alone: ctx[d] = o[d] * factor / sum[i].
+  void NormaliseRow(int64_t i, const float* o, int64_t p, float factor, float* ctx) const {
+    const float scale = sum[i] > 0.0f ? factor / sum[i] : 0.0f;
+    for (int64_t d = 0; d < p; ++d) ctx[d] = o[d] * scale;
   }
 };
 

@@ -52,16 +52,22 @@ inline void BlockContext(const float* probs, const uint16_t* v, int64_t p, int64
 inline void ToCache(const float* x, float* y, int64_t n) { std::copy_n(x, n, y); }
 inline void ToCache(const float* x, uint16_t* y, int64_t n) { kernels::ToBf16(x, y, n); }
 
-// n new keys and values (rows at k and v, row stride ld; h heads of p) into the cache
-// after its last token: keys transposed within their block, values as rows.
+// n new keys and values (rows at k and v, row stride ld; G heads of p) into the cache
+// after its last token: keys transposed within their block, values as rows. With
+// `rope`, each key is rotated to its token's position first.
 template <typename T>
 void StoreRows(KvSequence& cache, int64_t n, const float* k, const float* v, int64_t ld,
-               int64_t num_heads, int64_t p) {
+               int64_t num_heads, int64_t p, const internal::Rotary* rotary,
+               const internal::RotaryTable* rope, float* rotated) {
   constexpr int64_t kBt = KvCachePool::kBlockTokens;
   for (int64_t r = 0; r < n; ++r) {
     const int64_t t = cache.size() + r, b = t / kBt, col = t % kBt;
     for (int64_t h = 0; h < num_heads; ++h) {
       const float* key = k + r * ld + h * p;
+      if (rope != nullptr) {
+        rotary->Apply(key, rotated, p, *rope, t);
+        key = rotated;
+      }
       T* kt = cache.keys<T>(b, h) + col;
       for (int64_t c = 0; c < p; ++c) ToCache(key + c, kt + c * kBt, 1);
       ToCache(v + r * ld + h * p, cache.values<T>(b, h) + col * p, p);
@@ -78,26 +84,37 @@ void StoreRows(KvSequence& cache, int64_t n, const float* k, const float* v, int
 template <typename T>
 void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratch& scratch) const {
   constexpr int64_t kBt = KvCachePool::kBlockTokens;
-  const int64_t E = c_.num_hiddens, p = c_.head_size(), mq = task.mq, h = task.head;
+  const int64_t E = c_.num_hiddens, p = c_.head_size();
+  // Rows are (query, head) pairs: row r is query r / hs of head task.head + r % hs, all
+  // against the one key/value head g they share, read once for all of them.
+  const int64_t hs = task.heads, mq = task.mq * hs;
+  const int64_t g = task.head / (c_.num_heads / c_.kv_heads());
   const PagedStep& step = *task.step;
   const int64_t total = task.cached + step.new_keys();
-  // Row i sees keys [0, limit(i)); causal limits grow with the row.
-  auto limit = [&](int64_t i) {
-    return step.causal ? std::min(total, task.cached + task.i0 + i + 1) : total;
+  // Row r sees keys [0, limit(r)); causal limits grow with the query.
+  auto limit = [&](int64_t r) {
+    return step.causal ? std::min(total, task.cached + task.i0 + r / hs + 1) : total;
   };
   const int64_t max_limit = limit(mq - 1);
-  float* ctx = task.ctx + task.i0 * E + h * p;
+  float* ctx = task.ctx + task.i0 * E + task.head * p;
+  auto ctx_row = [&](int64_t r) { return ctx + (r / hs) * E + (r % hs) * p; };
   if (max_limit == 0) {
-    for (int64_t i = 0; i < mq; ++i) std::fill_n(ctx + i * E, p, 0.0f);
+    for (int64_t r = 0; r < mq; ++r) std::fill_n(ctx_row(r), p, 0.0f);
     return;
   }
   scratch.s.resize(std::max<size_t>(scratch.s.size(), mq * kBt));
   scratch.o.resize(std::max<size_t>(scratch.o.size(), 2 * mq * p));
   float* s = scratch.s.data();
   float* o = scratch.o.data();
-  float* q = o + mq * p;  // this head's query rows, dense
-  for (int64_t i = 0; i < mq; ++i) {
-    std::memcpy(q + i * p, task.q + (task.i0 + i) * task.ldq + h * p, p * sizeof(float));
+  float* q = o + mq * p;  // the task's query rows, dense, rotated in a rotary model
+  for (int64_t r = 0; r < mq; ++r) {
+    const int64_t i = task.i0 + r / hs;
+    const float* src = task.q + i * task.ldq + (task.head + r % hs) * p;
+    if (task.rope != nullptr) {
+      rope_->Apply(src, q + r * p, p, *task.rope, task.cached + i);
+    } else {
+      std::memcpy(q + r * p, src, p * sizeof(float));
+    }
   }
   std::fill_n(o, mq * p, 0.0f);
   RowStats stats;
@@ -113,9 +130,9 @@ void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratc
   for (int64_t j0 = 0; j0 < max_limit; j0 += kBt) {
     const int64_t b = j0 / kBt, nk = std::min(kBt, max_limit - j0);
     const bool more = j0 + kBt < max_limit;
-    const T* next_keys = more ? cache.keys<T>(b + 1, h) : nullptr;
-    const T* next_values = more ? cache.values<T>(b + 1, h) : nullptr;
-    BlockScores(q, cache.keys<T>(b, h), kBt, p, mq, nk, scale, s, next_keys, head_bytes);
+    const T* next_keys = more ? cache.keys<T>(b + 1, g) : nullptr;
+    const T* next_values = more ? cache.values<T>(b + 1, g) : nullptr;
+    BlockScores(q, cache.keys<T>(b, g), kBt, p, mq, nk, scale, s, next_keys, head_bytes);
     for (int64_t i = 0; i < mq; ++i) {
       float* si = s + i * nk;
       const int64_t seen = std::clamp<int64_t>(limit(i) - j0, 0, nk);
@@ -127,35 +144,41 @@ void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratc
       stats.Update(i, si, seen, o + i * p, p,
                    [&](float m) { return kernels::ExpSubSum(si, m, si, nk); });
     }
-    BlockContext(s, cache.values<T>(b, h), p, mq, nk, o, next_values, head_bytes);
+    BlockContext(s, cache.values<T>(b, g), p, mq, nk, o, next_values, head_bytes);
   }
-  stats.Normalise(mq, o, p, /*factor=*/1.0f, ctx, E);
+  if (hs == 1) return stats.Normalise(mq, o, p, /*factor=*/1.0f, ctx, E);
+  for (int64_t r = 0; r < mq; ++r) stats.NormaliseRow(r, o + r * p, p, 1.0f, ctx_row(r));
 }
 
 void MultiHeadAttention::Impl::StorePaged(std::span<const PagedStep> steps, const float* k,
-                                          const float* v, int64_t ld) const {
-  const int64_t H = c_.num_heads, p = c_.head_size();
+                                          const float* v, int64_t ld,
+                                          const internal::RotaryTable* rope) const {
+  const int64_t G = c_.kv_heads(), p = c_.head_size();
+  const internal::Rotary* rotary = rope_ ? &*rope_ : nullptr;
+  std::vector<float> rotated(rope != nullptr ? p : 0);
   int64_t row = 0;
   for (const PagedStep& step : steps) {
     const int64_t n = step.new_keys();
     if (step.cache->bf16()) {
-      StoreRows<uint16_t>(*step.cache, n, k + row * ld, v + row * ld, ld, H, p);
+      StoreRows<uint16_t>(*step.cache, n, k + row * ld, v + row * ld, ld, G, p, rotary, rope,
+                          rotated.data());
     } else {
-      StoreRows<float>(*step.cache, n, k + row * ld, v + row * ld, ld, H, p);
+      StoreRows<float>(*step.cache, n, k + row * ld, v + row * ld, ld, G, p, rotary, rope,
+                       rotated.data());
     }
     row += n;
   }
 }
 
 double MultiHeadAttention::Impl::PagedWork(std::span<const PagedStep> steps) const {
-  const int64_t E = c_.num_hiddens;
+  const int64_t E = c_.num_hiddens, Ekv = c_.kv_hiddens();
   int64_t tq = 0, tk = 0;
   double flops = 0;
   // A decode step does ~1 FLOP per byte it reads, of the weights and of the cached
   // keys and values: memory bound, so it gets threads for its bytes
   // (kPagedBytesPerThread) where its FLOPs alone would keep it on one.
-  double bytes =
-      static_cast<double>((c_.query_size + c_.key_size + c_.value_size + E) * E * SizeOf(act_));
+  double bytes = static_cast<double>(
+      ((c_.query_size + E) * E + (c_.key_size + c_.value_size) * Ekv) * SizeOf(act_));
   for (const PagedStep& step : steps) {
     tq += step.num_queries;
     tk += step.new_keys();
@@ -163,11 +186,11 @@ double MultiHeadAttention::Impl::PagedWork(std::span<const PagedStep> steps) con
     flops += 4.0 * static_cast<double>(step.num_queries) * seen * static_cast<double>(E);
     if (step.num_queries > 0) {
       bytes +=
-          static_cast<double>(step.cache->size()) * 2.0 * static_cast<double>(E) * sizeof(float);
+          static_cast<double>(step.cache->size()) * 2.0 * static_cast<double>(Ekv) * sizeof(float);
     }
   }
-  flops += 2.0 * static_cast<double>(E) *
-           static_cast<double>(tq * c_.query_size + tk * (c_.key_size + c_.value_size) + tq * E);
+  flops += 2.0 * static_cast<double>(E) * static_cast<double>(tq * c_.query_size + tq * E) +
+           2.0 * static_cast<double>(Ekv) * static_cast<double>(tk * (c_.key_size + c_.value_size));
   return std::max(flops, bytes / kPagedBytesPerThread * internal::kFlopsPerThread);
 }
 
@@ -211,11 +234,15 @@ MultiHeadAttention::Impl::PagedProjections MultiHeadAttention::Impl::ProjectPage
     std::fill(xk + tk * dk, xk + pk * dk, 0.0f);
     std::fill(xv + tk * dv, xv + pk * dv, 0.0f);
   }
-  PagedProjections proj{.rows = tq, .padded_rows = pq, .ld = all_self ? 3 * E : E};
-  Grow(ws.paged_proj, all_self ? pq * proj.ld : (pq + 2 * pk) * E);
+  const int64_t Ekv = c_.kv_hiddens();
+  PagedProjections proj{.rows = tq,
+                        .padded_rows = pq,
+                        .ld = all_self ? E + 2 * Ekv : E,
+                        .ldkv = all_self ? E + 2 * Ekv : Ekv};
+  Grow(ws.paged_proj, all_self ? pq * proj.ld : pq * E + 2 * pk * Ekv);
   proj.q = ws.paged_proj.data();
   proj.k = all_self ? proj.q + E : proj.q + pq * E;
-  proj.v = all_self ? proj.q + 2 * E : proj.k + pk * E;
+  proj.v = all_self ? proj.q + E + Ekv : proj.k + pk * Ekv;
   if (all_self && qkv_->has_row_path(tq)) {
     qkv_->RunRows(xq, dq, tq, proj.q, proj.ld);
     return proj;
@@ -229,9 +256,9 @@ MultiHeadAttention::Impl::PagedProjections MultiHeadAttention::Impl::ProjectPage
               Dt::f32);
     }
     if (tk > 0) {
-      k_->Run(*ws.stream, ws.bindings, 1, pk, {AsActivation(xk, pk * dk, ws.xk), dk}, {proj.k, E},
+      k_->Run(*ws.stream, ws.bindings, 1, pk, {AsActivation(xk, pk * dk, ws.xk), dk}, {proj.k, Ekv},
               Dt::f32);
-      v_->Run(*ws.stream, ws.bindings, 1, pk, {AsActivation(xv, pk * dv, ws.xv), dv}, {proj.v, E},
+      v_->Run(*ws.stream, ws.bindings, 1, pk, {AsActivation(xv, pk * dv, ws.xv), dv}, {proj.v, Ekv},
               Dt::f32);
     }
   }
@@ -240,24 +267,27 @@ MultiHeadAttention::Impl::PagedProjections MultiHeadAttention::Impl::ProjectPage
 }
 
 absl::Status MultiHeadAttention::Impl::AttendPaged(std::span<const PagedStep> steps,
-                                                   const PagedProjections& proj, int threads,
+                                                   const PagedProjections& proj,
+                                                   const internal::RotaryTable* rope, int threads,
                                                    Workspace& ws, float* ctx) const {
-  constexpr int64_t kQueryRows = 64;  // query rows per task
-  const int64_t E = c_.num_hiddens;
+  const int64_t E = c_.num_hiddens, hs = heads_per_paged_task_;
+  const int64_t per_task = kPagedQueryRows / hs;  // queries per task
   std::fill(ctx + proj.rows * E, ctx + proj.padded_rows * E, 0.0f);
   std::vector<PagedTask> tasks;
   int64_t qi = 0;
   for (const PagedStep& step : steps) {
-    for (int64_t h = 0; h < c_.num_heads; ++h) {
-      for (int64_t i0 = 0; i0 < step.num_queries; i0 += kQueryRows) {
+    for (int64_t h = 0; h < c_.num_heads; h += hs) {
+      for (int64_t i0 = 0; i0 < step.num_queries; i0 += per_task) {
         tasks.push_back({.step = &step,
                          .head = h,
+                         .heads = hs,
                          .i0 = i0,
-                         .mq = std::min(kQueryRows, step.num_queries - i0),
+                         .mq = std::min(per_task, step.num_queries - i0),
                          .cached = step.cache->size(),
                          .q = proj.q + qi * proj.ld,
                          .ldq = proj.ld,
-                         .ctx = ctx + qi * E});
+                         .ctx = ctx + qi * E,
+                         .rope = rope});
       }
     }
     qi += step.num_queries;
@@ -295,12 +325,22 @@ absl::Status MultiHeadAttention::Impl::ForwardPaged(std::span<const PagedStep> s
   Workspace& ws = *lease;
   if (!ws.stream) ws.stream.emplace(internal::CpuEngine());
   const PagedProjections proj = ProjectPaged(steps, ws);
-  StorePaged(steps, proj.k, proj.v, proj.ld);
+  // A rotary model's tokens sit at their positions in the sequence: the table covers
+  // every step's last.
+  std::shared_ptr<const internal::RotaryTable> rope;
+  if (rope_) {
+    int64_t positions = 0;
+    for (const PagedStep& step : steps) {
+      positions = std::max(positions, step.cache->size() + step.new_keys());
+    }
+    rope = rope_->Table(positions);
+  }
+  StorePaged(steps, proj.k, proj.v, proj.ldkv, rope.get());
   const int64_t pq = proj.padded_rows;
   Grow(ws.paged_out, 2 * pq * E);
   float* ctx = ws.paged_out.data();
   float* out = ctx + pq * E;
-  MHA_RETURN_IF_ERROR(AttendPaged(steps, proj, threads, ws, ctx));
+  MHA_RETURN_IF_ERROR(AttendPaged(steps, proj, rope.get(), threads, ws, ctx));
   ProjectPagedOutput(proj, ctx, out, ws);
   int64_t qi = 0;
   for (const PagedStep& step : steps) {

@@ -149,10 +149,55 @@ absl::Status LoadD2lNaming(const SafetensorsFile& file, const ModelConfig& c, We
   return absl::OkStatus();
 }
 
+// One Hugging Face tensor: the error names it and the shape expected, with the
+// formula it follows (`k_proj.weight: expected (G·d_h, d_k) = (32, 128)`).
+absl::StatusOr<std::vector<float>> TakeNamed(const SafetensorsFile& file, const std::string& name,
+                                             const std::vector<int64_t>& shape,
+                                             absl::string_view formula,
+                                             std::set<std::string>& used) {
+  const std::string expected =
+      absl::StrCat(name, ": expected ", formula, " = ", ShapeString(shape));
+  auto it = file.tensors().find(name);
+  if (it == file.tensors().end()) {
+    return absl::InvalidArgumentError(absl::StrCat(file.source(), ": missing tensor ", expected));
+  }
+  if (it->second.shape != shape) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(file.source(), ": ", expected, ", got ", ShapeString(it->second.shape)));
+  }
+  return Take(file, name, shape, used);
+}
+
+// Hugging Face attention modules (Llama, Mistral, Qwen2).
+absl::Status LoadHuggingFaceNaming(const SafetensorsFile& file, const ModelConfig& c, Weights& w,
+                                   std::set<std::string>& used) {
+  const int64_t e = c.num_hiddens, ekv = c.kv_hiddens();
+  MHA_ASSIGN_OR_RETURN(w.w_q,
+                       TakeNamed(file, "q_proj.weight", {e, c.query_size}, "(h·d_h, d_q)", used));
+  MHA_ASSIGN_OR_RETURN(w.w_k,
+                       TakeNamed(file, "k_proj.weight", {ekv, c.key_size}, "(G·d_h, d_k)", used));
+  MHA_ASSIGN_OR_RETURN(w.w_v,
+                       TakeNamed(file, "v_proj.weight", {ekv, c.value_size}, "(G·d_h, d_v)", used));
+  MHA_ASSIGN_OR_RETURN(w.w_o, TakeNamed(file, "o_proj.weight", {e, e}, "(p_o, h·d_h)", used));
+  if (c.bias) {
+    MHA_ASSIGN_OR_RETURN(w.b_q, TakeNamed(file, "q_proj.bias", {e}, "(h·d_h)", used));
+    MHA_ASSIGN_OR_RETURN(w.b_k, TakeNamed(file, "k_proj.bias", {ekv}, "(G·d_h)", used));
+    MHA_ASSIGN_OR_RETURN(w.b_v, TakeNamed(file, "v_proj.bias", {ekv}, "(G·d_h)", used));
+    // Optional, as Qwen2's: absent = zero.
+    if (file.tensors().contains("o_proj.bias")) {
+      MHA_ASSIGN_OR_RETURN(w.b_o, TakeNamed(file, "o_proj.bias", {e}, "(p_o)", used));
+    } else {
+      w.b_o.assign(static_cast<size_t>(e), 0.0f);
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status Weights::Validate(const ModelConfig& c) const {
   const int64_t p = c.num_hiddens, h = c.num_heads, pa = c.additive_hidden;
+  const int64_t pkv = c.kv_hiddens();  // G * head_size: p_o unless grouped
   const bool additive = c.scoring == Scoring::kAdditive;
   // Optional tensors say which setting their expected size follows.
   const std::string bias = absl::StrCat(" (bias=", c.bias, ")");
@@ -165,12 +210,12 @@ absl::Status Weights::Validate(const ModelConfig& c) const {
   };
   const Expect expects[] = {
       {"W_q", w_q, p * c.query_size, ""},
-      {"W_k", w_k, p * c.key_size, ""},
-      {"W_v", w_v, p * c.value_size, ""},
+      {"W_k", w_k, pkv * c.key_size, ""},
+      {"W_v", w_v, pkv * c.value_size, ""},
       {"W_o", w_o, p * p, ""},
       {"b_q", b_q, c.bias ? p : 0, bias},
-      {"b_k", b_k, c.bias ? p : 0, bias},
-      {"b_v", b_v, c.bias ? p : 0, bias},
+      {"b_k", b_k, c.bias ? pkv : 0, bias},
+      {"b_v", b_v, c.bias ? pkv : 0, bias},
       {"b_o", b_o, c.bias ? p : 0, bias},
       {"score_w_q", score_w_q, additive ? h * pa * c.head_size() : 0, scoring},
       {"score_w_k", score_w_k, additive ? h * pa * c.head_size() : 0, scoring},
@@ -186,16 +231,18 @@ absl::Status Weights::Validate(const ModelConfig& c) const {
 }
 
 Weights SeededWeights(const ModelConfig& c, uint64_t seed) {
-  const int64_t p = c.num_hiddens;
+  const int64_t p = c.num_hiddens, pkv = c.kv_hiddens();
   Weights w;
+  // A grouped model's K and V weights are the first G * head_size rows of what the
+  // same seed gives a multi-head one.
   w.w_q = Uniform("W_q.weight", seed, p * c.query_size, c.query_size);
-  w.w_k = Uniform("W_k.weight", seed, p * c.key_size, c.key_size);
-  w.w_v = Uniform("W_v.weight", seed, p * c.value_size, c.value_size);
+  w.w_k = Uniform("W_k.weight", seed, pkv * c.key_size, c.key_size);
+  w.w_v = Uniform("W_v.weight", seed, pkv * c.value_size, c.value_size);
   w.w_o = Uniform("W_o.weight", seed, p * p, p);
   if (c.bias) {
     w.b_q = Uniform("W_q.bias", seed, p, c.query_size);
-    w.b_k = Uniform("W_k.bias", seed, p, c.key_size);
-    w.b_v = Uniform("W_v.bias", seed, p, c.value_size);
+    w.b_k = Uniform("W_k.bias", seed, pkv, c.key_size);
+    w.b_v = Uniform("W_v.bias", seed, pkv, c.value_size);
     w.b_o = Uniform("W_o.bias", seed, p, p);
   }
   if (c.scoring == Scoring::kAdditive) {
@@ -214,29 +261,40 @@ absl::StatusOr<Weights> WeightsFromSafetensors(const SafetensorsFile& file,
   const bool torch =
       t.contains("in_proj_weight") || t.contains("q_proj_weight") || t.contains("out_proj.weight");
   const bool d2l = t.contains("W_q.weight") || t.contains("W_o.weight");
-  if (torch && d2l) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(file.source(),
-                     ": mixes nn.MultiheadAttention names (in_proj_weight, out_proj.*) "
-                     "with d2l names (W_q.weight, ...); use one naming"));
+  const bool hf = t.contains("q_proj.weight") || t.contains("o_proj.weight");
+  if (torch + d2l + hf > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        file.source(),
+        ": mixes namings: nn.MultiheadAttention (in_proj_weight, out_proj.*), "
+        "d2l (W_q.weight, ...) and Hugging Face (q_proj.weight, ...); use one naming"));
   }
-  if (!torch && !d2l) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(file.source(),
-                     ": no known weight names; expected nn.MultiheadAttention "
-                     "(in_proj_weight, out_proj.weight, ...) or d2l (W_q.weight, ...)"));
+  if (!torch && !d2l && !hf) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        file.source(),
+        ": no known weight names; expected nn.MultiheadAttention "
+        "(in_proj_weight, out_proj.weight, ...), d2l (W_q.weight, ...) or Hugging Face "
+        "(q_proj.weight, k_proj.weight, v_proj.weight, o_proj.weight)"));
   }
-  if (torch && config.scoring == Scoring::kAdditive) {
+  if (!d2l && config.scoring == Scoring::kAdditive) {
     return absl::InvalidArgumentError(
         absl::StrCat(file.source(),
                      ": additive scoring needs d2l names (W_q.weight, ..., "
                      "attention.W_q.weight, attention.W_k.weight, attention.w_v.weight); "
-                     "nn.MultiheadAttention has no additive form"));
+                     "nn.MultiheadAttention and Hugging Face names have no additive form"));
+  }
+  if (!hf && config.kv_heads() != config.num_heads) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        file.source(), ": num_kv_heads: a grouped-query model (", config.kv_heads(),
+        " key/value heads for ", config.num_heads,
+        " query heads) loads from Hugging Face names (q_proj.weight, k_proj.weight, ...) or "
+        "seeded weights; nn.MultiheadAttention and d2l names have one key/value head per "
+        "query head"));
   }
   Weights w;
   std::set<std::string> used;
-  MHA_RETURN_IF_ERROR(torch ? LoadTorchNaming(file, config, w, used)
-                            : LoadD2lNaming(file, config, w, used));
+  MHA_RETURN_IF_ERROR(hf      ? LoadHuggingFaceNaming(file, config, w, used)
+                      : torch ? LoadTorchNaming(file, config, w, used)
+                              : LoadD2lNaming(file, config, w, used));
   for (const auto& [name, view] : t) {
     if (!used.contains(name)) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -1,6 +1,7 @@
 // The learned parameters of one layer, float32, row-major, in the d2l layout:
-//   w_q (p_o, d_q), w_k (p_o, d_k), w_v (p_o, d_v), w_o (p_o, p_o)
-//   b_q, b_k, b_v, b_o (p_o) when ModelConfig::bias, else empty.
+//   w_q (p_o, d_q), w_k (p_kv, d_k), w_v (p_kv, d_v), w_o (p_o, p_o)
+//   b_q, b_o (p_o), b_k, b_v (p_kv) when ModelConfig::bias, else empty,
+// where p_kv = G * head_size (ModelConfig::kv_hiddens(); p_o unless grouped).
 // y = x W^T + b, as nn.Linear computes.
 // Additive scoring (ModelConfig::scoring kAdditive) adds, one set per head h:
 //   score_w_q (h, p_a, p), score_w_k (h, p_a, p), score_w_v (h, p_a)
@@ -48,6 +49,10 @@ Weights SeededWeights(const ModelConfig& config, uint64_t seed);
 //      attention.W_k.weight  (p_a, p)                       or (h, p_a, p)
 //      attention.w_v.weight  (1, p_a)                       or (h, p_a)
 //    "shared" is d2l's MultiHeadAttention holding one AdditiveAttention module.
+//  Hugging Face attention modules (the only naming for num_kv_heads G < h):
+//    q_proj.weight (p_o, d_q), k_proj.weight (p_kv, d_k), v_proj.weight (p_kv, d_v),
+//    o_proj.weight (p_o, p_o); when bias, q_proj.bias, k_proj.bias, v_proj.bias
+//    required and o_proj.bias optional (absent = zero, as Qwen2).
 //
 // The naming is detected from the tensor names. A missing, extra, mis-shaped or
 // non-float tensor is INVALID_ARGUMENT naming it; F16/BF16/F64 are converted.

@@ -69,6 +69,14 @@ attention::v1::ModelInfo ToModelInfo(const Model& model) {
   info.set_supports_self_attention(c.SupportsSelfAttention());
   info.set_scoring(std::string(core::ScoringName(c.scoring)));
   info.set_additive_hidden(c.additive_hidden);
+  info.set_num_kv_heads(c.kv_heads());
+  if (c.rope) {
+    info.set_rope_theta(c.rope_theta());
+    info.set_rotary_dim(c.rotary_dim());
+    info.set_rope_interleaved(c.rope->interleaved);
+  }
+  info.set_projections("full");
+  info.set_kv_cache_precision(c.cache_bf16() ? "bf16" : "f32");
   attention::v1::ModelLimits* limits = info.mutable_limits();
   limits->set_max_batch_size(model.limits.max_batch_size);
   limits->set_max_sequence_length(model.limits.max_sequence_length);

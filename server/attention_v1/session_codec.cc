@@ -62,6 +62,11 @@ absl::StatusOr<SessionStepInput> DecodeSessionStep(const SessionRequest& request
       return absl::InvalidArgumentError(absl::StrCat(
           "model: ", model.name, " uses additive scoring; sessions need dot-product scoring"));
     }
+    if (!self && c.rope) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kind: CROSS is refused for model ", model.name,
+          ", which has rotary positions (rope): its sessions are SELF, token t at position t"));
+    }
   }
   MHA_ASSIGN_OR_RETURN(const MessageTensors tensors, ViewTensors(request));
   const std::optional<TensorView>& queries = tensors.queries;

@@ -66,6 +66,7 @@ absl::Status WarmSessionSteps(Batcher& batcher, const std::shared_ptr<const Mode
   const core::ModelConfig& c = model->config;
   if (c.scoring != core::Scoring::kDotProduct) return absl::OkStatus();
   const bool self = c.SupportsSelfAttention();
+  if (c.rope && !self) return absl::OkStatus();  // a rotary model's sessions are SELF only
   const int64_t most = std::min<int64_t>(64, model->batching.max_batch_size);
   core::KvCachePool pool(2 * most * c.num_hiddens * int64_t{sizeof(float)} *
                          core::KvCachePool::kBlockTokens);
@@ -78,8 +79,7 @@ absl::Status WarmSessionSteps(Batcher& batcher, const std::shared_ptr<const Mode
         output.data == nullptr) {
       return absl::ResourceExhaustedError("cannot allocate the session warm-up's tensors");
     }
-    core::KvSequence cache(&pool, c.num_heads, c.head_size(),
-                           c.precision == core::Precision::kBf16);
+    core::KvSequence cache(&pool, c.kv_heads(), c.head_size(), c.cache_bf16());
     MHA_RETURN_IF_ERROR(cache.Reserve(rows));
     const core::PagedStep step{.num_queries = rows,
                                .queries = queries.data,

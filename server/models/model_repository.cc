@@ -116,6 +116,26 @@ absl::StatusOr<core::ModelConfig> ToCoreConfig(const attention::v1::ModelConfig&
   if (!proto.precision().empty()) {
     MHA_ASSIGN_OR_RETURN(config.precision, core::ParsePrecision(proto.precision()));
   }
+  config.num_kv_heads = proto.num_kv_heads();
+  if (proto.has_rope()) {
+    config.rope = core::RotaryConfig{.theta = proto.rope().theta(),
+                                     .rotary_dim = proto.rope().rotary_dim(),
+                                     .interleaved = proto.rope().interleaved()};
+  }
+  if (proto.projections() != attention::v1::FULL) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "projections: only FULL is served; got ",
+        attention::v1::Projections_Name(proto.projections()), " (the attention-only worker's)"));
+  }
+  const std::string& cache = proto.kv_cache_precision();
+  if (cache == "bf16") {
+    config.kv_cache_precision = core::Precision::kBf16;
+  } else if (cache == "f32") {
+    config.kv_cache_precision = core::Precision::kF32;
+  } else if (!cache.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv_cache_precision: expected \"\", \"f32\" or \"bf16\", got \"", cache, "\""));
+  }
   MHA_RETURN_IF_ERROR(config.Validate());
   return config;
 }

@@ -18,7 +18,10 @@ void CopyIn(const float* source, int64_t batch, int64_t length, int64_t width, f
 
 }  // namespace
 
-bool CanMerge(const core::AttentionInputs& a, const core::AttentionInputs& b) {
+bool CanMerge(const core::AttentionInputs& a, const core::AttentionInputs& b, bool positions) {
+  // Padding to the longest Q and K keeps a query's position K - Q + i only when every
+  // part has the same K - Q (self-attention: 0).
+  if (positions && a.num_keys - a.num_queries != b.num_keys - b.num_queries) return false;
   return a.self_attention() == b.self_attention() && a.causal == b.causal &&
          std::equal(a.head_mask.begin(), a.head_mask.end(), b.head_mask.begin(), b.head_mask.end());
 }

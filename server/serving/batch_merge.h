@@ -1,10 +1,10 @@
 // Merging requests into one forward call, and splitting its output back: the
 // tensor side of dynamic batching (the batcher only decides who runs together).
 //
-// Requests merge when they agree on self- vs cross-attention, causal and head_mask
-// (CanMerge). Shorter requests are zero-padded to the longest Q and K, and their
-// padded keys are masked through valid_lens, so each request's output equals its
-// output when run alone, up to float rounding.
+// Requests merge when they agree on self- vs cross-attention, causal and head_mask,
+// and for a rotary model on K - Q (CanMerge). Shorter requests are zero-padded to the
+// longest Q and K, and their padded keys are masked through valid_lens, so each
+// request's output equals its output when run alone, up to float rounding.
 //
 // Worked example, toy model (d_q = d_k = d_v = p_o = 100), cross-attention:
 //   part 0: B 1, Q 3, K 5, valid_lens {}          (every key valid)
@@ -40,7 +40,10 @@ struct BatchPart {
 };
 
 // Whether two requests can run in one forward call.
-bool CanMerge(const core::AttentionInputs& a, const core::AttentionInputs& b);
+// `positions`: the model has rotary positions (ModelConfig::rope), where query i of a
+// request sits at K - Q + i; such requests merge only with equal K - Q.
+bool CanMerge(const core::AttentionInputs& a, const core::AttentionInputs& b,
+              bool positions = false);
 
 class BatchMerger {
  public:

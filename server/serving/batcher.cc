@@ -16,7 +16,7 @@ bool CanShare(const WorkItem& a, const WorkItem& b) {
   if ((a.step != nullptr) != (b.step != nullptr)) return false;
   if (a.step != nullptr) return true;
   if (a.attention != nullptr || b.attention != nullptr) return false;
-  return CanMerge(a.inputs, b.inputs);
+  return CanMerge(a.inputs, b.inputs, a.model != nullptr && a.model->config.rope.has_value());
 }
 
 }  // namespace

@@ -124,8 +124,8 @@ void SessionStore::Session::Step(std::shared_ptr<const Model> model, const core:
   if (model_ == nullptr) {
     model_ = std::move(model);
     const core::ModelConfig& c = model_->config;
-    cache_ = std::make_unique<core::KvSequence>(&store_->pool_, c.num_heads, c.head_size(),
-                                                c.precision == core::Precision::kBf16);
+    cache_ = std::make_unique<core::KvSequence>(&store_->pool_, c.kv_heads(), c.head_size(),
+                                                c.cache_bf16());
   }
   if (absl::Status s = cache_->Reserve(step.num_keys); !s.ok()) {
     absl::MutexLock lock(&mu_);

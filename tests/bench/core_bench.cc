@@ -7,6 +7,7 @@
 //   build/release/tests/bench/mha_core_bench --benchmark_filter=Rows/   (service ceiling)
 //   build/release/tests/bench/mha_core_bench --benchmark_filter=Additive/ (additive scoring)
 //   build/release/tests/bench/mha_core_bench --benchmark_filter=Decode/   (session steps)
+//   build/release/tests/bench/mha_core_bench --benchmark_filter=Prefill/  (GQA + RoPE)
 //   build/release/tests/bench/mha_core_bench --benchmark_filter=GemmPeak/ (oneDNN's 2048^3)
 //
 // Threads: OMP_NUM_THREADS, else every core. Compare with PyTorch on the same shapes:
@@ -14,9 +15,9 @@
 // --benchmark_out_format=json).
 #include <cstring>
 #include <memory>
-#include <unordered_map>
 #include <random>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "benchmark/benchmark.h"
@@ -238,6 +239,49 @@ BENCHMARK(BM_DecodeStep)
     ->ReportAggregatesOnly()
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
+
+// Causal prefill of 2,048 tokens (self-attention, B 1) on a grouped-query rotary
+// layer (p_o 2048, h 16, G 4, rope theta 10000 over the whole head, no bias) and on
+// the same-size multi-head layer without rope: issue 34's bound is the first within
+// 1.0x the time of the second. GFLOPS counts each model's own FLOPs (the grouped
+// model projects fewer).
+//   build/release/tests/bench/mha_core_bench --benchmark_filter=Prefill/
+void BM_CausalPrefill(benchmark::State& state, bool gqa_rope) {
+  constexpr int64_t kLength = 2048, kHiddens = 2048;
+  ModelConfig config{.num_hiddens = kHiddens,
+                     .num_heads = 16,
+                     .query_size = kHiddens,
+                     .key_size = kHiddens,
+                     .value_size = kHiddens};
+  if (gqa_rope) {
+    config.num_kv_heads = 4;
+    config.rope = RotaryConfig{};
+  }
+  auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 1)).value();
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> x(kLength * kHiddens), out(x.size());
+  for (float& v : x) v = dist(rng);
+  const AttentionInputs in{
+      .batch = 1, .num_queries = kLength, .num_keys = kLength, .queries = x.data(), .causal = true};
+  for (auto _ : state) {
+    if (!mha->Forward(in, out.data()).ok()) return state.SkipWithError("Forward failed");
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.counters["GFLOPS"] =
+      benchmark::Counter(MultiHeadAttention::Flops(config, 1, kLength, kLength) * 1e-9,
+                         benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK_CAPTURE(BM_CausalPrefill, gqa_rope, true)
+    ->Name("Prefill/gqa_rope_h16_g4_2048")
+    ->MinTime(1.0)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_CausalPrefill, mha, false)
+    ->Name("Prefill/mha_h16_2048")
+    ->MinTime(1.0)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
 // This machine's GEMM peak through oneDNN: one n^3 matmul (f32, or bf16 in with f32
 // out), weights reordered once to the layout the primitive picks, as the core's

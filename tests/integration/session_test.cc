@@ -124,6 +124,61 @@ TEST_F(SessionTest, AnyChunkingEqualsStatelessCausalAttend) {
   }
 }
 
+// Issue 34: a grouped-query rotary model (h 8, G 2, rope theta 500000) served through
+// attention.v1. Its sessions in any chunking equal one stateless causal Attend on the
+// whole sequence; its cache holds G heads per token (2 G d_h 4 bytes, compared at
+// whole 32-token blocks); ListModels gives the resolved fields; CROSS is refused
+// naming `kind`.
+TEST_F(SessionTest, GroupedRotarySessionsEqualStatelessAttend) {
+  repository_.Write("gqa/config.pbtxt",
+                    "num_hiddens: 64 num_heads: 8 num_kv_heads: 2 bias: true "
+                    "rope { theta: 500000 } seeded { seed: 5 }");
+  Start();
+  const int64_t n = 64, d = 64;  // two whole blocks
+  const std::vector<float> x = Random(n, d, 23);
+  const std::vector<float> want = StatelessCausal(*stub_, "gqa", x, n, d);
+  ASSERT_EQ(static_cast<int64_t>(want.size()), n * d);
+  for (const std::vector<int64_t>& chunks :
+       {std::vector<int64_t>(n, 1), std::vector<int64_t>{n}, std::vector<int64_t>{5, 27, 32}}) {
+    Session session(*stub_, "gqa", /*causal=*/true);
+    std::vector<float> got;
+    int64_t at = 0;
+    for (int64_t t : chunks) {
+      std::optional<SessionResponse> r = session.SelfStep(x, d, at, t);
+      ASSERT_TRUE(r.has_value()) << session.status().error_message();
+      at += t;
+      got.insert(got.end(), r->output().data().begin(), r->output().data().end());
+    }
+    EXPECT_LE(MaxAbsDiff(got, want), kTolerance) << chunks.size() << " chunks";
+    EXPECT_EQ(Metric("mha_session_cache_bytes"), n * 2 * 2 * 8 * 4);  // 2 G d_h f32 per token
+    EXPECT_TRUE(session.Close().ok());
+  }
+  grpc::ClientContext context;
+  attention::v1::ListModelsResponse models;
+  ASSERT_TRUE(stub_->ListModels(&context, {}, &models).ok());
+  bool found = false;
+  for (const attention::v1::ModelInfo& m : models.models()) {
+    if (m.name() != "gqa") continue;
+    found = true;
+    EXPECT_EQ(m.num_kv_heads(), 2);
+    EXPECT_EQ(m.rope_theta(), 500000);
+    EXPECT_EQ(m.rotary_dim(), 8);
+    EXPECT_FALSE(m.rope_interleaved());
+    EXPECT_EQ(m.projections(), "full");
+    EXPECT_EQ(m.kv_cache_precision(), "f32");
+  }
+  EXPECT_TRUE(found);
+  Session cross(*stub_, "gqa", /*causal=*/false, attention::v1::CROSS);
+  SessionRequest step;
+  *step.mutable_queries() = Rows(x, d, 0, 1);
+  *step.mutable_keys() = Rows(x, d, 0, 1);
+  *step.mutable_values() = Rows(x, d, 0, 1);
+  EXPECT_FALSE(cross.Step(step).has_value());
+  const grpc::Status refused = cross.status();  // Finish: once
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(refused.error_message(), "kind")) << refused.error_message();
+}
+
 TEST_F(SessionTest, CrossSessionEqualsAttendOnTheKeysSoFar) {
   Start();
   Session session(*stub_, "cross", /*causal=*/false, attention::v1::CROSS);

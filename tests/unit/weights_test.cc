@@ -250,5 +250,69 @@ TEST_F(AdditiveWeightsTest, SeededDrawsOneSetPerHead) {
       << short_v.Validate(config_);
 }
 
+// Hugging Face attention modules: q_proj/k_proj/v_proj/o_proj, K and V with G heads.
+class HuggingFaceWeightsTest : public ::testing::Test {
+ protected:
+  // p_o 8, h 4 (d_h 2), G 2: K and V are (4, d).
+  ModelConfig config_{.num_hiddens = 8,
+                      .num_heads = 4,
+                      .query_size = 6,
+                      .key_size = 5,
+                      .value_size = 3,
+                      .bias = true,
+                      .num_kv_heads = 2};
+  std::mt19937_64 rng_{7};
+  std::vector<float> wq_ = RandomVector(rng_, 8 * 6), wk_ = RandomVector(rng_, 4 * 5),
+                     wv_ = RandomVector(rng_, 4 * 3), wo_ = RandomVector(rng_, 8 * 8),
+                     bq_ = RandomVector(rng_, 8), bk_ = RandomVector(rng_, 4),
+                     bv_ = RandomVector(rng_, 4), bo_ = RandomVector(rng_, 8);
+
+  std::vector<NamedTensor> Tensors(bool with_o_bias = true) const {
+    std::vector<NamedTensor> t = {
+        F32Tensor("q_proj.weight", {8, 6}, wq_), F32Tensor("k_proj.weight", {4, 5}, wk_),
+        F32Tensor("v_proj.weight", {4, 3}, wv_), F32Tensor("o_proj.weight", {8, 8}, wo_),
+        F32Tensor("q_proj.bias", {8}, bq_),      F32Tensor("k_proj.bias", {4}, bk_),
+        F32Tensor("v_proj.bias", {4}, bv_)};
+    if (with_o_bias) t.push_back(F32Tensor("o_proj.bias", {8}, bo_));
+    return t;
+  }
+};
+
+TEST_F(HuggingFaceWeightsTest, LoadsGroupedProjections) {
+  const Weights w = Load(Tensors(), config_).value();
+  EXPECT_EQ(w.w_q, wq_);
+  EXPECT_EQ(w.w_k, wk_);
+  EXPECT_EQ(w.w_v, wv_);
+  EXPECT_EQ(w.w_o, wo_);
+  EXPECT_EQ(w.b_k, bk_);
+  EXPECT_EQ(w.b_o, bo_);
+  EXPECT_TRUE(w.Validate(config_).ok());
+}
+
+TEST_F(HuggingFaceWeightsTest, OutputBiasIsOptionalAsQwen2s) {
+  const Weights w = Load(Tensors(/*with_o_bias=*/false), config_).value();
+  EXPECT_EQ(w.b_o, std::vector<float>(8, 0.0f));
+  EXPECT_EQ(w.b_v, bv_);
+}
+
+TEST_F(HuggingFaceWeightsTest, ErrorsNameTheTensorAndTheShapeExpected) {
+  std::vector<NamedTensor> t = Tensors();
+  t[1] = F32Tensor("k_proj.weight", {8, 5}, RandomVector(rng_, 8 * 5));  // h heads, not G
+  ExpectError(Load(t, config_), "k_proj.weight: expected (G·d_h, d_k) = (4, 5), got (8, 5)");
+  t = Tensors();
+  t.erase(t.begin() + 5);  // k_proj.bias
+  ExpectError(Load(t, config_), "missing tensor k_proj.bias: expected (G·d_h) = (4)");
+  ModelConfig no_bias = config_;
+  no_bias.bias = false;
+  ExpectError(Load(Tensors(), no_bias), "unexpected tensor");
+  // Other namings cannot hold G < h.
+  ModelConfig d2l = config_;
+  ExpectError(Load({F32Tensor("W_q.weight", {8, 6}, wq_)}, d2l), "num_kv_heads");
+  // Namings do not mix.
+  t = Tensors();
+  t.push_back(F32Tensor("W_o.weight", {8, 8}, wo_));
+  ExpectError(Load(t, config_), "mixes namings");
+}
+
 }  // namespace
 }  // namespace mha::core

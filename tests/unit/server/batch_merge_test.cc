@@ -2,10 +2,12 @@
 // one valid_len per query, self-attention, and Scatter's row placement.
 #include "server/serving/batch_merge.h"
 
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <vector>
 
+#include "core/attention.h"
 #include "gtest/gtest.h"
 
 namespace mha::server {
@@ -155,6 +157,41 @@ TEST(BatchMergeTest, CanMergeNeedsSameKindCausalAndHeadMask) {
   EXPECT_TRUE(CanMerge(masked, masked_too));
   EXPECT_FALSE(CanMerge(masked, other));
   EXPECT_FALSE(CanMerge(masked, self));
+}
+
+// A rotary model's query i sits at K - Q + i: requests merge only when padding keeps
+// that (equal K - Q), and the merged call then gives each request its output alone.
+TEST(BatchMergeTest, RotaryRequestsMergeOnlyWithEqualKMinusQ) {
+  core::ModelConfig c{.num_hiddens = 8,
+                      .num_heads = 2,
+                      .query_size = 8,
+                      .key_size = 8,
+                      .value_size = 8,
+                      .num_kv_heads = 1};
+  c.rope = core::RotaryConfig{};
+  auto mha = core::MultiHeadAttention::Create(c, core::SeededWeights(c, 1)).value();
+  Part a = Cross(1, 1, 3, 5, {}, 8);
+  Part b = Cross(2, 2, 4, 6, {}, 8);
+  Part other = Cross(3, 1, 4, 5, {}, 8);
+  a.inputs.causal = b.inputs.causal = other.inputs.causal = true;
+  for (Part* p : {&a, &b, &other}) {  // unit-scale values
+    for (auto* v : {&p->queries, &p->keys, &p->values}) {
+      for (float& x : *v) x = std::fmod(x, 3.0f) - 1.5f;
+    }
+  }
+  EXPECT_TRUE(CanMerge(a.inputs, b.inputs, /*positions=*/true));
+  EXPECT_FALSE(CanMerge(a.inputs, other.inputs, /*positions=*/true));
+  EXPECT_TRUE(CanMerge(a.inputs, other.inputs));  // without rope, padding is harmless
+  std::vector<float> alone_a(a.output.size()), alone_b(b.output.size());
+  ASSERT_TRUE(mha->Forward(a.inputs, alone_a.data()).ok());
+  ASSERT_TRUE(mha->Forward(b.inputs, alone_b.data()).ok());
+  const std::vector<BatchPart> parts = PartsOf({&a, &b});
+  BatchMerger merger;
+  const core::AttentionInputs m = merger.Merge(parts, c);
+  ASSERT_TRUE(mha->Forward(m, merger.output()).ok());
+  merger.Scatter(parts, c);
+  for (size_t i = 0; i < alone_a.size(); ++i) EXPECT_NEAR(a.output[i], alone_a[i], 1e-5) << i;
+  for (size_t i = 0; i < alone_b.size(); ++i) EXPECT_NEAR(b.output[i], alone_b[i], 1e-5) << i;
 }
 
 }  // namespace

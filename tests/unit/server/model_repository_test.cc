@@ -120,6 +120,51 @@ TEST(ModelRepositoryTest, ResolveNamesTheBatchingField) {
   EXPECT_TRUE(absl::StrContains(parse.message(), "f.pbtxt: ")) << parse;
 }
 
+// Issue 34's fields: num_kv_heads (18), rope (19), projections (20),
+// kv_cache_precision (21) reach the core's config; errors name the field.
+TEST(ModelRepositoryTest, GroupedRotaryFieldsReachTheCoreConfig) {
+  const auto config = ParseModelConfig(
+                          "num_hiddens: 64 num_heads: 8 num_kv_heads: 2 "
+                          "rope { theta: 500000 rotary_dim: 4 interleaved: true } "
+                          "kv_cache_precision: \"bf16\"",
+                          "test")
+                          .value();
+  const core::ModelConfig c = ResolveModelConfig(config, "m", {}).value().config;
+  EXPECT_EQ(c.kv_heads(), 2);
+  ASSERT_TRUE(c.rope.has_value());
+  EXPECT_EQ(c.rope_theta(), 500000);
+  EXPECT_EQ(c.rotary_dim(), 4);
+  EXPECT_TRUE(c.rope->interleaved);
+  EXPECT_TRUE(c.cache_bf16());
+  const core::ModelConfig plain =
+      ResolveModelConfig(ParseModelConfig("num_hiddens: 64 num_heads: 8 rope {}", "t").value(), "m",
+                         {})
+          .value()
+          .config;
+  EXPECT_EQ(plain.kv_heads(), 8);
+  EXPECT_EQ(plain.rope_theta(), 10000);  // rope set without a theta
+  EXPECT_EQ(plain.rotary_dim(), 8);      // the head size
+  EXPECT_FALSE(plain.cache_bf16());
+  const struct {
+    const char* text;
+    const char* field;
+  } bad[] = {
+      {"num_hiddens: 64 num_heads: 8 num_kv_heads: 3", "num_kv_heads"},
+      {"num_hiddens: 64 num_heads: 8 rope { rotary_dim: 5 }", "rotary_dim"},
+      {"num_hiddens: 64 num_heads: 8 rope { rotary_dim: 10 }", "rotary_dim"},
+      {"num_hiddens: 64 num_heads: 8 kv_cache_precision: \"int8\"", "kv_cache_precision"},
+      {"num_hiddens: 64 num_heads: 8 precision: \"bf16\" kv_cache_precision: \"f32\"",
+       "kv_cache_precision"},
+      {"num_hiddens: 64 num_heads: 8 projections: NONE", "projections"},
+  };
+  for (const auto& b : bad) {
+    const absl::Status s =
+        ResolveModelConfig(ParseModelConfig(b.text, "t").value(), "m", {}).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << b.text;
+    EXPECT_TRUE(absl::StrContains(s.message(), b.field)) << s;
+  }
+}
+
 // A config without `warmup` gets the default passes, inside its limits: B 1 x Q 128
 // (or max_sequence_length), then the largest batch the batcher may form; a model
 // that cannot self-attend warms with keys. Listed passes replace them;
