@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -79,14 +80,21 @@ std::string NameTheFlag(absl::string_view message) {
 ABSL_FLAG(std::string, host, kDefaults.host,
           "Address to listen on; 127.0.0.1 (loopback) by default, 0.0.0.0 for all.");
 ABSL_FLAG(int32_t, port, kDefaults.port,
-          "gRPC port; 0 picks a free one. The bound address is printed as "
-          "'listening on HOST:PORT'.");
+          "gRPC port; 0 picks a free one, and makes --http_port and --metrics_port 0 too "
+          "unless they are given. The bound address is printed as 'listening on HOST:PORT'.");
 ABSL_FLAG(int32_t, metrics_port, 9464,
           "Prometheus /metrics port; 0 picks a free one, -1 turns metrics off. The bound "
           "address is printed as 'metrics on HOST:PORT'.");
 ABSL_FLAG(int32_t, http_port, 8000,
           "KServe v2 HTTP/REST port (same host and TLS flags as gRPC); 0 picks a free one, "
           "-1 turns HTTP off. The bound address is printed as 'http on HOST:PORT'.");
+ABSL_FLAG(std::string, restricted_api, "",
+          "Restricted API groups, as Triton's --grpc-restricted-protocol: "
+          "\"GROUP[,GROUP]:KEY=VALUE[;...]\". A call of a listed group needs the HTTP header "
+          "KEY (gRPC metadata KEY or triton-grpc-protocol-KEY) with VALUE, else "
+          "PERMISSION_DENIED / 403. VALUE @FILE or $ENV reads the secret from a file or the "
+          "environment. Groups: inference, metadata, health, statistics, model-repository, "
+          "shared-memory (docs/service.md).");
 ABSL_FLAG(int32_t, http_threads, kDefaults.http_threads,
           "HTTP connections served at once (one thread each, keep-alive included).");
 ABSL_FLAG(std::string, metrics_host, kDefaults.metrics_host,
@@ -200,6 +208,17 @@ int main(int argc, char** argv) {
   options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.http_port = absl::GetFlag(FLAGS_http_port);
+  // --port=0 alone: every port picked free, so that a second server starts beside the first.
+  // (Flags read from a --flagfile do not count as given.)
+  const std::vector<std::string> on_command_line = mha::FlagsOnCommandLine(argc, argv);
+  auto given = [&on_command_line](absl::string_view name) {
+    return std::find(on_command_line.begin(), on_command_line.end(), name) != on_command_line.end();
+  };
+  if (options.port == 0) {
+    if (!given("metrics_port")) options.metrics_port = 0;
+    if (!given("http_port")) options.http_port = 0;
+  }
+  options.restricted_api = absl::GetFlag(FLAGS_restricted_api);
   options.http_threads = absl::GetFlag(FLAGS_http_threads);
   options.batching.enabled = absl::GetFlag(FLAGS_batching);
   options.batching.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
@@ -292,6 +311,9 @@ int main(int argc, char** argv) {
                signal_number == SIGTERM ? "SIGTERM" : "SIGINT",
                absl::FormatDuration(options.drain_timeout).c_str());
   (*server)->Shutdown();
+  // Every listener, /metrics included, is closed before "stopped": a script may start
+  // the next server on the same ports at once.
+  server->reset();
   std::fprintf(stderr, "stopped\n");
   return 0;
 }

@@ -99,9 +99,10 @@ absl::StatusOr<std::unique_ptr<MetricsExposer>> MetricsExposer::Start(
   std::unique_ptr<MetricsExposer> exposer(new MetricsExposer());
   try {
     exposer->exposer_ = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/1);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat("metrics_port: cannot listen on ", address, ": ", e.what()));
+  } catch (const std::exception&) {
+    // civetweb's own words ("null context when constructing CivetServer") say nothing.
+    return absl::UnavailableError(absl::StrCat("metrics_port: cannot listen on ", address,
+                                               " (address in use, or a bad host)"));
   }
   const std::vector<int> ports = exposer->exposer_->GetListeningPorts();
   if (ports.empty()) {

@@ -10,6 +10,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "server/kserve/inference_codec.h"
@@ -93,8 +94,7 @@ absl::Status Infer(const RequestPath& path, const Call& call, const httplib::Req
   response.set_id(request->id());
   Completion completion;
   path.Submit(
-      call,
-      [&](const Model& model) { return DecodeInfer(*request, model, &decoded, &response); },
+      call, [&](const Model& model) { return DecodeInfer(*request, model, &decoded, &response); },
       completion.Callback());
   MHA_RETURN_IF_ERROR(completion.Wait());
   MHA_ASSIGN_OR_RETURN(HttpBody body, EncodeInferResponse(*request, response));
@@ -108,6 +108,21 @@ absl::Status Infer(const RequestPath& path, const Call& call, const httplib::Req
 }
 
 }  // namespace
+
+ApiGroup ApiGroupOfPath(absl::string_view path) {
+  if (absl::StartsWith(path, "/v2/health/")) return ApiGroup::kHealth;
+  if (absl::StartsWith(path, "/v2/repository")) return ApiGroup::kModelRepository;
+  if (absl::StartsWith(path, "/v2/systemsharedmemory") ||
+      absl::StartsWith(path, "/v2/cudasharedmemory")) {
+    return ApiGroup::kSharedMemory;
+  }
+  if (absl::StartsWith(path, "/v2/models/")) {
+    if (absl::EndsWith(path, "/infer")) return ApiGroup::kInference;
+    if (absl::EndsWith(path, "/ready")) return ApiGroup::kHealth;
+    if (absl::EndsWith(path, "/stats")) return ApiGroup::kStatistics;
+  }
+  return ApiGroup::kMetadata;
+}
 
 int HttpStatusOf(absl::StatusCode code) {
   switch (code) {
@@ -178,8 +193,7 @@ absl::StatusOr<std::unique_ptr<HttpFront>> HttpFront::Start(const Options& optio
     front->port_ = options.port;
   }
   if (front->port_ <= 0) {
-    return absl::UnavailableError(
-        absl::StrCat("http_port: cannot listen on ", address, " (address in use, or a bad host)"));
+    return absl::UnavailableError(absl::StrCat(address, " (--http_port)"));
   }
   if (front->listener_ >= 0) ::listen(front->listener_, SOMAXCONN);
   front->thread_ = std::thread([&server] { server.listen_after_bind(); });
@@ -195,6 +209,18 @@ void HttpFront::Stop() {
 }
 
 void HttpFront::Route() {
+  // Restricted API groups (server/serving/restricted_api.h), before any route reads a body.
+  const RequestPath* path = services_.path;
+  server_->set_pre_routing_handler([path](const httplib::Request& req, httplib::Response& res) {
+    const absl::Status allowed =
+        path->Allow(ApiGroupOfPath(req.path), [&req](absl::string_view key) {
+          const std::string name(key);
+          return req.has_header(name) ? std::optional(req.get_header_value(name)) : std::nullopt;
+        });
+    if (allowed.ok()) return httplib::Server::HandlerResponse::Unhandled;
+    SendError(allowed, res);
+    return httplib::Server::HandlerResponse::Handled;
+  });
   RouteMetadata();
   RouteRepository();
   RouteInfer();
@@ -290,7 +316,7 @@ void HttpFront::RouteRepository() {
                   absl::Status status = body.status();
                   if (status.ok()) {
                     status = s.answers->ControlModel(load, "", req.matches[1].str(),
-                                                       body->has_parameters);
+                                                     body->has_parameters);
                   }
                   if (!status.ok()) return SendError(status, res);
                   SendJson(json::object(), res);

@@ -9,8 +9,9 @@
 //   GET  /v2/models/{m}[/versions/{v}]/ready    200, 503 while not ready
 //   GET  /v2/models/{m}[/versions/{v}]/config   Triton ModelConfig (protobuf JSON)
 //   GET  /v2/models/{m}[/versions/{v}]/stats    Triton ModelStatistics (protobuf JSON)
-//   POST /v2/models/{m}[/versions/{v}]/infer    JSON or JSON + binary (server/kserve_http/http_codec.h)
-//   POST /v2/repository/index            [{"name", "version", "state", "reason"}]
+//   POST /v2/models/{m}[/versions/{v}]/infer    JSON or JSON + binary
+//   (server/kserve_http/http_codec.h) POST /v2/repository/index            [{"name", "version",
+//   "state", "reason"}]
 // Errors: {"error": "..."} with the status of the canonical code (HttpStatusOf).
 // Bodies over max_body_bytes get 413 before they are read.
 //
@@ -34,9 +35,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "server/kserve/answers.h"
 #include "server/models/model_repository.h"
 #include "server/serving/metrics.h"
+#include "server/serving/restricted_api.h"
 #include "server/serving/submit.h"
 
 namespace httplib {
@@ -50,6 +53,12 @@ namespace mha::server {
 // UNIMPLEMENTED 501, OK 200, anything else 500.
 int HttpStatusOf(absl::StatusCode code);
 
+// The restricted API group (server/serving/restricted_api.h) of a request path:
+// /v2/health/* and .../ready health, .../infer inference, .../stats statistics,
+// /v2/repository/* model-repository, /v2/{system,cuda}sharedmemory/* shared-memory,
+// anything else metadata.
+ApiGroup ApiGroupOfPath(absl::string_view path);
+
 class HttpFront {
  public:
   struct Options {
@@ -62,12 +71,12 @@ class HttpFront {
   };
   struct Services {
     const ModelRepository* models;
-    const RequestPath* path;  // infer
-    const Metrics* metrics;   // statistics
+    const RequestPath* path;      // infer
+    const Metrics* metrics;       // statistics
     const KserveModels* answers;  // readiness, the index, model control
   };
 
-  // Binds (UNAVAILABLE naming the address when the port is in use) and serves.
+  // Binds (UNAVAILABLE "HOST:PORT (--http_port)" when the port is in use) and serves.
   static absl::StatusOr<std::unique_ptr<HttpFront>> Start(const Options& options,
                                                           const Services& services);
   ~HttpFront();  // Stop()

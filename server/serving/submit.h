@@ -44,6 +44,7 @@
 #include "server/serving/metrics.h"
 #include "server/serving/model_source.h"
 #include "server/serving/request.h"
+#include "server/serving/restricted_api.h"
 #include "server/serving/work_item.h"
 
 namespace mha::server {
@@ -59,8 +60,8 @@ struct Prepared {
 // One call as its front received it.
 struct Call {
   Protocol protocol = Protocol::kAttentionV1;
-  absl::string_view model;    // as the request names it
-  absl::string_view version;  // "" = the newest served
+  absl::string_view model;                       // as the request names it
+  absl::string_view version;                     // "" = the newest served
   absl::Time deadline = absl::InfiniteFuture();  // the transport's
   std::function<bool()> cancelled;               // optional; polled while queued
   absl::Time received = absl::Now();             // mha_request_duration_seconds from here
@@ -71,8 +72,19 @@ using Answer = std::function<void(absl::Status, const ComputeTiming&)>;
 
 class RequestPath {
  public:
-  RequestPath(const ModelSource* models, Batcher* batcher, Metrics* metrics)
-      : models_(models), batcher_(batcher), metrics_(metrics) {}
+  // `restricted` (optional, outliving the path) restricts API groups for every front.
+  RequestPath(const ModelSource* models, Batcher* batcher, Metrics* metrics,
+              const RestrictedApis* restricted = nullptr)
+      : models_(models), batcher_(batcher), metrics_(metrics), restricted_(restricted) {}
+
+  // Every front's first step for every call, of any group (server/serving/restricted_api.h):
+  // OK, or PERMISSION_DENIED (counted) when the group is restricted and the call lacks its
+  // key. `key_prefix` is a second spelling of the key the transport accepts (gRPC:
+  // "triton-grpc-protocol-").
+  absl::Status Allow(ApiGroup group, HeaderLookup header, absl::string_view key_prefix = "") const {
+    return restricted_ == nullptr ? absl::OkStatus()
+                                  : restricted_->Allow(group, header, key_prefix);
+  }
 
   // Steps 1-4 above; `decode` runs on the calling thread, before Submit returns.
   void Submit(const Call& call,
@@ -87,6 +99,7 @@ class RequestPath {
   const ModelSource* const models_;
   Batcher* const batcher_;
   Metrics* const metrics_;
+  const RestrictedApis* const restricted_;
 };
 
 // An Answer to wait for, on a thread that may block: the HTTP front's (its
