@@ -18,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/log.h"
 #include "base/status_macros.h"
 #include "server/app/cpu.h"
 
@@ -94,6 +95,23 @@ absl::Status PortInRange(absl::string_view field, int32_t port, int32_t least) {
   if (port >= least && port <= 65535) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat(field, ": expected ", least, " to 65535, got ", port));
+}
+
+// --log_requests: the access line of one answer (base/log.h's format).
+void LogAccess(const AccessRecord& r) {
+  log::Access({{"front", std::string(ProtocolLabel(r.protocol))},
+               {"call", std::string(r.session ? "session" : "request")},
+               {"model", std::string(r.model)},
+               {"version", r.version},
+               {"batch", r.batch},
+               {"queries", r.queries},
+               {"keys", r.keys},
+               {"steps", r.steps},
+               {"code", absl::StatusCodeToString(r.code)},
+               {"queue_us", absl::ToInt64Microseconds(r.queue)},
+               {"compute_us", absl::ToInt64Microseconds(r.compute)},
+               {"total_us", absl::ToInt64Microseconds(r.total)},
+               {"peer", std::string(r.peer)}});
 }
 
 std::string HostPort(const std::string& host, int port) {
@@ -176,11 +194,13 @@ absl::Status Server::StartServices() {
       SessionOptions{.cache_bytes = options_.session_cache_bytes > 0 ? options_.session_cache_bytes
                                                                      : AvailableMemoryBytes() / 4,
                      .idle_timeout = options_.session_idle_timeout},
-      models_.get(), batcher_.get(), *metrics_->registry());
+      models_.get(), batcher_.get(), *metrics_->registry(),
+      options_.log_requests ? AccessLog(LogAccess) : nullptr);
   MHA_ASSIGN_OR_RETURN(restricted_,
                        RestrictedApis::Create(options_.restricted_api, metrics_->registry().get()));
   path_ = std::make_unique<RequestPath>(models_.get(), batcher_.get(), metrics_.get(),
-                                        restricted_.get());
+                                        restricted_.get(),
+                                        options_.log_requests ? AccessLog(LogAccess) : nullptr);
   service_ = std::make_unique<AttentionServiceImpl>(models_.get(), path_.get(), sessions_.get());
   kserve_models_ = std::make_unique<KserveModels>(models_.get(), states_.get(), lifecycle_.get());
   inference_service_ = std::make_unique<InferenceServiceImpl>(models_.get(), path_.get(),
@@ -247,7 +267,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
                                .default_warmup = options.default_warmup,
                                .only = options.model_control == ModelControl::kExplicit
                                            ? std::optional(options.load_models)
-                                           : std::nullopt}));
+                                           : std::nullopt,
+                               .allow_empty = options.model_control == ModelControl::kPoll}));
   std::vector<std::string> names;
   for (const auto& model : server->models_->models()) names.push_back(model->name);
   server->metrics_ = std::make_unique<Metrics>(names);

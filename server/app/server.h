@@ -78,6 +78,8 @@ struct ServerOptions {
   // Restricted API groups, "GROUP[,GROUP]:KEY=VALUE[;...]" (server/serving/restricted_api.h);
   // "" restricts none.
   std::string restricted_api;
+  // One access-log line (base/log.h) per request answered and per session ended.
+  bool log_requests = false;
 
   // Every field's range, and the TLS fields' combinations: INVALID_ARGUMENT whose
   // message starts with the field's name as written here, e.g.

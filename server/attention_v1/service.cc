@@ -92,7 +92,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
            .model = request->model(),
            .version = request->model_version(),
            .deadline = DeadlineOf(context),
-           .cancelled = [context] { return context->IsCancelled(); }},
+           .cancelled = [context] { return context->IsCancelled(); },
+           .peer = [context] { return context->peer(); }},
       [&](const Model& model) { return DecodeAttend(*request, model, response); },
       [reactor, response](absl::Status status, const ComputeTiming& timing) {
         if (status.ok()) EncodeTiming(timing, response);

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <memory>
+#include <string>
 #include <utility>
 
 #include "server/attention_v1/session_codec.h"
@@ -22,7 +23,7 @@ class SessionManager::Reactor final
       public SessionStream {
  public:
   Reactor(SessionManager* manager, grpc::CallbackServerContext* context)
-      : manager_(manager), context_(context) {
+      : manager_(manager), context_(context), opened_(absl::Now()) {
     // Open may start the first read, whose OnReadDone runs on a gRPC thread; the
     // hand-off goes through gRPC core, which ThreadSanitizer cannot see, so the
     // pointer is published with release/acquire ordering that it can.
@@ -35,6 +36,10 @@ class SessionManager::Reactor final
     StartRead(&request_);
   }
   void Write(const ComputeTiming& timing, int64_t context) override {
+    ++steps_;
+    queue_ += timing.queue;
+    compute_ += timing.compute;
+    context_tokens_ = context;
     response_.set_context_tokens(context);
     attention::v1::Timing* t = response_.mutable_timing();
     t->set_queue_us(absl::ToInt64Microseconds(timing.queue));
@@ -42,7 +47,25 @@ class SessionManager::Reactor final
     t->set_batch_rows(timing.batch_rows);
     StartWrite(&response_);
   }
-  void End(const absl::Status& status) override { Finish(ToGrpcStatus(status)); }
+  void End(const absl::Status& status) override {
+    if (manager_->access_log_) {
+      const std::string peer = context_->peer();
+      manager_->access_log_(AccessRecord{.protocol = Protocol::kAttentionV1,
+                                         .session = true,
+                                         .model = model_name_,
+                                         .version = model_version_,
+                                         .batch = steps_ > 0 ? 1 : 0,
+                                         .queries = queries_,
+                                         .keys = context_tokens_,
+                                         .steps = steps_,
+                                         .code = status.code(),
+                                         .queue = queue_,
+                                         .compute = compute_,
+                                         .total = absl::Now() - opened_,
+                                         .peer = peer});
+    }
+    Finish(ToGrpcStatus(status));
+  }
 
   void OnReadDone(bool ok) override {
     SessionStore::Session* const live = session();
@@ -58,12 +81,15 @@ class SessionManager::Reactor final
           manager_->models_->Find(request_.model(), request_.model_version());
       if (!found.ok()) return live->Fail(found.status());
       model = *std::move(found);
+      model_name_ = model->name;
+      model_version_ = model->version;
       settings_ = SettingsOf(request_);
     }
     const Model& decoding = first ? *model : *live->model();
     absl::StatusOr<SessionStepInput> input =
         DecodeSessionStep(request_, first, settings_, decoding, live->cached());
     if (!input.ok()) return live->Fail(input.status());
+    queries_ += input->num_queries;
     float* output = PrepareSessionResponse(*input, decoding, &response_);
     live->Step(std::move(model), ToPagedStep(*input, settings_, /*cache=*/nullptr, output),
                DeadlineOf(context_), [context = context_] { return context->IsCancelled(); });
@@ -82,6 +108,12 @@ class SessionManager::Reactor final
   SessionRequest request_;
   SessionResponse response_;
   SessionSettings settings_;
+  // The access log's figures (written under the session's lock, read at End).
+  const absl::Time opened_;
+  std::string model_name_;
+  int64_t model_version_ = 0;
+  int64_t steps_ = 0, queries_ = 0, context_tokens_ = 0;
+  absl::Duration queue_, compute_;
   SessionStore::Session* session() const { return session_.load(std::memory_order_acquire); }
 
   std::atomic<SessionStore::Session*> session_{nullptr};

@@ -123,7 +123,8 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerC
            .model = request->model_name(),
            .version = request->model_version(),
            .deadline = DeadlineOf(context),
-           .cancelled = [context] { return context->IsCancelled(); }},
+           .cancelled = [context] { return context->IsCancelled(); },
+           .peer = [context] { return context->peer(); }},
       [&](const Model& model) { return DecodeInfer(*request, model, decoded.get(), response); },
       [reactor, decoded](absl::Status status, const ComputeTiming& /*timing*/) {
         reactor->Finish(ToGrpcStatus(status));

@@ -284,14 +284,17 @@ void HttpFront::RouteMetadata() {
 
 void HttpFront::RouteInfer() {
   const Services s = services_;
-  server_->Post(absl::StrCat(kModelPath, "/infer"),
-                [s](const httplib::Request& req, httplib::Response& res) {
-                  const std::string model = req.matches[1].str();
-                  const std::string version = req.matches[2].str();
-                  Call call{.protocol = Protocol::kKserveHttp, .model = model, .version = version};
-                  const absl::Status status = Infer(*s.path, call, req, res);
-                  if (!status.ok()) SendError(status, res);
-                });
+  server_->Post(
+      absl::StrCat(kModelPath, "/infer"), [s](const httplib::Request& req, httplib::Response& res) {
+        const std::string model = req.matches[1].str();
+        const std::string version = req.matches[2].str();
+        Call call{
+            .protocol = Protocol::kKserveHttp, .model = model, .version = version, .peer = [&req] {
+              return absl::StrCat(req.remote_addr, ":", req.remote_port);
+            }};
+        const absl::Status status = Infer(*s.path, call, req, res);
+        if (!status.ok()) SendError(status, res);
+      });
 }
 
 void HttpFront::RouteRepository() {

@@ -33,6 +33,8 @@
 #define MHA_SERVER_SERVING_SUBMIT_H_
 
 #include <functional>
+#include <string>
+#include <utility>
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
@@ -40,6 +42,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/serving/access_log.h"
 #include "server/serving/batcher.h"
 #include "server/serving/metrics.h"
 #include "server/serving/model_source.h"
@@ -65,6 +68,7 @@ struct Call {
   absl::Time deadline = absl::InfiniteFuture();  // the transport's
   std::function<bool()> cancelled;               // optional; polled while queued
   absl::Time received = absl::Now();             // mha_request_duration_seconds from here
+  std::function<std::string()> peer;             // optional; read when access is logged
 };
 
 // How a call ends: its status, and its timing when OK. Called exactly once.
@@ -73,9 +77,14 @@ using Answer = std::function<void(absl::Status, const ComputeTiming&)>;
 class RequestPath {
  public:
   // `restricted` (optional, outliving the path) restricts API groups for every front.
+  // `access_log` (optional) gets a record of every answer.
   RequestPath(const ModelSource* models, Batcher* batcher, Metrics* metrics,
-              const RestrictedApis* restricted = nullptr)
-      : models_(models), batcher_(batcher), metrics_(metrics), restricted_(restricted) {}
+              const RestrictedApis* restricted = nullptr, AccessLog access_log = nullptr)
+      : models_(models),
+        batcher_(batcher),
+        metrics_(metrics),
+        restricted_(restricted),
+        access_log_(std::move(access_log)) {}
 
   // Every front's first step for every call, of any group (server/serving/restricted_api.h):
   // OK, or PERMISSION_DENIED (counted) when the group is restricted and the call lacks its
@@ -100,6 +109,7 @@ class RequestPath {
   Batcher* const batcher_;
   Metrics* const metrics_;
   const RestrictedApis* const restricted_;
+  const AccessLog access_log_;
 };
 
 // An Answer to wait for, on a thread that may block: the HTTP front's (its

@@ -8,6 +8,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "core/safetensors.h"
 #include "gtest/gtest.h"
@@ -393,6 +394,29 @@ TEST_F(TlsTest, MismatchedKeyFailsStartNamingBothFiles) {
   EXPECT_TRUE(absl::StrContains(swapped.err,
                                 "tls_cert: " + File("server.key") + " holds no PEM certificate"))
       << swapped.err;
+}
+
+// gRPC's own messages (a plaintext client's failed handshake) go through the server's
+// log: hidden at --log_verbose=0, one JSON line with source "grpc" at 1, never gRPC's
+// own "E1125 ... ssl_transport_security.cc" format.
+TEST_F(TlsTest, GrpcMessagesGoThroughTheServersLog) {
+  for (const int verbose : {0, 1}) {
+    auto server = ServerProcess::Start({"--port=0", "--tls_cert=" + File("server.pem"),
+                                        "--tls_key=" + File("server.key"), "--log_format=json",
+                                        "--log_verbose=" + std::to_string(verbose)});
+    ASSERT_TRUE(server.ok()) << server.status();
+    EXPECT_EQ(Call((*server)->target(), grpc::InsecureChannelCredentials()).error_code(),
+              grpc::StatusCode::UNAVAILABLE);
+    const absl::Time deadline = absl::Now() + absl::Seconds(verbose == 1 ? 10 : 1);
+    while (!absl::StrContains((*server)->log(), "\"source\":\"grpc\"") && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    const std::string log = (*server)->log();
+    EXPECT_EQ(absl::StrContains(log, "\"source\":\"grpc\""), verbose == 1) << log;
+    for (absl::string_view line : absl::StrSplit(log, '\n', absl::SkipEmpty())) {
+      EXPECT_TRUE(absl::StartsWith(line, "{\"time\":")) << line;
+    }
+  }
 }
 
 TEST_F(TlsTest, MissingKeyFileFailsStart) {

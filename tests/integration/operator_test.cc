@@ -9,7 +9,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "proto/inference/grpc_service.grpc.pb.h"
 #include "tests/integration/client_util.h"
 #include "tests/integration/metrics_scrape.h"
@@ -218,6 +220,165 @@ TEST_F(RestrictedApiTest, HttpNeedsTheHeader) {
   EXPECT_EQ(MetricValue(metrics, "mha_restricted_refusals_total{group=\"health\"}"), 3.0);
   EXPECT_EQ(MetricValue(metrics, "mha_restricted_refusals_total{group=\"model-repository\"}"), 1.0);
   EXPECT_EQ(MetricValue(metrics, "mha_restricted_refusals_total{group=\"inference\"}"), 1.0);
+}
+
+// --log_requests: one access line per request and one per session (not per step),
+// each with time, front, model, version, shape, code, queue/compute us and peer.
+// Returns the server's stderr once `lines` access lines are there.
+std::string LogAccessOfEachFront(const std::string& format, int lines) {
+  auto server = ServerProcess::Start(
+      {"--port=0", "--http_port=0", "--log_requests", "--log_format=" + format});
+  EXPECT_TRUE(server.ok()) << server.status();
+  if (!server.ok()) return "";
+  auto stub = Connect((*server)->target());
+  AttendResponse response;
+  EXPECT_TRUE(Attend(*stub, ToyRequest(), &response).ok());
+  AttendRequest unknown = ToyRequest();
+  unknown.set_model("nope");
+  EXPECT_EQ(Attend(*stub, unknown, &response).error_code(), grpc::StatusCode::NOT_FOUND);
+  std::string zeros;
+  for (int i = 0; i < 300; ++i) zeros += i == 0 ? "0" : ",0";
+  EXPECT_EQ(
+      HttpCall((*server)->http_port(), "POST", "/v2/models/default/infer", "",
+               R"({"inputs":[{"name":"queries","datatype":"FP32","shape":[1,3,100],"data":[)" +
+                   zeros + "]}]}")
+          .status,
+      200);
+  {  // a session of two steps: one line, at its end
+    grpc::ClientContext context;
+    SetTimeout(&context, std::chrono::seconds(30));
+    auto session = stub->AttendSession(&context);
+    const std::vector<float> x(300, 0.5f);
+    for (int64_t rows : {2, 1}) {
+      attention::v1::SessionRequest step;
+      *step.mutable_queries() = Rows(x, 100, 0, rows);
+      EXPECT_TRUE(session->Write(step));
+      attention::v1::SessionResponse answer;
+      EXPECT_TRUE(session->Read(&answer));
+    }
+    session->WritesDone();
+    const grpc::Status ended = session->Finish();
+    EXPECT_TRUE(ended.ok()) << ended.error_message();
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  std::string log;
+  do {
+    log = (*server)->log();
+    int found = 0;
+    for (size_t at = 0; (at = log.find("access", at)) != std::string::npos; ++at) ++found;
+    if (found >= lines) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  } while (absl::Now() < deadline);
+  return log;
+}
+
+TEST(AccessLogTest, TextLinesCarryEveryField) {
+  const std::string log = LogAccessOfEachFront("text", 4);
+  const std::vector<std::string> lines = absl::StrSplit(log, '\n');
+  std::vector<std::string> access;
+  for (const std::string& line : lines) {
+    if (absl::StartsWith(line, "access ")) access.push_back(line);
+  }
+  ASSERT_EQ(access.size(), 4u) << log;
+  const auto has = [](const std::string& line, const std::string& text) {
+    return absl::StrContains(line, text);
+  };
+  EXPECT_TRUE(has(access[0],
+                  " front=attention_v1 call=request model=default version=1 batch=2 "
+                  "queries=4 keys=6 steps=0 code=OK queue_us="))
+      << access[0];
+  EXPECT_TRUE(has(access[0], " compute_us=")) << access[0];
+  EXPECT_TRUE(has(access[0], " peer=ipv4:127.0.0.1:")) << access[0];
+  EXPECT_TRUE(absl::StartsWith(access[0], "access time=20")) << access[0];
+  EXPECT_TRUE(has(access[1],
+                  " front=attention_v1 call=request model=nope version=0 batch=0 "
+                  "queries=0 keys=0 steps=0 code=NOT_FOUND "))
+      << access[1];
+  EXPECT_TRUE(has(access[2],
+                  " front=kserve_http call=request model=default version=1 batch=1 "
+                  "queries=3 keys=3 steps=0 code=OK "))
+      << access[2];
+  EXPECT_TRUE(has(access[2], " peer=127.0.0.1:")) << access[2];
+  EXPECT_TRUE(has(access[3],
+                  " front=attention_v1 call=session model=default version=1 batch=1 "
+                  "queries=3 keys=3 steps=2 code=OK "))
+      << access[3];
+}
+
+TEST(AccessLogTest, JsonLinesCarryEveryFieldAndEveryLineIsJson) {
+  const std::string log = LogAccessOfEachFront("json", 4);
+  std::vector<nlohmann::json> access;
+  for (const absl::string_view line : absl::StrSplit(log, '\n', absl::SkipEmpty())) {
+    nlohmann::json parsed = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    ASSERT_FALSE(parsed.is_discarded()) << "not JSON: " << line;
+    EXPECT_TRUE(parsed.contains("time") && parsed.contains("level")) << line;
+    if (parsed.value("log", "") == "access") access.push_back(std::move(parsed));
+  }
+  ASSERT_EQ(access.size(), 4u) << log;
+  for (const auto& record : access) {
+    for (const char* field :
+         {"time", "front", "call", "model", "version", "batch", "queries", "keys", "steps", "code",
+          "queue_us", "compute_us", "total_us", "peer"}) {
+      EXPECT_TRUE(record.contains(field)) << field << " in " << record.dump();
+    }
+  }
+  EXPECT_EQ(access[0]["front"], "attention_v1");
+  EXPECT_EQ(access[0]["model"], "default");
+  EXPECT_EQ(access[0]["version"], 1);
+  EXPECT_EQ(access[0]["batch"], 2);
+  EXPECT_EQ(access[0]["queries"], 4);
+  EXPECT_EQ(access[0]["keys"], 6);
+  EXPECT_EQ(access[0]["code"], "OK");
+  EXPECT_TRUE(access[0]["queue_us"].is_number_integer());
+  EXPECT_TRUE(access[0]["compute_us"].is_number_integer());
+  EXPECT_TRUE(absl::StartsWith(access[0]["peer"].get<std::string>(), "ipv4:127.0.0.1:"));
+  EXPECT_EQ(access[1]["code"], "NOT_FOUND");
+  EXPECT_EQ(access[2]["front"], "kserve_http");
+  EXPECT_EQ(access[3]["call"], "session");
+  EXPECT_EQ(access[3]["steps"], 2);
+}
+
+TEST(AccessLogTest, OffByDefaultAndBadFormatNamesTheFlag) {
+  auto server = ServerProcess::Start({"--port=0"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = Connect((*server)->target());
+  AttendResponse response;
+  EXPECT_TRUE(Attend(*stub, ToyRequest(), &response).ok());
+  EXPECT_FALSE(absl::StrContains((*server)->log(), "access")) << (*server)->log();
+  const RunResult run = RunServer({"--port=0", "--log_format=yaml"});
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_TRUE(absl::StrContains(run.err, "--log_format: expected text or json, got \"yaml\""))
+      << run.err;
+}
+
+// Poll model control serves an empty repository and loads the models that appear in it;
+// with no --model_repository at all it is still a usage error.
+TEST(PollTest, EmptyRepositoryStartsAndLoadsModelsAsTheyAppear) {
+  TempDir repository;
+  auto server =
+      ServerProcess::Start({"--port=0", "--model_control=poll", "--repository_poll_secs=1",
+                            "--model_repository=" + repository.path()});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = Connect((*server)->target());
+  AttendRequest request = ToyRequest();
+  request.set_model("late");
+  AttendResponse response;
+  EXPECT_EQ(Attend(*stub, request, &response).error_code(), grpc::StatusCode::NOT_FOUND);
+  repository.Write("late/config.pbtxt", "num_hiddens: 100 num_heads: 5 seeded { seed: 3 }");
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  grpc::Status status;
+  do {
+    absl::SleepFor(absl::Milliseconds(200));
+    status = Attend(*stub, request, &response);
+  } while (!status.ok() && absl::Now() < deadline);
+  EXPECT_TRUE(status.ok()) << status.error_message() << "\n" << (*server)->log();
+
+  const RunResult run = RunServer({"--port=0", "--model_control=poll"});
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_TRUE(absl::StrContains(run.err,
+                                "--model_control: poll and explicit need a "
+                                "model_repository"))
+      << run.err;
 }
 
 TEST(RestrictedApiFlagTest, BadRulesFailStartNamingTheFlag) {
