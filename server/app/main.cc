@@ -110,9 +110,9 @@ ABSL_FLAG(int32_t, log_verbose, 0,
           "0: the server's own lines; 1: also gRPC's and civetweb's error messages; 2: also "
           "gRPC's informational ones.");
 ABSL_FLAG(bool, log_requests, false,
-          "Access log: one line per request answered (unary, or each request of a stream) "
-          "and per session at its end, not per step: time, front, model, version, shape, "
-          "code, queue/compute/total us, peer.");
+          "Access log: one line per inference request answered (unary, or each request of "
+          "a stream) and per session at its end, not per step: time, front, model, version, "
+          "shape, code, queue/compute/total us, peer.");
 ABSL_FLAG(std::string, restricted_api, "",
           "Restricted API groups, as Triton's --grpc-restricted-protocol: "
           "\"GROUP[,GROUP]:KEY=VALUE[;...]\". A call of a listed group needs the HTTP header "

@@ -37,6 +37,8 @@ class SessionManager::Reactor final
   }
   void Write(const ComputeTiming& timing, int64_t context) override {
     ++steps_;
+    // The step's Q: its output (1, Q, p_o), sized when its message was decoded.
+    if (response_.output().shape_size() == 3) queries_ += response_.output().shape(1);
     queue_ += timing.queue;
     compute_ += timing.compute;
     context_tokens_ = context;
@@ -50,19 +52,22 @@ class SessionManager::Reactor final
   void End(const absl::Status& status) override {
     if (manager_->access_log_) {
       const std::string peer = context_->peer();
-      manager_->access_log_(AccessRecord{.protocol = Protocol::kAttentionV1,
-                                         .session = true,
-                                         .model = model_name_,
-                                         .version = model_version_,
-                                         .batch = steps_ > 0 ? 1 : 0,
-                                         .queries = queries_,
-                                         .keys = context_tokens_,
-                                         .steps = steps_,
-                                         .code = status.code(),
-                                         .queue = queue_,
-                                         .compute = compute_,
-                                         .total = absl::Now() - opened_,
-                                         .peer = peer});
+      const SessionStore::Session* live = session();  // nullptr when ended in Open
+      const Model* model = live != nullptr ? live->model() : nullptr;
+      manager_->access_log_(AccessRecord{
+          .protocol = Protocol::kAttentionV1,
+          .session = true,
+          .model = model != nullptr ? absl::string_view(model->name) : absl::string_view(),
+          .version = model != nullptr ? model->version : 0,
+          .batch = steps_ > 0 ? 1 : 0,
+          .queries = queries_,
+          .keys = context_tokens_,
+          .steps = steps_,
+          .code = status.code(),
+          .queue = queue_,
+          .compute = compute_,
+          .total = absl::Now() - opened_,
+          .peer = peer});
     }
     Finish(ToGrpcStatus(status));
   }
@@ -81,15 +86,12 @@ class SessionManager::Reactor final
           manager_->models_->Find(request_.model(), request_.model_version());
       if (!found.ok()) return live->Fail(found.status());
       model = *std::move(found);
-      model_name_ = model->name;
-      model_version_ = model->version;
       settings_ = SettingsOf(request_);
     }
     const Model& decoding = first ? *model : *live->model();
     absl::StatusOr<SessionStepInput> input =
         DecodeSessionStep(request_, first, settings_, decoding, live->cached());
     if (!input.ok()) return live->Fail(input.status());
-    queries_ += input->num_queries;
     float* output = PrepareSessionResponse(*input, decoding, &response_);
     live->Step(std::move(model), ToPagedStep(*input, settings_, /*cache=*/nullptr, output),
                DeadlineOf(context_), [context = context_] { return context->IsCancelled(); });
@@ -108,10 +110,9 @@ class SessionManager::Reactor final
   SessionRequest request_;
   SessionResponse response_;
   SessionSettings settings_;
-  // The access log's figures (written under the session's lock, read at End).
+  // The access log's figures, written in Write and read in End: both called by the
+  // store under the session's lock.
   const absl::Time opened_;
-  std::string model_name_;
-  int64_t model_version_ = 0;
   int64_t steps_ = 0, queries_ = 0, context_tokens_ = 0;
   absl::Duration queue_, compute_;
   SessionStore::Session* session() const { return session_.load(std::memory_order_acquire); }

@@ -89,7 +89,8 @@ absl::StatusOr<std::unique_ptr<RestrictedApis>> RestrictedApis::Create(
           rule,
           absl::StrCat("KEY \"", key, "\" is not a header name (letters, digits, '-', '_', '.')"));
     }
-    absl::StatusOr<std::string> secret = Secret(rule, assignment.substr(equals + 1));
+    absl::StatusOr<std::string> secret =
+        Secret(rule, absl::StripAsciiWhitespace(assignment.substr(equals + 1)));
     if (!secret.ok()) return secret.status();
     for (absl::string_view name : absl::StrSplit(rule.substr(0, colon), ',')) {
       name = absl::StripAsciiWhitespace(name);

@@ -7,7 +7,8 @@
 //   --restricted_api="model-repository,shared-memory:admin-key=@/run/secrets/admin;
 //                     inference:infer-key=$INFER_KEY"
 //
-// Rules are separated by ';', each "GROUP[,GROUP]:KEY=VALUE". A VALUE of @FILE reads
+// Rules are separated by ';', each "GROUP[,GROUP]:KEY=VALUE" (spaces around the parts
+// are ignored). A VALUE of @FILE reads
 // the secret from FILE (one trailing newline dropped), $ENV from that environment
 // variable, so it need not appear in `ps`; anything else is the secret itself. A
 // group may be named by one rule only. KEY is matched case-insensitively (HTTP header
