@@ -36,7 +36,13 @@ class SessionManager::Reactor final
     StartRead(&request_);
   }
   void Write(const ComputeTiming& timing, int64_t context) override {
-    ++steps_;
+    if (++steps_ == 1) {
+      // The store lets the model go when the session ends: keep its name now.
+      if (const Model* model = session()->model(); model != nullptr) {
+        model_name_ = model->name;
+        model_version_ = model->version;
+      }
+    }
     // The step's Q: its output (1, Q, p_o), sized when its message was decoded.
     if (response_.output().shape_size() == 3) queries_ += response_.output().shape(1);
     queue_ += timing.queue;
@@ -52,22 +58,19 @@ class SessionManager::Reactor final
   void End(const absl::Status& status) override {
     if (manager_->access_log_) {
       const std::string peer = context_->peer();
-      const SessionStore::Session* live = session();  // nullptr when ended in Open
-      const Model* model = live != nullptr ? live->model() : nullptr;
-      manager_->access_log_(AccessRecord{
-          .protocol = Protocol::kAttentionV1,
-          .session = true,
-          .model = model != nullptr ? absl::string_view(model->name) : absl::string_view(),
-          .version = model != nullptr ? model->version : 0,
-          .batch = steps_ > 0 ? 1 : 0,
-          .queries = queries_,
-          .keys = context_tokens_,
-          .steps = steps_,
-          .code = status.code(),
-          .queue = queue_,
-          .compute = compute_,
-          .total = absl::Now() - opened_,
-          .peer = peer});
+      manager_->access_log_(AccessRecord{.protocol = Protocol::kAttentionV1,
+                                         .session = true,
+                                         .model = model_name_,
+                                         .version = model_version_,
+                                         .batch = steps_ > 0 ? 1 : 0,
+                                         .queries = queries_,
+                                         .keys = context_tokens_,
+                                         .steps = steps_,
+                                         .code = status.code(),
+                                         .queue = queue_,
+                                         .compute = compute_,
+                                         .total = absl::Now() - opened_,
+                                         .peer = peer});
     }
     Finish(ToGrpcStatus(status));
   }
@@ -113,6 +116,8 @@ class SessionManager::Reactor final
   // The access log's figures, written in Write and read in End: both called by the
   // store under the session's lock.
   const absl::Time opened_;
+  std::string model_name_;  // "" when it ended before its first step was answered
+  int64_t model_version_ = 0;
   int64_t steps_ = 0, queries_ = 0, context_tokens_ = 0;
   absl::Duration queue_, compute_;
   SessionStore::Session* session() const { return session_.load(std::memory_order_acquire); }

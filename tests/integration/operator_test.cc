@@ -335,6 +335,8 @@ TEST(AccessLogTest, JsonLinesCarryEveryFieldAndEveryLineIsJson) {
   EXPECT_EQ(access[1]["code"], "NOT_FOUND");
   EXPECT_EQ(access[2]["front"], "kserve_http");
   EXPECT_EQ(access[3]["call"], "session");
+  EXPECT_EQ(access[3]["model"], "default");
+  EXPECT_EQ(access[3]["queries"], 3);
   EXPECT_EQ(access[3]["steps"], 2);
 }
 
