@@ -42,7 +42,10 @@ absl::Status CheckKeyPair(const ServerOptions& options, const std::string& cert_
   X509* cert = PEM_read_bio_X509(cert_bio, nullptr, nullptr, nullptr);
   BIO_free(cert_bio);
   BIO* key_bio = BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size()));
-  EVP_PKEY* key = PEM_read_bio_PrivateKey(key_bio, nullptr, nullptr, nullptr);
+  // No passphrase (OpenSSL's default callback would prompt on the terminal): an
+  // encrypted key reads as none, which gRPC could not use either.
+  pem_password_cb* no_passphrase = [](char*, int, int, void*) { return 0; };
+  EVP_PKEY* key = PEM_read_bio_PrivateKey(key_bio, nullptr, no_passphrase, nullptr);
   BIO_free(key_bio);
   absl::Status status;
   if (cert == nullptr) {

@@ -394,6 +394,20 @@ TEST_F(TlsTest, MismatchedKeyFailsStartNamingBothFiles) {
   EXPECT_TRUE(absl::StrContains(swapped.err,
                                 "tls_cert: " + File("server.key") + " holds no PEM certificate"))
       << swapped.err;
+  // An encrypted key: refused in words, without prompting for a passphrase.
+  const RunResult made =
+      RunProgram("/usr/bin/openssl",
+                 {"genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-aes256",
+                  "-pass", "pass:secret", "-out", File("encrypted.key")},
+                 absl::Seconds(30));
+  ASSERT_EQ(made.exit_code, 0) << made.err;
+  const RunResult encrypted = RunServer(
+      {"--port=0", "--tls_cert=" + File("server.pem"), "--tls_key=" + File("encrypted.key")},
+      absl::Seconds(10));
+  EXPECT_EQ(encrypted.exit_code, 1);
+  EXPECT_TRUE(absl::StrContains(
+      encrypted.err, "tls_key: " + File("encrypted.key") + " holds no unencrypted PEM private key"))
+      << encrypted.err;
 }
 
 // gRPC's own messages (a plaintext client's failed handshake) go through the server's
