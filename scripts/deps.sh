@@ -36,8 +36,9 @@ test_packages=(
   python3 python3-grpcio python3-grpc-tools python3-numpy python3-torch libopenblas0-pthread
   # the Python package (client/python) installed offline into a venv and its pytest tests
   python3-protobuf python3-setuptools python3-wheel python3-venv python3-pytest
-  # deploy checks: yamllint for the manifests (promtool comes with prometheus above)
-  yamllint python3-yaml
+  # deploy checks: yamllint for the manifests (promtool comes with prometheus above),
+  # jsonschema for deploy/kserve against KServe's CRD schemas (tests/deploy)
+  yamllint python3-yaml python3-jsonschema
 )
 
 case "${1:-all}" in

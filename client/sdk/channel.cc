@@ -157,6 +157,10 @@ absl::Status WithChannelHint(const absl::Status& status, const ChannelOptions& o
   if (status.code() == absl::StatusCode::kUnavailable && options.protocol != Protocol::kHttp) {
     if (!tls && absl::StrContains(message, "Socket closed")) {
       hint = "the server may speak TLS, this client plaintext: give --tls or --tls_ca";
+    } else if (tls && options.tls_cert.empty() && absl::StrContains(message, "Socket closed")) {
+      // A mutual-TLS server ends the handshake of a client without a certificate.
+      hint = "the server may require a client certificate (mutual TLS): give --tls_cert and "
+             "--tls_key";
     } else if (tls && absl::StrContains(message, "wrong version number")) {
       hint = "the server may speak plaintext, this client TLS: drop the --tls flags";
     } else if (tls && absl::StrContains(message, "certificate verify failed")) {

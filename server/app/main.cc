@@ -1,9 +1,11 @@
 // attention_server: serves attention.v1.AttentionService and the Open Inference
 // Protocol (KServe v2) over gRPC, and KServe v2 over HTTP when --http_port is set
 // (docs/service.md). Every flag lives here and fills ServerOptions.
+#include <grpc/support/log.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -19,6 +21,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "base/command_line.h"
+#include "base/log.h"
 #include "base/mutex_mode.h"
 #include "core/config.h"
 #include "server/app/server.h"
@@ -49,6 +52,18 @@ void ShortenOpenMpSpin(char** argv) {
   // No /proc, or exec refused: carry on with libgomp's default.
   std::fprintf(stderr, "note: could not re-run with GOMP_SPINCOUNT=10000; OpenMP spins long\n");
 }
+// gRPC's own messages go to the server's log, at --log_verbose 1 (errors) or 2 (the
+// rest): a handshake a client failed is the client's problem, and start-up failures
+// are reported in the server's own words.
+void GrpcLog(gpr_log_func_args* args) {
+  absl::string_view file = args->file != nullptr ? args->file : "";
+  if (const size_t slash = file.rfind('/'); slash != absl::string_view::npos) {
+    file = file.substr(slash + 1);
+  }
+  mha::log::Verbose(args->severity == GPR_LOG_SEVERITY_ERROR ? 1 : 2, "grpc",
+                    absl::StrCat(args->message, " (", file, ":", args->line, ")"));
+}
+
 // ServerOptions fields and the flags that fill them, where the names differ.
 constexpr std::pair<absl::string_view, absl::string_view> kFlagOfField[] = {
     {"limits.max_batch_size", "max_batch_size"},
@@ -79,14 +94,32 @@ std::string NameTheFlag(absl::string_view message) {
 ABSL_FLAG(std::string, host, kDefaults.host,
           "Address to listen on; 127.0.0.1 (loopback) by default, 0.0.0.0 for all.");
 ABSL_FLAG(int32_t, port, kDefaults.port,
-          "gRPC port; 0 picks a free one. The bound address is printed as "
-          "'listening on HOST:PORT'.");
+          "gRPC port; 0 picks a free one, and makes --http_port and --metrics_port 0 too "
+          "unless they are given. The bound address is printed as 'listening on HOST:PORT'.");
 ABSL_FLAG(int32_t, metrics_port, 9464,
           "Prometheus /metrics port; 0 picks a free one, -1 turns metrics off. The bound "
           "address is printed as 'metrics on HOST:PORT'.");
 ABSL_FLAG(int32_t, http_port, 8000,
           "KServe v2 HTTP/REST port (same host and TLS flags as gRPC); 0 picks a free one, "
           "-1 turns HTTP off. The bound address is printed as 'http on HOST:PORT'.");
+ABSL_FLAG(std::string, log_format, "text",
+          "text: log lines as plain text; json: one JSON object a line (time, level, msg; "
+          "the access log's fields). stdout's 'metrics on', 'http on' and 'listening on' "
+          "lines keep their form either way.");
+ABSL_FLAG(int32_t, log_verbose, 0,
+          "0: the server's own lines; 1: also gRPC's and civetweb's error messages; 2: also "
+          "gRPC's informational ones.");
+ABSL_FLAG(bool, log_requests, false,
+          "Access log: one line per inference request answered (unary, or each request of "
+          "a stream) and per session at its end, not per step: time, front, model, version, "
+          "shape, code, queue/compute/total us, peer.");
+ABSL_FLAG(std::string, restricted_api, "",
+          "Restricted API groups, as Triton's --grpc-restricted-protocol: "
+          "\"GROUP[,GROUP]:KEY=VALUE[;...]\". A call of a listed group needs the HTTP header "
+          "KEY (gRPC metadata KEY or triton-grpc-protocol-KEY) with VALUE, else "
+          "PERMISSION_DENIED / 403. VALUE @FILE or $ENV reads the secret from a file or the "
+          "environment. Groups: inference, metadata, health, statistics, model-repository, "
+          "shared-memory (docs/service.md).");
 ABSL_FLAG(int32_t, http_threads, kDefaults.http_threads,
           "HTTP connections served at once (one thread each, keep-alive included).");
 ABSL_FLAG(std::string, metrics_host, kDefaults.metrics_host,
@@ -181,7 +214,20 @@ int main(int argc, char** argv) {
                                          "(--help lists them)"));
   }
 
+  absl::StatusOr<mha::log::Format> log_format =
+      mha::log::ParseFormat(absl::GetFlag(FLAGS_log_format));
+  if (!log_format.ok()) mha::ExitWithUsageError(NameTheFlag(log_format.status().message()));
+  if (absl::GetFlag(FLAGS_log_verbose) < 0) {
+    mha::ExitWithUsageError(
+        absl::StrCat("--log_verbose: expected >= 0, got ", absl::GetFlag(FLAGS_log_verbose)));
+  }
+  mha::log::Configure(*log_format, absl::GetFlag(FLAGS_log_verbose));
+  gpr_set_log_function(GrpcLog);
+  gpr_set_log_verbosity(absl::GetFlag(FLAGS_log_verbose) >= 2 ? GPR_LOG_SEVERITY_INFO
+                                                              : GPR_LOG_SEVERITY_ERROR);
+
   mha::server::ServerOptions options;
+  options.log_requests = absl::GetFlag(FLAGS_log_requests);
   options.host = absl::GetFlag(FLAGS_host);
   options.port = absl::GetFlag(FLAGS_port);
   options.model_repository = absl::GetFlag(FLAGS_model_repository);
@@ -200,6 +246,17 @@ int main(int argc, char** argv) {
   options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.http_port = absl::GetFlag(FLAGS_http_port);
+  // --port=0 alone: every port picked free, so that a second server starts beside the first.
+  // (Flags read from a --flagfile do not count as given.)
+  const std::vector<std::string> on_command_line = mha::FlagsOnCommandLine(argc, argv);
+  auto given = [&on_command_line](absl::string_view name) {
+    return std::find(on_command_line.begin(), on_command_line.end(), name) != on_command_line.end();
+  };
+  if (options.port == 0) {
+    if (!given("metrics_port")) options.metrics_port = 0;
+    if (!given("http_port")) options.http_port = 0;
+  }
+  options.restricted_api = absl::GetFlag(FLAGS_restricted_api);
   options.http_threads = absl::GetFlag(FLAGS_http_threads);
   options.batching.enabled = absl::GetFlag(FLAGS_batching);
   options.batching.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
@@ -233,31 +290,26 @@ int main(int argc, char** argv) {
 
   auto server = mha::server::Server::Create(options);
   if (!server.ok()) {
-    std::fprintf(stderr, "error: %s\n", std::string(server.status().message()).c_str());
+    mha::log::Error(server.status().message());
     return 1;
   }
   for (const auto& model : (*server)->models().models()) {
     const mha::core::ModelConfig& c = model->config;
-    std::fprintf(stderr,
-                 "model %s: p_o %lld, h %lld, d_q %lld, d_k %lld, d_v %lld, bias %s, %s, "
-                 "weights %s, max_batch_size %lld, max_sequence_length %lld\n",
-                 model->name.c_str(), static_cast<long long>(c.num_hiddens),
-                 static_cast<long long>(c.num_heads), static_cast<long long>(c.query_size),
-                 static_cast<long long>(c.key_size), static_cast<long long>(c.value_size),
-                 c.bias ? "on" : "off", std::string(mha::core::PrecisionName(c.precision)).c_str(),
-                 model->weights_source.c_str(),
-                 static_cast<long long>(model->limits.max_batch_size),
-                 static_cast<long long>(model->limits.max_sequence_length));
+    mha::log::Info(absl::StrCat(
+        "model ", model->name, ": p_o ", c.num_hiddens, ", h ", c.num_heads, ", d_q ", c.query_size,
+        ", d_k ", c.key_size, ", d_v ", c.value_size, ", bias ", c.bias ? "on" : "off", ", ",
+        mha::core::PrecisionName(c.precision), ", weights ", model->weights_source,
+        ", max_batch_size ", model->limits.max_batch_size, ", max_sequence_length ",
+        model->limits.max_sequence_length));
   }
-  std::fprintf(
-      stderr, "compute: %d worker(s) x %d thread(s); batching %s%s\n", options.compute_workers,
-      (*server)->threads_per_worker(),
+  mha::log::Info(absl::StrCat(
+      "compute: ", options.compute_workers, " worker(s) x ", (*server)->threads_per_worker(),
+      " thread(s); batching ",
       options.batching.enabled
           ? absl::StrCat("on (max_queue_delay ",
                          absl::FormatDuration(options.batching.max_queue_delay), ")")
-                .c_str()
           : "off",
-      options.tls_client_ca.empty() ? (options.tls_cert.empty() ? "" : ", TLS") : ", mutual TLS");
+      options.tls_client_ca.empty() ? (options.tls_cert.empty() ? "" : ", TLS") : ", mutual TLS"));
   if ((*server)->metrics_port() != 0) {
     std::printf("metrics on %s\n", (*server)->metrics_address().c_str());
   }
@@ -269,14 +321,14 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
   const auto warmed = (*server)->WaitUntilReady();
   if (!warmed.ok()) {
-    std::fprintf(stderr, "error: %s\n", std::string(warmed.status().message()).c_str());
+    mha::log::Error(warmed.status().message());
     (*server)->Shutdown();
     return 1;
   }
   for (const mha::server::WarmupReport& report : *warmed) {
     if (report.passes == 0) continue;
-    std::fprintf(stderr, "model %s: warm-up, %lld pass(es) in %s\n", report.model.c_str(),
-                 static_cast<long long>(report.passes), absl::FormatDuration(report.took).c_str());
+    mha::log::Info(absl::StrCat("model ", report.model, ": warm-up, ", report.passes,
+                                " pass(es) in ", absl::FormatDuration(report.took)));
   }
   std::printf("listening on %s\n", (*server)->address().c_str());
   std::fflush(stdout);
@@ -285,13 +337,16 @@ int main(int argc, char** argv) {
   // SIGHUP re-reads the repository (server/models/model_lifecycle.h logs what changed);
   // SIGTERM and SIGINT drain and stop.
   while (sigwait(&signals, &signal_number) == 0 && signal_number == SIGHUP) {
-    std::fprintf(stderr, "received SIGHUP: re-reading the model repository\n");
+    mha::log::Info("received SIGHUP: re-reading the model repository");
     (*server)->Reload();
   }
-  std::fprintf(stderr, "received %s: draining (up to %s)\n",
-               signal_number == SIGTERM ? "SIGTERM" : "SIGINT",
-               absl::FormatDuration(options.drain_timeout).c_str());
+  mha::log::Info(absl::StrCat("received ", signal_number == SIGTERM ? "SIGTERM" : "SIGINT",
+                              ": draining (up to ", absl::FormatDuration(options.drain_timeout),
+                              ")"));
   (*server)->Shutdown();
-  std::fprintf(stderr, "stopped\n");
+  // Every listener, /metrics included, is closed before "stopped": a script may start
+  // the next server on the same ports at once.
+  server->reset();
+  mha::log::Info("stopped");
   return 0;
 }

@@ -1,5 +1,6 @@
 #include "server/app/metrics_exposer.h"
 
+#include <CivetServer.h>
 #include <dirent.h>
 #include <prometheus/collectable.h>
 #include <prometheus/exposer.h>
@@ -14,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "base/log.h"
 
 namespace mha::server {
 namespace {
@@ -92,16 +94,34 @@ class ProcessCollector final : public prometheus::Collectable {
   }
 };
 
+// civetweb's own messages (the only ones prometheus-cpp lets through: its
+// CivetCallbacks) go to the server's log, shown with --log_verbose >= 1.
+int CivetwebLog(const mg_connection* /*connection*/, const char* message) {
+  log::Verbose(1, "civetweb", message);
+  return 1;  // handled: civetweb prints nothing itself
+}
+
+const CivetCallbacks& Callbacks() {
+  static const CivetCallbacks* const callbacks = [] {
+    auto* c = new CivetCallbacks();
+    c->log_message = &CivetwebLog;
+    return c;
+  }();
+  return *callbacks;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MetricsExposer>> MetricsExposer::Start(
     const std::string& address, std::shared_ptr<prometheus::Registry> registry) {
   std::unique_ptr<MetricsExposer> exposer(new MetricsExposer());
   try {
-    exposer->exposer_ = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/1);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat("metrics_port: cannot listen on ", address, ": ", e.what()));
+    exposer->exposer_ =
+        std::make_unique<prometheus::Exposer>(address, /*num_threads=*/1, &Callbacks());
+  } catch (const std::exception&) {
+    // civetweb's own words ("null context when constructing CivetServer") say nothing.
+    return absl::UnavailableError(absl::StrCat("metrics_port: cannot listen on ", address,
+                                               " (address in use, or a bad host)"));
   }
   const std::vector<int> ports = exposer->exposer_->GetListeningPorts();
   if (ports.empty()) {

@@ -2,6 +2,10 @@
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 
 #include <algorithm>
 #include <climits>
@@ -13,6 +17,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/log.h"
 #include "base/status_macros.h"
 #include "server/app/cpu.h"
 
@@ -27,6 +33,39 @@ absl::StatusOr<std::string> ReadFile(absl::string_view flag, const std::string& 
   return text.str();
 }
 
+// The first certificate of `cert_pem` and the key of `key_pem` parse and belong
+// together; INVALID_ARGUMENT naming the flag and the file otherwise. gRPC and cpp-httplib
+// would only find out when binding, in words about the port.
+absl::Status CheckKeyPair(const ServerOptions& options, const std::string& cert_pem,
+                          const std::string& key_pem) {
+  BIO* cert_bio = BIO_new_mem_buf(cert_pem.data(), static_cast<int>(cert_pem.size()));
+  X509* cert = PEM_read_bio_X509(cert_bio, nullptr, nullptr, nullptr);
+  BIO_free(cert_bio);
+  BIO* key_bio = BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size()));
+  // No passphrase (OpenSSL's default callback would prompt on the terminal): an
+  // encrypted key reads as none, which gRPC could not use either.
+  pem_password_cb* no_passphrase = [](char*, int, int, void*) { return 0; };
+  EVP_PKEY* key = PEM_read_bio_PrivateKey(key_bio, nullptr, no_passphrase, nullptr);
+  BIO_free(key_bio);
+  absl::Status status;
+  if (cert == nullptr) {
+    status = absl::InvalidArgumentError(absl::StrCat(
+        "tls_cert: ", options.tls_cert, " holds no PEM certificate (BEGIN CERTIFICATE)"));
+  } else if (key == nullptr) {
+    status = absl::InvalidArgumentError(absl::StrCat(
+        "tls_key: ", options.tls_key, " holds no unencrypted PEM private key (BEGIN PRIVATE KEY)"));
+  } else if (X509_check_private_key(cert, key) != 1) {
+    status = absl::InvalidArgumentError(
+        absl::StrCat("tls_key: the key in ", options.tls_key, " does not match the certificate in ",
+                     options.tls_cert,
+                     " (its public key is another); give the key the certificate was made for"));
+  }
+  ERR_clear_error();
+  X509_free(cert);
+  EVP_PKEY_free(key);
+  return status;
+}
+
 // Options::Validate has checked the fields' combinations.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
     const ServerOptions& options) {
@@ -35,6 +74,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
   grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
   MHA_ASSIGN_OR_RETURN(pair.cert_chain, ReadFile("tls_cert", options.tls_cert));
   MHA_ASSIGN_OR_RETURN(pair.private_key, ReadFile("tls_key", options.tls_key));
+  MHA_RETURN_IF_ERROR(CheckKeyPair(options, pair.cert_chain, pair.private_key));
   ssl.pem_key_cert_pairs.push_back(std::move(pair));
   if (!options.tls_client_ca.empty()) {
     MHA_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile("tls_client_ca", options.tls_client_ca));
@@ -58,6 +98,23 @@ absl::Status PortInRange(absl::string_view field, int32_t port, int32_t least) {
   if (port >= least && port <= 65535) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat(field, ": expected ", least, " to 65535, got ", port));
+}
+
+// --log_requests: the access line of one answer (base/log.h's format).
+void LogAccess(const AccessRecord& r) {
+  log::Access({{"front", std::string(ProtocolLabel(r.protocol))},
+               {"call", std::string(r.session ? "session" : "request")},
+               {"model", std::string(r.model)},
+               {"version", r.version},
+               {"batch", r.batch},
+               {"queries", r.queries},
+               {"keys", r.keys},
+               {"steps", r.steps},
+               {"code", absl::StatusCodeToString(r.code)},
+               {"queue_us", absl::ToInt64Microseconds(r.queue)},
+               {"compute_us", absl::ToInt64Microseconds(r.compute)},
+               {"total_us", absl::ToInt64Microseconds(r.total)},
+               {"peer", std::string(r.peer)}});
 }
 
 std::string HostPort(const std::string& host, int port) {
@@ -116,6 +173,12 @@ absl::Status ServerOptions::Validate() const {
   if (!tls_client_ca.empty() && tls_cert.empty()) {
     return absl::InvalidArgumentError("tls_client_ca: needs tls_cert and tls_key");
   }
+  // Parses the rules and reads their secrets (again at Create).
+  if (absl::StatusOr<std::unique_ptr<RestrictedApis>> restricted =
+          RestrictedApis::Create(restricted_api, nullptr);
+      !restricted.ok()) {
+    return restricted.status();
+  }
   return absl::OkStatus();
 }
 
@@ -134,8 +197,13 @@ absl::Status Server::StartServices() {
       SessionOptions{.cache_bytes = options_.session_cache_bytes > 0 ? options_.session_cache_bytes
                                                                      : AvailableMemoryBytes() / 4,
                      .idle_timeout = options_.session_idle_timeout},
-      models_.get(), batcher_.get(), *metrics_->registry());
-  path_ = std::make_unique<RequestPath>(models_.get(), batcher_.get(), metrics_.get());
+      models_.get(), batcher_.get(), *metrics_->registry(),
+      options_.log_requests ? AccessLog(LogAccess) : nullptr);
+  MHA_ASSIGN_OR_RETURN(restricted_,
+                       RestrictedApis::Create(options_.restricted_api, metrics_->registry().get()));
+  path_ = std::make_unique<RequestPath>(models_.get(), batcher_.get(), metrics_.get(),
+                                        restricted_.get(),
+                                        options_.log_requests ? AccessLog(LogAccess) : nullptr);
   service_ = std::make_unique<AttentionServiceImpl>(models_.get(), path_.get(), sessions_.get());
   kserve_models_ = std::make_unique<KserveModels>(models_.get(), states_.get(), lifecycle_.get());
   inference_service_ = std::make_unique<InferenceServiceImpl>(models_.get(), path_.get(),
@@ -161,9 +229,9 @@ absl::Status Server::StartGrpc(const std::shared_ptr<grpc::ServerCredentials>& c
   builder.RegisterCallbackGenericService(&unimplemented_);
   grpc_server_ = builder.BuildAndStart();
   if (grpc_server_ == nullptr || port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("port: cannot listen on ",
-                                               HostPort(options_.host, options_.port),
-                                               " (address in use, or a bad host or TLS key pair)"));
+    grpc_server_ = nullptr;
+    return absl::UnavailableError(
+        absl::StrCat(HostPort(options_.host, options_.port), " (--port)"));
   }
   return absl::OkStatus();
 }
@@ -203,14 +271,27 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
                                .default_warmup = options.default_warmup,
                                .only = options.model_control == ModelControl::kExplicit
                                            ? std::optional(options.load_models)
-                                           : std::nullopt}));
+                                           : std::nullopt,
+                               .allow_empty = options.model_control == ModelControl::kPoll}));
   std::vector<std::string> names;
   for (const auto& model : server->models_->models()) names.push_back(model->name);
   server->metrics_ = std::make_unique<Metrics>(names);
+  // Every listener is tried; the ports that cannot be bound are named together.
+  std::vector<std::string> busy;
+  auto bound = [&busy](const absl::Status& status) {
+    if (status.code() != absl::StatusCode::kUnavailable) return status;
+    busy.emplace_back(status.message());
+    return absl::OkStatus();
+  };
   if (options.metrics_port >= 0) {
-    MHA_ASSIGN_OR_RETURN(server->exposer_,
-                         MetricsExposer::Start(HostPort(options.metrics_host, options.metrics_port),
-                                               server->metrics_->registry()));
+    absl::StatusOr<std::unique_ptr<MetricsExposer>> exposer = MetricsExposer::Start(
+        HostPort(options.metrics_host, options.metrics_port), server->metrics_->registry());
+    if (exposer.ok()) {
+      server->exposer_ = *std::move(exposer);
+    } else {
+      MHA_RETURN_IF_ERROR(bound(absl::UnavailableError(absl::StrCat(
+          HostPort(options.metrics_host, options.metrics_port), " (--metrics_port)"))));
+    }
   }
   MHA_RETURN_IF_ERROR(server->StartServices());
   // The transport refuses bigger messages itself; each model's own limit is
@@ -221,8 +302,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   for (const auto& model : server->models_->models()) {
     max_receive = std::max(max_receive, model->limits.max_request_bytes);
   }
-  MHA_RETURN_IF_ERROR(server->StartGrpc(credentials, max_receive));
-  MHA_RETURN_IF_ERROR(server->StartHttp(max_receive));
+  MHA_RETURN_IF_ERROR(bound(server->StartGrpc(credentials, max_receive)));
+  MHA_RETURN_IF_ERROR(bound(server->StartHttp(max_receive)));
+  if (!busy.empty()) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on ", absl::StrJoin(busy, ", "),
+        ": address in use (another server?) or not an address of this host; change the flag, "
+        "or give 0 to pick a free port"));
+  }
   // gRPC's health service starts with "" SERVING: not so until the warm-up is done.
   grpc::HealthCheckServiceInterface* health = server->grpc_server_->GetHealthCheckService();
   health->SetServingStatus(false);

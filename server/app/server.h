@@ -30,7 +30,6 @@
 #include "server/app/metrics_exposer.h"
 #include "server/attention_v1/service.h"
 #include "server/attention_v1/session.h"
-#include "server/grpc_common/unimplemented_service.h"
 #include "server/kserve/answers.h"
 #include "server/kserve_grpc/inference_service.h"
 #include "server/kserve_http/http_front.h"
@@ -76,6 +75,11 @@ struct ServerOptions {
   std::string tls_cert;
   std::string tls_key;
   std::string tls_client_ca;
+  // Restricted API groups, "GROUP[,GROUP]:KEY=VALUE[;...]" (server/serving/restricted_api.h);
+  // "" restricts none.
+  std::string restricted_api;
+  // One access-log line (base/log.h) per request answered and per session ended.
+  bool log_requests = false;
 
   // Every field's range, and the TLS fields' combinations: INVALID_ARGUMENT whose
   // message starts with the field's name as written here, e.g.
@@ -130,20 +134,22 @@ class Server {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<MetricsExposer> exposer_;
   std::unique_ptr<Batcher> batcher_;
-  std::unique_ptr<RequestPath> path_;    // every front's way to the batcher
-  std::unique_ptr<ModelStates> states_;  // every readiness answer's
+  std::unique_ptr<RestrictedApis> restricted_;  // read by path_
+  std::unique_ptr<RequestPath> path_;           // every front's way to the batcher
+  std::unique_ptr<ModelStates> states_;         // every readiness answer's
   std::unique_ptr<ModelLifecycle> lifecycle_;
   std::unique_ptr<SessionManager> sessions_;     // destroyed after grpc_server_
   std::unique_ptr<KserveModels> kserve_models_;  // both KServe fronts' readiness
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<InferenceServiceImpl> inference_service_;
-  UnimplementedService unimplemented_;  // every method not declared
   std::unique_ptr<grpc::Server> grpc_server_;
   std::unique_ptr<HttpFront> http_;
   bool shut_down_ = false;
 
   // Create's steps after the models and metrics: each sets members or fails.
   absl::Status StartServices();
+  // Each returns UNAVAILABLE naming its flag and address when its port cannot be bound;
+  // Create tries every one and reports all the busy ones in one message.
   absl::Status StartGrpc(const std::shared_ptr<grpc::ServerCredentials>& credentials,
                          int64_t max_receive);
   absl::Status StartHttp(int64_t max_receive);  // when options_.http_port >= 0

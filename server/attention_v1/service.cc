@@ -9,6 +9,7 @@
 #include "server/attention_v1/codec.h"
 #include "server/grpc_common/deadline.h"
 #include "server/grpc_common/grpc_status.h"
+#include "server/grpc_common/restricted.h"
 #include "server/grpc_common/stream_reactor.h"
 
 namespace mha::server {
@@ -34,9 +35,7 @@ struct AttendFront {
   static constexpr bool kEndStreamOnError = true;
 
   static const std::string& ModelName(const Request& request) { return request.model(); }
-  static const std::string& ModelVersion(const Request& request) {
-    return request.model_version();
-  }
+  static const std::string& ModelVersion(const Request& request) { return request.model_version(); }
   static const std::string& RequestId(const Request& request) { return request.request_id(); }
   static void Begin(const Request& request, Response* response) {
     response->set_request_id(request.request_id());
@@ -89,6 +88,11 @@ attention::v1::ModelInfo ToModelInfo(const Model& model) {
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
                                                        const AttendRequest* request,
                                                        AttendResponse* response) {
+  if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kInference, context); !allowed.ok()) {
+    grpc::ServerUnaryReactor* refused = context->DefaultReactor();
+    refused->Finish(ToGrpcStatus(allowed));
+    return refused;
+  }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   AttendFront::Begin(*request, response);
   path_->Submit(
@@ -96,7 +100,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
            .model = request->model(),
            .version = request->model_version(),
            .deadline = DeadlineOf(context),
-           .cancelled = [context] { return context->IsCancelled(); }},
+           .cancelled = [context] { return context->IsCancelled(); },
+           .peer = [context] { return context->peer(); }},
       [&](const Model& model) { return DecodeAttend(*request, model, response); },
       [reactor, response](absl::Status status, const ComputeTiming& timing) {
         if (status.ok()) EncodeTiming(timing, response);
@@ -107,11 +112,18 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
 
 grpc::ServerBidiReactor<AttendRequest, AttendResponse>* AttentionServiceImpl::AttendStream(
     grpc::CallbackServerContext* context) {
+  if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kInference, context); !allowed.ok()) {
+    return new RefusedStream<AttendRequest, AttendResponse>(allowed);
+  }
   return new OrderedStreamReactor<AttendFront>(context, path_);
 }
 
 grpc::ServerBidiReactor<attention::v1::SessionRequest, attention::v1::SessionResponse>*
 AttentionServiceImpl::AttendSession(grpc::CallbackServerContext* context) {
+  if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kInference, context); !allowed.ok()) {
+    return new RefusedStream<attention::v1::SessionRequest, attention::v1::SessionResponse>(
+        allowed);
+  }
   if (sessions_ != nullptr) return sessions_->Open(context);
   return attention::v1::AttentionService::CallbackService::AttendSession(context);  // UNIMPLEMENTED
 }
@@ -119,6 +131,11 @@ AttentionServiceImpl::AttendSession(grpc::CallbackServerContext* context) {
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(
     grpc::CallbackServerContext* context, const attention::v1::GetModelRequest* request,
     attention::v1::ModelInfo* response) {
+  if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kMetadata, context); !allowed.ok()) {
+    grpc::ServerUnaryReactor* refused = context->DefaultReactor();
+    refused->Finish(ToGrpcStatus(allowed));
+    return refused;
+  }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::StatusOr<std::shared_ptr<const Model>> model =
       models_->Find(request->model(), request->model_version());
@@ -130,6 +147,11 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(
     grpc::CallbackServerContext* context, const attention::v1::ListModelsRequest* /*request*/,
     attention::v1::ListModelsResponse* response) {
+  if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kMetadata, context); !allowed.ok()) {
+    grpc::ServerUnaryReactor* refused = context->DefaultReactor();
+    refused->Finish(ToGrpcStatus(allowed));
+    return refused;
+  }
   for (const auto& model : models_->models()) *response->add_models() = ToModelInfo(*model);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <memory>
+#include <string>
 #include <utility>
 
 #include "server/attention_v1/session_codec.h"
@@ -22,7 +23,7 @@ class SessionManager::Reactor final
       public SessionStream {
  public:
   Reactor(SessionManager* manager, grpc::CallbackServerContext* context)
-      : manager_(manager), context_(context) {
+      : manager_(manager), context_(context), opened_(absl::Now()) {
     // Open may start the first read, whose OnReadDone runs on a gRPC thread; the
     // hand-off goes through gRPC core, which ThreadSanitizer cannot see, so the
     // pointer is published with release/acquire ordering that it can.
@@ -35,6 +36,18 @@ class SessionManager::Reactor final
     StartRead(&request_);
   }
   void Write(const ComputeTiming& timing, int64_t context) override {
+    if (++steps_ == 1) {
+      // The store lets the model go when the session ends: keep its name now.
+      if (const Model* model = session()->model(); model != nullptr) {
+        model_name_ = model->name;
+        model_version_ = model->version;
+      }
+    }
+    // The step's Q: its output (1, Q, p_o), sized when its message was decoded.
+    if (response_.output().shape_size() == 3) queries_ += response_.output().shape(1);
+    queue_ += timing.queue;
+    compute_ += timing.compute;
+    context_tokens_ = context;
     response_.set_context_tokens(context);
     attention::v1::Timing* t = response_.mutable_timing();
     t->set_queue_us(absl::ToInt64Microseconds(timing.queue));
@@ -42,7 +55,25 @@ class SessionManager::Reactor final
     t->set_batch_rows(timing.batch_rows);
     StartWrite(&response_);
   }
-  void End(const absl::Status& status) override { Finish(ToGrpcStatus(status)); }
+  void End(const absl::Status& status) override {
+    if (manager_->access_log_) {
+      const std::string peer = context_->peer();
+      manager_->access_log_(AccessRecord{.protocol = Protocol::kAttentionV1,
+                                         .session = true,
+                                         .model = model_name_,
+                                         .version = model_version_,
+                                         .batch = steps_ > 0 ? 1 : 0,
+                                         .queries = queries_,
+                                         .keys = context_tokens_,
+                                         .steps = steps_,
+                                         .code = status.code(),
+                                         .queue = queue_,
+                                         .compute = compute_,
+                                         .total = absl::Now() - opened_,
+                                         .peer = peer});
+    }
+    Finish(ToGrpcStatus(status));
+  }
 
   void OnReadDone(bool ok) override {
     SessionStore::Session* const live = session();
@@ -82,6 +113,13 @@ class SessionManager::Reactor final
   SessionRequest request_;
   SessionResponse response_;
   SessionSettings settings_;
+  // The access log's figures, written in Write and read in End: both called by the
+  // store under the session's lock.
+  const absl::Time opened_;
+  std::string model_name_;  // "" when it ended before its first step was answered
+  int64_t model_version_ = 0;
+  int64_t steps_ = 0, queries_ = 0, context_tokens_ = 0;
+  absl::Duration queue_, compute_;
   SessionStore::Session* session() const { return session_.load(std::memory_order_acquire); }
 
   std::atomic<SessionStore::Session*> session_{nullptr};

@@ -29,6 +29,7 @@
 #include <prometheus/registry.h>
 
 #include "proto/attention.pb.h"
+#include "server/serving/access_log.h"
 #include "server/serving/batcher.h"
 #include "server/serving/model_source.h"
 #include "server/serving/session_store.h"
@@ -37,9 +38,10 @@ namespace mha::server {
 
 class SessionManager {
  public:
+  // `access_log` (optional) gets one record per session, at its end.
   SessionManager(const SessionOptions& options, const ModelSource* models, Batcher* batcher,
-                 prometheus::Registry& registry)
-      : models_(models), store_(options, batcher, registry) {}
+                 prometheus::Registry& registry, AccessLog access_log = nullptr)
+      : models_(models), store_(options, batcher, registry), access_log_(std::move(access_log)) {}
 
   // The reactor of a new AttendSession stream (owned by gRPC until OnDone).
   grpc::ServerBidiReactor<attention::v1::SessionRequest, attention::v1::SessionResponse>* Open(
@@ -54,6 +56,7 @@ class SessionManager {
 
   const ModelSource* const models_;
   SessionStore store_;
+  const AccessLog access_log_;
 };
 
 }  // namespace mha::server

@@ -100,7 +100,8 @@ class OrderedStreamReactor final
              .model = Front::ModelName(slot->request),
              .version = Front::ModelVersion(slot->request),
              .deadline = DeadlineOf(context_),
-             .cancelled = [context = context_] { return context->IsCancelled(); }},
+             .cancelled = [context = context_] { return context->IsCancelled(); },
+             .peer = [context = context_] { return context->peer(); }},
         [slot](const Model& model) {
           return Front::Decode(slot->request, model, &slot->decoded, &slot->response);
         },

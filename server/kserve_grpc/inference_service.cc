@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/grpc_common/deadline.h"
 #include "server/grpc_common/grpc_status.h"
+#include "server/grpc_common/restricted.h"
 #include "server/grpc_common/stream_reactor.h"
 #include "server/serving/abbreviate.h"
 #include "server/serving/submit.h"
@@ -68,6 +69,9 @@ std::vector<KserveModels::ControlParameter> ControlParameters(
 grpc::ServerUnaryReactor* InferenceServiceImpl::ServerLive(
     grpc::CallbackServerContext* context, const inference::ServerLiveRequest* /*request*/,
     inference::ServerLiveResponse* response) {
+  if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kHealth, context); !allowed.ok()) {
+    return Reply(context, allowed);
+  }
   response->set_live(true);
   return Reply(context, absl::OkStatus());
 }
@@ -75,6 +79,9 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ServerLive(
 grpc::ServerUnaryReactor* InferenceServiceImpl::ServerReady(
     grpc::CallbackServerContext* context, const inference::ServerReadyRequest* /*request*/,
     inference::ServerReadyResponse* response) {
+  if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kHealth, context); !allowed.ok()) {
+    return Reply(context, allowed);
+  }
   response->set_ready(answers_->Readiness().ok());
   return Reply(context, absl::OkStatus());
 }
@@ -82,6 +89,9 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ServerReady(
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelReady(
     grpc::CallbackServerContext* context, const inference::ModelReadyRequest* request,
     inference::ModelReadyResponse* response) {
+  if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kHealth, context); !allowed.ok()) {
+    return Reply(context, allowed);
+  }
   absl::StatusOr<std::shared_ptr<const Model>> model =
       models_->Find(request->name(), request->version());
   response->set_ready(model.ok() && answers_->Readiness(model->get()).ok());
@@ -91,6 +101,9 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelReady(
 grpc::ServerUnaryReactor* InferenceServiceImpl::ServerMetadata(
     grpc::CallbackServerContext* context, const inference::ServerMetadataRequest* /*request*/,
     inference::ServerMetadataResponse* response) {
+  if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kMetadata, context); !allowed.ok()) {
+    return Reply(context, allowed);
+  }
   *response = ToServerMetadata();
   return Reply(context, absl::OkStatus());
 }
@@ -98,6 +111,9 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ServerMetadata(
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelMetadata(
     grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
     inference::ModelMetadataResponse* response) {
+  if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kMetadata, context); !allowed.ok()) {
+    return Reply(context, allowed);
+  }
   absl::StatusOr<std::shared_ptr<const Model>> model =
       models_->Find(request->name(), request->version());
   if (model.ok()) *response = ToModelMetadata(**model);
@@ -107,6 +123,9 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelMetadata(
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerContext* context,
                                                            const ModelInferRequest* request,
                                                            ModelInferResponse* response) {
+  if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kInference, context); !allowed.ok()) {
+    return Reply(context, allowed);
+  }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto decoded = std::make_shared<InferDecoded>();  // the converted inputs live until the answer
   response->set_id(request->id());
@@ -115,7 +134,8 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerC
            .model = request->model_name(),
            .version = request->model_version(),
            .deadline = DeadlineOf(context),
-           .cancelled = [context] { return context->IsCancelled(); }},
+           .cancelled = [context] { return context->IsCancelled(); },
+           .peer = [context] { return context->peer(); }},
       [&](const Model& model) { return DecodeInfer(*request, model, decoded.get(), response); },
       [reactor, decoded](absl::Status status, const ComputeTiming& /*timing*/) {
         reactor->Finish(ToGrpcStatus(status));
@@ -125,12 +145,18 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerC
 
 grpc::ServerBidiReactor<ModelInferRequest, ModelStreamInferResponse>*
 InferenceServiceImpl::ModelStreamInfer(grpc::CallbackServerContext* context) {
+  if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kInference, context); !allowed.ok()) {
+    return new RefusedStream<ModelInferRequest, ModelStreamInferResponse>(allowed);
+  }
   return new OrderedStreamReactor<InferStreamFront>(context, path_);
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelConfig(
     grpc::CallbackServerContext* context, const inference::ModelConfigRequest* request,
     inference::ModelConfigResponse* response) {
+  if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kMetadata, context); !allowed.ok()) {
+    return Reply(context, allowed);
+  }
   absl::StatusOr<std::shared_ptr<const Model>> model =
       models_->Find(request->name(), request->version());
   if (model.ok()) *response->mutable_config() = ToTritonConfig(**model);
@@ -140,6 +166,9 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelConfig(
 grpc::ServerUnaryReactor* InferenceServiceImpl::ModelStatistics(
     grpc::CallbackServerContext* context, const inference::ModelStatisticsRequest* request,
     inference::ModelStatisticsResponse* response) {
+  if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kStatistics, context); !allowed.ok()) {
+    return Reply(context, allowed);
+  }
   absl::StatusOr<inference::ModelStatisticsResponse> stats =
       CollectStatistics(*models_, *metrics_, request->name(), request->version());
   if (stats.ok()) *response = *std::move(stats);
@@ -149,6 +178,10 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelStatistics(
 grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelLoad(
     grpc::CallbackServerContext* context, const inference::RepositoryModelLoadRequest* request,
     inference::RepositoryModelLoadResponse* /*response*/) {
+  if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kModelRepository, context);
+      !allowed.ok()) {
+    return Reply(context, allowed);
+  }
   return Reply(context,
                answers_->ControlModel(true, request->repository_name(), request->model_name(),
                                       ControlParameters(request->parameters())));
@@ -157,6 +190,10 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelLoad(
 grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelUnload(
     grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
     inference::RepositoryModelUnloadResponse* /*response*/) {
+  if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kModelRepository, context);
+      !allowed.ok()) {
+    return Reply(context, allowed);
+  }
   return Reply(context,
                answers_->ControlModel(false, request->repository_name(), request->model_name(),
                                       ControlParameters(request->parameters())));
@@ -165,6 +202,10 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryModelUnload(
 grpc::ServerUnaryReactor* InferenceServiceImpl::RepositoryIndex(
     grpc::CallbackServerContext* context, const inference::RepositoryIndexRequest* request,
     inference::RepositoryIndexResponse* response) {
+  if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kModelRepository, context);
+      !allowed.ok()) {
+    return Reply(context, allowed);
+  }
   *response = answers_->Index(request->ready());
   return Reply(context, absl::OkStatus());
 }

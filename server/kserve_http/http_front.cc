@@ -117,6 +117,21 @@ absl::Status Infer(const RequestPath& path, const Call& call, const httplib::Req
 
 }  // namespace
 
+ApiGroup ApiGroupOfPath(absl::string_view path) {
+  if (absl::StartsWith(path, "/v2/health/")) return ApiGroup::kHealth;
+  if (absl::StartsWith(path, "/v2/repository")) return ApiGroup::kModelRepository;
+  if (absl::StartsWith(path, "/v2/systemsharedmemory") ||
+      absl::StartsWith(path, "/v2/cudasharedmemory")) {
+    return ApiGroup::kSharedMemory;
+  }
+  if (absl::StartsWith(path, "/v2/models/")) {
+    if (absl::EndsWith(path, "/infer")) return ApiGroup::kInference;
+    if (absl::EndsWith(path, "/ready")) return ApiGroup::kHealth;
+    if (absl::EndsWith(path, "/stats")) return ApiGroup::kStatistics;
+  }
+  return ApiGroup::kMetadata;
+}
+
 int HttpStatusOf(absl::StatusCode code) {
   switch (code) {
     case absl::StatusCode::kOk:
@@ -187,8 +202,7 @@ absl::StatusOr<std::unique_ptr<HttpFront>> HttpFront::Start(const Options& optio
     front->port_ = options.port;
   }
   if (front->port_ <= 0) {
-    return absl::UnavailableError(
-        absl::StrCat("http_port: cannot listen on ", address, " (address in use, or a bad host)"));
+    return absl::UnavailableError(absl::StrCat(address, " (--http_port)"));
   }
   if (front->listener_ >= 0) ::listen(front->listener_, SOMAXCONN);
   front->thread_ = std::thread([&server] { server.listen_after_bind(); });
@@ -208,7 +222,10 @@ void HttpFront::Route() {
   // default: 413 past 8 KiB) or as multipart before any handler sees it. Every body
   // here is JSON or JSON + binary whatever its label, as Triton reads it: the label
   // is set aside before routing. The Request is the server's own, non-const object.
-  server_->set_pre_routing_handler([](const httplib::Request& req, httplib::Response&) {
+  // Then the restricted API groups (server/serving/restricted_api.h), before any
+  // route reads a body.
+  const RequestPath* path = services_.path;
+  server_->set_pre_routing_handler([path](const httplib::Request& req, httplib::Response& res) {
     auto& headers = const_cast<httplib::Headers&>(req.headers);
     for (auto& [name, value] : headers) {
       if (absl::EqualsIgnoreCase(name, "Content-Type") &&
@@ -217,7 +234,14 @@ void HttpFront::Route() {
         value = "application/octet-stream";
       }
     }
-    return httplib::Server::HandlerResponse::Unhandled;
+    const absl::Status allowed =
+        path->Allow(ApiGroupOfPath(req.path), [&req](absl::string_view key) {
+          const std::string name(key);
+          return req.has_header(name) ? std::optional(req.get_header_value(name)) : std::nullopt;
+        });
+    if (allowed.ok()) return httplib::Server::HandlerResponse::Unhandled;
+    SendError(allowed, res);
+    return httplib::Server::HandlerResponse::Handled;
   });
   RouteUnimplemented();
   RouteMetadata();
@@ -362,14 +386,18 @@ void HttpFront::RouteMetadata() {
 
 void HttpFront::RouteInfer() {
   const Services s = services_;
-  Handle("POST", absl::StrCat(kModelPath, "/infer"),
-         [s](const httplib::Request& req, httplib::Response& res) {
-           const std::string model = req.matches[1].str();
-           const std::string version = req.matches[2].str();
-           Call call{.protocol = Protocol::kKserveHttp, .model = model, .version = version};
-           const absl::Status status = Infer(*s.path, call, req, res);
-           if (!status.ok()) SendError(status, res);
-         });
+  Handle(
+      "POST", absl::StrCat(kModelPath, "/infer"),
+      [s](const httplib::Request& req, httplib::Response& res) {
+        const std::string model = req.matches[1].str();
+        const std::string version = req.matches[2].str();
+        Call call{
+            .protocol = Protocol::kKserveHttp, .model = model, .version = version, .peer = [&req] {
+              return absl::StrCat(req.remote_addr, ":", req.remote_port);
+            }};
+        const absl::Status status = Infer(*s.path, call, req, res);
+        if (!status.ok()) SendError(status, res);
+      });
 }
 
 void HttpFront::RouteRepository() {

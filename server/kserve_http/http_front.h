@@ -42,9 +42,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "server/kserve/answers.h"
 #include "server/models/model_repository.h"
 #include "server/serving/metrics.h"
+#include "server/serving/restricted_api.h"
 #include "server/serving/submit.h"
 
 namespace httplib {
@@ -59,6 +61,12 @@ namespace mha::server {
 // NOT_FOUND 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504,
 // UNIMPLEMENTED 501, OK 200, anything else 500.
 int HttpStatusOf(absl::StatusCode code);
+
+// The restricted API group (server/serving/restricted_api.h) of a request path:
+// /v2/health/* and .../ready health, .../infer inference, .../stats statistics,
+// /v2/repository/* model-repository, /v2/{system,cuda}sharedmemory/* shared-memory,
+// anything else metadata.
+ApiGroup ApiGroupOfPath(absl::string_view path);
 
 class HttpFront {
  public:
@@ -77,7 +85,7 @@ class HttpFront {
     const KserveModels* answers;  // readiness, the index, model control
   };
 
-  // Binds (UNAVAILABLE naming the address when the port is in use) and serves.
+  // Binds (UNAVAILABLE "HOST:PORT (--http_port)" when the port is in use) and serves.
   static absl::StatusOr<std::unique_ptr<HttpFront>> Start(const Options& options,
                                                           const Services& services);
   ~HttpFront();  // Stop()

@@ -11,6 +11,7 @@
 #include "absl/algorithm/container.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/log.h"
 #include "base/status_macros.h"
 #include "core/kv_cache.h"
 #include "server/serving/abbreviate.h"
@@ -97,7 +98,7 @@ absl::Status WarmSessionSteps(Batcher& batcher, const std::shared_ptr<const Mode
   return absl::OkStatus();
 }
 
-void Log(const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); }
+void Log(const std::string& line) { mha::log::Info(line); }
 
 }  // namespace
 
@@ -140,8 +141,8 @@ absl::StatusOr<absl::Duration> WarmUp(Batcher& batcher, const std::shared_ptr<co
   return absl::Now() - start;
 }
 
-ModelLifecycle::ModelLifecycle(const Options& options, ModelRepository* models,
-                               ModelStates* states, Batcher* batcher, Metrics* metrics)
+ModelLifecycle::ModelLifecycle(const Options& options, ModelRepository* models, ModelStates* states,
+                               Batcher* batcher, Metrics* metrics)
     : options_(options), models_(models), states_(states), batcher_(batcher), metrics_(metrics) {}
 
 ModelLifecycle::~ModelLifecycle() { Stop(); }

@@ -366,7 +366,7 @@ absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(const O
     MHA_ASSIGN_OR_RETURN(Versions versions, repository->Load(name));
     repository->Swap(std::move(versions));
   }
-  if (!options.only.has_value() && repository->models().empty()) {
+  if (!options.only.has_value() && !options.allow_empty && repository->models().empty()) {
     return absl::NotFoundError(absl::StrCat("model_repository ", options.path,
                                             ": no model directories (<name>/config.pbtxt)"));
   }

@@ -59,6 +59,9 @@ class ModelRepository final : public ModelSource {
     // Load only these models at Create (explicit model control; may be empty);
     // nullopt = every model directory, at least one.
     std::optional<std::vector<std::string>> only;
+    // An empty repository is served (no model yet: poll model control, which loads
+    // models as they appear); otherwise it fails Create.
+    bool allow_empty = false;
   };
 
   // Loads the models (Options::only, or every directory). INVALID_ARGUMENT /

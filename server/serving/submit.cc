@@ -15,12 +15,24 @@ namespace {
 // mha_tokens_total (OK answers). One per request.
 class Meter {
  public:
-  Meter(Metrics* metrics, const Call& call)
-      : metrics_(metrics), protocol_(call.protocol), received_(call.received) {}
+  Meter(Metrics* metrics, const Call& call, const AccessLog* access_log)
+      : metrics_(metrics), protocol_(call.protocol), received_(call.received) {
+    if (access_log != nullptr && *access_log) {
+      access_log_ = access_log;
+      requested_ = std::string(call.model);
+      if (call.peer) peer_ = call.peer();
+    }
+  }
 
   // Validated and about to be submitted: in flight from now.
   void Accepted(const ValidatedRequest& request) {
     model_ = &metrics_->ForModel(request.model->name);
+    if (access_log_ != nullptr) {
+      requested_ = request.model->name;  // the served name, copied: the model may go first
+      version_ = request.model->version;
+    }
+    queries_ = request.inputs.num_queries;
+    keys_ = request.inputs.self_attention() ? request.inputs.num_queries : request.inputs.num_keys;
     rows_ = request.inputs.batch;
     tokens_ = request.inputs.batch * request.inputs.num_queries;
     model_->inflight().Increment();
@@ -28,8 +40,8 @@ class Meter {
 
   // Counts the answer once. A request never accepted is counted under the model
   // `requested` resolves to, or "_unknown" when it names none that is served.
-  void Answered(const absl::Status& status, const ModelSource& models,
-                absl::string_view requested) {
+  void Answered(const absl::Status& status, const ModelSource& models, absl::string_view requested,
+                const ComputeTiming& timing = {}) {
     ModelMetrics* model = model_;
     if (model != nullptr) {
       model->inflight().Decrement();
@@ -37,8 +49,22 @@ class Meter {
       absl::StatusOr<std::shared_ptr<const Model>> found = models.Find(requested, "");
       model = &metrics_->ForModel(found.ok() ? (*found)->name : kUnknownModelLabel);
     }
-    model->Answered(protocol_, status.code(), absl::Now() - received_, rows_);
+    const absl::Duration took = absl::Now() - received_;
+    model->Answered(protocol_, status.code(), took, rows_);
     if (status.ok()) model->tokens().Increment(static_cast<double>(tokens_));
+    if (access_log_ != nullptr) {
+      (*access_log_)(AccessRecord{.protocol = protocol_,
+                                  .model = requested_,
+                                  .version = version_,
+                                  .batch = rows_,
+                                  .queries = queries_,
+                                  .keys = keys_,
+                                  .code = status.code(),
+                                  .queue = timing.queue,
+                                  .compute = timing.compute,
+                                  .total = took,
+                                  .peer = peer_});
+    }
   }
 
  private:
@@ -46,6 +72,9 @@ class Meter {
   Protocol protocol_;
   absl::Time received_;
   ModelMetrics* model_ = nullptr;
+  const AccessLog* access_log_ = nullptr;  // set when access is logged
+  std::string requested_, peer_;           // the served model's name once accepted
+  int64_t version_ = 0, queries_ = 0, keys_ = 0;
   int64_t rows_ = 0;
   int64_t tokens_ = 0;
 };
@@ -55,7 +84,7 @@ class Meter {
 void RequestPath::Submit(const Call& call,
                          absl::FunctionRef<absl::StatusOr<Prepared>(const Model& model)> decode,
                          Answer answer) const {
-  Meter meter(metrics_, call);
+  Meter meter(metrics_, call, &access_log_);
   auto refuse = [&](const absl::Status& status) {
     meter.Answered(status, *models_, call.model);
     answer(status, ComputeTiming{});
@@ -75,17 +104,18 @@ void RequestPath::Submit(const Call& call,
       .attention = prepared->outputs.attention,
       .deadline = std::min(call.deadline, prepared->deadline),
       .cancelled = call.cancelled,
-      .done = [meter, models = models_, answer](absl::Status status,
-                                                const ComputeTiming& timing) mutable {
-        meter.Answered(status, *models, "");
-        answer(std::move(status), timing);
-      },
+      .done =
+          [meter, models = models_, answer](absl::Status status,
+                                            const ComputeTiming& timing) mutable {
+            meter.Answered(status, *models, "", timing);
+            answer(std::move(status), timing);
+          },
   });
   if (!submitted.ok()) refuse(submitted);
 }
 
 void RequestPath::Refused(const Call& call, const absl::Status& status) const {
-  Meter(metrics_, call).Answered(status, *models_, call.model);
+  Meter(metrics_, call, &access_log_).Answered(status, *models_, call.model);
 }
 
 Answer Completion::Callback() {

@@ -33,6 +33,8 @@
 #define MHA_SERVER_SERVING_SUBMIT_H_
 
 #include <functional>
+#include <string>
+#include <utility>
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
@@ -40,10 +42,12 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/serving/access_log.h"
 #include "server/serving/batcher.h"
 #include "server/serving/metrics.h"
 #include "server/serving/model_source.h"
 #include "server/serving/request.h"
+#include "server/serving/restricted_api.h"
 #include "server/serving/work_item.h"
 
 namespace mha::server {
@@ -59,11 +63,12 @@ struct Prepared {
 // One call as its front received it.
 struct Call {
   Protocol protocol = Protocol::kAttentionV1;
-  absl::string_view model;    // as the request names it
-  absl::string_view version;  // "" = the newest served
+  absl::string_view model;                       // as the request names it
+  absl::string_view version;                     // "" = the newest served
   absl::Time deadline = absl::InfiniteFuture();  // the transport's
   std::function<bool()> cancelled;               // optional; polled while queued
   absl::Time received = absl::Now();             // mha_request_duration_seconds from here
+  std::function<std::string()> peer;             // optional; read when access is logged
 };
 
 // How a call ends: its status, and its timing when OK. Called exactly once.
@@ -71,8 +76,24 @@ using Answer = std::function<void(absl::Status, const ComputeTiming&)>;
 
 class RequestPath {
  public:
-  RequestPath(const ModelSource* models, Batcher* batcher, Metrics* metrics)
-      : models_(models), batcher_(batcher), metrics_(metrics) {}
+  // `restricted` (optional, outliving the path) restricts API groups for every front.
+  // `access_log` (optional) gets a record of every answer.
+  RequestPath(const ModelSource* models, Batcher* batcher, Metrics* metrics,
+              const RestrictedApis* restricted = nullptr, AccessLog access_log = nullptr)
+      : models_(models),
+        batcher_(batcher),
+        metrics_(metrics),
+        restricted_(restricted),
+        access_log_(std::move(access_log)) {}
+
+  // Every front's first step for every call, of any group (server/serving/restricted_api.h):
+  // OK, or PERMISSION_DENIED (counted) when the group is restricted and the call lacks its
+  // key. `key_prefix` is a second spelling of the key the transport accepts (gRPC:
+  // "triton-grpc-protocol-").
+  absl::Status Allow(ApiGroup group, HeaderLookup header, absl::string_view key_prefix = "") const {
+    return restricted_ == nullptr ? absl::OkStatus()
+                                  : restricted_->Allow(group, header, key_prefix);
+  }
 
   // Steps 1-4 above; `decode` runs on the calling thread, before Submit returns.
   void Submit(const Call& call,
@@ -87,6 +108,8 @@ class RequestPath {
   const ModelSource* const models_;
   Batcher* const batcher_;
   Metrics* const metrics_;
+  const RestrictedApis* const restricted_;
+  const AccessLog access_log_;
 };
 
 // An Answer to wait for, on a thread that may block: the HTTP front's (its

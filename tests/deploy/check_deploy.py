@@ -243,6 +243,8 @@ def load(source):
     """Everything the checks read, as plain data (so mutations are easy)."""
     deploy = os.path.join(source, "deploy")
     files = {"dockerfile": read_dockerfile(os.path.join(source, "Dockerfile"))}
+    with open(os.path.join(source, "docs", "deploy.md")) as f:
+        files["deploy_md"] = f.read()
     k8s_dir = os.path.join(deploy, "k8s")
     files["k8s"] = {}
     for name in sorted(os.listdir(k8s_dir)):
@@ -307,12 +309,25 @@ def check(files, defaults):
     expect(not any(a.startswith(("--host=", "--metrics_host=")) for a in cmd),
            "Dockerfile: --host/--metrics_host belong in ENTRYPOINT, so a new CMD keeps them")
     exposed = {p.split("/")[0] for e in df.get("EXPOSE", []) for p in e.split()}
-    for flag in ("port", "metrics_port"):
+    for flag in ("port", "http_port", "metrics_port"):
         expect(image[flag] in exposed,
                f"Dockerfile: --{flag}={image[flag]} is not in EXPOSE {sorted(exposed)}")
     volumes = [v for e in df.get("VOLUME", []) for v in exec_form(e)]
     expect(image["model_repository"] in volumes,
            f"Dockerfile: --model_repository={image['model_repository']} is not a VOLUME {volumes}")
+    # docs/deploy.md says what the image does: its EXPOSE line, a first `docker run`
+    # that publishes every port the image serves, and none of the claims issue 39 found
+    # stale.
+    doc = files["deploy_md"]
+    expose = " ".join(" ".join(df.get("EXPOSE", [])).split())
+    expect(f"`EXPOSE {expose}`" in doc,
+           f"docs/deploy.md: does not say `EXPOSE {expose}`, as the Dockerfile does")
+    runs = [line for line in doc.splitlines() if line.startswith("docker run")]
+    for flag in ("port", "http_port", "metrics_port"):
+        expect(runs and f"-p {image[flag]}:{image[flag]}" in runs[0],
+               f"docs/deploy.md: its first docker run does not publish --{flag}={image[flag]}")
+    for stale in ("no admin RPC", "read only at start-up"):
+        expect(stale not in " ".join(doc.split()), f"docs/deploy.md: says {stale!r}")
     user = df.get("USER", ["0"])[-1].split(":")[0]
     expect(user.isdigit() and int(user) != 0,
            f"Dockerfile: USER {user!r}, expected a numeric non-root uid")
@@ -561,6 +576,12 @@ MUTATIONS = {
     .__delitem__(slice(1, 3)),
     "haproxy balance": lambda f: _haproxy_line(f, "balance").__setitem__(1, "source"),
     "haproxy timeout": lambda f: _haproxy_line(f, "timeout", "server").__setitem__(2, "30s"),
+    "docs EXPOSE": lambda f: f.update(
+        deploy_md=f["deploy_md"].replace("EXPOSE 50051 8000 9464", "EXPOSE 50051 9464")),
+    "docs docker run": lambda f: f.update(
+        deploy_md=f["deploy_md"].replace("-p 8000:8000 -p 9464", "-p 9464")),
+    "docs admin claim": lambda f: f.update(
+        deploy_md=f["deploy_md"] + "\nThere is no admin RPC.\n"),
     "haproxy bind port": lambda f: _haproxy_line(f, "bind").__setitem__(1, ":50053"),
 }
 

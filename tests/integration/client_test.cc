@@ -1477,14 +1477,18 @@ TEST(ClientTlsTest, InferOverMutualTls) {
                    "--tls_cert=" + file("client.pem"), "--tls_key=" + file("client.key")});
   EXPECT_EQ(run.exit_code, 0) << Describe(run);
 
-  // No client certificate, or plaintext: refused, one line with the code.
-  for (const std::vector<std::string>& flags :
-       {std::vector<std::string>{"--tls_ca=" + file("ca.pem")}, std::vector<std::string>{}}) {
+  // No client certificate, or plaintext: refused, one line with the code and a hint.
+  for (const auto& [flags, hint] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--tls_ca=" + file("ca.pem")},
+            "(the server may require a client certificate (mutual TLS): give --tls_cert and "
+            "--tls_key)"},
+           {{}, "(the server may speak TLS, this client plaintext: give --tls or --tls_ca)"}}) {
     std::vector<std::string> args = {"infer", target, "--timeout=5s"};
     args.insert(args.end(), flags.begin(), flags.end());
     run = RunClient(args);
     EXPECT_EQ(run.exit_code, 1) << Describe(run);
     EXPECT_TRUE(absl::StartsWith(run.err, "error: UNAVAILABLE: ")) << run.err;
+    EXPECT_TRUE(absl::EndsWith(run.err, hint + "\n")) << run.err;
   }
   run = RunClient({"infer", target, "--tls_cert=" + file("client.pem")});
   ExpectUsageError(run, "error: --tls_cert and --tls_key go together");

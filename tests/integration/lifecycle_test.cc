@@ -8,6 +8,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "core/safetensors.h"
 #include "gtest/gtest.h"
@@ -149,23 +150,38 @@ TEST(StartupTest, BusyPortFailsStartNamingIt) {
   ASSERT_TRUE(first.ok()) << first.status();
   const std::string grpc_port = std::to_string((*first)->port());
   const std::string metrics_port = std::to_string((*first)->metrics_port());
-  const RunResult grpc = RunServer({"--port=" + grpc_port, "--metrics_port=-1"});
-  EXPECT_NE(grpc.exit_code, 0);
+  const std::string http_port = std::to_string((*first)->http_port());
+  const std::string advice =
+      ": address in use (another server?) or not an address of this host; change the flag, "
+      "or give 0 to pick a free port";
+  const RunResult grpc = RunServer({"--port=" + grpc_port, "--metrics_port=-1", "--http_port=-1"});
+  EXPECT_EQ(grpc.exit_code, 1);
   EXPECT_FALSE(absl::StrContains(grpc.out, "listening on"));
-  EXPECT_TRUE(absl::StrContains(grpc.err, "port: cannot listen on 127.0.0.1:" + grpc_port))
+  EXPECT_TRUE(absl::StrContains(
+      grpc.err, "error: cannot listen on 127.0.0.1:" + grpc_port + " (--port)" + advice))
       << grpc.err;
   const RunResult metrics = RunServer({"--port=0", "--metrics_port=" + metrics_port});
-  EXPECT_NE(metrics.exit_code, 0);
-  EXPECT_TRUE(
-      absl::StrContains(metrics.err, "metrics_port: cannot listen on 127.0.0.1:" + metrics_port))
+  EXPECT_EQ(metrics.exit_code, 1);
+  EXPECT_TRUE(absl::StrContains(metrics.err, "error: cannot listen on 127.0.0.1:" + metrics_port +
+                                                 " (--metrics_port)" + advice))
       << metrics.err;
   // cpp-httplib would set SO_REUSEPORT and share the port; the server turns it off.
-  const std::string http_port = std::to_string((*first)->http_port());
   const RunResult http = RunServer({"--port=0", "--metrics_port=-1", "--http_port=" + http_port});
-  EXPECT_NE(http.exit_code, 0);
+  EXPECT_EQ(http.exit_code, 1);
   EXPECT_FALSE(absl::StrContains(http.out, "listening on"));
-  EXPECT_TRUE(absl::StrContains(http.err, "http_port: cannot listen on 127.0.0.1:" + http_port))
+  EXPECT_TRUE(absl::StrContains(
+      http.err, "error: cannot listen on 127.0.0.1:" + http_port + " (--http_port)" + advice))
       << http.err;
+  // All three busy: one message names them all, with their flags.
+  const RunResult all = RunServer(
+      {"--port=" + grpc_port, "--metrics_port=" + metrics_port, "--http_port=" + http_port});
+  EXPECT_EQ(all.exit_code, 1);
+  EXPECT_TRUE(absl::StrContains(all.err, "error: cannot listen on 127.0.0.1:" + metrics_port +
+                                             " (--metrics_port), 127.0.0.1:" + grpc_port +
+                                             " (--port), 127.0.0.1:" + http_port +
+                                             " (--http_port)" + advice + "\n"))
+      << all.err;
+  EXPECT_FALSE(absl::StrContains(all.err, "CivetServer")) << all.err;
   HealthCheckResponse health;
   ASSERT_TRUE(CheckHealth((*first)->target(), "", &health).ok());
   EXPECT_EQ(health.status(), HealthCheckResponse::SERVING);
@@ -359,6 +375,62 @@ TEST_F(TlsTest, MutualTlsGuardsModelLoad) {
   const grpc::Status loaded = load(true);
   EXPECT_TRUE(loaded.ok()) << loaded.error_message();
   EXPECT_TRUE(Call((*server)->target(), TlsCredentials(true)).ok());  // "" = the only model, m
+}
+
+// A key that is not the certificate's fails start-up before any port is bound,
+// saying so (not "address in use"), for gRPC and HTTP alike.
+TEST_F(TlsTest, MismatchedKeyFailsStartNamingBothFiles) {
+  const RunResult run = RunServer({"--port=0", "--http_port=0", "--tls_cert=" + File("server.pem"),
+                                   "--tls_key=" + File("client.key")});
+  EXPECT_EQ(run.exit_code, 1);
+  EXPECT_FALSE(absl::StrContains(run.out, "metrics on")) << run.out;
+  EXPECT_TRUE(absl::StrContains(run.err, "error: tls_key: the key in " + File("client.key") +
+                                             " does not match the certificate in " +
+                                             File("server.pem")))
+      << run.err;
+  const RunResult swapped = RunServer(
+      {"--port=0", "--tls_cert=" + File("server.key"), "--tls_key=" + File("server.pem")});
+  EXPECT_EQ(swapped.exit_code, 1);
+  EXPECT_TRUE(absl::StrContains(swapped.err,
+                                "tls_cert: " + File("server.key") + " holds no PEM certificate"))
+      << swapped.err;
+  // An encrypted key: refused in words, without prompting for a passphrase.
+  const RunResult made =
+      RunProgram("/usr/bin/openssl",
+                 {"genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-aes256",
+                  "-pass", "pass:secret", "-out", File("encrypted.key")},
+                 absl::Seconds(30));
+  ASSERT_EQ(made.exit_code, 0) << made.err;
+  const RunResult encrypted = RunServer(
+      {"--port=0", "--tls_cert=" + File("server.pem"), "--tls_key=" + File("encrypted.key")},
+      absl::Seconds(10));
+  EXPECT_EQ(encrypted.exit_code, 1);
+  EXPECT_TRUE(absl::StrContains(
+      encrypted.err, "tls_key: " + File("encrypted.key") + " holds no unencrypted PEM private key"))
+      << encrypted.err;
+}
+
+// gRPC's own messages (a plaintext client's failed handshake) go through the server's
+// log: hidden at --log_verbose=0, one JSON line with source "grpc" at 1, never gRPC's
+// own "E1125 ... ssl_transport_security.cc" format.
+TEST_F(TlsTest, GrpcMessagesGoThroughTheServersLog) {
+  for (const int verbose : {0, 1}) {
+    auto server = ServerProcess::Start({"--port=0", "--tls_cert=" + File("server.pem"),
+                                        "--tls_key=" + File("server.key"), "--log_format=json",
+                                        "--log_verbose=" + std::to_string(verbose)});
+    ASSERT_TRUE(server.ok()) << server.status();
+    EXPECT_EQ(Call((*server)->target(), grpc::InsecureChannelCredentials()).error_code(),
+              grpc::StatusCode::UNAVAILABLE);
+    const absl::Time deadline = absl::Now() + absl::Seconds(verbose == 1 ? 10 : 1);
+    while (!absl::StrContains((*server)->log(), "\"source\":\"grpc\"") && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    const std::string log = (*server)->log();
+    EXPECT_EQ(absl::StrContains(log, "\"source\":\"grpc\""), verbose == 1) << log;
+    for (absl::string_view line : absl::StrSplit(log, '\n', absl::SkipEmpty())) {
+      EXPECT_TRUE(absl::StartsWith(line, "{\"time\":")) << line;
+    }
+  }
 }
 
 TEST_F(TlsTest, MissingKeyFileFailsStart) {

@@ -60,12 +60,13 @@ std::optional<int> WaitPid(pid_t pid, absl::Duration timeout) {
 
 std::string ServerPath() { return MHA_SERVER_PATH; }
 
+absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::StartExactly(
+    const std::vector<std::string>& args, absl::Duration timeout) {
+  return Launch(args, /*wants_http=*/true, /*wants_metrics=*/true, timeout, "listening on ");
+}
+
 absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
     const std::vector<std::string>& args, absl::Duration timeout, absl::string_view address_line) {
-  std::unique_ptr<ServerProcess> server(new ServerProcess());
-  server->dir_ = std::make_unique<TempDir>();
-  int out[2];
-  if (pipe2(out, O_CLOEXEC) != 0) return absl::InternalError("pipe failed");
   // Metrics on a free port too, unless the test chose one.
   std::vector<std::string> argv = args;
   if (std::none_of(args.begin(), args.end(), [](const std::string& arg) {
@@ -83,6 +84,16 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
     return absl::StartsWith(arg, "--http_port=") &&
            absl::SimpleAtoi(arg.substr(arg.find('=') + 1), &port) && port >= 0;
   });
+  return Launch(argv, wants_http, /*wants_metrics=*/false, timeout, address_line);
+}
+
+absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Launch(
+    const std::vector<std::string>& argv, bool wants_http, bool wants_metrics,
+    absl::Duration timeout, absl::string_view address_line) {
+  std::unique_ptr<ServerProcess> server(new ServerProcess());
+  server->dir_ = std::make_unique<TempDir>();
+  int out[2];
+  if (pipe2(out, O_CLOEXEC) != 0) return absl::InternalError("pipe failed");
   server->pid_ = Spawn(ServerPath(), argv, out[1], server->dir_->path() + "/stderr.log");
   close(out[1]);
 
@@ -103,7 +114,8 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
         close(out[0]);
         return absl::InternalError(absl::StrCat("bad address line: ", line));
       }
-      if (server->port_ > 0 && (!wants_http || server->http_port_ > 0)) {
+      if (server->port_ > 0 && (!wants_http || server->http_port_ > 0) &&
+          (!wants_metrics || server->metrics_port_ > 0)) {
         close(out[0]);
         return server;
       }

@@ -38,6 +38,10 @@ class ServerProcess {
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(
       const std::vector<std::string>& args, absl::Duration timeout = absl::Seconds(30),
       absl::string_view address_line = "listening on ");
+  // Starts the server with `args` as they are (no test defaults added) and waits for
+  // its "listening on", "http on" and "metrics on" lines: the flags' own defaults.
+  static absl::StatusOr<std::unique_ptr<ServerProcess>> StartExactly(
+      const std::vector<std::string>& args, absl::Duration timeout = absl::Seconds(30));
   ~ServerProcess();  // SIGKILL and reap if still running
 
   int port() const { return port_; }
@@ -54,6 +58,10 @@ class ServerProcess {
 
  private:
   ServerProcess() = default;
+  static absl::StatusOr<std::unique_ptr<ServerProcess>> Launch(const std::vector<std::string>& argv,
+                                                               bool wants_http, bool wants_metrics,
+                                                               absl::Duration timeout,
+                                                               absl::string_view address_line);
   pid_t pid_ = -1;
   int port_ = 0;
   int metrics_port_ = 0;

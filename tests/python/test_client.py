@@ -313,11 +313,15 @@ def test_mutual_tls(serve, certificates):
     with mha_serve.Client(target, tls=(d / "ca.pem", d / "client.pem", d / "client.key"),
                           timeout=TIMEOUT) as client:
         assert client.attend(q).shape == (1, 2, 100)
-    for tls in (None, (d / "ca.pem", None, None)):  # plaintext; no client certificate
+    hints = {None: "(the server may speak TLS, this client plaintext: give --tls or --tls_ca)",
+             (d / "ca.pem", None, None): "(the server may require a client certificate "
+                                         "(mutual TLS): give --tls_cert and --tls_key)"}
+    for tls, hint in hints.items():  # plaintext; no client certificate
         with mha_serve.Client(target, tls=tls, timeout=TIMEOUT) as client:
             with pytest.raises(mha_serve.Error) as error:
                 client.attend(q)
             assert error.value.code == grpc.StatusCode.UNAVAILABLE
+            assert error.value.details.endswith(hint), error.value.details
     done = subprocess.run(
         [os.path.join(VENV, "bin", "mha-serve-client"), f"--target={target}",
          f"--tls_ca={d / 'ca.pem'}", f"--tls_cert={d / 'client.pem'}",

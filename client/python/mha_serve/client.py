@@ -311,6 +311,9 @@ class Client:
         if server_name:
             opts.append(("grpc.ssl_target_name_override", server_name))
         credentials = channel_credentials(tls)
+        # For the hints on UNAVAILABLE (the C++ client's, client/sdk/channel.cc).
+        self._tls = credentials is not None
+        self._client_cert = isinstance(tls, (tuple, list)) and len(tls) > 1 and tls[1] is not None
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=opts)
         else:
@@ -339,7 +342,25 @@ class Client:
         details = (error.details() if hasattr(error, "details") else "") or str(error)
         if code == grpc.StatusCode.UNAVAILABLE and self.target not in details:
             details = f"{self.target}: {details}"
+        hint = self._hint(code, details)
+        if hint:
+            details = f"{details} ({hint})"
         return Error(code, details, rpc)
+
+    def _hint(self, code, details):
+        """What a transport failure most likely means, as the C++ client says it."""
+        if code != grpc.StatusCode.UNAVAILABLE:
+            return ""
+        if not self._tls and "Socket closed" in details:
+            return "the server may speak TLS, this client plaintext: give --tls or --tls_ca"
+        if self._tls and "Socket closed" in details and not self._client_cert:
+            return ("the server may require a client certificate (mutual TLS): "
+                    "give --tls_cert and --tls_key")
+        if self._tls and "wrong version number" in details:
+            return "the server may speak plaintext, this client TLS: drop the --tls flags"
+        if self._tls and "certificate verify failed" in details:
+            return "the client does not trust the server's certificate: give its CA with --tls_ca"
+        return ""
 
     def _unary(self, rpc, request, timeout, method=None):
         try:
