@@ -165,6 +165,37 @@ TEST(ModelRepositoryTest, GroupedRotaryFieldsReachTheCoreConfig) {
   }
 }
 
+// deploy/models_llm/llama_attention, a Llama-3-8B-sized layer, loads as the issue
+// describes it: ModelRepository::Create parses it, draws its seeded weights (168 MB)
+// and builds the layer; its warm-up passes are the small ones listed.
+TEST(ModelRepositoryTest, LlamaAttentionLoads) {
+  auto models =
+      ModelRepository::Create({.path = std::string(MHA_SOURCE_DIR) + "/deploy/models_llm"});
+  ASSERT_TRUE(models.ok()) << models.status();
+  ASSERT_EQ((*models)->models().size(), 1u);
+  const std::shared_ptr<const Model> model = (*models)->Find("llama_attention").value();
+  const core::ModelConfig& c = model->config;
+  EXPECT_EQ(c.num_hiddens, 4096);
+  EXPECT_EQ(c.num_heads, 32);
+  EXPECT_EQ(c.head_size(), 128);
+  EXPECT_EQ(c.kv_heads(), 8);
+  EXPECT_EQ(c.kv_hiddens(), 1024);
+  EXPECT_FALSE(c.bias);
+  ASSERT_TRUE(c.rope.has_value());
+  EXPECT_EQ(c.rope_theta(), 500000.0);
+  EXPECT_EQ(c.rotary_dim(), 128);
+  EXPECT_FALSE(c.rope->interleaved);
+  EXPECT_FALSE(c.cache_bf16());
+  EXPECT_EQ(model->limits.max_sequence_length, 8192);
+  EXPECT_EQ(model->weights_source, "seeded (seed 8)");
+  ASSERT_EQ(model->warmup.size(), 2u);
+  for (const WarmupShape& w : model->warmup) {
+    EXPECT_EQ(w.batch, 1);
+    EXPECT_LE(w.num_queries, 32);
+    EXPECT_EQ(w.num_keys, 0);
+  }
+}
+
 // A config without `warmup` gets the default passes, inside its limits: B 1 x Q 128
 // (or max_sequence_length), then the largest batch the batcher may form; a model
 // that cannot self-attend warms with keys. Listed passes replace them;
