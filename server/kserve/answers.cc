@@ -1,5 +1,7 @@
 #include "server/kserve/answers.h"
 
+#include <charconv>
+#include <cmath>
 #include <map>
 #include <memory>
 #include <set>
@@ -43,6 +45,18 @@ void AddOutput(inference::ModelConfig* config, const char* name,
   output->set_name(name);
   output->set_data_type(inference::TYPE_FP32);
   for (int64_t d : dims) output->add_dims(d);
+}
+
+// A decimal that reads back as `value`: whole numbers as integers (500000, where the
+// shortest form would be 5e+05), others in their shortest form (StrCat keeps 6
+// significant digits: 1234567.5 would read back as 1234570).
+std::string ExactDecimal(double value) {
+  if (value == std::floor(value) && std::abs(value) < 1e15) {
+    return absl::StrCat(static_cast<int64_t>(value));
+  }
+  char buffer[32];
+  const std::to_chars_result result = std::to_chars(buffer, buffer + sizeof(buffer), value);
+  return std::string(buffer, result.ptr);
 }
 
 void SetDuration(const ModelStatisticsSnapshot::Duration& from, inference::StatisticDuration* to) {
@@ -93,6 +107,14 @@ inference::ModelConfig ToTritonConfig(const Model& model) {
   parameters["num_hiddens"].set_string_value(absl::StrCat(c.num_hiddens));
   parameters["precision"].set_string_value(std::string(core::PrecisionName(c.precision)));
   parameters["scoring"].set_string_value(std::string(core::ScoringName(c.scoring)));
+  // Grouped-query heads and rotary positions, resolved as attention.v1's ModelInfo
+  // gives them (fields 15-20): G never 0; rope_theta and rotary_dim 0 without rope.
+  parameters["num_kv_heads"].set_string_value(absl::StrCat(c.kv_heads()));
+  parameters["rope_theta"].set_string_value(ExactDecimal(c.rope ? c.rope_theta() : 0.0));
+  parameters["rotary_dim"].set_string_value(absl::StrCat(c.rope ? c.rotary_dim() : 0));
+  parameters["rope_interleaved"].set_string_value(c.rope && c.rope->interleaved ? "true" : "false");
+  parameters["projections"].set_string_value("full");
+  parameters["kv_cache_precision"].set_string_value(c.cache_bf16() ? "bf16" : "f32");
   // The limits a request meets (B, Q and K), and the batcher's per call.
   parameters["max_batch_size"].set_string_value(absl::StrCat(model.limits.max_batch_size));
   parameters["max_sequence_length"].set_string_value(

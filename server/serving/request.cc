@@ -102,6 +102,12 @@ absl::StatusOr<Dims> DecodeShapes(const RequestView& request, const Model& model
   MHA_RETURN_IF_ERROR(CheckShape("keys", *request.keys, dims.batch, dims.keys, c.key_size));
   MHA_RETURN_IF_ERROR(CheckDense("values", *request.values, "(B, K, d_v)"));
   MHA_RETURN_IF_ERROR(CheckShape("values", *request.values, dims.batch, dims.keys, c.value_size));
+  if (c.rope && dims.queries > dims.keys) {
+    // Refused here, before the batcher: the core would refuse the forward call.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "queries: model ", model.name, " has rotary positions (rope): its queries are the last Q ",
+        "of its K positions, so Q <= K; got Q = ", dims.queries, ", K = ", dims.keys));
+  }
   return dims;
 }
 

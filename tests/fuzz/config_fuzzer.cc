@@ -1,7 +1,10 @@
 // libFuzzer target (c): config.pbtxt text -> ParseModelConfig -> ResolveModelConfig
-// (sizes, precision, limits), as LoadModel does. A config that resolves must give a
-// valid core configuration and positive limits; when its seeded weights are small
-// the layer is built (MultiHeadAttention::Create) and runs one forward pass.
+// (sizes, precision, limits, grouped-query heads, rotary positions, the session
+// cache), as LoadModel does. A config that resolves must give a valid core
+// configuration and positive limits; when its seeded weights are small the layer is
+// built (MultiHeadAttention::Create) and runs one forward pass (a rotary one also a
+// causal pass with Q < K).
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -33,6 +36,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const mha::core::ModelConfig& c = resolved->config;
   MHA_FUZZ_CHECK(c.Validate().ok());
   MHA_FUZZ_CHECK(c.head_size() * c.num_heads == c.num_hiddens);
+  // Issue 34's fields, resolved: G divides h; rope's theta finite and positive, its
+  // rotary_dim even and within the head; a bf16 model's cache is bf16.
+  MHA_FUZZ_CHECK(c.kv_heads() >= 1 && c.num_heads % c.kv_heads() == 0);
+  if (c.rope) {
+    MHA_FUZZ_CHECK(std::isfinite(c.rope_theta()) && c.rope_theta() > 0);
+    MHA_FUZZ_CHECK(c.rotary_dim() >= 2 && c.rotary_dim() % 2 == 0 &&
+                   c.rotary_dim() <= c.head_size());
+  }
+  MHA_FUZZ_CHECK(c.precision != mha::core::Precision::kBf16 || c.cache_bf16());
   const mha::server::ModelLimits& l = resolved->limits;
   MHA_FUZZ_CHECK(l.max_batch_size >= 1 && l.max_sequence_length >= 1 && l.max_request_bytes >= 1 &&
                  l.max_attention_elements >= 1);
@@ -63,5 +75,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                                   .values = values.data()},
                                                  output.data());
   MHA_FUZZ_CHECK(forward.ok(), "%s\n", forward.ToString().c_str());
+  for (float v : output) MHA_FUZZ_CHECK(std::isfinite(v));
+  if (c.rope) {
+    // Q < K, bottom-right causal: the last query sees every key, the first all but one.
+    const absl::Status causal = (*layer)->Forward({.batch = batch,
+                                                   .num_queries = length - 1,
+                                                   .num_keys = length,
+                                                   .queries = queries.data(),
+                                                   .keys = keys.data(),
+                                                   .values = values.data(),
+                                                   .causal = true},
+                                                  output.data());
+    MHA_FUZZ_CHECK(causal.ok(), "%s\n", causal.ToString().c_str());
+  }
   return 0;
 }

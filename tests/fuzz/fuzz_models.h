@@ -13,18 +13,21 @@
 #include <fstream>
 #include <string>
 
-#include "server/serving/request.h"
 #include "server/models/model_repository.h"
+#include "server/serving/request.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace mha::fuzzing {
 
 using mha::server::ModelRepository;
 
-// Six models: "default" self-attends with d = 4; "cross" has d_q, d_k, d_v all
+// Eight models: "default" self-attends with d = 4; "cross" has d_q, d_k, d_v all
 // different and biases; "tight" has small explicit limits; "short" (self, biases)
 // caps a session at 12 tokens (limits.max_session_tokens); "half" computes in bf16;
-// "additive" scores additively (sessions refuse it).
+// "additive" scores additively (sessions refuse it); "rotary" has grouped-query
+// heads (4 sharing 2) and interleaved rotary positions on half of each head (Q > K and
+// CROSS sessions refused); "mqa" one key/value head, rotate-half rotary positions,
+// biases and a bf16 session cache.
 inline const ModelRepository& Repository() {
   static const ModelRepository* repository = [] {
     std::string dir = (std::filesystem::temp_directory_path() / "mha_request_fuzzer.XXXXXX");
@@ -43,6 +46,12 @@ inline const ModelRepository& Repository() {
         {"half", "num_hiddens: 4 num_heads: 2 precision: \"bf16\" seeded { seed: 5 }"},
         {"additive",
          "num_hiddens: 4 num_heads: 2 scoring: ADDITIVE additive_hidden: 3 seeded { seed: 6 }"},
+        {"rotary",
+         "num_hiddens: 8 num_heads: 4 num_kv_heads: 2 rope { rotary_dim: 2 interleaved: true } "
+         "seeded { seed: 7 }"},
+        {"mqa",
+         "num_hiddens: 4 num_heads: 2 num_kv_heads: 1 bias: true rope { theta: 500000 } "
+         "kv_cache_precision: \"bf16\" seeded { seed: 8 }"},
     };
     for (const auto& [name, config] : models) {
       std::filesystem::create_directories(std::filesystem::path(dir) / name);

@@ -87,6 +87,14 @@ def request_seeds():
         "overflow_shape": request(queries=tensor([1 << 40, 1 << 40, 4], data=[0.0] * 4)),
         "nan": request(queries=tensor([1, 1, 4], data=[0.0, float("nan"), 1.0, 2.0])),
         "short_data": request(queries=tensor([1, 2, 4], count=7)),
+        # fuzz_models.h's rotary (p_o 8, h 4, G 2, rope) and mqa (d 4, G 1, rope, bias).
+        "rotary_q_lt_k_causal": request(model=b"rotary", queries=tensor([1, 2, 8]),
+                                        keys=tensor([1, 5, 8]), values=tensor([1, 5, 8]),
+                                        valid_lens=[4], causal=True),
+        "rotary_q_gt_k": request(model=b"rotary", queries=tensor([1, 4, 8]),
+                                 keys=tensor([1, 2, 8]), values=tensor([1, 2, 8])),
+        "mqa_self_causal": request(model=b"mqa", queries=tensor([2, 3, 4]), valid_lens=[3, 1],
+                                   causal=True, return_attention=True),
     }
 
 
@@ -143,6 +151,18 @@ def config_seeds():
                            b"max_queue_size: 128 }\n",
         "file": b'num_hiddens: 16 num_heads: 4 file: "weights.safetensors"\n',
         "bad_heads": b"num_hiddens: 100 num_heads: 7 seeded { seed: 0 }\n",
+        # Issue 34's fields: grouped-query heads, rotary positions, the session cache.
+        "gqa_rope": b"num_hiddens: 8 num_heads: 4 num_kv_heads: 2 bias: true\n"
+                    b"rope { theta: 500000 rotary_dim: 2 interleaved: true }\n"
+                    b'kv_cache_precision: "bf16" seeded { seed: 3 }\n',
+        "mqa_rope_default": b"num_hiddens: 6 num_heads: 3 num_kv_heads: 1 rope {} "
+                            b"seeded { seed: 4 }\n",
+        "bad_kv_heads": b"num_hiddens: 8 num_heads: 4 num_kv_heads: 3 seeded { seed: 0 }\n",
+        "bad_rotary_dim": b"num_hiddens: 8 num_heads: 2 rope { rotary_dim: 3 } "
+                          b"seeded { seed: 0 }\n",
+        "bad_theta": b"num_hiddens: 8 num_heads: 2 rope { theta: -inf } seeded { seed: 0 }\n",
+        "bad_cache": b'num_hiddens: 8 num_heads: 2 precision: "bf16" kv_cache_precision: "f32"\n',
+        "projections_none": b"num_hiddens: 8 num_heads: 2 projections: NONE\n",
         "warmup": b"num_hiddens: 8 num_heads: 2 seeded { seed: 0 } "
                   b"limits { max_sequence_length: 16 }\n"
                   b"warmup { batch: 2 num_queries: 16 } warmup { batch: 1 num_queries: 3 "
@@ -230,6 +250,11 @@ def inference_request_seeds():
                        infer_input(b"values", b"FP32", [1, 2, 2]),
                        infer_input(b"valid_lens", b"INT64", [1, 2])],
             [q[:24], q[:40], q[:16], struct.pack("<2q", 1, 2)], outputs=[b"attention", b"output"]),
+        "rotary_q_lt_k": infer_request(
+            b"rotary", [infer_input(b"queries", b"FP32", [1, 1, 8]),
+                        infer_input(b"keys", b"FP32", [1, 2, 8]),
+                        infer_input(b"values", b"FP32", [1, 2, 8])],
+            [q[:32], q[:64], q[:64]], causal=True),
     }
 
 
@@ -286,6 +311,10 @@ def session_request_seeds():
     ]
     return {
         "self_causal_chunked": self_chunks(b"", 4, [3, 1, 1, 4]),
+        "rotary_self_chunks": self_chunks(b"rotary", 8, [3, 1, 2]),
+        "rotary_cross_refused": session(session_request(model=b"rotary", kind=CROSS,
+                                                        keys=rows(2, 8), values=rows(2, 8))),
+        "mqa_bf16_cache_chunks": self_chunks(b"mqa", 4, [5, 1, 1], causal=False),
         "self_whole_then_decode": self_chunks(b"default", 4, [30, 1, 1, 1]),
         "self_noncausal_raw": self_chunks(b"default", 4, [2, 2, 1], causal=False, raw=True),
         "self_across_blocks": self_chunks(b"default", 4, [31, 2, 40]),

@@ -14,10 +14,10 @@
 // and must be an input error. A decoded step reserves room in a KvSequence of a pool
 // of a few blocks (a refusal ends the session, which must leave the sequence as it
 // was; the pool's blocks are reused ones, and the check knows exactly when a step
-// fits), is built into a core::PagedStep as the reactor builds it (bf16 cache for a
-// bf16 model; a CROSS step without keys points them at a dummy float, a SELF step's
-// keys are nullptr), gets its response from PrepareSessionResponse and runs through
-// ForwardPaged.
+// fits), is built into a core::PagedStep as the reactor builds it (G key/value
+// heads; a bf16 cache for a bf16 model or kv_cache_precision bf16; a CROSS step
+// without keys points them at a dummy float, a SELF step's keys are nullptr), gets
+// its response from PrepareSessionResponse and runs through ForwardPaged.
 //
 // Checks: a decoded step's views lie within its request's tensors and agree with
 // the session's kind; the response is shaped (1, T, p_o) in the request's encoding;
@@ -27,9 +27,9 @@
 // poisoned with a NaN after each Reserve and must still hold it, so a step that
 // reads a slot nobody wrote shows up as NaN); the output is finite when the
 // session's inputs are of moderate size (finite huge ones may overflow, as in
-// PyTorch); and for an f32 model with small inputs the session's outputs equal one
-// stateless Forward over the whole sequence with each query's visible keys as its
-// valid_len.
+// PyTorch); and for an f32 model with an f32 cache and small inputs the session's
+// outputs equal one stateless Forward over the whole sequence with each query's
+// visible keys as its valid_len (a rotary model's token t at position t both ways).
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -369,15 +369,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                           MaxAbs(step.keys, cross_keys * c.key_size),
                           MaxAbs(step.values, cross_keys * c.value_size)});
 
-    // The cache as the reactor makes it: bf16 for a bf16 model.
-    const bool bf16 = c.precision == mha::core::Precision::kBf16;
+    // The cache as the reactor makes it: G key/value heads, bf16 for a bf16 model or
+    // kv_cache_precision bf16.
+    const bool bf16 = c.cache_bf16();
     if (first) {
-      CycleThroughPool(&pool, c.num_heads, c.head_size(), bf16);
-      cache = std::make_unique<KvSequence>(&pool, c.num_heads, c.head_size(), bf16);
+      CycleThroughPool(&pool, c.kv_heads(), c.head_size(), bf16);
+      cache = std::make_unique<KvSequence>(&pool, c.kv_heads(), c.head_size(), bf16);
     }
     // The pool serves this session alone: a step fits iff its blocks do.
     constexpr int64_t kBt = KvCachePool::kBlockTokens;
-    const int64_t block_bytes = 2 * c.num_hiddens * kBt * (bf16 ? 2 : 4);
+    const int64_t block_bytes = 2 * c.kv_hiddens() * kBt * (bf16 ? 2 : 4);
     const bool fits = (cached + step.num_keys + kBt - 1) / kBt * block_bytes <= kBudgetBytes;
     const int64_t capacity = cache->capacity(), used = pool.used_bytes();
     const absl::Status reserved = cache->Reserve(step.num_keys);
@@ -425,8 +426,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     reference.Add(step, c, self, settings.causal, cached, output);
   }
-  if (model != nullptr && model->config.precision == mha::core::Precision::kF32 &&
-      max_input <= kReferenceBound) {
+  if (model != nullptr && !model->config.cache_bf16() && max_input <= kReferenceBound) {
     reference.Check(*model);
   }
   cache.reset();

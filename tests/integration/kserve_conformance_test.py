@@ -10,6 +10,10 @@ Triton's own clients (tritonclient, perf_analyzer) and curl send, over gRPC and 
 - ModelConfig and ModelMetadata agree for every model of deploy/models under
   Triton's rule (max_batch_size 0: dims are the full shape), and a request built
   from the config's shapes is accepted;
+- issue 34's fields (num_kv_heads, rope_theta, rotary_dim, rope_interleaved,
+  projections, kv_cache_precision) are ModelConfig parameters, resolved, equal over
+  gRPC and HTTP to attention.v1's ModelInfo; a rotary model answers the same over
+  both transports as over attention.v1;
 - every unsupported RPC and route answers UNIMPLEMENTED / 501 naming it;
 - every HTTP error has a JSON body (404, 405 with Allow, 413 naming the limit), a
   form-encoded body is read as JSON, trailing bytes are a 400, a non-finite JSON
@@ -304,6 +308,101 @@ class ConfigShapesTest(ServerCase):
             self.assertEqual(status, 200, content[:300])
             http_shapes = {o["name"]: o["shape"] for o in json.loads(content)["outputs"]}
             self.assertEqual(http_shapes, shapes, name)
+
+
+class GroupedRotaryParametersTest(ServerCase):
+    """Issue 34's fields reach Triton's ModelConfig as parameters named as ModelInfo's
+    fields, resolved (G never 0; theta 10000 and rotary_dim d_h when rope is set
+    without them; 0 without rope), equal over gRPC and HTTP to attention.v1's
+    GetModel."""
+
+    # name: (config.pbtxt body, the six parameters expected)
+    MODELS = {
+        "gqa_rope": ("num_hiddens: 32 num_heads: 4 num_kv_heads: 2 "
+                     "rope { theta: 500000 rotary_dim: 4 interleaved: true } "
+                     'kv_cache_precision: "bf16"',
+                     {"num_kv_heads": "2", "rope_theta": "500000", "rotary_dim": "4",
+                      "rope_interleaved": "true", "projections": "full",
+                      "kv_cache_precision": "bf16"}),
+        "mqa_rope_defaults": ("num_hiddens: 24 num_heads: 3 num_kv_heads: 1 rope {}",
+                              {"num_kv_heads": "1", "rope_theta": "10000", "rotary_dim": "8",
+                               "rope_interleaved": "false", "projections": "full",
+                               "kv_cache_precision": "f32"}),
+        "plain": ("num_hiddens: 16 num_heads: 2",
+                  {"num_kv_heads": "2", "rope_theta": "0", "rotary_dim": "0",
+                   "rope_interleaved": "false", "projections": "full",
+                   "kv_cache_precision": "f32"}),
+        "theta_digits": ("num_hiddens: 16 num_heads: 2 rope { theta: 1234567.5 }",
+                         {"num_kv_heads": "2", "rope_theta": "1234567.5", "rotary_dim": "8",
+                          "rope_interleaved": "false", "projections": "full",
+                          "kv_cache_precision": "f32"}),
+    }
+
+    @classmethod
+    def setUpClass(cls):
+        cls.repository = tempfile.mkdtemp(prefix="conformance_gqa_")
+        for name, (body, _) in cls.MODELS.items():
+            os.makedirs(os.path.join(cls.repository, name))
+            with open(os.path.join(cls.repository, name, "config.pbtxt"), "w") as f:
+                f.write(body + " seeded { seed: 3 }\n")
+        cls.server_args = [f"--model_repository={cls.repository}", "--default_warmup=false"]
+        super().setUpClass()
+
+    @classmethod
+    def tearDownClass(cls):
+        super().tearDownClass()
+        shutil.rmtree(cls.repository, ignore_errors=True)
+
+    def test_parameters_over_grpc_and_http_equal_model_info(self):
+        for name, (_, expected) in self.MODELS.items():
+            config = self.inf.ModelConfig(API.inf.ModelConfigRequest(name=name),
+                                          timeout=TIMEOUT).config
+            grpc_params = {k: config.parameters[k].string_value for k in expected}
+            self.assertEqual(grpc_params, expected, name)
+            info = self.att.GetModel(API.a.GetModelRequest(model=name), timeout=TIMEOUT)
+            from_info = {"num_kv_heads": str(info.num_kv_heads),
+                         "rope_theta": repr(info.rope_theta).removesuffix(".0"),
+                         "rotary_dim": str(info.rotary_dim),
+                         "rope_interleaved": "true" if info.rope_interleaved else "false",
+                         "projections": info.projections,
+                         "kv_cache_precision": info.kv_cache_precision}
+            self.assertEqual(from_info, expected, name)
+            status, _, content = curl(self.http, "GET", f"/v2/models/{name}/config")
+            self.assertEqual(status, 200, content[:300])
+            http = json.loads(content)["parameters"]
+            self.assertEqual({k: http[k]["string_value"] for k in expected}, expected, name)
+
+    def test_rotary_model_serves_over_both_transports(self):
+        # Q < K, causal: the same request through KServe gRPC, HTTP and attention.v1
+        # gives the same output (the positions rule is the core's: golden tests).
+        queries, keys, values = kg.uniform(11, 2, 3, 32), kg.uniform(12, 2, 5, 32), \
+            kg.uniform(13, 2, 5, 32)
+        def attend(causal):
+            request = kg.attend_request(queries, keys, values, causal=causal)
+            request.model = "gqa_rope"
+            return kg.from_tensor(self.att.Attend(request, timeout=TIMEOUT).output)
+
+        want = attend(True)
+        request = kg.infer_request([("queries", "FP32", queries), ("keys", "FP32", keys),
+                                    ("values", "FP32", values)], causal=True, model="gqa_rope")
+        response = self.inf.ModelInfer(request, timeout=TIMEOUT)
+        got = kg.infer_outputs(self, response)["output"]
+        self.assertEqual(got.shape, (2, 3, 32))
+        self.assertEqual(kg.max_abs_diff(got, want), 0.0)
+        body = {"inputs": [{"name": n, "datatype": "FP32", "shape": list(a.shape),
+                            "data": a.ravel().tolist()}
+                           for n, a in (("queries", queries), ("keys", keys),
+                                        ("values", values))],
+                "parameters": {"causal": True}, "outputs": [{"name": "output"}]}
+        status, _, content = curl(self.http, "POST", "/v2/models/gqa_rope/infer",
+                                  json.dumps(body))
+        self.assertEqual(status, 200, content[:300])
+        http = json.loads(content)["outputs"][0]
+        self.assertEqual(http["shape"], [2, 3, 32])
+        self.assertLessEqual(kg.max_abs_diff(np.array(http["data"], np.float32).reshape(2, 3, 32),
+                                             want), 1e-6)
+        # Causal bottom-right: the output differs from the non-causal one.
+        self.assertGreater(kg.max_abs_diff(attend(False), want), 1e-3)
 
 
 class UnimplementedTest(ServerCase):

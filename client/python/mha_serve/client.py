@@ -80,6 +80,15 @@ class ModelInfo:
     additive_hidden: int
     supports_self_attention: bool
     limits: ModelLimits
+    # Grouped-query heads and rotary positions (issue 34), resolved: G (never 0);
+    # theta and rotary_dim 0 without rope; projections "full" or "none";
+    # kv_cache_precision of sessions' caches, "f32" or "bf16".
+    num_kv_heads: int = 0
+    rope_theta: float = 0.0
+    rotary_dim: int = 0
+    rope_interleaved: bool = False
+    projections: str = "full"
+    kv_cache_precision: str = "f32"
 
     @classmethod
     def from_proto(cls, info):

@@ -284,6 +284,34 @@ TEST_F(CodecTest, GoodRequestsPass) {
   EXPECT_EQ(decoded->output_elements(), 2 * 4 * 8);
 }
 
+// A rotary model's queries are the last Q of its K positions: Q > K is refused at
+// validation, naming queries (before the batcher; the core refuses it too).
+TEST(RotaryValidationTest, MoreQueriesThanKeysAreRefusedNamingQueries) {
+  TempDir dir;
+  dir.Write("rotary/config.pbtxt",
+            "num_hiddens: 8 num_heads: 4 num_kv_heads: 2 rope {} seeded { seed: 1 }");
+  dir.Write("plain/config.pbtxt", "num_hiddens: 8 num_heads: 4 seeded { seed: 1 }");
+  auto models = ModelRepository::Create({.path = dir.path(), .num_threads = 1}).value();
+  const auto request = [](const char* model, int64_t q, int64_t k) {
+    AttendRequest r;
+    r.set_model(model);
+    *r.mutable_queries() = MakeTensor({1, q, 8});
+    *r.mutable_keys() = MakeTensor({1, k, 8});
+    *r.mutable_values() = MakeTensor({1, k, 8});
+    return r;
+  };
+  const absl::Status refused =
+      ValidateRequest(request("rotary", 4, 3), *models->Find("rotary").value()).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StartsWith(refused.message(), "queries: model rotary has rotary positions"))
+      << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "Q <= K; got Q = 4, K = 3")) << refused;
+  EXPECT_TRUE(ValidateRequest(request("rotary", 3, 4), *models->Find("rotary").value()).ok());
+  EXPECT_TRUE(ValidateRequest(request("rotary", 3, 3), *models->Find("rotary").value()).ok());
+  // Without rope Q > K stays allowed (top-left causal rule, no positions).
+  EXPECT_TRUE(ValidateRequest(request("plain", 4, 3), *models->Find("plain").value()).ok());
+}
+
 TEST_F(CodecTest, PrepareResponseSizesOutputAndAskedForWeights) {
   AttendRequest request = ToyRequest();
   AttendResponse response;

@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/safetensors.h"
 #include "gtest/gtest.h"
 #include "tests/temp_dir.h"
 
@@ -162,6 +164,94 @@ TEST(ModelRepositoryTest, GroupedRotaryFieldsReachTheCoreConfig) {
         ResolveModelConfig(ParseModelConfig(b.text, "t").value(), "m", {}).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << b.text;
     EXPECT_TRUE(absl::StrContains(s.message(), b.field)) << s;
+  }
+}
+
+// Hostile values of issue 34's fields, each loaded from a repository: the load fails
+// naming the model, its config file and the field (or the weight tensor).
+TEST(ModelRepositoryTest, HostileGroupedRotaryConfigsAreRefusedNamingTheField) {
+  const struct {
+    const char* text;
+    const char* field;
+  } bad[] = {
+      {"num_kv_heads: -1", "num_kv_heads: expected 0 (= num_heads) or a divisor"},
+      {"num_kv_heads: 8", "num_kv_heads: expected 0 (= num_heads) or a divisor"},
+      {"num_kv_heads: 9223372036854775807", "num_kv_heads"},
+      {"num_kv_heads: 2 scoring: ADDITIVE additive_hidden: 3", "num_kv_heads"},
+      {"rope { theta: -1 }", "rope.theta"},
+      {"rope { theta: inf }", "rope.theta"},
+      {"rope { theta: nan }", "rope.theta"},
+      {"rope { rotary_dim: -2 }", "rotary_dim"},
+      {"rope { rotary_dim: 9223372036854775806 }", "rotary_dim"},
+      {"rope {} scoring: ADDITIVE additive_hidden: 3", "rope"},
+      {"kv_cache_precision: \"BF16\"", "kv_cache_precision"},
+      {"kv_cache_precision: \"fp16\"", "kv_cache_precision"},
+      {"projections: NONE", "projections"},
+      {"projections: 7", "projections"},
+  };
+  for (const auto& b : bad) {
+    TempDir dir;
+    const std::string path = dir.Write(
+        "m/config.pbtxt", absl::StrCat("num_hiddens: 16 num_heads: 4 seeded { seed: 1 } ", b.text));
+    const absl::Status s = ModelRepository::Create({.path = dir.path()}).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << b.text;
+    EXPECT_TRUE(absl::StrContains(s.message(), "model m (" + path + ")")) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), b.field)) << b.text << ": " << s;
+  }
+  // An odd head size with rope {} (rotary_dim 0 = the head size, 3).
+  TempDir odd;
+  odd.Write("m/config.pbtxt", "num_hiddens: 12 num_heads: 4 rope {} seeded { seed: 1 }");
+  const absl::Status s = ModelRepository::Create({.path = odd.path()}).status();
+  EXPECT_TRUE(absl::StrContains(s.message(), "rotary_dim: 0 means the head size, 3")) << s;
+
+  // A grouped model's weights under nn.MultiheadAttention names, and Hugging Face
+  // names of the wrong shape: errors name num_kv_heads, and the tensor with its shape.
+  const auto weights_error = [](const std::vector<core::NamedTensor>& tensors) {
+    TempDir dir;
+    dir.Write("m/config.pbtxt", "num_hiddens: 8 num_heads: 4 num_kv_heads: 2");
+    dir.Write("m/weights.safetensors", core::SerializeSafetensors(tensors));
+    return std::string(ModelRepository::Create({.path = dir.path()}).status().message());
+  };
+  const std::vector<float> w64(64, 0.5f), w32(32, 0.5f), w192(192, 0.5f);
+  EXPECT_TRUE(absl::StrContains(weights_error({core::F32Tensor("in_proj_weight", {24, 8}, w192),
+                                               core::F32Tensor("out_proj.weight", {8, 8}, w64)}),
+                                "num_kv_heads: a grouped-query model"));
+  const std::string shape = weights_error({core::F32Tensor("q_proj.weight", {8, 8}, w64),
+                                           core::F32Tensor("k_proj.weight", {8, 8}, w64),
+                                           core::F32Tensor("v_proj.weight", {4, 8}, w32),
+                                           core::F32Tensor("o_proj.weight", {8, 8}, w64)});
+  EXPECT_TRUE(absl::StrContains(shape, "k_proj.weight: expected (G·d_h, d_k) = (4, 8), got (8, 8)"))
+      << shape;
+}
+
+// deploy/models_llm/llama_attention, a Llama-3-8B-sized layer, loads as the issue
+// describes it: ModelRepository::Create parses it, draws its seeded weights (168 MB)
+// and builds the layer; its warm-up passes are the small ones listed.
+TEST(ModelRepositoryTest, LlamaAttentionLoads) {
+  auto models =
+      ModelRepository::Create({.path = std::string(MHA_SOURCE_DIR) + "/deploy/models_llm"});
+  ASSERT_TRUE(models.ok()) << models.status();
+  ASSERT_EQ((*models)->models().size(), 1u);
+  const std::shared_ptr<const Model> model = (*models)->Find("llama_attention").value();
+  const core::ModelConfig& c = model->config;
+  EXPECT_EQ(c.num_hiddens, 4096);
+  EXPECT_EQ(c.num_heads, 32);
+  EXPECT_EQ(c.head_size(), 128);
+  EXPECT_EQ(c.kv_heads(), 8);
+  EXPECT_EQ(c.kv_hiddens(), 1024);
+  EXPECT_FALSE(c.bias);
+  ASSERT_TRUE(c.rope.has_value());
+  EXPECT_EQ(c.rope_theta(), 500000.0);
+  EXPECT_EQ(c.rotary_dim(), 128);
+  EXPECT_FALSE(c.rope->interleaved);
+  EXPECT_FALSE(c.cache_bf16());
+  EXPECT_EQ(model->limits.max_sequence_length, 8192);
+  EXPECT_EQ(model->weights_source, "seeded (seed 8)");
+  ASSERT_EQ(model->warmup.size(), 2u);
+  for (const WarmupShape& w : model->warmup) {
+    EXPECT_EQ(w.batch, 1);
+    EXPECT_LE(w.num_queries, 32);
+    EXPECT_EQ(w.num_keys, 0);
   }
 }
 

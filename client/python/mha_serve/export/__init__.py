@@ -16,6 +16,16 @@ Modules:
       q/k/v_proj_weight when kdim/vdim differ; in_proj_bias, out_proj.weight,
       out_proj.bias), bias on or off. add_bias_kv and add_zero_attn have no
       counterpart in the server: ValueError.
+  Hugging Face-style attention layers (Llama, Mistral, Qwen2: q_proj, k_proj,
+      v_proj, o_proj as nn.Linear; num_heads or config.num_attention_heads;
+      num_key_value_heads (default num_heads); rope_theta (default 10000);
+      rotary_dim, or partial_rotary_factor x head_dim (default the head size);
+      rope_interleaved (default False: rotate-half pairs, as Hugging Face's Llama)):
+      Hugging Face's names, num_kv_heads and rope in the config. q/k/v biases all or
+      none; o_proj.bias optional (Qwen2 has none). The head size must be
+      num_hiddens / num_heads. sample_inputs calls module(queries, keys, values,
+      valid_lens), which Hugging Face's own forward is not: use it only with modules
+      of that signature (tests/golden/hf_attention.py's).
   d2l's MultiHeadAttention (attributes W_q, W_k, W_v, W_o as nn.Linear or
       nn.LazyLinear, num_heads; forward(queries, keys, values, valid_lens)): d2l's
       names (W_q.weight, ...), one bias flag for all four linears. Uninitialised
@@ -42,6 +52,7 @@ from ..toy import uniform_inputs
 _TORCH_NAMES = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
                 "in_proj_bias", "out_proj.weight", "out_proj.bias")
 _D2L_LINEARS = ("W_q", "W_k", "W_v", "W_o")
+_HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 class _Layer:
@@ -128,16 +139,94 @@ def _d2l_layer(module, input_sizes):
     return _Layer(f"d2l {type(module).__name__}", config, tensors, forward)
 
 
+def _is_hugging_face(module):
+    return all(hasattr(module, a) for a in _HF_LINEARS)
+
+
+def _hf_setting(module, names, default=None):
+    """The first of `names` set on the module, else on its `config` (Hugging Face
+    keeps some on the layer, some on its config, depending on the version)."""
+    config = getattr(module, "config", None)
+    for owner in (module, config):
+        for name in names:
+            value = getattr(owner, name, None) if owner is not None else None
+            if value is not None:
+                return value
+    return default
+
+
+def _hf_layer(module):
+    linears = [getattr(module, n) for n in _HF_LINEARS]
+    q, k, v, o = linears
+    num_heads = _hf_setting(module, ("num_heads", "num_attention_heads"))
+    if num_heads is None:
+        raise ValueError(f"{type(module).__name__}: no num_heads (on the module or its config)")
+    num_heads = int(num_heads)
+    num_kv_heads = int(_hf_setting(module, ("num_key_value_heads",), num_heads))
+    num_hiddens = q.weight.shape[0]
+    if num_hiddens % num_heads:
+        raise ValueError(f"q_proj.weight {tuple(q.weight.shape)}: {num_hiddens} rows is not "
+                         f"num_heads ({num_heads}) heads of one size")
+    head_dim = num_hiddens // num_heads
+    explicit_head_dim = _hf_setting(module, ("head_dim",))
+    if explicit_head_dim is not None and int(explicit_head_dim) != head_dim:
+        raise ValueError(f"head_dim {explicit_head_dim} != q_proj rows / num_heads = {head_dim}: "
+                         "the server's head size is num_hiddens / num_heads (layers such as "
+                         "Gemma's are not served)")
+    if tuple(o.weight.shape) != (num_hiddens, num_hiddens):
+        raise ValueError(f"o_proj.weight {tuple(o.weight.shape)}: expected (p_o, h*d_h) = "
+                         f"({num_hiddens}, {num_hiddens}); the server's output width is h*d_h")
+    kv = num_kv_heads * head_dim
+    for name, lin in (("k_proj", k), ("v_proj", v)):
+        if lin.weight.shape[0] != kv:
+            raise ValueError(f"{name}.weight {tuple(lin.weight.shape)}: expected (G*d_h, ...) "
+                             f"with G = num_key_value_heads = {num_kv_heads}, d_h = {head_dim}")
+    has_bias = [lin.bias is not None for lin in (q, k, v)]
+    if len(set(has_bias)) != 1:
+        raise ValueError("q_proj, k_proj and v_proj must all have a bias or none (the server's "
+                         f"`bias`); got {has_bias}")
+    if o.bias is not None and not has_bias[0]:
+        raise ValueError("o_proj has a bias but q_proj, k_proj and v_proj have none: the server's "
+                         "`bias` covers all four (o_proj.bias alone is optional, not the others)")
+    tensors = {}
+    for name, lin in zip(_HF_LINEARS, linears):
+        tensors[f"{name}.weight"] = lin.weight
+        if lin.bias is not None:
+            tensors[f"{name}.bias"] = lin.bias
+    theta = float(_hf_setting(module, ("rope_theta",), 10000.0))
+    rotary_dim = _hf_setting(module, ("rotary_dim", "rotary_ndims"))
+    if rotary_dim is None:
+        factor = _hf_setting(module, ("partial_rotary_factor",), 1.0)
+        rotary_dim = int(head_dim * float(factor))
+    interleaved = bool(_hf_setting(module, ("rope_interleaved",), False))
+    config = {"num_hiddens": num_hiddens, "num_heads": num_heads,
+              "query_size": q.weight.shape[1], "key_size": k.weight.shape[1],
+              "value_size": v.weight.shape[1], "bias": has_bias[0],
+              "num_kv_heads": num_kv_heads,
+              "rope": {"theta": theta, "rotary_dim": int(rotary_dim), "interleaved": interleaved}}
+
+    def forward(queries, keys, values, valid_lens):
+        # Only modules with this project's stateless signature (tests/golden's
+        # reference); Hugging Face's own forward takes position embeddings and masks.
+        return module(queries, keys, values, valid_lens)
+
+    return _Layer(f"Hugging Face-style {type(module).__name__}", config, tensors, forward)
+
+
 def describe(module, input_sizes=None):
-    """The _Layer of a torch.nn.MultiheadAttention or a d2l MultiHeadAttention."""
+    """The _Layer of a torch.nn.MultiheadAttention, a d2l MultiHeadAttention or a
+    Hugging Face-style attention layer (q_proj, k_proj, v_proj, o_proj)."""
     import torch
 
     if isinstance(module, torch.nn.MultiheadAttention):
         return _torch_layer(module)
     if _is_d2l(module):
         return _d2l_layer(module, input_sizes)
-    raise TypeError(f"cannot export {type(module).__name__}: expected torch.nn.MultiheadAttention "
-                    "or a d2l-style MultiHeadAttention (W_q, W_k, W_v, W_o, num_heads)")
+    if _is_hugging_face(module):
+        return _hf_layer(module)
+    raise TypeError(f"cannot export {type(module).__name__}: expected torch.nn.MultiheadAttention, "
+                    "a d2l-style MultiHeadAttention (W_q, W_k, W_v, W_o, num_heads) or a Hugging "
+                    "Face-style attention layer (q_proj, k_proj, v_proj, o_proj, num_heads)")
 
 
 def config_text(config, source):
@@ -152,6 +241,13 @@ def config_text(config, source):
     if config.get("scoring"):
         lines.append(f"scoring: {config['scoring']}")
         lines.append(f"additive_hidden: {int(config['additive_hidden'])}")
+    if config.get("num_kv_heads") is not None:
+        lines.append(f"num_kv_heads: {int(config['num_kv_heads'])}")
+    rope = config.get("rope")
+    if rope is not None:
+        lines.append(f"rope {{ theta: {float(rope['theta'])!r} rotary_dim: "
+                     f"{int(rope['rotary_dim'])} interleaved: "
+                     f"{'true' if rope['interleaved'] else 'false'} }}")
     return "\n".join(lines) + "\n"
 
 
@@ -191,8 +287,8 @@ def export(module, directory, name="default", sample_inputs=None, seed=0, input_
     """Writes `module` as the model folder `directory/name` of a model repository
     (name "default" is the model requests reach with model ""). Returns the folder.
 
-    module: torch.nn.MultiheadAttention or a d2l-style MultiHeadAttention (see the
-    module docstring). sample_inputs: None or (B, Q, K) for io.safetensors, inputs
+    module: torch.nn.MultiheadAttention, a d2l-style MultiHeadAttention or a Hugging
+    Face-style attention layer (see the module docstring). sample_inputs: None or (B, Q, K) for io.safetensors, inputs
     drawn with `seed`. input_sizes: (d_q, d_k, d_v) to materialise LazyLinear layers.
     """
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name or ""):
