@@ -30,6 +30,7 @@
 #include "server/app/metrics_exposer.h"
 #include "server/attention_v1/service.h"
 #include "server/attention_v1/session.h"
+#include "server/grpc_common/unimplemented_service.h"
 #include "server/kserve/answers.h"
 #include "server/kserve_grpc/inference_service.h"
 #include "server/kserve_http/http_front.h"
@@ -142,6 +143,7 @@ class Server {
   std::unique_ptr<KserveModels> kserve_models_;  // both KServe fronts' readiness
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<InferenceServiceImpl> inference_service_;
+  UnimplementedService unimplemented_;  // every method not declared
   std::unique_ptr<grpc::Server> grpc_server_;
   std::unique_ptr<HttpFront> http_;
   bool shut_down_ = false;
