@@ -108,13 +108,16 @@ class MultiHeadAttention::Impl {
     int64_t num_keys;       // K
     const float* factors;   // head_mask of the task's heads, or nullptr (all 1)
 
-    int64_t limit(int64_t r) const { return limits[r / heads]; }
-    float factor(int64_t r) const { return factors == nullptr ? 1.0f : factors[r % heads]; }
+    // Row r's query and head; multi-head tasks (heads 1) skip the divisions.
+    int64_t query(int64_t r) const { return heads == 1 ? r : r / heads; }
+    int64_t head(int64_t r) const { return heads == 1 ? 0 : r % heads; }
+    int64_t limit(int64_t r) const { return limits[query(r)]; }
+    float factor(int64_t r) const { return factors == nullptr ? 1.0f : factors[head(r)]; }
     float* ctx_row(int64_t r, int64_t E, int64_t p) const {
-      return ctx + (r / heads) * E + (r % heads) * p;
+      return ctx + query(r) * E + head(r) * p;
     }
     float* attention_row(int64_t r) const {
-      return attention + ((r % heads) * num_queries + r / heads) * num_keys;
+      return attention + (head(r) * num_queries + query(r)) * num_keys;
     }
     // Additive scoring only (else null): the block's A_q q (mq, p_a), the head's
     // (A_k k)^T (p_a, kv_rows) and its w_v (p_a).

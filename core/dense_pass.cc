@@ -308,11 +308,9 @@ MultiHeadAttention::Impl::HeadMajor MultiHeadAttention::Impl::RepackHeadMajor(
   auto row = [asz](const StridedOperand<const char>& x, int64_t b, int64_t i) {
     return x.data + (b * x.batch_stride + i * x.row_stride) * asz;
   };
-  // One head's p features from src to dst, rotated to `position` in a rotary model.
+  // One head's p features from src to dst, rotated to `position` (a rotary model's).
   auto copy = [&](const char* src, char* dst, int64_t position) {
-    if (table == nullptr) {
-      std::memcpy(dst, src, pb);
-    } else if (act_ == Dt::f32) {
+    if (act_ == Dt::f32) {
       rope_->Apply(reinterpret_cast<const float*>(src), reinterpret_cast<float*>(dst), p, *table,
                    position);
     } else {
@@ -323,16 +321,29 @@ MultiHeadAttention::Impl::HeadMajor MultiHeadAttention::Impl::RepackHeadMajor(
   auto repack = [&](int64_t r) {
     const int64_t b = r / rows_per_batch, i = r % rows_per_batch;
     if (i < Q) {
+      // Query head h = hs * s + u goes to row i * s + u of task group hs.
       const char* src = row(proj.q, b, i);
-      for (int64_t h = 0; h < H; ++h) {
-        copy(src + h * pb, qh + (((b * (H / s) + h / s) * Q + i) * s + h % s) * pb, q_position + i);
+      for (int64_t hs = 0, h = 0; hs < H / s; ++hs) {
+        char* dst = qh + ((b * (H / s) + hs) * Q + i) * s * pb;
+        for (int64_t u = 0; u < s; ++u, ++h) {
+          if (table == nullptr) {
+            std::memcpy(dst + u * pb, src + h * pb, pb);
+          } else {
+            copy(src + h * pb, dst + u * pb, q_position + i);
+          }
+        }
       }
     }
     if (i < kv_rows) {
       const char* ksrc = row(proj.k, b, i);
       const char* vsrc = row(proj.v, b, i);
       for (int64_t g = 0; g < G; ++g) {
-        copy(ksrc + g * pb, kh + ((b * G + g) * kv_rows + i) * pb, i);
+        char* kdst = kh + ((b * G + g) * kv_rows + i) * pb;
+        if (table == nullptr) {
+          std::memcpy(kdst, ksrc + g * pb, pb);
+        } else {
+          copy(ksrc + g * pb, kdst, i);
+        }
         std::memcpy(vh + ((b * G + g) * kv_rows + i) * pb, vsrc + g * pb, pb);
       }
     }
