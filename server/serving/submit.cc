@@ -73,13 +73,15 @@ void RequestPath::Submit(const Call& call,
       .inputs = prepared->request.inputs,
       .output = prepared->outputs.output,
       .attention = prepared->outputs.attention,
+      .lse = prepared->outputs.lse,
       .deadline = std::min(call.deadline, prepared->deadline),
       .cancelled = call.cancelled,
-      .done = [meter, models = models_, answer](absl::Status status,
-                                                const ComputeTiming& timing) mutable {
-        meter.Answered(status, *models, "");
-        answer(std::move(status), timing);
-      },
+      .done =
+          [meter, models = models_, answer](absl::Status status,
+                                            const ComputeTiming& timing) mutable {
+            meter.Answered(status, *models, "");
+            answer(std::move(status), timing);
+          },
   });
   if (!submitted.ok()) refuse(submitted);
 }
