@@ -80,6 +80,7 @@ inference::ModelConfig ToTritonConfig(const Model& model) {
   AddInput(&config, "head_mask", inference::TYPE_FP32, {c.num_heads}, true);
   AddOutput(&config, "output", {-1, -1, c.num_hiddens});
   AddOutput(&config, "attention", {-1, c.num_heads, -1, -1});
+  if (c.attention_only()) AddOutput(&config, "lse", {-1, c.num_heads, -1});
   inference::ModelInstanceGroup* group = config.add_instance_group();
   group->set_name(model.name);
   group->set_kind(inference::ModelInstanceGroup::KIND_CPU);
@@ -119,6 +120,8 @@ inference::ModelMetadataResponse ToModelMetadata(const Model& model) {
   AddTensor("head_mask", "FP32", {c.num_heads}, metadata.mutable_inputs());
   AddTensor("output", "FP32", {-1, -1, c.num_hiddens}, metadata.mutable_outputs());
   AddTensor("attention", "FP32", {-1, c.num_heads, -1, -1}, metadata.mutable_outputs());
+  if (c.attention_only())
+    AddTensor("lse", "FP32", {-1, c.num_heads, -1}, metadata.mutable_outputs());
   return metadata;
 }
 
