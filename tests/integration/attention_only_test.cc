@@ -333,5 +333,55 @@ TEST(AttentionOnlyStartupTest, BadWorkerModelsFailStartNamingTheField) {
   }
 }
 
+// deploy/models_llm's workers load, warm up with their explicit passes, and answer a
+// decode-shaped call with lse.
+TEST(AttentionOnlyDeployTest, LlamaWorkersLoadAndAnswer) {
+  TempDir repository;
+  const struct {
+    const char* name;
+    int64_t kv_heads;
+  } models[] = {{"llama_attention_only", 8}, {"llama_attention_only_g32", 32}};
+  for (const auto& m : models) {
+    const std::string text =
+        ReadFile(absl::StrCat(MHA_SOURCE_DIR, "/deploy/models_llm/", m.name, "/config.pbtxt"));
+    ASSERT_FALSE(text.empty()) << m.name;
+    repository.Write(absl::StrCat(m.name, "/config.pbtxt"), text);
+  }
+  auto server = ServerProcess::Start({"--port=0", "--model_repository=" + repository.path()},
+                                     absl::Seconds(120));
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = Connect((*server)->target());
+  for (const auto& m : models) {
+    grpc::ClientContext context;
+    attention::v1::GetModelRequest get;
+    get.set_model(m.name);
+    attention::v1::ModelInfo info;
+    ASSERT_TRUE(stub->GetModel(&context, get, &info).ok()) << m.name;
+    EXPECT_EQ(info.num_heads(), 32);
+    EXPECT_EQ(info.head_size(), 128);
+    EXPECT_EQ(info.num_kv_heads(), m.kv_heads);
+    EXPECT_EQ(info.projections(), "none");
+    EXPECT_EQ(info.key_size(), m.kv_heads * 128);
+    const int64_t K = 40;
+    AttendRequest request;
+    request.set_model(m.name);
+    *request.mutable_queries() = Shaped(Random(4096, 1), {1, 1, 4096});
+    *request.mutable_keys() = Shaped(Random(K * m.kv_heads * 128, 2), {1, K, m.kv_heads * 128});
+    *request.mutable_values() = Shaped(Random(K * m.kv_heads * 128, 3), {1, K, m.kv_heads * 128});
+    request.set_return_lse(true);
+    AttendResponse response;
+    const grpc::Status status = Attend(*stub, request, &response);
+    ASSERT_TRUE(status.ok()) << m.name << ": " << status.error_message();
+    EXPECT_EQ(response.output().data_size(), 4096);
+    ASSERT_EQ(response.lse().data_size(), 32);
+    for (float l : response.lse().data()) EXPECT_TRUE(std::isfinite(l)) << m.name;
+  }
+  stub.reset();
+  (*server)->Signal(SIGTERM);
+  const std::optional<int> exited = (*server)->WaitForExit(absl::Seconds(30));
+  ASSERT_TRUE(exited.has_value());
+  EXPECT_TRUE(WIFEXITED(*exited) && WEXITSTATUS(*exited) == 0) << (*server)->log();
+}
+
 }  // namespace
 }  // namespace mha::testing
