@@ -13,18 +13,20 @@
 #include <fstream>
 #include <string>
 
-#include "server/serving/request.h"
 #include "server/models/model_repository.h"
+#include "server/serving/request.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace mha::fuzzing {
 
 using mha::server::ModelRepository;
 
-// Six models: "default" self-attends with d = 4; "cross" has d_q, d_k, d_v all
+// Seven models: "default" self-attends with d = 4; "cross" has d_q, d_k, d_v all
 // different and biases; "tight" has small explicit limits; "short" (self, biases)
 // caps a session at 12 tokens (limits.max_session_tokens); "half" computes in bf16;
-// "additive" scores additively (sessions refuse it).
+// "additive" scores additively (sessions refuse it); "worker" is attention-only
+// (projections NONE: q, k, v of 4 already projected; CROSS causal sessions; the only
+// one return_lse is allowed on).
 inline const ModelRepository& Repository() {
   static const ModelRepository* repository = [] {
     std::string dir = (std::filesystem::temp_directory_path() / "mha_request_fuzzer.XXXXXX");
@@ -43,6 +45,7 @@ inline const ModelRepository& Repository() {
         {"half", "num_hiddens: 4 num_heads: 2 precision: \"bf16\" seeded { seed: 5 }"},
         {"additive",
          "num_hiddens: 4 num_heads: 2 scoring: ADDITIVE additive_hidden: 3 seeded { seed: 6 }"},
+        {"worker", "num_hiddens: 4 num_heads: 2 projections: NONE"},
     };
     for (const auto& [name, config] : models) {
       std::filesystem::create_directories(std::filesystem::path(dir) / name);
@@ -78,6 +81,7 @@ inline bool CheckValidated(const mha::server::ValidatedRequest& v, int64_t wire_
                  in.num_keys <= limits.max_sequence_length);
   MHA_FUZZ_CHECK(wire_bytes <= limits.max_request_bytes);
   if (v.return_attention) MHA_FUZZ_CHECK(v.attention_elements() <= limits.max_attention_elements);
+  MHA_FUZZ_CHECK(!v.return_lse || c.attention_only());
   const int64_t widest = std::max({c.num_hiddens, c.query_size, c.key_size, c.value_size});
   const int64_t work = std::max(in.batch * c.num_heads * in.num_queries * in.num_keys,
                                 in.batch * (in.num_queries + in.num_keys) * widest);

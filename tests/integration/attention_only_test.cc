@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -304,6 +305,79 @@ TEST_F(AttentionOnlyTest, NewFieldsAreRefusedNamingThem) {
     EXPECT_EQ(ended.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.field;
     EXPECT_TRUE(absl::StrContains(ended.error_message(), c.field)) << ended.error_message();
   }
+}
+
+// Hostile requests to the worker: wrong widths, missing or non-finite tensors, a
+// causal step with unequal keys, return_lse sent after the first message (ignored:
+// the first fixes a session's settings); each refusal names its field and the server
+// keeps serving.
+TEST_F(AttentionOnlyTest, HostileRequestsAreRefusedNamingTheField) {
+  Start();
+  const int64_t K = 5;
+  const auto q = Random(kE, 20), k = Random(K * kEkv, 21), v = Random(K * kEkv, 22);
+  struct Case {
+    const char* name;
+    std::function<void(AttendRequest&)> spoil;
+    const char* field;
+  };
+  const std::vector<Case> cases = {
+      {"keys as wide as the queries",
+       [&](AttendRequest& r) {
+         *r.mutable_keys() = Shaped(Random(K * kE, 23), {1, K, kE});
+       },
+       "keys:"},
+      {"no values", [](AttendRequest& r) { r.clear_values(); }, "values"},
+      {"nan key", [](AttendRequest& r) { r.mutable_keys()->set_data(7, NAN); }, "keys:"},
+      {"inf query",
+       [](AttendRequest& r) {
+         r.mutable_queries()->set_data(0, std::numeric_limits<float>::infinity());
+       },
+       "queries:"},
+      {"head_mask of G entries",
+       [](AttendRequest& r) {
+         for (int i = 0; i < kKvHeads; ++i) r.add_head_mask(1.0f);
+       },
+       "head_mask"},
+      {"valid_lens over K", [](AttendRequest& r) { r.add_valid_lens(K + 1); }, "valid_lens"},
+  };
+  for (const Case& c : cases) {
+    AttendRequest request = Request(q, k, v, 1, K);
+    c.spoil(request);
+    AttendResponse response;
+    const grpc::Status status = Attend(*stub_, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.name;
+    EXPECT_TRUE(absl::StrContains(status.error_message(), c.field))
+        << c.name << ": " << status.error_message();
+  }
+  // A causal step whose keys are not one per query.
+  {
+    Session session(*stub_, "worker", /*causal=*/true, attention::v1::CROSS);
+    SessionRequest first;
+    *first.mutable_queries() = Shaped(Random(2 * kE, 24), {1, 2, kE});
+    *first.mutable_keys() = Shaped(Random(kEkv, 25), {1, 1, kEkv});
+    *first.mutable_values() = Shaped(Random(kEkv, 26), {1, 1, kEkv});
+    EXPECT_FALSE(session.Step(first).has_value());
+    const grpc::Status ended = session.status();
+    EXPECT_EQ(ended.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_TRUE(absl::StrContains(ended.error_message(), "keys:")) << ended.error_message();
+  }
+  // return_lse after the first message changes nothing.
+  {
+    Session session(*stub_, "worker", /*causal=*/true, attention::v1::CROSS);
+    for (int i = 0; i < 2; ++i) {
+      SessionRequest step;
+      step.set_return_lse(i == 1);
+      *step.mutable_queries() = Shaped(Random(kE, 27 + i), {1, 1, kE});
+      *step.mutable_keys() = Shaped(Random(kEkv, 29 + i), {1, 1, kEkv});
+      *step.mutable_values() = Shaped(Random(kEkv, 31 + i), {1, 1, kEkv});
+      const std::optional<SessionResponse> r = session.Step(step);
+      ASSERT_TRUE(r.has_value()) << session.status().error_message();
+      EXPECT_FALSE(r->has_lse()) << "step " << i;
+    }
+    EXPECT_TRUE(session.Close().ok());
+  }
+  AttendResponse fine;
+  EXPECT_TRUE(Attend(*stub_, Request(q, k, v, 1, K), &fine).ok());
 }
 
 // Load errors: a weights file beside a NONE model's config, and a size that is not
