@@ -43,6 +43,11 @@ absl::Status CheckSizes(const AttentionInputs& in, const ModelConfig& c) {
     return absl::InvalidArgumentError(
         "keys, values: give both or neither (neither = self-attention)");
   }
+  if (in.self_attention() && c.attention_only()) {
+    return absl::InvalidArgumentError(
+        "keys: required, an attention-only model (projections NONE) takes projected keys and "
+        "values");
+  }
   if (in.self_attention() && !c.SupportsSelfAttention()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "keys: required, the model's key_size ", c.key_size, " / value_size ", c.value_size,
@@ -118,6 +123,11 @@ absl::Status CheckStep(std::span<const PagedStep> steps, size_t i, const ModelCo
     return error("queries", absl::StrCat("expected >= 0 rows, got ", s.num_queries));
   if (s.num_queries > 0 && (s.queries == nullptr || s.output == nullptr)) {
     return error("queries, output", "missing");
+  }
+  if (c.attention_only() && s.keys == nullptr) {
+    return error("keys",
+                 "required: an attention-only model (projections NONE) takes each "
+                 "step's projected keys and values");
   }
   if ((s.keys == nullptr) != (s.values == nullptr)) {
     return error("keys, values", "give both or neither (neither = self-attention)");
@@ -198,7 +208,7 @@ int MultiHeadAttention::Threads(const AttentionInputs& inputs) const {
 }
 
 absl::Status MultiHeadAttention::Forward(const AttentionInputs& inputs, float* output,
-                                         float* attention, int max_threads) const {
+                                         float* attention, int max_threads, float* lse) const {
   MHA_RETURN_IF_ERROR(CheckInputs(inputs));
   if (output == nullptr) return absl::InvalidArgumentError("output: missing");
   // Batch rows are independent. A call whose activations would outgrow the caches
@@ -208,11 +218,11 @@ absl::Status MultiHeadAttention::Forward(const AttentionInputs& inputs, float* o
   const int64_t max_rows = std::max<int64_t>(1, kSliceElements / (std::max(Q, K) * E));
   const int64_t slices = (B + max_rows - 1) / max_rows;
   const int64_t rows = (B + slices - 1) / slices;
-  auto forward = [&](const AttentionInputs& in, float* out, float* weights) {
+  auto forward = [&](const AttentionInputs& in, float* out, float* weights, float* l) {
     return internal::Guarded("MultiHeadAttention::Forward",
-                             [&] { return impl_->Forward(in, out, weights, max_threads); });
+                             [&] { return impl_->Forward(in, out, weights, max_threads, l); });
   };
-  if (slices == 1) return forward(inputs, output, attention);
+  if (slices == 1) return forward(inputs, output, attention, lse);
   const ValidLens lens = inputs.lens();
   for (int64_t b0 = 0; b0 < B; b0 += rows) {
     AttentionInputs slice = inputs;
@@ -224,7 +234,8 @@ absl::Status MultiHeadAttention::Forward(const AttentionInputs& inputs, float* o
     }
     slice.valid_lens = lens.rows(b0, slice.batch);
     MHA_RETURN_IF_ERROR(forward(slice, output + b0 * Q * E,
-                                attention == nullptr ? nullptr : attention + b0 * h * Q * K));
+                                attention == nullptr ? nullptr : attention + b0 * h * Q * K,
+                                lse == nullptr ? nullptr : lse + b0 * h * Q));
   }
   return absl::OkStatus();
 }
@@ -247,7 +258,9 @@ double MultiHeadAttention::Flops(const ModelConfig& c, int64_t batch, int64_t nu
   const double b = batch, q = num_queries, k = num_keys, e = c.num_hiddens;
   const double ekv = static_cast<double>(c.kv_hiddens());
   const double projections =
-      2 * b * (e * (q * c.query_size + q * e) + ekv * (k * c.key_size + k * c.value_size));
+      c.attention_only()
+          ? 0.0
+          : 2 * b * (e * (q * c.query_size + q * e) + ekv * (k * c.key_size + k * c.value_size));
   const double context = 2 * b * q * k * e;  // all heads
   if (c.scoring == Scoring::kDotProduct) return projections + 2 * b * q * k * e + context;
   // Additive: A_q q and A_k k per head, then per (query, key, feature) an add, a

@@ -28,6 +28,17 @@
 // uniform average); its attention-weight row is all zeros. Masked weights are
 // exactly 0.
 //
+// Attention-only layers (ModelConfig::projections kNone, the disaggregated-decoding
+// worker): queries (B, Q, h*d_h), keys and values (B, K, G*d_h) come already
+// projected (and rotated); output (B, Q, h*d_h) is the heads' contexts concatenated,
+// each times its head_mask factor, without W_o.
+// Log-sum-exp, when asked for (Forward's `lse`, PagedStep::lse): per (batch row,
+// head, query) the natural log of sum_j exp(score_j) over the keys the query sees,
+// every mask applied and head_mask ignored; -inf for a query that sees no key. Two
+// calls over disjoint key sets merge exactly: m = max(l1, l2), w_i = exp(l_i - m),
+// context = (w1 c1 + w2 c2) / (w1 + w2), lse = m + log(w1 + w2). It comes from the
+// online softmax's running max and sum (max + log(sum)): no extra pass.
+//
 // Worked example, the seeds' toy call:
 //   ModelConfig c;                       // p_o 100, h 5, d_q = d_k = d_v = 100
 //   auto mha = MultiHeadAttention::Create(c, SeededWeights(c, 0)).value();
@@ -93,6 +104,7 @@ struct PagedStep {
   bool causal = false;
   KvSequence* cache = nullptr;  // G heads (kv_heads()); room for T_k more tokens
   float* output = nullptr;      // (T, p_o)
+  float* lse = nullptr;         // nullptr, or (h, T): each head's log-sum-exp per query
 
   int64_t new_keys() const { return keys == nullptr ? num_queries : num_keys; }
 };
@@ -122,13 +134,14 @@ class MultiHeadAttention {
   absl::Status CheckInputs(const AttentionInputs& inputs) const;
 
   // output: (B, Q, p_o), caller-owned. attention: nullptr, or (B, h, Q, K)
-  // caller-owned, filled with the softmax weights. Errors: INVALID_ARGUMENT for bad
+  // caller-owned, filled with the softmax weights. lse: nullptr, or (B, h, Q)
+  // caller-owned, filled with the scores' log-sum-exp (above). Errors: INVALID_ARGUMENT for bad
   // inputs, INTERNAL if oneDNN fails (never throws).
   // `max_threads` > 0 caps the call's OpenMP threads below Options::num_threads
   // (the batcher runs a merged call on no more threads than its largest request
   // would use alone).
   absl::Status Forward(const AttentionInputs& inputs, float* output, float* attention = nullptr,
-                       int max_threads = 0) const;
+                       int max_threads = 0, float* lse = nullptr) const;
 
   // Attention over cached keys and values (attention sessions): every step's new
   // keys and values are projected (one GEMM over all steps' tokens) into its cache,
@@ -156,7 +169,8 @@ class MultiHeadAttention {
   const Options& options() const { return options_; }
 
   // Floating-point operations of one call at full length, as benchmarks count
-  // them: the four projections and the two attention products (2 per multiply-add).
+  // them: the four projections (none in an attention-only model) and the two
+  // attention products (2 per multiply-add).
   // Additive scoring counts A_q q and A_k k (2 per multiply-add) and 4 per (head,
   // query, key, feature) for its add, tanh and multiply-add instead of q k^T.
   static double Flops(const ModelConfig& config, int64_t batch, int64_t num_queries,

@@ -26,6 +26,10 @@ int64_t LargestDivisorAtMost(int64_t n, int64_t most) {
 
 MultiHeadAttention::Impl::Impl(const ModelConfig& c, const Weights& w, const Options& o)
     : c_(c), o_(o), act_(c.precision == Precision::kBf16 ? Dt::bf16 : Dt::f32) {
+  const int64_t group = c.num_heads / c.kv_heads();
+  heads_per_task_ = LargestDivisorAtMost(group, o.query_block);
+  heads_per_paged_task_ = LargestDivisorAtMost(group, kPagedQueryRows);
+  if (c.attention_only()) return;  // no weights, no rope, dot-product scoring
   const int64_t e = c.num_hiddens, ekv = c.kv_hiddens();
   auto bias = [&](const std::vector<float>& b) { return b.empty() ? nullptr : b.data(); };
   q_ = std::make_unique<Linear>(w.w_q.data(), bias(w.b_q), e, c.query_size, act_);
@@ -46,9 +50,6 @@ MultiHeadAttention::Impl::Impl(const ModelConfig& c, const Weights& w, const Opt
     qkv_ = std::make_unique<Linear>(qkv_w.data(), c.bias ? qkv_b.data() : nullptr, e + 2 * ekv,
                                     c.query_size, act_, /*row_path=*/true);
   }
-  const int64_t group = c.num_heads / c.kv_heads();
-  heads_per_task_ = LargestDivisorAtMost(group, o.query_block);
-  heads_per_paged_task_ = LargestDivisorAtMost(group, kPagedQueryRows);
   if (c.rope) rope_.emplace(c);
   if (c.scoring == Scoring::kAdditive) {
     score_q_ = ToActivation(w.score_w_q);

@@ -45,8 +45,8 @@ class MultiHeadAttention::Impl {
   // Both passes expect checked inputs (MultiHeadAttention's entry points) and may
   // throw (the entry points map exceptions to a status); `max_threads` > 0 caps the
   // call's OpenMP threads.
-  absl::Status Forward(const AttentionInputs& in, float* output, float* attention,
-                       int max_threads) const;
+  absl::Status Forward(const AttentionInputs& in, float* output, float* attention, int max_threads,
+                       float* lse) const;
   absl::Status ForwardPaged(std::span<const PagedStep> steps, int max_threads) const;
   // The threads a dense call on `in` gets (internal::ThreadsForFlops).
   int ThreadsFor(const AttentionInputs& in, int max_threads = 0) const;
@@ -89,6 +89,7 @@ class MultiHeadAttention::Impl {
     const std::vector<int32_t>& limits;  // KeyLimits::per_query
     float* ctx;                          // (B*Q, p_o) f32: the concatenated heads
     float* attention;                    // (B, h, Q, K), or nullptr
+    float* lse;                          // (B, h, Q), or nullptr
     int64_t q_blocks;                    // query blocks per (batch row, head)
   };
   // One attention task: a block of queries of `heads` query heads (heads_per_task_,
@@ -104,6 +105,7 @@ class MultiHeadAttention::Impl {
     const char* v;          // (kv_rows, p)
     float* ctx;             // the first head's columns of the first query, row stride p_o
     float* attention;       // (heads, Q, K) at the first head's first query, or nullptr
+    float* lse;             // (heads, Q) at the first head's first query, or nullptr
     int64_t num_queries;    // Q
     int64_t num_keys;       // K
     const float* factors;   // head_mask of the task's heads, or nullptr (all 1)
@@ -119,6 +121,7 @@ class MultiHeadAttention::Impl {
     float* attention_row(int64_t r) const {
       return attention + (head(r) * num_queries + query(r)) * num_keys;
     }
+    float& lse_at(int64_t r) const { return lse[(r % heads) * num_queries + r / heads]; }
     // Additive scoring only (else null): the block's A_q q (mq, p_a), the head's
     // (A_k k)^T (p_a, kv_rows) and its w_v (p_a).
     const float* qa;
@@ -130,6 +133,7 @@ class MultiHeadAttention::Impl {
   // Forward's phases, in order.
   static KeyLimits ComputeKeyLimits(const AttentionInputs& in, bool positions);
   // Q, K, V projections; key/value rows that no query can see are never projected.
+  // An attention-only model's "projections" are its inputs (in act_).
   Projections Project(const AttentionInputs& in, int64_t kv_rows, Workspace& ws) const;
   Projections ProjectSelf(const AttentionInputs& in, int64_t kv_rows, const void* xq,
                           Workspace& ws) const;
@@ -140,8 +144,8 @@ class MultiHeadAttention::Impl {
   // Fills ws.ctx (and `attention`) with every head's context.
   absl::Status RunAttentionTasks(const AttentionInputs& in, const HeadMajor& heads,
                                  const ScoringProjections& scoring, const KeyLimits& limits,
-                                 float* attention, int threads, Workspace& ws) const;
-  // output = ws.ctx W_o^T (+ b_o).
+                                 float* attention, float* lse, int threads, Workspace& ws) const;
+  // output = ws.ctx W_o^T (+ b_o); an attention-only model's output is ws.ctx.
   void ProjectOutput(const AttentionInputs& in, float* output, Workspace& ws) const;
 
   // Task t of RunAttentionTasks, counted over (batch row, head, query block).
@@ -199,6 +203,8 @@ class MultiHeadAttention::Impl {
   // ((padded_rows, p_o)).
   double PagedWork(std::span<const PagedStep> steps) const;
   PagedProjections ProjectPaged(std::span<const PagedStep> steps, Workspace& ws) const;
+  PagedProjections GatherPaged(std::span<const PagedStep> steps, int64_t tq, int64_t tk,
+                               Workspace& ws) const;
   // Steps' new keys and values (rows at k and v, row stride ld) into their caches,
   // the keys rotated to their positions when `rope` is given.
   void StorePaged(std::span<const PagedStep> steps, const float* k, const float* v, int64_t ld,

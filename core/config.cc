@@ -1,6 +1,7 @@
 #include "core/config.h"
 
 #include <cmath>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 
@@ -95,6 +96,23 @@ absl::Status ModelConfig::Validate() const {
   if (kv_cache_precision == Precision::kF32 && precision == Precision::kBf16) {
     return absl::InvalidArgumentError(
         "kv_cache_precision: a bf16 model's cache is bf16; f32 is for f32 models");
+  }
+  if (attention_only()) {
+    auto none = [](const std::string& what) {
+      return absl::InvalidArgumentError(absl::StrCat("projections: NONE ", what));
+    };
+    if (query_size != num_hiddens) {
+      return none(absl::StrCat("takes projected queries: query_size must be num_hiddens = ",
+                               num_hiddens, ", got ", query_size));
+    }
+    if (key_size != kv_hiddens() || value_size != kv_hiddens()) {
+      return none(absl::StrCat("takes projected keys and values: key_size and value_size must be ",
+                               "num_kv_heads * head size = ", kv_hiddens(), ", got ", key_size,
+                               " and ", value_size));
+    }
+    if (bias) return none("has no weights, so no bias");
+    if (rope) return none("takes q and k already rotated: rope must be absent");
+    if (scoring != Scoring::kDotProduct) return none("needs dot-product scoring");
   }
   if (!(dropout >= 0.0f && dropout < 1.0f)) {
     return absl::InvalidArgumentError(

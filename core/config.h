@@ -31,6 +31,14 @@ enum class Scoring { kDotProduct, kAdditive };
 
 absl::string_view ScoringName(Scoring scoring);  // "dot_product" | "additive"
 
+// Whether the layer owns its projections. kFull: W_q, W_k, W_v, W_o as above.
+// kNone (the attention-only worker): no weights; queries are already projected and
+// rotated, (.., h * d_h), keys and values (.., G * d_h), and the output is the heads'
+// contexts concatenated (head_mask applied, no W_o). Needs query_size = num_hiddens,
+// key_size = value_size = G * d_h, dot-product scoring, no bias and no rope; keys and
+// values are always given (no self-attention).
+enum class Projections { kFull, kNone };
+
 // Rotary position embedding (RoPE) of q and k, applied to the first rotary_dim
 // features of every query and key head after projection: feature pairs rotated by
 // position * inv_freq[k], inv_freq[k] = theta^(-2k / rotary_dim), the angles in double
@@ -69,6 +77,7 @@ struct ModelConfig {
   // The element type of sessions' K/V caches (ForwardPaged); absent: the model's
   // precision. kBf16 halves an f32 model's cache; a bf16 model's is always bf16.
   std::optional<Precision> kv_cache_precision;
+  Projections projections = Projections::kFull;
 
   int64_t head_size() const { return num_hiddens / num_heads; }
   // G, resolved (never 0), and the width of the K and V projections.
@@ -81,8 +90,11 @@ struct ModelConfig {
   }
   // Sessions' caches hold bf16 (KvSequence's bf16 flag), resolved.
   bool cache_bf16() const { return kv_cache_precision.value_or(precision) == Precision::kBf16; }
-  // Self-attention (keys and values omitted) needs d_k == d_v == d_q.
-  bool SupportsSelfAttention() const { return key_size == query_size && value_size == query_size; }
+  bool attention_only() const { return projections == Projections::kNone; }
+  // Self-attention (keys and values omitted) needs d_k == d_v == d_q and projections.
+  bool SupportsSelfAttention() const {
+    return !attention_only() && key_size == query_size && value_size == query_size;
+  }
   // INVALID_ARGUMENT naming the first field that is out of range.
   absl::Status Validate() const;
 };

@@ -94,6 +94,7 @@ MultiHeadAttention::Impl::Task MultiHeadAttention::Impl::TaskAt(const TaskInputs
       .ctx = inputs.ctx + (b * Q + i0) * E + h * p,
       .attention =
           inputs.attention == nullptr ? nullptr : inputs.attention + ((b * H + h) * Q + i0) * K,
+      .lse = inputs.lse == nullptr ? nullptr : inputs.lse + (b * H + h) * Q + i0,
       .num_queries = Q,
       .num_keys = K,
       .factors = in.head_mask.empty() ? nullptr : in.head_mask.data() + h,
@@ -110,10 +111,15 @@ void MultiHeadAttention::Impl::AttendTask(const Task& task, dnnl::stream& stream
   if (task.attention != nullptr) {
     for (int64_t r = 0; r < mq; ++r) std::fill_n(task.attention_row(r), task.num_keys, 0.0f);
   }
-  bool dropped = task.factors != nullptr;  // every head's factor 0
+  // Every head's factor 0: a zero context, unless the weights or the lse (which head_mask
+  // leaves alone) are asked for.
+  bool dropped = task.factors != nullptr && task.attention == nullptr && task.lse == nullptr;
   for (int64_t r = 0; r < task.heads && dropped; ++r) dropped = task.factor(r) == 0.0f;
-  if (task.max_limit == 0 || (dropped && task.attention == nullptr)) {
+  if (task.max_limit == 0 || dropped) {
     for (int64_t r = 0; r < mq; ++r) std::fill_n(task.ctx_row(r, E, p), p, 0.0f);
+    if (task.lse != nullptr) {
+      for (int64_t r = 0; r < mq; ++r) task.lse_at(r) = -std::numeric_limits<float>::infinity();
+    }
     return;
   }
 
@@ -136,6 +142,9 @@ void MultiHeadAttention::Impl::AttendTask(const Task& task, dnnl::stream& stream
   // The final normalisation and head_mask, into each head's columns.
   for (int64_t r = 0; r < mq; ++r) {
     stats.NormaliseRow(r, scratch.o.data() + r * p, p, task.factor(r), task.ctx_row(r, E, p));
+  }
+  if (task.lse != nullptr) {
+    for (int64_t r = 0; r < mq; ++r) task.lse_at(r) = stats.Lse(r);
   }
 }
 
@@ -172,11 +181,14 @@ void MultiHeadAttention::Impl::SoftmaxBlock(const Task& task, int64_t j0, int64_
     const int64_t n = std::clamp<int64_t>(task.limit(i) - j0, 0, nk);
     if (n > 0 && task.attention != nullptr) {
       // The whole row is in this one block: normalise now, hand out the weights.
-      const float sum = kernels::ExpSubSum(srow, kernels::RowMax(srow, n), srow, n);
+      const float m = kernels::RowMax(srow, n);
+      const float sum = kernels::ExpSubSum(srow, m, srow, n);
       kernels::Scale(srow, 1.0f / sum, n);
       std::copy_n(srow, n, task.attention_row(i));
       if (bf16) kernels::ToBf16(srow, prow, n);
+      // The context comes out normalised: sum 1, and the lse folded into the max.
       stats.sum[i] = 1.0f;
+      stats.max[i] = m + std::log(sum);
     } else if (n > 0) {
       stats.Update(i, srow, n, o + i * p, p, [&](float m) {
         return bf16 ? kernels::ExpSubSumBf16(srow, m, prow, n)
@@ -228,6 +240,18 @@ MultiHeadAttention::Impl::Projections MultiHeadAttention::Impl::Project(const At
                                                                         int64_t kv_rows,
                                                                         Workspace& ws) const {
   const void* xq = AsActivation(in.queries, in.batch * in.num_queries * c_.query_size, ws.xq);
+  if (c_.attention_only()) {
+    const int64_t Q = in.num_queries, K = in.num_keys, E = c_.num_hiddens, Ekv = c_.kv_hiddens();
+    const char* xk = nullptr;
+    const char* xv = nullptr;
+    if (kv_rows > 0) {
+      xk = static_cast<const char*>(AsActivation(in.keys, in.batch * K * Ekv, ws.xk));
+      xv = static_cast<const char*>(AsActivation(in.values, in.batch * K * Ekv, ws.xv));
+    }
+    return {.q = {static_cast<const char*>(xq), E, Q * E},
+            .k = {xk, Ekv, K * Ekv},
+            .v = {xv, Ekv, K * Ekv}};
+  }
   return in.self_attention() ? ProjectSelf(in, kv_rows, xq, ws) : ProjectCross(in, kv_rows, xq, ws);
 }
 
@@ -361,11 +385,9 @@ MultiHeadAttention::Impl::HeadMajor MultiHeadAttention::Impl::RepackHeadMajor(
 }
 
 // One task per (batch row, head, query block), key blocks inside.
-absl::Status MultiHeadAttention::Impl::RunAttentionTasks(const AttentionInputs& in,
-                                                         const HeadMajor& heads,
-                                                         const ScoringProjections& scoring,
-                                                         const KeyLimits& limits, float* attention,
-                                                         int threads, Workspace& ws) const {
+absl::Status MultiHeadAttention::Impl::RunAttentionTasks(
+    const AttentionInputs& in, const HeadMajor& heads, const ScoringProjections& scoring,
+    const KeyLimits& limits, float* attention, float* lse, int threads, Workspace& ws) const {
   Grow(ws.ctx, in.batch * in.num_queries * c_.num_hiddens * sizeof(float));
   const int64_t per_block = o_.query_block / heads_per_task_;  // queries per task
   const int64_t q_blocks = (in.num_queries + per_block - 1) / per_block;
@@ -375,6 +397,7 @@ absl::Status MultiHeadAttention::Impl::RunAttentionTasks(const AttentionInputs& 
                           .limits = limits.per_query,
                           .ctx = reinterpret_cast<float*>(ws.ctx.data()),
                           .attention = attention,
+                          .lse = lse,
                           .q_blocks = q_blocks};
   return internal::RunTasks(in.batch * (c_.num_heads / heads_per_task_) * q_blocks, threads, ws,
                             [&](int64_t t, dnnl::stream& stream, TaskScratch& scratch) {
@@ -386,12 +409,17 @@ void MultiHeadAttention::Impl::ProjectOutput(const AttentionInputs& in, float* o
                                              Workspace& ws) const {
   const int64_t rows = in.batch * in.num_queries, E = c_.num_hiddens;
   const float* ctx = reinterpret_cast<const float*>(ws.ctx.data());
+  if (c_.attention_only()) {
+    std::copy_n(ctx, rows * E, output);
+    return;
+  }
   const void* ctx_act = AsActivation(ctx, rows * E, ws.xq);  // the queries' copy is spent
   o_lin_->Run(*ws.stream, ws.bindings, 1, rows, {ctx_act, E}, {output, E}, Dt::f32);
 }
 
 absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float* output,
-                                               float* attention, int max_threads) const {
+                                               float* attention, int max_threads,
+                                               float* lse) const {
   const int threads = ThreadsFor(in, max_threads);
   const internal::ThreadScope thread_scope(threads);
   const KeyLimits limits = ComputeKeyLimits(in, rope_.has_value());
@@ -405,7 +433,7 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
   if (c_.scoring == Scoring::kAdditive) {
     MHA_RETURN_IF_ERROR(ProjectScoring(in, heads, threads, ws, scoring));
   }
-  MHA_RETURN_IF_ERROR(RunAttentionTasks(in, heads, scoring, limits, attention, threads, ws));
+  MHA_RETURN_IF_ERROR(RunAttentionTasks(in, heads, scoring, limits, attention, lse, threads, ws));
   ProjectOutput(in, output, ws);
   ws.stream->wait();
   return absl::OkStatus();

@@ -56,6 +56,10 @@ struct RowStats {
                  int64_t ld) const {
     for (int64_t i = 0; i < rows; ++i) NormaliseRow(i, o + i * p, p, factor, ctx + i * ld);
   }
+  // Row i's log-sum-exp of every score it met, max + log(sum); -inf for no score.
+  float Lse(int64_t i) const {
+    return sum[i] > 0.0f ? max[i] + std::log(sum[i]) : -std::numeric_limits<float>::infinity();
+  }
   // The same for row i alone: ctx[d] = o[d] * factor / sum[i].
   void NormaliseRow(int64_t i, const float* o, int64_t p, float factor, float* ctx) const {
     const float scale = sum[i] > 0.0f ? factor / sum[i] : 0.0f;

@@ -98,8 +98,15 @@ void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratc
   const int64_t max_limit = limit(mq - 1);
   float* ctx = task.ctx + task.i0 * E + task.head * p;
   auto ctx_row = [&](int64_t r) { return ctx + (r / hs) * E + (r % hs) * p; };
+  // The lse of row r, (h, T) per step.
+  auto lse_at = [&](int64_t r) -> float& {
+    return step.lse[(task.head + r % hs) * step.num_queries + task.i0 + r / hs];
+  };
   if (max_limit == 0) {
     for (int64_t r = 0; r < mq; ++r) std::fill_n(ctx_row(r), p, 0.0f);
+    if (step.lse != nullptr) {
+      for (int64_t r = 0; r < mq; ++r) lse_at(r) = -std::numeric_limits<float>::infinity();
+    }
     return;
   }
   scratch.s.resize(std::max<size_t>(scratch.s.size(), mq * kBt));
@@ -146,6 +153,9 @@ void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratc
     }
     BlockContext(s, cache.values<T>(b, g), p, mq, nk, o, next_values, head_bytes);
   }
+  if (step.lse != nullptr) {
+    for (int64_t r = 0; r < mq; ++r) lse_at(r) = stats.Lse(r);
+  }
   if (hs == 1) return stats.Normalise(mq, o, p, /*factor=*/1.0f, ctx, E);
   for (int64_t r = 0; r < mq; ++r) stats.NormaliseRow(r, o + r * p, p, 1.0f, ctx_row(r));
 }
@@ -177,8 +187,11 @@ double MultiHeadAttention::Impl::PagedWork(std::span<const PagedStep> steps) con
   // A decode step does ~1 FLOP per byte it reads, of the weights and of the cached
   // keys and values: memory bound, so it gets threads for its bytes
   // (kPagedBytesPerThread) where its FLOPs alone would keep it on one.
-  double bytes = static_cast<double>(
-      ((c_.query_size + E) * E + (c_.key_size + c_.value_size) * Ekv) * SizeOf(act_));
+  double bytes =
+      c_.attention_only()
+          ? 0.0
+          : static_cast<double>(((c_.query_size + E) * E + (c_.key_size + c_.value_size) * Ekv) *
+                                SizeOf(act_));
   for (const PagedStep& step : steps) {
     tq += step.num_queries;
     tk += step.new_keys();
@@ -189,8 +202,11 @@ double MultiHeadAttention::Impl::PagedWork(std::span<const PagedStep> steps) con
           static_cast<double>(step.cache->size()) * 2.0 * static_cast<double>(Ekv) * sizeof(float);
     }
   }
-  flops += 2.0 * static_cast<double>(E) * static_cast<double>(tq * c_.query_size + tq * E) +
-           2.0 * static_cast<double>(Ekv) * static_cast<double>(tk * (c_.key_size + c_.value_size));
+  if (!c_.attention_only()) {
+    flops +=
+        2.0 * static_cast<double>(E) * static_cast<double>(tq * c_.query_size + tq * E) +
+        2.0 * static_cast<double>(Ekv) * static_cast<double>(tk * (c_.key_size + c_.value_size));
+  }
   return std::max(flops, bytes / kPagedBytesPerThread * internal::kFlopsPerThread);
 }
 
@@ -213,6 +229,7 @@ MultiHeadAttention::Impl::PagedProjections MultiHeadAttention::Impl::ProjectPage
   // creation on the request path and memory for each. A call of a few query rows (one
   // to three sessions' decode steps) takes the hand-written row path of f32 models
   // instead (Linear::RunRows), and so does its W_o (ForwardPaged).
+  if (c_.attention_only()) return GatherPaged(steps, tq, tk, ws);
   const int64_t pq = PagedRows(tq), pk = PagedRows(tk);
   Grow(ws.paged_in, pq * dq + pk * (dk + dv));
   float* xq = ws.paged_in.data();
@@ -263,6 +280,27 @@ MultiHeadAttention::Impl::PagedProjections MultiHeadAttention::Impl::ProjectPage
     }
   }
   ws.stream->wait();
+  return proj;
+}
+
+// An attention-only model's steps bring their q, k and v projected: gathered as they
+// are, q (rows, p_o) then k and v (tk, G * d_h) each; nothing padded (no GEMM runs).
+MultiHeadAttention::Impl::PagedProjections MultiHeadAttention::Impl::GatherPaged(
+    std::span<const PagedStep> steps, int64_t tq, int64_t tk, Workspace& ws) const {
+  const int64_t E = c_.num_hiddens, Ekv = c_.kv_hiddens();
+  Grow(ws.paged_proj, tq * E + 2 * tk * Ekv);
+  PagedProjections proj{.rows = tq, .padded_rows = tq, .ld = E, .ldkv = Ekv};
+  proj.q = ws.paged_proj.data();
+  proj.k = proj.q + tq * E;
+  proj.v = proj.k + tk * Ekv;
+  int64_t qi = 0, ki = 0;
+  for (const PagedStep& step : steps) {
+    std::copy_n(step.queries, step.num_queries * E, proj.q + qi * E);
+    std::copy_n(step.keys, step.num_keys * Ekv, proj.k + ki * Ekv);
+    std::copy_n(step.values, step.num_keys * Ekv, proj.v + ki * Ekv);
+    qi += step.num_queries;
+    ki += step.num_keys;
+  }
   return proj;
 }
 
@@ -341,10 +379,12 @@ absl::Status MultiHeadAttention::Impl::ForwardPaged(std::span<const PagedStep> s
   float* ctx = ws.paged_out.data();
   float* out = ctx + pq * E;
   MHA_RETURN_IF_ERROR(AttendPaged(steps, proj, rope.get(), threads, ws, ctx));
-  ProjectPagedOutput(proj, ctx, out, ws);
+  // An attention-only model's output is the concatenated heads themselves.
+  if (!c_.attention_only()) ProjectPagedOutput(proj, ctx, out, ws);
+  const float* result = c_.attention_only() ? ctx : out;
   int64_t qi = 0;
   for (const PagedStep& step : steps) {
-    std::copy_n(out + qi * E, step.num_queries * E, step.output);
+    std::copy_n(result + qi * E, step.num_queries * E, step.output);
     qi += step.num_queries;
     step.cache->Append(step.new_keys());
   }

@@ -208,11 +208,14 @@ absl::Status Weights::Validate(const ModelConfig& c) const {
     int64_t n;
     absl::string_view why;
   };
+  // An attention-only layer (projections NONE) has no weights at all.
+  const bool full = !c.attention_only();
+  const std::string none = full ? "" : " (projections NONE)";
   const Expect expects[] = {
-      {"W_q", w_q, p * c.query_size, ""},
-      {"W_k", w_k, pkv * c.key_size, ""},
-      {"W_v", w_v, pkv * c.value_size, ""},
-      {"W_o", w_o, p * p, ""},
+      {"W_q", w_q, full ? p * c.query_size : 0, none},
+      {"W_k", w_k, full ? pkv * c.key_size : 0, none},
+      {"W_v", w_v, full ? pkv * c.value_size : 0, none},
+      {"W_o", w_o, full ? p * p : 0, none},
       {"b_q", b_q, c.bias ? p : 0, bias},
       {"b_k", b_k, c.bias ? pkv : 0, bias},
       {"b_v", b_v, c.bias ? pkv : 0, bias},
@@ -233,6 +236,7 @@ absl::Status Weights::Validate(const ModelConfig& c) const {
 Weights SeededWeights(const ModelConfig& c, uint64_t seed) {
   const int64_t p = c.num_hiddens, pkv = c.kv_hiddens();
   Weights w;
+  if (c.attention_only()) return w;  // projections NONE: no weights
   // A grouped model's K and V weights are the first G * head_size rows of what the
   // same seed gives a multi-head one.
   w.w_q = Uniform("W_q.weight", seed, p * c.query_size, c.query_size);

@@ -31,7 +31,8 @@ struct Weights {
 // Deterministic weights for demos and load tests: each matrix is uniform in
 // +-1/sqrt(fan_in) (nn.Linear's default range), biases likewise, drawn from a
 // 64-bit generator seeded by `seed` and the tensor's name. Same seed, same weights,
-// on every machine. Additive scoring parameters are drawn per head.
+// on every machine. Additive scoring parameters are drawn per head. An
+// attention-only config (projections NONE) gets none.
 Weights SeededWeights(const ModelConfig& config, uint64_t seed);
 
 // Loads weights for `config` from a .safetensors file, under either naming:

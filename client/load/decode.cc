@@ -143,6 +143,17 @@ Tensor SessionTokens(const DecodeOptions& options, int64_t session, int64_t d) {
   return tokens;
 }
 
+// An attention-only model (projections "none", the disaggregated-decoding worker)
+// takes its tokens' q, k and v already projected: k and v (1, P + N, G * d_h) each,
+// drawn after the queries from the same generator's continuation (seed + s, offset).
+bool IsWorker(const ModelInfo& model) { return model.projections() == "none"; }
+Tensor SessionKeys(const DecodeOptions& options, int64_t session, int64_t d, uint64_t which) {
+  SplitMix64 inputs((options.seed + static_cast<uint64_t>(session)) ^ (which << 56));
+  Tensor tokens;
+  FillSigned(inputs, {1, options.prefill + options.decode_tokens, d}, &tokens);
+  return tokens;
+}
+
 // Rows [first, first + count) of `tokens` as a (1, count, d) tensor.
 void CopyRows(const Tensor& tokens, int64_t first, int64_t count, Tensor* out) {
   const int64_t d = tokens.shape(2);
@@ -231,6 +242,10 @@ class SessionDriver {
       session->index = s;
       session->result = &results_[static_cast<size_t>(s)];
       session->tokens = SessionTokens(o, s, shared_.model().query_size());
+      if (IsWorker(shared_.model())) {
+        session->keys = SessionKeys(o, s, shared_.model().key_size(), 1);
+        session->values = SessionKeys(o, s, shared_.model().value_size(), 2);
+      }
       // The stream is one call carrying N + 1 steps: --timeout for each.
       SetTimeout(&session->context, o.timeout * (o.decode_tokens + 1));
       shared_.calls().Track(&session->context);
@@ -270,7 +285,8 @@ class SessionDriver {
   struct Session {
     int64_t index = 0;
     SessionResult* result = nullptr;
-    Tensor tokens;  // (1, P + N, d_q)
+    Tensor tokens;        // (1, P + N, d_q)
+    Tensor keys, values;  // an attention-only model's: (1, P + N, d_k), (1, P + N, d_v)
     grpc::ClientContext context;
     std::unique_ptr<grpc::ClientAsyncReaderWriter<SessionRequest, SessionResponse>> stream;
     Op op = Op::kIdle;
@@ -325,9 +341,15 @@ class SessionDriver {
     SessionRequest& request = session.request;
     request.set_model(o.model);
     request.set_model_version(o.model_version);
-    request.set_kind(attention::v1::SELF);
     request.set_causal(true);
     CopyRows(session.tokens, 0, o.prefill, request.mutable_queries());
+    if (IsWorker(shared_.model())) {  // CROSS, causal: each step brings its q, k, v
+      request.set_kind(attention::v1::CROSS);
+      CopyRows(session.keys, 0, o.prefill, request.mutable_keys());
+      CopyRows(session.values, 0, o.prefill, request.mutable_values());
+    } else {
+      request.set_kind(attention::v1::SELF);
+    }
     Send(session);
   }
 
@@ -335,6 +357,10 @@ class SessionDriver {
   void SendStep(Session& session) {
     const DecodeOptions& o = shared_.options();
     CopyRows(session.tokens, o.prefill + session.step, 1, session.request.mutable_queries());
+    if (IsWorker(shared_.model())) {
+      CopyRows(session.keys, o.prefill + session.step, 1, session.request.mutable_keys());
+      CopyRows(session.values, o.prefill + session.step, 1, session.request.mutable_values());
+    }
     Send(session);
   }
 
@@ -444,6 +470,10 @@ void StatelessSession(Shared& shared, int64_t s, SessionResult& result) {
   const DecodeOptions& o = shared.options();
   const int64_t p_o = shared.model().num_hiddens();
   const Tensor tokens = SessionTokens(o, s, shared.model().query_size());
+  const bool worker = IsWorker(shared.model());
+  // Self-attention reads the tokens as keys and values; a worker has its own.
+  const Tensor keys = worker ? SessionKeys(o, s, shared.model().key_size(), 1) : tokens;
+  const Tensor values = worker ? SessionKeys(o, s, shared.model().value_size(), 2) : tokens;
   constexpr absl::string_view kCall = "Attend";
   // The SDK's unary Attend, on the run's channel; a failure elsewhere cancels it.
   std::unique_ptr<Connection> connection =
@@ -465,6 +495,10 @@ void StatelessSession(Shared& shared, int64_t s, SessionResult& result) {
   request.set_model_version(o.model_version);
   request.set_causal(true);
   CopyRows(tokens, 0, o.prefill, request.mutable_queries());
+  if (worker) {
+    CopyRows(keys, 0, o.prefill, request.mutable_keys());
+    CopyRows(values, 0, o.prefill, request.mutable_values());
+  }
   OutputSums unused_sums;
   absl::StatusOr<Sample> prefill = call(request, o.prefill, &unused_sums);
   if (prefill.ok()) {
@@ -478,14 +512,14 @@ void StatelessSession(Shared& shared, int64_t s, SessionResult& result) {
   // Keys and values grow by a row a step; causal would leave the single query
   // (position 0) only key 0.
   request.set_causal(false);
-  CopyRows(tokens, 0, o.prefill, request.mutable_keys());
-  CopyRows(tokens, 0, o.prefill, request.mutable_values());
+  CopyRows(keys, 0, o.prefill, request.mutable_keys());
+  CopyRows(values, 0, o.prefill, request.mutable_values());
   result.decode_start_ns = SteadyNowNs();
   for (int64_t n = 0; n < o.decode_tokens && !shared.failed(); ++n) {
     const int64_t row = o.prefill + n, context = row + 1;
     CopyRows(tokens, row, 1, request.mutable_queries());
-    AppendRow(tokens, row, request.mutable_keys());
-    AppendRow(tokens, row, request.mutable_values());
+    AppendRow(keys, row, request.mutable_keys());
+    AppendRow(values, row, request.mutable_values());
     absl::StatusOr<Sample> sample = call(request, 1, &result.output);
     if (!sample.ok()) {
       shared.Fail(InStep(sample.status(), kCall, s, DecodeStepName(n, o.decode_tokens, context)));
@@ -549,7 +583,7 @@ absl::StatusOr<DecodeReport> RunDecode(const DecodeOptions& options,
                                        const ModelInfo& model) {
   MHA_RETURN_IF_ERROR(CheckDecodeOptions(options));
   if (channel == nullptr) return absl::InvalidArgumentError("decode: no channel");
-  if (!model.supports_self_attention()) {
+  if (!model.supports_self_attention() && !IsWorker(model)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "model ", model.name(), " has d_q ", model.query_size(), ", d_k ", model.key_size(),
         ", d_v ", model.value_size(), " and cannot self-attend: decode needs d_k = d_v = d_q"));
@@ -589,6 +623,20 @@ absl::StatusOr<DecodeReport> RunDecode(const DecodeOptions& options,
   report.calls =
       options.stateless ? options.sessions * (1 + options.decode_tokens) : options.sessions;
   Aggregate(results, report);
+  // The K/V cache a decode step reads: every cached token's key and value, G heads.
+  const double element = model.kv_cache_precision() == "bf16" ? 2.0 : 4.0;
+  const double per_token = static_cast<double>(model.key_size() + model.value_size()) * element;
+  if (IsWorker(model)) {
+    double bytes = 0;
+    for (const SessionResult& r : results) {
+      for (const DecodeStep& step : r.steps) bytes += static_cast<double>(step.context) * per_token;
+    }
+    report.cache_bytes_read = bytes;
+    report.cache_bytes_per_step =
+        report.decode.ok > 0 ? bytes / static_cast<double>(report.decode.ok) : 0;
+    report.cache_gb_per_s =
+        report.decode.duration_s > 0 ? bytes / report.decode.duration_s / 1e9 : 0;
+  }
   return report;
 }
 

@@ -13,6 +13,12 @@
 //   DecodeReport report = RunDecode(options, channel, model).value();
 //   PrintDecodeTable(report, std::cout);  // report.h
 //
+// Attention-only models (ModelInfo.projections "none", issue 35): sessions are CROSS
+// and causal, each step sending its tokens' random pre-projected q, k and v (k and v
+// (1, P + N, d_k) drawn from SplitMix64((seed + s) ^ (1 << 56)), v from ... ^ (2 << 56));
+// stateless steps send the keys and values so far. The report adds the cache bytes
+// the decode steps read and that over the decode phase's time (GB/s).
+//
 // Inputs: session s draws its tokens (1, prefill + decode_tokens, d_q), row-major,
 // from SplitMix64(seed + s) (FillSigned, client/sdk/request.h): the prefill takes the first
 // `prefill` rows, decode step n row prefill + n. Both modes send the same tokens,
@@ -84,6 +90,13 @@ struct DecodeReport {
   double output_sum = 0;
   double output_abs_sum = 0;  // of |value|: the scale of output_sum's rounding
   int64_t calls = 0;          // AttendSession streams, or Attend calls, made
+  // An attention-only model (projections "none"): the K/V cache its decode steps
+  // read, context x (d_k + d_v) x 4 bytes (2 for a bf16 cache) per step: in all,
+  // per step on average, and over the decode phase's wall time (GB = 1e9 bytes).
+  // 0 for other models.
+  double cache_bytes_read = 0;
+  double cache_bytes_per_step = 0;
+  double cache_gb_per_s = 0;
 };
 
 // Runs the load on `channel` against `model` (GetModel's answer for

@@ -385,6 +385,14 @@ void PrintDecodeTable(const DecodeReport& report, std::ostream& out) {
       report.decode_tokens, report.decode.duration_s, report.decode_tokens_per_s, o.sessions,
       report.decode.latency.p50_us * 1e-3);
   out << absl::StrFormat("output sum of the decode steps: %.6g\n", report.output_sum);
+  if (report.model.projections() == "none") {
+    out << absl::StrFormat(
+        "cache read: %.0f bytes per decode step on average (%s cache), %.3f GB/s over the "
+        "decode phase\n",
+        report.cache_bytes_per_step,
+        report.model.kv_cache_precision().empty() ? "f32" : report.model.kv_cache_precision(),
+        report.cache_gb_per_s);
+  }
   out << (o.stateless ? absl::StrFormat("calls: %d Attend\n", report.calls)
                       : absl::StrFormat("calls: %d AttendSession stream(s), %d steps\n",
                                         report.calls, o.sessions * (1 + o.decode_tokens)));
@@ -439,6 +447,10 @@ std::string DecodeJson(const DecodeReport& report, const std::optional<DecodeChe
       {"output_abs_sum", report.output_abs_sum},
       {"calls", report.calls},
   };
+  if (report.model.projections() == "none") {
+    root["cache_bytes_per_step"] = report.cache_bytes_per_step;
+    root["cache_gb_per_s"] = report.cache_gb_per_s;
+  }
   if (check) {
     root["check"] = {{"session_output_sum", check->session_sum},
                      {"stateless_output_sum", check->stateless_sum},

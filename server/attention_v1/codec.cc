@@ -77,6 +77,7 @@ absl::StatusOr<ValidatedRequest> ValidateRequest(const AttendRequest& request, c
           .causal = request.causal(),
           .return_attention = request.return_attention(),
           .head_mask = absl::MakeConstSpan(request.head_mask().data(), request.head_mask_size()),
+          .return_lse = request.return_lse(),
       },
       model);
 }
@@ -94,6 +95,11 @@ OutputViews PrepareResponse(const ValidatedRequest& request, bool raw, AttendRes
     SetShape({in.batch, request.model->config.num_heads, in.num_queries, in.num_keys}, weights);
     views.attention = AllocateTensor(request.attention_elements(), raw, weights);
   }
+  if (request.return_lse) {
+    Tensor* lse = response->mutable_lse();
+    SetShape({in.batch, request.model->config.num_heads, in.num_queries}, lse);
+    views.lse = AllocateTensor(request.lse_elements(), raw, lse);
+  }
   return views;
 }
 
@@ -106,7 +112,8 @@ void EncodeTiming(const ComputeTiming& timing, AttendResponse* response) {
 
 absl::Status RunForward(const ValidatedRequest& request, bool raw, AttendResponse* response) {
   const OutputViews views = PrepareResponse(request, raw, response);
-  return request.model->attention->Forward(request.inputs, views.output, views.attention);
+  return request.model->attention->Forward(request.inputs, views.output, views.attention,
+                                           /*max_threads=*/0, views.lse);
 }
 
 }  // namespace mha::server

@@ -74,7 +74,7 @@ attention::v1::ModelInfo ToModelInfo(const Model& model) {
     info.set_rotary_dim(c.rotary_dim());
     info.set_rope_interleaved(c.rope->interleaved);
   }
-  info.set_projections("full");
+  info.set_projections(c.attention_only() ? "none" : "full");
   info.set_kv_cache_precision(c.cache_bf16() ? "bf16" : "f32");
   attention::v1::ModelLimits* limits = info.mutable_limits();
   limits->set_max_batch_size(model.limits.max_batch_size);

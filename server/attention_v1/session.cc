@@ -96,7 +96,8 @@ class SessionManager::Reactor final
         DecodeSessionStep(request_, first, settings_, decoding, live->cached());
     if (!input.ok()) return live->Fail(input.status());
     float* output = PrepareSessionResponse(*input, decoding, &response_);
-    live->Step(std::move(model), ToPagedStep(*input, settings_, /*cache=*/nullptr, output),
+    float* lse = settings_.return_lse ? PrepareSessionLse(*input, decoding, &response_) : nullptr;
+    live->Step(std::move(model), ToPagedStep(*input, settings_, /*cache=*/nullptr, output, lse),
                DeadlineOf(context_), [context = context_] { return context->IsCancelled(); });
   }
 

@@ -35,7 +35,7 @@ absl::StatusOr<int64_t> Rows(absl::string_view field, const TensorView& tensor, 
 }  // namespace
 
 SessionSettings SettingsOf(const SessionRequest& first) {
-  return {.kind = first.kind(), .causal = first.causal()};
+  return {.kind = first.kind(), .causal = first.causal(), .return_lse = first.return_lse()};
 }
 
 absl::StatusOr<SessionStepInput> DecodeSessionStep(const SessionRequest& request, bool first,
@@ -53,6 +53,18 @@ absl::StatusOr<SessionStepInput> DecodeSessionStep(const SessionRequest& request
       return absl::InvalidArgumentError(
           absl::StrCat("kind: expected SELF (0) or CROSS (1), got ", settings.kind));
     }
+    if (c.attention_only() && self) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kind: model ", model.name,
+          " is attention-only (projections NONE): its sessions are CROSS with causal true, "
+          "each step carrying its tokens' projected q, k and v"));
+    }
+    if (c.attention_only() && !settings.causal) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "causal: model ", model.name,
+          " is attention-only (projections NONE): its sessions are CROSS with causal true"));
+    }
+    if (settings.return_lse) MHA_RETURN_IF_ERROR(CheckReturnLse(model));
     if (self && !c.SupportsSelfAttention()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "kind: SELF needs d_k = d_v = d_q, model ", model.name, " has d_q = ", c.query_size,
@@ -125,7 +137,7 @@ absl::StatusOr<SessionStepInput> DecodeSessionStep(const SessionRequest& request
 }
 
 core::PagedStep ToPagedStep(const SessionStepInput& step, const SessionSettings& settings,
-                            core::KvSequence* cache, float* output) {
+                            core::KvSequence* cache, float* output, float* lse) {
   static constexpr float kNoKeys = 0;
   const bool self = settings.kind == attention::v1::SELF;
   return core::PagedStep{
@@ -137,6 +149,7 @@ core::PagedStep ToPagedStep(const SessionStepInput& step, const SessionSettings&
       .causal = settings.causal,
       .cache = cache,
       .output = output,
+      .lse = lse,
   };
 }
 
@@ -146,6 +159,14 @@ float* PrepareSessionResponse(const SessionStepInput& step, const Model& model,
   output->clear_shape();
   for (int64_t d : {int64_t{1}, step.num_queries, model.config.num_hiddens}) output->add_shape(d);
   return AllocateTensor(step.num_queries * model.config.num_hiddens, step.raw, output);
+}
+
+float* PrepareSessionLse(const SessionStepInput& step, const Model& model,
+                         attention::v1::SessionResponse* response) {
+  attention::v1::Tensor* lse = response->mutable_lse();
+  lse->clear_shape();
+  for (int64_t d : {int64_t{1}, model.config.num_heads, step.num_queries}) lse->add_shape(d);
+  return AllocateTensor(model.config.num_heads * step.num_queries, step.raw, lse);
 }
 
 }  // namespace mha::server

@@ -8,7 +8,11 @@
 //   model              set in a message after the first (model or model_version)
 //                      -> INVALID_ARGUMENT
 //   kind               (first message) not SELF or CROSS; SELF on a model whose
-//                      d_k, d_v differ from d_q; a model with additive scoring
+//                      d_k, d_v differ from d_q or that is attention-only; a model
+//                      with additive scoring -> INVALID_ARGUMENT
+//   causal             (first message) false in an attention-only model's session
+//                      (projections NONE: CROSS with causal true) -> INVALID_ARGUMENT
+//   return_lse         (first message) on a model with projections FULL
 //                      -> INVALID_ARGUMENT
 //   encodings          as AttendRequest's (server/attention_v1/codec.h) -> INVALID_ARGUMENT
 //   queries            SELF: required, (1, T, d_q) with T >= 1. CROSS: absent (T = 0)
@@ -37,6 +41,7 @@ namespace mha::server {
 struct SessionSettings {
   attention::v1::SessionKind kind = attention::v1::SELF;
   bool causal = false;
+  bool return_lse = false;  // every response carries lse (1, h, T)
 };
 
 // One decoded step; the views point into the SessionRequest, which must outlive
@@ -63,12 +68,17 @@ SessionSettings SettingsOf(const attention::v1::SessionRequest& first);
 // (A CROSS step without new keys still points its keys at something: nullptr keys
 // mean self-attention to the core.)
 core::PagedStep ToPagedStep(const SessionStepInput& step, const SessionSettings& settings,
-                            core::KvSequence* cache, float* output);
+                            core::KvSequence* cache, float* output, float* lse = nullptr);
 
 // Sizes response.output (1, T, p_o) zeroed, raw or data as the step came, and
 // returns its values.
 float* PrepareSessionResponse(const SessionStepInput& step, const Model& model,
                               attention::v1::SessionResponse* response);
+
+// Sizes response.lse (1, h, T) zeroed, raw or data as the step came, and returns its
+// values (a session with return_lse).
+float* PrepareSessionLse(const SessionStepInput& step, const Model& model,
+                         attention::v1::SessionResponse* response);
 
 }  // namespace mha::server
 

@@ -94,6 +94,7 @@ inference::ModelConfig ToTritonConfig(const Model& model) {
   AddInput(&config, "head_mask", inference::TYPE_FP32, {c.num_heads}, true);
   AddOutput(&config, "output", {-1, -1, c.num_hiddens});
   AddOutput(&config, "attention", {-1, c.num_heads, -1, -1});
+  if (c.attention_only()) AddOutput(&config, "lse", {-1, c.num_heads, -1});
   inference::ModelInstanceGroup* group = config.add_instance_group();
   group->set_name(model.name);
   group->set_kind(inference::ModelInstanceGroup::KIND_CPU);
@@ -113,7 +114,7 @@ inference::ModelConfig ToTritonConfig(const Model& model) {
   parameters["rope_theta"].set_string_value(ExactDecimal(c.rope ? c.rope_theta() : 0.0));
   parameters["rotary_dim"].set_string_value(absl::StrCat(c.rope ? c.rotary_dim() : 0));
   parameters["rope_interleaved"].set_string_value(c.rope && c.rope->interleaved ? "true" : "false");
-  parameters["projections"].set_string_value("full");
+  parameters["projections"].set_string_value(c.attention_only() ? "none" : "full");
   parameters["kv_cache_precision"].set_string_value(c.cache_bf16() ? "bf16" : "f32");
   // The limits a request meets (B, Q and K), and the batcher's per call.
   parameters["max_batch_size"].set_string_value(absl::StrCat(model.limits.max_batch_size));
@@ -141,6 +142,8 @@ inference::ModelMetadataResponse ToModelMetadata(const Model& model) {
   AddTensor("head_mask", "FP32", {c.num_heads}, metadata.mutable_inputs());
   AddTensor("output", "FP32", {-1, -1, c.num_hiddens}, metadata.mutable_outputs());
   AddTensor("attention", "FP32", {-1, c.num_heads, -1, -1}, metadata.mutable_outputs());
+  if (c.attention_only())
+    AddTensor("lse", "FP32", {-1, c.num_heads, -1}, metadata.mutable_outputs());
   return metadata;
 }
 

@@ -243,19 +243,21 @@ absl::Status DecodeOutputs(const ModelInferRequest& request, InferDecoded* decod
     const std::string& name = request.outputs(i).name();
     bool* seen = name == "output"      ? &want_output
                  : name == "attention" ? &decoded->want_attention
+                 : name == "lse"       ? &decoded->want_lse
                                        : nullptr;
     if (seen == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("outputs[", i, "] (\"", Abbreviate(name),
-                                                     "\"): unknown output; expected output "
-                                                     "or attention"));
+                                                     "\"): unknown output; expected output, "
+                                                     "attention or lse"));
     }
     if (*seen) {
       return absl::InvalidArgumentError(
           absl::StrCat("outputs[", i, "] (\"", name, "\"): requested twice"));
     }
     *seen = true;
-    if (name == "attention" && !want_output) decoded->attention_first = true;
+    decoded->order.push_back(name);
   }
+  if (!want_output) decoded->order.push_back("output");
   return absl::OkStatus();
 }
 
@@ -290,10 +292,17 @@ absl::StatusOr<ValidatedRequest> DecodeInferRequest(const ModelInferRequest& req
   bool causal = false;
   MHA_RETURN_IF_ERROR(DecodeParameters(request, &causal, decoded));
   MHA_RETURN_IF_ERROR(DecodeOutputs(request, decoded));
+  if (decoded->want_lse && !model.config.attention_only()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("outputs (\"lse\"): return_lse: model ", model.name,
+                     " has projections FULL; the lse output is for attention-only models "
+                     "(projections NONE)"));
+  }
   MHA_ASSIGN_OR_RETURN(const Parsed parsed, ParseInputs(request));
   RequestView view{.bytes = static_cast<int64_t>(request.ByteSizeLong()),
                    .causal = causal,
-                   .return_attention = decoded->want_attention};
+                   .return_attention = decoded->want_attention,
+                   .return_lse = decoded->want_lse};
   auto present = [&parsed](Input which) { return parsed.tensor[static_cast<int>(which)]; };
   if (present(Input::kQueries))
     view.queries = FloatView(parsed, Input::kQueries, &decoded->queries);
@@ -336,16 +345,18 @@ OutputViews PrepareInferResponse(const ModelInferRequest& request,
   const core::AttentionInputs& in = validated.inputs;
   const core::ModelConfig& c = validated.model->config;
   OutputViews views;
-  auto add_attention = [&] {
-    if (decoded.want_attention) {
+  for (const std::string& name : decoded.order) {
+    if (name == "attention") {
       AddOutput("attention", {in.batch, c.num_heads, in.num_queries, in.num_keys},
                 validated.attention_elements(), response, &views.attention);
+    } else if (name == "lse") {
+      AddOutput("lse", {in.batch, c.num_heads, in.num_queries}, validated.lse_elements(), response,
+                &views.lse);
+    } else {
+      AddOutput("output", {in.batch, in.num_queries, c.num_hiddens}, validated.output_elements(),
+                response, &views.output);
     }
-  };
-  if (decoded.attention_first) add_attention();
-  AddOutput("output", {in.batch, in.num_queries, c.num_hiddens}, validated.output_elements(),
-            response, &views.output);
-  if (!decoded.attention_first) add_attention();
+  }
   return views;
 }
 

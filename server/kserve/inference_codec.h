@@ -13,6 +13,9 @@
 //            head_mask   FP32, FP16 or BF16  [h]           optional
 //   outputs  output      FP32  [B, Q, p_o]   always (the default when none is named)
 //            attention   FP32  [B, h, Q, K]  only when named in `outputs`
+//            lse         FP32  [B, h, Q]     only when named, and only for attention-only
+//                                            models (projections NONE; else INVALID_ARGUMENT
+//                                            naming return_lse); over HTTP always binary
 //   parameters  causal (bool), timeout (int64 microseconds: the request's
 //               deadline), binary_data_output (HTTP); others are ignored.
 // Inputs come either all as raw_input_contents (little-endian, row-major) or all as
@@ -46,7 +49,9 @@ struct InferDecoded {
   std::vector<float> queries, keys, values, head_mask;  // used when converted
   std::vector<int32_t> valid_lens;
   bool want_attention = false;
-  bool attention_first = false;                       // `outputs` named attention before output
+  bool want_lse = false;
+  // The outputs in the order `outputs` named them ("output" last when not named).
+  std::vector<std::string> order;
   absl::Duration timeout = absl::InfiniteDuration();  // the `timeout` parameter
 };
 

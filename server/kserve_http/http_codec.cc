@@ -454,6 +454,14 @@ absl::Status ParseOutput(size_t index, const Json& json, ModelInferRequest* requ
     const std::string field = absl::StrCat(at, " (", Quote(output->name()), ").parameters");
     MHA_RETURN_IF_ERROR(ParseParameters(field, *parameters, output->mutable_parameters()));
     MHA_RETURN_IF_ERROR(CheckBoolParameter(field, output->parameters(), "binary_data"));
+    // The log-sum-exp of a fully masked row is -inf, which JSON cannot carry.
+    const auto binary = output->parameters().find("binary_data");
+    if (output->name() == "lse" && binary != output->parameters().end() &&
+        !binary->second.bool_param()) {
+      return Invalid(absl::StrCat(field, ".binary_data"),
+                     "lse is sent only as binary data (it may hold -inf, which JSON cannot "
+                     "carry); leave binary_data out or set it true");
+    }
   }
   return absl::OkStatus();
 }
@@ -588,6 +596,7 @@ bool IsTrue(const ParameterMap& parameters, const std::string& name) {
 }
 
 bool SendsBinary(const ModelInferRequest& request, const std::string& output) {
+  if (output == "lse") return true;  // always (ParseOutput refuses binary_data false)
   for (const ModelInferRequest::InferRequestedOutputTensor& requested : request.outputs()) {
     if (requested.name() != output) continue;
     const auto it = requested.parameters().find("binary_data");

@@ -55,7 +55,8 @@
 //   {"name": ..., "datatype": ..., "shape": ..., "parameters": {"binary_data_size": 8}}
 // with its bytes appended after the JSON in output order, when the request's output
 // of that name has parameters.binary_data true, or when the request has
-// binary_data_output true and that output does not set binary_data false. Floats are
+// binary_data_output true and that output does not set binary_data false; `lse` is
+// always binary (binary_data false for it is INVALID_ARGUMENT naming that field). Floats are
 // printed with the fewest digits that read back (as float, or as double rounded to
 // float) to the same bits; FP16 and BF16 print as the floats they are exactly. An
 // output sent as JSON with an Inf or NaN element (JSON has no such number) is

@@ -122,10 +122,41 @@ absl::StatusOr<core::ModelConfig> ToCoreConfig(const attention::v1::ModelConfig&
                                      .rotary_dim = proto.rope().rotary_dim(),
                                      .interleaved = proto.rope().interleaved()};
   }
-  if (proto.projections() != attention::v1::FULL) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "projections: only FULL is served; got ",
-        attention::v1::Projections_Name(proto.projections()), " (the attention-only worker's)"));
+  if (proto.projections() == attention::v1::NONE) {
+    // The attention-only worker (issue 35): inputs already projected, so each size is
+    // fixed by the heads; 0 means that size, any other value is refused naming it.
+    config.projections = core::Projections::kNone;
+    // Sizes left to Validate (which names num_hiddens / num_heads) when the heads do
+    // not divide.
+    const bool heads_ok = config.num_heads > 0 && config.num_hiddens % config.num_heads == 0 &&
+                          config.num_kv_heads >= 0;
+    const int64_t kv_hiddens = heads_ok ? config.kv_hiddens() : 0;
+    const std::pair<const char*, std::pair<int64_t, int64_t*>> sizes[] = {
+        {"query_size", {proto.query_size(), &config.query_size}},
+        {"key_size", {proto.key_size(), &config.key_size}},
+        {"value_size", {proto.value_size(), &config.value_size}},
+    };
+    for (const auto& [field, size] : sizes) {
+      const int64_t expected = field[0] == 'q' ? proto.num_hiddens() : kv_hiddens;
+      if (heads_ok && size.first != 0 && size.first != expected) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ": projections NONE takes ",
+            field[0] == 'q' ? "queries of h * d_h = num_hiddens = " : "G * d_h = ", expected,
+            " features (0 means that), got ", size.first));
+      }
+      *size.second = expected;
+    }
+    if (proto.has_rope()) {
+      return absl::InvalidArgumentError(
+          "projections: NONE takes q and k already rotated; remove `rope`");
+    }
+    if (proto.has_file() || proto.has_seeded()) {
+      return absl::InvalidArgumentError(absl::StrCat("projections: NONE has no weights; remove `",
+                                                     proto.has_file() ? "file" : "seeded", "`"));
+    }
+  } else if (proto.projections() != attention::v1::FULL) {
+    return absl::InvalidArgumentError(absl::StrCat("projections: expected FULL or NONE, got ",
+                                                   static_cast<int>(proto.projections())));
   }
   const std::string& cache = proto.kv_cache_precision();
   if (cache == "bf16") {
@@ -310,7 +341,17 @@ absl::StatusOr<std::vector<std::unique_ptr<Model>>> LoadModelVersions(
     const fs::path weights_dir =
         folders.empty() ? fs::path(dir) : fs::path(dir) / std::to_string(version);
     core::Weights weights;
-    if (proto.has_seeded()) {
+    if (model->config.attention_only()) {
+      // No weights; a weights file beside the config is a mistake worth naming.
+      const fs::path stray = weights_dir / "weights.safetensors";
+      std::error_code exists_error;
+      if (fs::exists(stray, exists_error)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(context, ": projections: NONE has no weights, but ", stray.string(),
+                         " is there; remove it or serve the model with projections FULL"));
+      }
+      model->weights_source = "none (projections NONE)";
+    } else if (proto.has_seeded()) {
       weights = core::SeededWeights(model->config, proto.seeded().seed());
       model->weights_source = absl::StrCat("seeded (seed ", proto.seeded().seed(), ")");
     } else {

@@ -16,6 +16,7 @@ bool CanShare(const WorkItem& a, const WorkItem& b) {
   if ((a.step != nullptr) != (b.step != nullptr)) return false;
   if (a.step != nullptr) return true;
   if (a.attention != nullptr || b.attention != nullptr) return false;
+  if (a.lse != nullptr || b.lse != nullptr) return false;
   return CanMerge(a.inputs, b.inputs, a.model != nullptr && a.model->config.rope.has_value());
 }
 
@@ -282,7 +283,7 @@ Batcher::Batch Batcher::TakeBatch(ModelQueue& queue) {
     } else if (batch.items.empty()) {
       rows = item.rows();
       length = item.length();
-      closed = !policy.enabled || item.attention != nullptr;
+      closed = !policy.enabled || item.attention != nullptr || item.lse != nullptr;
       batch.items.push_back(std::move(item));
     } else if (CanShare(batch.items.front(), item) && rows + item.rows() <= policy.max_batch_size &&
                (rows + item.rows()) * std::max(length, item.length()) <= policy.max_batch_tokens) {
@@ -460,7 +461,7 @@ absl::Status Batcher::Compute(const Batch& batch, Worker* worker) {
   }
   if (batch.items.size() == 1) {
     const WorkItem& item = batch.items.front();
-    return attention.Forward(item.inputs, item.output, item.attention);
+    return attention.Forward(item.inputs, item.output, item.attention, /*max_threads=*/0, item.lse);
   }
   worker->parts.clear();
   for (const WorkItem& item : batch.items) {

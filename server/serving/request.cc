@@ -184,6 +184,14 @@ absl::Status CheckFiniteValues(absl::string_view field, const TensorView& tensor
   return absl::OkStatus();
 }
 
+absl::Status CheckReturnLse(const Model& model) {
+  if (model.config.attention_only()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("return_lse: model ", model.name,
+                   " has projections FULL; the log-sum-exp is returned by attention-only "
+                   "models (projections NONE)"));
+}
+
 absl::Status CheckRequestBytes(int64_t bytes, const Model& model) {
   if (bytes > model.limits.max_request_bytes) {
     return OverLimit("request: size in bytes", bytes, "max_request_bytes",
@@ -194,11 +202,13 @@ absl::Status CheckRequestBytes(int64_t bytes, const Model& model) {
 
 absl::StatusOr<ValidatedRequest> Validate(const RequestView& request, const Model& model) {
   MHA_RETURN_IF_ERROR(CheckRequestBytes(request.bytes, model));
+  if (request.return_lse) MHA_RETURN_IF_ERROR(CheckReturnLse(model));
   MHA_ASSIGN_OR_RETURN(const Dims dims, DecodeShapes(request, model));
   MHA_RETURN_IF_ERROR(CheckLimits(dims, request.keys.has_value(), request.return_attention, model));
   ValidatedRequest out{.model = &model,
                        .inputs = Views(request, dims),
-                       .return_attention = request.return_attention};
+                       .return_attention = request.return_attention,
+                       .return_lse = request.return_lse};
   MHA_RETURN_IF_ERROR(CheckFiniteValues("queries", *request.queries));
   if (request.keys.has_value()) {
     MHA_RETURN_IF_ERROR(CheckFiniteValues("keys", *request.keys));

@@ -15,6 +15,7 @@
 //                        -> RESOURCE_EXHAUSTED naming the limit and its value
 //   valid_lens           0, B or B*Q entries, each in [0, K] -> INVALID_ARGUMENT
 //   head_mask            0 or h entries, finite -> INVALID_ARGUMENT
+//   return_lse           on a model with projections FULL -> INVALID_ARGUMENT
 //   values               every query/key/value entry finite -> INVALID_ARGUMENT
 //                        naming the position, e.g.
 //                        "queries: non-finite value nan at index 17 (batch 0,
@@ -55,6 +56,7 @@ struct RequestView {
   bool causal = false;
   bool return_attention = false;
   absl::Span<const float> head_mask;  // empty or h entries
+  bool return_lse = false;            // attention-only models only
 };
 
 // A request that passed validation. `inputs` points where the RequestView did (the
@@ -63,7 +65,11 @@ struct ValidatedRequest {
   const Model* model = nullptr;
   core::AttentionInputs inputs;
   bool return_attention = false;
+  bool return_lse = false;  // (B, h, Q) log-sum-exp asked for
 
+  int64_t lse_elements() const {
+    return inputs.batch * model->config.num_heads * inputs.num_queries;
+  }
   int64_t output_elements() const {
     return inputs.batch * inputs.num_queries * model->config.num_hiddens;
   }
@@ -88,7 +94,12 @@ absl::Status CheckFiniteValues(absl::string_view field, const TensorView& tensor
 struct OutputViews {
   float* output = nullptr;
   float* attention = nullptr;
+  float* lse = nullptr;  // (B, h, Q) when return_lse
 };
+
+// INVALID_ARGUMENT naming return_lse unless `model` is attention-only (projections
+// NONE): the fronts' one wording of that rule.
+absl::Status CheckReturnLse(const Model& model);
 
 // "(2, 6, 99)": a shape as messages print it.
 std::string ShapeString(absl::Span<const int64_t> shape);

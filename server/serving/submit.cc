@@ -102,6 +102,7 @@ void RequestPath::Submit(const Call& call,
       .inputs = prepared->request.inputs,
       .output = prepared->outputs.output,
       .attention = prepared->outputs.attention,
+      .lse = prepared->outputs.lse,
       .deadline = std::min(call.deadline, prepared->deadline),
       .cancelled = call.cancelled,
       .done =

@@ -34,6 +34,7 @@ struct WorkItem {
   core::AttentionInputs inputs;  // (B, Q, d_q) queries etc., checked (server/serving/request.h)
   float* output = nullptr;       // (B, Q, p_o), written by the forward call
   float* attention = nullptr;    // (B, h, Q, K) weights, or nullptr when not asked for
+  float* lse = nullptr;          // (B, h, Q) log-sum-exp, or nullptr; such an item runs alone
   absl::Time deadline = absl::InfiniteFuture();
   std::function<bool()> cancelled;  // optional; polled at batch formation
   // Called exactly once if Submit is OK, on a worker thread; `timing` is set when

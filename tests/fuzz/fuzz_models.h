@@ -21,13 +21,15 @@ namespace mha::fuzzing {
 
 using mha::server::ModelRepository;
 
-// Eight models: "default" self-attends with d = 4; "cross" has d_q, d_k, d_v all
+// Nine models: "default" self-attends with d = 4; "cross" has d_q, d_k, d_v all
 // different and biases; "tight" has small explicit limits; "short" (self, biases)
 // caps a session at 12 tokens (limits.max_session_tokens); "half" computes in bf16;
 // "additive" scores additively (sessions refuse it); "rotary" has grouped-query
 // heads (4 sharing 2) and interleaved rotary positions on half of each head (Q > K and
 // CROSS sessions refused); "mqa" one key/value head, rotate-half rotary positions,
-// biases and a bf16 session cache.
+// biases and a bf16 session cache; "worker" is attention-only (projections NONE: q,
+// k, v of 4 already projected; CROSS causal sessions; the only one return_lse is
+// allowed on).
 inline const ModelRepository& Repository() {
   static const ModelRepository* repository = [] {
     std::string dir = (std::filesystem::temp_directory_path() / "mha_request_fuzzer.XXXXXX");
@@ -52,6 +54,7 @@ inline const ModelRepository& Repository() {
         {"mqa",
          "num_hiddens: 4 num_heads: 2 num_kv_heads: 1 bias: true rope { theta: 500000 } "
          "kv_cache_precision: \"bf16\" seeded { seed: 8 }"},
+        {"worker", "num_hiddens: 4 num_heads: 2 projections: NONE"},
     };
     for (const auto& [name, config] : models) {
       std::filesystem::create_directories(std::filesystem::path(dir) / name);
@@ -87,6 +90,7 @@ inline bool CheckValidated(const mha::server::ValidatedRequest& v, int64_t wire_
                  in.num_keys <= limits.max_sequence_length);
   MHA_FUZZ_CHECK(wire_bytes <= limits.max_request_bytes);
   if (v.return_attention) MHA_FUZZ_CHECK(v.attention_elements() <= limits.max_attention_elements);
+  MHA_FUZZ_CHECK(!v.return_lse || c.attention_only());
   const int64_t widest = std::max({c.num_hiddens, c.query_size, c.key_size, c.value_size});
   const int64_t work = std::max(in.batch * c.num_heads * in.num_queries * in.num_keys,
                                 in.batch * (in.num_queries + in.num_keys) * widest);

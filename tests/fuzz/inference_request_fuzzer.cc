@@ -35,9 +35,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   inference::ModelInferResponse response;
   const mha::server::OutputViews views =
       mha::server::PrepareInferResponse(request, v, decoded, &response);
-  const absl::Status status = v.model->attention->Forward(v.inputs, views.output, views.attention);
+  const absl::Status status =
+      v.model->attention->Forward(v.inputs, views.output, views.attention, 0, views.lse);
   MHA_FUZZ_CHECK(status.ok(), "%s\n", status.ToString().c_str());
-  MHA_FUZZ_CHECK(response.outputs_size() == (v.return_attention ? 2 : 1));
+  MHA_FUZZ_CHECK(response.outputs_size() == 1 + v.return_attention + v.return_lse);
   MHA_FUZZ_CHECK(response.raw_output_contents_size() == response.outputs_size());
   for (int i = 0; i < response.outputs_size(); ++i) {
     int64_t elements = 1;

@@ -43,6 +43,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   MHA_FUZZ_CHECK(status.ok(), "%s\n", status.ToString().c_str());
   MHA_FUZZ_CHECK(values(response.output()) == v.output_elements());
   MHA_FUZZ_CHECK(values(response.attention()) == (v.return_attention ? v.attention_elements() : 0));
+  MHA_FUZZ_CHECK(values(response.lse()) == (v.return_lse ? v.lse_elements() : 0));
   MHA_FUZZ_CHECK(raw == !response.output().raw().empty());
   return 0;
 }

@@ -398,8 +398,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const std::vector<uint32_t> snapshot = Snapshot(*cache);
 
     SessionResponse response;
-    mha::core::PagedStep paged = mha::server::ToPagedStep(
-        step, settings, cache.get(), mha::server::PrepareSessionResponse(step, *model, &response));
+    float* output_view = mha::server::PrepareSessionResponse(step, *model, &response);
+    float* lse_view =
+        settings.return_lse ? mha::server::PrepareSessionLse(step, *model, &response) : nullptr;
+    MHA_FUZZ_CHECK(!settings.return_lse || c.attention_only());
+    mha::core::PagedStep paged =
+        mha::server::ToPagedStep(step, settings, cache.get(), output_view, lse_view);
+    if (lse_view != nullptr) {
+      const attention::v1::Tensor& lse = response.lse();
+      MHA_FUZZ_CHECK(lse.shape_size() == 3 && lse.shape(1) == c.num_heads &&
+                     lse.shape(2) == step.num_queries);
+    }
     const attention::v1::Tensor& out = response.output();
     MHA_FUZZ_CHECK(out.shape_size() == 3 && out.shape(0) == 1 && out.shape(1) == step.num_queries &&
                    out.shape(2) == c.num_hiddens);

@@ -620,6 +620,75 @@ TEST_F(ClientTest, DecodeSessionsAddUpToTheCoreWithAndWithoutTheCache) {
   }
 }
 
+// An attention-only model (issue 35): decode sends random pre-projected q, k, v as
+// client/load/decode.h documents them; the steps' outputs add up to the core's causal
+// forward over the same tensors, and the cache bytes a step reads are printed.
+TEST(ClientWorkerTest, DecodeOnAnAttentionOnlyModelReportsCacheBytes) {
+  constexpr int64_t kSessions = 2, kPrefill = 9, kSteps = 6;
+  core::ModelConfig c{
+      .num_hiddens = 64, .num_heads = 8, .query_size = 64, .key_size = 16, .value_size = 16};
+  c.num_kv_heads = 2;
+  c.projections = core::Projections::kNone;
+  TempDir repository;
+  repository.Write("w/config.pbtxt",
+                   "num_hiddens: 64 num_heads: 8 num_kv_heads: 2 projections: NONE");
+  auto server = ServerProcess::Start(
+      {"--port=0", "--default_warmup=false", "--model_repository=" + repository.path()});
+  ASSERT_TRUE(server.ok()) << server.status();
+  // The core's answer on the documented tokens.
+  auto mha = core::MultiHeadAttention::Create(c, core::Weights{}).value();
+  double sum = 0, sum_abs = 0;
+  const int64_t n = kPrefill + kSteps;
+  for (int64_t s = 0; s < kSessions; ++s) {
+    Tensor q, k, v;
+    SplitMix64 qs(static_cast<uint64_t>(s));
+    SplitMix64 ks(static_cast<uint64_t>(s) ^ (uint64_t{1} << 56));
+    SplitMix64 vs(static_cast<uint64_t>(s) ^ (uint64_t{2} << 56));
+    client::FillSigned(qs, {1, n, 64}, &q);
+    client::FillSigned(ks, {1, n, 16}, &k);
+    client::FillSigned(vs, {1, n, 16}, &v);
+    std::vector<float> out(n * 64);
+    const core::AttentionInputs in{.batch = 1,
+                                   .num_queries = n,
+                                   .num_keys = n,
+                                   .queries = q.data().data(),
+                                   .keys = k.data().data(),
+                                   .values = v.data().data(),
+                                   .causal = true};
+    ASSERT_TRUE(mha->Forward(in, out.data()).ok());
+    for (size_t i = kPrefill * 64; i < out.size(); ++i) {
+      sum += out[i];
+      sum_abs += std::abs(out[i]);
+    }
+  }
+  // Contexts kPrefill + 1 .. n, each token's key and value 2 x 16 floats.
+  const double bytes_per_step = (kPrefill + 1 + n) / 2.0 * 2 * 16 * 4;
+  for (const bool stateless : {false, true}) {
+    SCOPED_TRACE(stateless ? "--stateless" : "sessions");
+    TempDir out;
+    std::vector<std::string> args = {"decode",
+                                     "--target=" + (*server)->target(),
+                                     absl::StrCat("--sessions=", kSessions),
+                                     absl::StrCat("--prefill=", kPrefill),
+                                     absl::StrCat("--decode_tokens=", kSteps),
+                                     "--json=" + out.path() + "/d.json"};
+    if (stateless) args.push_back("--stateless");
+    const ClientRun run = RunClient(args);
+    ASSERT_EQ(run.exit_code, 0) << Describe(run);
+    EXPECT_TRUE(absl::StrContains(
+        run.out, absl::StrFormat("cache read: %.0f bytes per decode step on average (f32 cache)",
+                                 bytes_per_step)))
+        << run.out;
+    EXPECT_TRUE(absl::StrContains(run.out, " GB/s over the decode phase")) << run.out;
+    const json report = json::parse(ReadFile(out.path() + "/d.json"));
+    EXPECT_DOUBLE_EQ(report["cache_bytes_per_step"].get<double>(), bytes_per_step);
+    EXPECT_GT(report["cache_gb_per_s"].get<double>(), 0);
+    EXPECT_NEAR(report["output_sum"].get<double>(), sum, 1e-5 * sum_abs) << "expected " << sum;
+  }
+  (*server)->Signal(SIGTERM);
+  EXPECT_TRUE((*server)->WaitForExit(absl::Seconds(30)).has_value());
+}
+
 // --check runs the stateless equivalent on the same tokens: both sums are the
 // core's, they match within the stated tolerance, and the speed-up is printed.
 TEST_F(ClientTest, DecodeCheckComparesSessionsWithTheStatelessRun) {

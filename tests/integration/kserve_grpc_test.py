@@ -11,6 +11,7 @@ temporary directory.
 """
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -19,6 +20,7 @@ import tempfile
 import time
 import types
 import unittest
+import urllib.error
 import urllib.request
 
 import grpc
@@ -672,6 +674,115 @@ class StatisticsTest(ServerTestCase):
         self.assertEqual(len(response.model_stats), 1)
         self.assertEqual(response.model_stats[0].name, "default")
         return response.model_stats[0]
+
+
+class AttentionOnlyTest(ServerTestCase):
+    """The attention-only worker (issue 35): the `lse` output over gRPC and HTTP (HTTP
+    always binary) equals attention.v1's AttendResponse.lse; FULL models refuse it."""
+
+    H, G, DH = 8, 2, 16
+
+    @classmethod
+    def setUpClass(cls):
+        cls.repository = tempfile.mkdtemp(prefix="worker_models_")
+        os.makedirs(os.path.join(cls.repository, "worker"))
+        with open(os.path.join(cls.repository, "worker", "config.pbtxt"), "w") as f:
+            f.write(f"num_hiddens: {cls.H * cls.DH} num_heads: {cls.H} "
+                    f"num_kv_heads: {cls.G} projections: NONE")
+        os.makedirs(os.path.join(cls.repository, "full"))
+        with open(os.path.join(cls.repository, "full", "config.pbtxt"), "w") as f:
+            f.write("num_hiddens: 100 num_heads: 5 seeded { seed: 0 }")
+        cls.server_args = [f"--model_repository={cls.repository}", "--http_port=0",
+                           "--default_warmup=false"]
+        super().setUpClass()
+
+    @classmethod
+    def tearDownClass(cls):
+        try:
+            super().tearDownClass()
+        finally:
+            shutil.rmtree(cls.repository, ignore_errors=True)
+
+    def inputs(self):
+        e, ekv = self.H * self.DH, self.G * self.DH
+        q, k, v = uniform(31, 1, 3, e), uniform(32, 1, 9, ekv), uniform(33, 1, 9, ekv)
+        lens = np.array([[4, 0, 9]], np.int32)  # query 1 sees no key: lse -inf
+        return q, k, v, lens
+
+    def want(self):
+        q, k, v, lens = self.inputs()
+        request = API.a.AttendRequest(model="worker", return_lse=True)
+        for field, array in (("queries", q), ("keys", k), ("values", v)):
+            getattr(request, field).shape.extend(array.shape)
+            getattr(request, field).data.extend(array.ravel().tolist())
+        request.valid_lens.extend(lens.ravel().tolist())
+        response = self.att.Attend(request, timeout=TIMEOUT)
+        return from_tensor(response.output), from_tensor(response.lse)
+
+    def test_grpc_lse_output_equals_attend(self):
+        q, k, v, lens = self.inputs()
+        want_out, want_lse = self.want()
+        self.assertEqual(want_lse.shape, (1, self.H, 3))
+        self.assertTrue(np.all(want_lse[0, :, 1] == -np.inf))
+        response = self.infer([("queries", "FP32", q), ("keys", "FP32", k), ("values", "FP32", v),
+                               ("valid_lens", "INT32", lens)], model="worker",
+                              outputs=("lse", "output"))
+        self.assertEqual([t.name for t in response.outputs], ["lse", "output"])
+        got = infer_outputs(self, response)
+        np.testing.assert_array_equal(got["lse"], want_lse)
+        self.assertLessEqual(max_abs_diff(got["output"], want_out), TOLERANCE)
+
+    def test_http_lse_output_is_always_binary(self):
+        q, k, v, lens = self.inputs()
+        want_out, want_lse = self.want()
+        body = json.dumps({
+            "inputs": [
+                {"name": "queries", "datatype": "FP32", "shape": list(q.shape),
+                 "data": q.ravel().tolist()},
+                {"name": "keys", "datatype": "FP32", "shape": list(k.shape),
+                 "data": k.ravel().tolist()},
+                {"name": "values", "datatype": "FP32", "shape": list(v.shape),
+                 "data": v.ravel().tolist()},
+                {"name": "valid_lens", "datatype": "INT32", "shape": list(lens.shape),
+                 "data": lens.ravel().tolist()}],
+            "outputs": [{"name": "output"}, {"name": "lse"}]}).encode()
+        url = f"http://127.0.0.1:{self.proc.http_port}/v2/models/worker/infer"
+        request = urllib.request.Request(url, data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
+            header_length = int(response.headers["Inference-Header-Content-Length"])
+            data = response.read()
+        header = json.loads(data[:header_length])
+        outputs = {o["name"]: o for o in header["outputs"]}
+        self.assertIn("data", outputs["output"])  # JSON, as the request asked nothing else
+        self.assertEqual(outputs["lse"]["parameters"]["binary_data_size"], 4 * self.H * 3)
+        lse = np.frombuffer(data[header_length:], "<f4").reshape(outputs["lse"]["shape"])
+        np.testing.assert_array_equal(lse, want_lse)
+        out = np.array(outputs["output"]["data"], np.float32).reshape(want_out.shape)
+        self.assertLessEqual(max_abs_diff(out, want_out), TOLERANCE)
+        # Asking for lse as JSON is refused naming the parameter.
+        refused = json.loads(body)
+        refused["outputs"][1]["parameters"] = {"binary_data": False}
+        request = urllib.request.Request(url, data=json.dumps(refused).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with self.assertRaises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=TIMEOUT)
+        self.assertEqual(caught.exception.code, 400)
+        self.assertIn("binary_data", json.loads(caught.exception.read())["error"])
+
+    def test_lse_on_a_full_model_is_refused_naming_it(self):
+        response_error = self.assertRpcError(
+            grpc.StatusCode.INVALID_ARGUMENT, self.inf.ModelInfer,
+            infer_request([("queries", "FP32", uniform(1, 1, 2, D))], model="full",
+                          outputs=("lse",)),
+            names="return_lse")
+        self.assertIn('"lse"', response_error.details())
+
+    def test_model_config_lists_lse_for_the_worker_only(self):
+        for model, listed in (("worker", True), ("full", False)):
+            metadata = self.inf.ModelMetadata(API.inf.ModelMetadataRequest(name=model),
+                                              timeout=TIMEOUT)
+            self.assertEqual("lse" in [t.name for t in metadata.outputs], listed, model)
 
 
 def main():

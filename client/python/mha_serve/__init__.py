@@ -25,10 +25,11 @@ from .toy import uniform_inputs
 
 __version__ = "0.1.0"
 __all__ = ["Client", "Error", "ModelInfo", "ModelLimits", "RemoteMultiheadAttention",
-           "Session", "export", "uniform_inputs"]
+           "Session", "export", "merge_attention", "uniform_inputs"]
 
 _LAZY = {"Client": "client", "Error": "client", "ModelInfo": "client",
-         "ModelLimits": "client", "RemoteMultiheadAttention": "nn", "Session": "client"}
+         "ModelLimits": "client", "RemoteMultiheadAttention": "nn", "Session": "client",
+         "merge_attention": "merge"}
 
 
 def __getattr__(name):

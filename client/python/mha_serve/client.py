@@ -26,6 +26,10 @@ copied once), build_request(...) -> the same as an attention_pb2.AttendRequest,
 Client.call(request or bytes) -> AttendResponse (with .timing),
 decode_response(response, return_attention) -> attend()'s result, and
 decode_response_bytes(serialized response, return_attention), what attend() uses.
+
+Attention-only models (projections NONE, the disaggregated-decoding worker) take
+q, k, v already projected and return, with return_lse=True, each head's log-sum-exp;
+merge_attention(out1, lse1, out2, lse2) merges partial attentions over disjoint keys.
 """
 
 import dataclasses
@@ -37,6 +41,7 @@ import numpy as np
 
 from ._proto import attention_pb2 as pb2
 from ._proto import attention_pb2_grpc as pb2_grpc
+from .merge import merge_attention  # noqa: F401 (re-exported)
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEFAULT_TIMEOUT = 60.0
@@ -136,9 +141,10 @@ def decode_tensor(tensor, name="tensor"):
 
 
 def _request_without_tensors(valid_lens, causal, head_mask, return_attention, model,
-                             request_id, model_version=""):
+                             request_id, model_version="", return_lse=False):
     request = pb2.AttendRequest(model=model, causal=causal, return_attention=return_attention,
-                                request_id=request_id, model_version=model_version)
+                                request_id=request_id, model_version=model_version,
+                                return_lse=return_lse)
     if valid_lens is not None:
         lens = np.asarray(valid_lens)
         if lens.size and lens.dtype.kind not in "iu":
@@ -151,12 +157,12 @@ def _request_without_tensors(valid_lens, causal, head_mask, return_attention, mo
 
 def build_request(queries, keys=None, values=None, valid_lens=None, causal=False,
                   head_mask=None, return_attention=False, model="", request_id="",
-                  raw=True, model_version=""):
+                  raw=True, model_version="", return_lse=False):
     """The AttendRequest of attend() as a message (keys and values None =
     self-attention). attend() sends encode_request()'s bytes instead: the same
     message, serialized with one copy of the tensors."""
     request = _request_without_tensors(valid_lens, causal, head_mask, return_attention, model,
-                                       request_id, model_version)
+                                       request_id, model_version, return_lse)
     for name, value in (("queries", queries), ("keys", keys), ("values", values)):
         if value is not None:
             encode_tensor(value, name, raw, getattr(request, name))
@@ -183,13 +189,14 @@ _TENSOR_FIELDS = (("queries", 2), ("keys", 3), ("values", 4))
 
 def encode_request(queries, keys=None, values=None, valid_lens=None, causal=False,
                    head_mask=None, return_attention=False, model="", request_id="",
-                   model_version=""):
+                   model_version="", return_lse=False):
     """build_request()'s message, serialized. The small fields go through protobuf;
     each tensor is appended in its wire form, Tensor { shape, raw }, its bytes copied
     once, straight from the array into the message (protobuf would copy them into the
     message and again when serializing). Field order does not matter on the wire."""
     parts = [_request_without_tensors(valid_lens, causal, head_mask, return_attention, model,
-                                      request_id, model_version).SerializeToString()]
+                                      request_id, model_version,
+                                      return_lse).SerializeToString()]
     for (name, number), value in zip(_TENSOR_FIELDS, (queries, keys, values)):
         if value is None:
             continue
@@ -201,12 +208,20 @@ def encode_request(queries, keys=None, values=None, valid_lens=None, causal=Fals
     return b"".join(parts)
 
 
-def decode_response(response, return_attention=False):
-    """output, or (output, attention) when return_attention."""
-    output = decode_tensor(response.output, "output")
-    if not return_attention:
+def _result(output, attention, lse, return_attention, return_lse):
+    """attend()'s result: output, with attention and/or lse after it when asked for."""
+    if not return_attention and not return_lse:
         return output
-    return output, decode_tensor(response.attention, "attention")
+    return (output,) + ((attention,) if return_attention else ()) + ((lse,) if return_lse else ())
+
+
+def decode_response(response, return_attention=False, return_lse=False):
+    """output; (output, attention) when return_attention; (output, lse) when return_lse;
+    (output, attention, lse) with both."""
+    output = decode_tensor(response.output, "output")
+    attention = decode_tensor(response.attention, "attention") if return_attention else None
+    lse = decode_tensor(response.lse, "lse") if return_lse else None
+    return _result(output, attention, lse, return_attention, return_lse)
 
 
 def _read_varint(data, pos):
@@ -262,20 +277,22 @@ def _raw_tensor(data, begin, end):
     return np.frombuffer(data, "<f4", count, raw[0]).reshape(shape).astype(np.float32)
 
 
-def decode_response_bytes(data, return_attention=False):
+def decode_response_bytes(data, return_attention=False, return_lse=False):
     """decode_response() of a serialized AttendResponse. Tensors in `raw` are read
     straight from `data`, one copy each (protobuf would copy them into the message, out
     of it, then into the array); anything else goes through protobuf."""
     try:
+        # AttendResponse: output = 1, attention = 2, lse = 5.
         tensors = {number: _raw_tensor(data, *value)
                    for number, wire, value in _fields(data, 0, len(data))
-                   if number in (1, 2) and wire == 2}
-        output, attention = tensors.get(1), tensors.get(2)
-        if output is not None and (attention is not None or not return_attention):
-            return (output, attention) if return_attention else output
+                   if number in (1, 2, 5) and wire == 2}
+        output, attention, lse = tensors.get(1), tensors.get(2), tensors.get(5)
+        if (output is not None and (attention is not None or not return_attention)
+                and (lse is not None or not return_lse)):
+            return _result(output, attention, lse, return_attention, return_lse)
     except (ValueError, IndexError):
         pass
-    return decode_response(pb2.AttendResponse.FromString(data), return_attention)
+    return decode_response(pb2.AttendResponse.FromString(data), return_attention, return_lse)
 
 
 def channel_credentials(tls):
@@ -401,7 +418,7 @@ class Client:
 
     def attend(self, queries, keys=None, values=None, valid_lens=None, causal=False,
                head_mask=None, return_attention=False, model="", timeout=None,
-               model_version=""):
+               model_version="", return_lse=False):
         """One Attend call.
 
         queries (B, Q, d_q); keys (B, K, d_k) and values (B, K, d_v), or neither for
@@ -409,10 +426,15 @@ class Client:
         keys j <= i; head_mask: None or h factors; model_version: "" = the newest the
         server serves, or a version number as a string. Returns the output (B, Q, p_o),
         or (output, attention (B, h, Q, K)) when return_attention, as float32 arrays.
+        return_lse (attention-only models, projections NONE): each head's log-sum-exp
+        (B, h, Q) comes last, (output, lse) or (output, attention, lse); merge partial
+        results over disjoint keys with merge_attention().
         """
         request = encode_request(queries, keys, values, valid_lens, causal, head_mask,
-                                 return_attention, model, model_version=model_version)
-        return decode_response_bytes(self.call_bytes(request, timeout), return_attention)
+                                 return_attention, model, model_version=model_version,
+                                 return_lse=return_lse)
+        return decode_response_bytes(self.call_bytes(request, timeout), return_attention,
+                                     return_lse)
 
     def stream(self, requests, timeout=None):
         """AttendStream: `requests` is an iterable of dicts of attend()'s keyword
@@ -420,6 +442,7 @@ class Client:
         order. The first failing request ends the stream with an Error (the results
         before it are yielded first)."""
         wants_attention = []
+        wants_lse = []
         failure = []
 
         def messages():
@@ -427,6 +450,7 @@ class Client:
                 for index, kwargs in enumerate(requests):
                     kwargs = dict(kwargs)
                     wants_attention.append(bool(kwargs.get("return_attention", False)))
+                    wants_lse.append(bool(kwargs.get("return_lse", False)))
                     yield encode_request(**kwargs, request_id=str(index))
             except Exception as error:  # noqa: BLE001 (re-raised below, in the caller)
                 failure.append(error)
@@ -435,7 +459,7 @@ class Client:
                                    timeout=self.timeout if timeout is None else timeout)
         try:
             for index, response in enumerate(call):
-                yield decode_response_bytes(response, wants_attention[index])
+                yield decode_response_bytes(response, wants_attention[index], wants_lse[index])
         except grpc.RpcError as error:
             raise self._error(error, "AttendStream") from None
         finally:
@@ -443,15 +467,17 @@ class Client:
         if failure:
             raise failure[0]
 
-    def session(self, model="", kind="self", causal=False, model_version="", timeout=None):
+    def session(self, model="", kind="self", causal=False, model_version="", timeout=None,
+                return_lse=False):
         """Opens an AttendSession stream: a Session whose keys and values the server
         keeps between steps (docs/service.md "Sessions"). kind: "self" (each step's
         queries are also its keys and values) or "cross" (steps append keys and values
         of their own); causal: query n + i sees keys <= n + i. timeout: a deadline for
         the whole session in seconds; None (the default) sets none, as a session lasts
         as long as its steps keep coming (the server ends one idle for longer than its
-        --session_idle_timeout)."""
-        return Session(self, model, kind, causal, model_version, timeout)
+        --session_idle_timeout). return_lse (attention-only models, whose sessions are
+        kind "cross" with causal True): every step returns (output, lse)."""
+        return Session(self, model, kind, causal, model_version, timeout, return_lse)
 
 
 _END = object()  # ends a Session's request iterator: the client half-closes
@@ -476,14 +502,15 @@ class Session:
     answer could no longer be told from the next step's.
     """
 
-    def __init__(self, client, model, kind, causal, model_version, timeout):
+    def __init__(self, client, model, kind, causal, model_version, timeout, return_lse=False):
         kinds = {"self": pb2.SELF, "cross": pb2.CROSS}
         if kind not in kinds:
             raise ValueError(f"kind: expected 'self' or 'cross', got {kind!r}")
         self._client = client
         # Sent with the first step only: the server reads the settings from it.
         self._settings = pb2.SessionRequest(model=model, kind=kinds[kind], causal=causal,
-                                            model_version=model_version)
+                                            model_version=model_version, return_lse=return_lse)
+        self._return_lse = return_lse
         self._requests = queue.Queue()
         self._responses = client._attend_session(iter(self._requests.get, _END),
                                                  timeout=timeout)
@@ -496,7 +523,8 @@ class Session:
         """One step: queries (T, d_q) or (1, T, d_q), and in a cross session keys and
         values (T_k, d) or (1, T_k, d) to append first. Returns the output in the rank
         of the queries (of the keys for an append-only step): (T, p_o) or (1, T, p_o),
-        (0, p_o) or (1, 0, p_o) when there are no queries."""
+        (0, p_o) or (1, 0, p_o) when there are no queries. A session opened with
+        return_lse returns (output, lse), lse (h, T) or (1, h, T) likewise."""
         if self._closed:
             raise ValueError("the session is closed")
         arrays = {name: _float32(value, name)
@@ -527,7 +555,11 @@ class Session:
         self.context_tokens = response.context_tokens
         self.timing = response.timing
         output = decode_tensor(response.output, "output")
-        return output[0] if unbatched and output.ndim == 3 else output
+        output = output[0] if unbatched and output.ndim == 3 else output
+        if not self._return_lse:
+            return output
+        lse = decode_tensor(response.lse, "lse")  # (1, h, T)
+        return output, (lse[0] if unbatched and lse.ndim == 3 else lse)
 
     def close(self):
         """Half-closes the stream and waits for the server to end it; the server then

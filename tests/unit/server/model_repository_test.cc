@@ -157,7 +157,14 @@ TEST(ModelRepositoryTest, GroupedRotaryFieldsReachTheCoreConfig) {
       {"num_hiddens: 64 num_heads: 8 kv_cache_precision: \"int8\"", "kv_cache_precision"},
       {"num_hiddens: 64 num_heads: 8 precision: \"bf16\" kv_cache_precision: \"f32\"",
        "kv_cache_precision"},
-      {"num_hiddens: 64 num_heads: 8 projections: NONE", "projections"},
+      {"num_hiddens: 64 num_heads: 8 projections: NONE rope {}", "projections"},
+      {"num_hiddens: 64 num_heads: 8 projections: NONE seeded { seed: 1 }", "projections"},
+      {"num_hiddens: 64 num_heads: 8 projections: NONE file: \"w.safetensors\"", "projections"},
+      {"num_hiddens: 64 num_heads: 8 projections: NONE bias: true", "projections"},
+      {"num_hiddens: 64 num_heads: 8 projections: NONE query_size: 8", "query_size"},
+      {"num_hiddens: 64 num_heads: 8 num_kv_heads: 2 projections: NONE key_size: 64", "key_size"},
+      {"num_hiddens: 64 num_heads: 8 num_kv_heads: 2 projections: NONE value_size: 64",
+       "value_size"},
   };
   for (const auto& b : bad) {
     const absl::Status s =
@@ -231,7 +238,7 @@ TEST(ModelRepositoryTest, LlamaAttentionLoads) {
   auto models =
       ModelRepository::Create({.path = std::string(MHA_SOURCE_DIR) + "/deploy/models_llm"});
   ASSERT_TRUE(models.ok()) << models.status();
-  ASSERT_EQ((*models)->models().size(), 1u);
+  ASSERT_EQ((*models)->models().size(), 3u);
   const std::shared_ptr<const Model> model = (*models)->Find("llama_attention").value();
   const core::ModelConfig& c = model->config;
   EXPECT_EQ(c.num_hiddens, 4096);
@@ -253,6 +260,23 @@ TEST(ModelRepositoryTest, LlamaAttentionLoads) {
     EXPECT_LE(w.num_queries, 32);
     EXPECT_EQ(w.num_keys, 0);
   }
+}
+
+// projections NONE (issue 35): sizes follow the heads (0 means that size).
+TEST(ModelRepositoryTest, AttentionOnlyModelsResolveTheirSizesFromTheHeads) {
+  const core::ModelConfig c =
+      ResolveModelConfig(
+          ParseModelConfig("num_hiddens: 64 num_heads: 8 num_kv_heads: 2 projections: NONE "
+                           "query_size: 64 key_size: 16",
+                           "t")
+              .value(),
+          "m", {})
+          .value()
+          .config;
+  EXPECT_TRUE(c.attention_only());
+  EXPECT_EQ(c.query_size, 64);
+  EXPECT_EQ(c.key_size, 16);
+  EXPECT_EQ(c.value_size, 16);
 }
 
 // A config without `warmup` gets the default passes, inside its limits: B 1 x Q 128

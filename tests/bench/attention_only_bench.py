@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""The attention-only worker's benchmark (issue 35; docs/performance.md): decode
+sessions on deploy/models_llm/llama_attention_only (h 32, G 8, d_h 128) and its G 32
+twin, with attention_client decode against a real server on loopback, beside a
+2-thread read loop over 1 GiB (tests/bench/memory_read.cc) measured in the same run.
+
+Figures, one run (lscpu quoted first):
+  bandwidth   16 sessions at context 4,096 (prefill 4,032, 64 one-token steps), f32
+              cache: the cache bytes the decode steps read over the decode phase's
+              time (GB/s), against the read loop's GB/s; bound >= 0.85 x
+  grouping    the same with G 8 and G 32: p50 step time G 8 / G 32; bound <= 0.35
+  bf16        both again with kv_cache_precision "bf16"
+  tokens/s    1, 16 and 64 sessions (G 8, f32 cache, context 4,096), the session cache
+              budget printed with them; a count the budget cannot hold is skipped
+
+  tests/bench/attention_only_bench.py [--build=build/release] [--cache_gib=8]
+Exit status 0 whatever the figures (a benchmark, not a test); 1 if a run failed; 77
+(skipped) unless MHA_SLOW_TESTS=1 (ctest label slow, out of CI).
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
+from server_harness import start_server, stop_server  # noqa: E402
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+MODELS = os.path.join(ROOT, "deploy", "models_llm")
+CONTEXT, STEPS = 4096, 64
+
+
+def repository(out, cache):
+    """A model repository with the two workers, their cache f32 or bf16."""
+    path = os.path.join(out, f"models_{cache}")
+    for name in ("llama_attention_only", "llama_attention_only_g32"):
+        os.makedirs(os.path.join(path, name), exist_ok=True)
+        with open(os.path.join(MODELS, name, "config.pbtxt")) as f:
+            text = f.read()
+        if cache == "bf16":
+            text += '\nkv_cache_precision: "bf16"\n'
+        with open(os.path.join(path, name, "config.pbtxt"), "w") as f:
+            f.write(text)
+    return path
+
+
+def decode(client, target, out, name, model, sessions):
+    """attention_client decode: `sessions` sessions to context 4,096; its JSON report."""
+    path = os.path.join(out, name + ".json")
+    subprocess.run([client, "decode", f"--target={target}", f"--model={model}",
+                    f"--sessions={sessions}", f"--prefill={CONTEXT - STEPS}",
+                    f"--decode_tokens={STEPS}", "--timeout=300s", f"--json={path}"],
+                   check=True, stdout=subprocess.DEVNULL)
+    with open(path) as f:
+        return json.load(f)
+
+
+def step_p50_ms(report):
+    return report["decode"]["steps"]["latency_us"]["p50"] / 1000
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--build", default=os.path.join(ROOT, "build", "release"))
+    parser.add_argument("--cache_gib", type=float, default=8.0,
+                        help="the server's --session_cache_bytes, GiB")
+    args = parser.parse_args()
+    if os.environ.get("MHA_SLOW_TESTS") != "1":
+        print("attention_only_bench: skipped (MHA_SLOW_TESTS=1 runs it)")
+        return 77
+    server_bin = os.path.join(args.build, "server", "attention_server")
+    client = os.path.join(args.build, "client", "attention_client")
+    reader = os.path.join(args.build, "tests", "bench", "memory_read")
+    out = tempfile.mkdtemp(prefix="mha_attention_only_bench.")
+    print(subprocess.run(["lscpu"], capture_output=True, text=True).stdout)
+    read = subprocess.run([reader, "--bytes=1073741824", "--threads=2"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    read_gbs = float(re.search(r"read GB/s: ([0-9.]+)", read).group(1))
+    print(f"read loop: {read}")
+    budget = int(args.cache_gib * (1 << 30))
+    results = {}
+    try:
+        for cache in ("f32", "bf16"):
+            proc, target = start_server(server_bin, [
+                f"--model_repository={repository(out, cache)}",
+                f"--session_cache_bytes={budget}"])
+            try:
+                for model in ("llama_attention_only", "llama_attention_only_g32"):
+                    report = decode(client, target, out, f"{model}_{cache}_16", model, 16)
+                    results[(cache, model)] = report
+                    print(f"{model} ({cache} cache), 16 sessions at context {CONTEXT}: "
+                          f"step p50 {step_p50_ms(report):.3f} ms, "
+                          f"{report['cache_bytes_per_step']:.0f} cache bytes per step, "
+                          f"{report['cache_gb_per_s']:.2f} GB/s, "
+                          f"{report['decode']['tokens_per_s']:.0f} tokens/s", flush=True)
+                if cache == "f32":
+                    for sessions in (1, 16, 64):
+                        per_session = CONTEXT * 2 * 8 * 128 * 4
+                        if sessions * per_session > budget:
+                            print(f"tokens/s, {sessions} sessions: skipped, "
+                                  f"{sessions * per_session} cache bytes > budget {budget}")
+                            continue
+                        report = (results[(cache, "llama_attention_only")] if sessions == 16 else
+                                  decode(client, target, out, f"tokens_{sessions}",
+                                         "llama_attention_only", sessions))
+                        print(f"tokens/s, {sessions} session(s), G 8, f32 cache (budget "
+                              f"{budget} bytes): {report['decode']['tokens_per_s']:.0f}",
+                              flush=True)
+            finally:
+                stop_server(proc)
+        for cache in ("f32", "bf16"):
+            g8 = results[(cache, "llama_attention_only")]
+            g32 = results[(cache, "llama_attention_only_g32")]
+            share = g8["cache_gb_per_s"] / read_gbs
+            ratio = step_p50_ms(g8) / step_p50_ms(g32)
+            print(f"{cache} cache: cache GB/s / read loop = {g8['cache_gb_per_s']:.2f} / "
+                  f"{read_gbs:.2f} = {share:.2f} (>= 0.85: {'met' if share >= 0.85 else 'NOT met'})"
+                  f"; step G 8 / G 32 = {ratio:.2f} (<= 0.35: "
+                  f"{'met' if ratio <= 0.35 else 'NOT met'})")
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
