@@ -87,7 +87,10 @@ def main():
         for cache in ("f32", "bf16"):
             proc, target = start_server(server_bin, [
                 f"--model_repository={repository(out, cache)}",
-                f"--session_cache_bytes={budget}"])
+                f"--session_cache_bytes={budget}",
+                # A 4,032-token prefill of q, k and v (h + 2G heads of 128 f32) is
+                # 99 MB, over the default 64 MiB message limit.
+                "--max_request_bytes=268435456"])
             try:
                 for model in ("llama_attention_only", "llama_attention_only_g32"):
                     report = decode(client, target, out, f"{model}_{cache}_16", model, 16)
@@ -103,6 +106,16 @@ def main():
                         if sessions * per_session > budget:
                             print(f"tokens/s, {sessions} sessions: skipped, "
                                   f"{sessions * per_session} cache bytes > budget {budget}")
+                            continue
+                        # The client holds each session's prefill (q, k, v in, the
+                        # contexts out, and their messages): about 280 MB a session
+                        # at 4,032 tokens (64 sessions took 17.7 GB and were killed
+                        # on a 24 GiB machine).
+                        client_bytes = sessions * 280 * 10**6
+                        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                        if client_bytes > ram // 2:
+                            print(f"tokens/s, {sessions} sessions: skipped, the client would "
+                                  f"hold about {client_bytes / 1e9:.0f} GB of {ram / 1e9:.0f} GB")
                             continue
                         report = (results[(cache, "llama_attention_only")] if sessions == 16 else
                                   decode(client, target, out, f"tokens_{sessions}",

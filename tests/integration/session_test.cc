@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <cmath>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -133,6 +134,9 @@ TEST_F(SessionTest, GroupedRotarySessionsEqualStatelessAttend) {
   repository_.Write("gqa/config.pbtxt",
                     "num_hiddens: 64 num_heads: 8 num_kv_heads: 2 bias: true "
                     "rope { theta: 500000 } seeded { seed: 5 }");
+  repository_.Write("gqa_bf16_cache/config.pbtxt",
+                    "num_hiddens: 64 num_heads: 8 num_kv_heads: 2 bias: true "
+                    "rope { theta: 500000 } seeded { seed: 5 } kv_cache_precision: \"bf16\"");
   Start();
   const int64_t n = 64, d = 64;  // two whole blocks
   const std::vector<float> x = Random(n, d, 23);
@@ -151,6 +155,23 @@ TEST_F(SessionTest, GroupedRotarySessionsEqualStatelessAttend) {
     }
     EXPECT_LE(MaxAbsDiff(got, want), kTolerance) << chunks.size() << " chunks";
     EXPECT_EQ(Metric("mha_session_cache_bytes"), n * 2 * 2 * 8 * 4);  // 2 G d_h f32 per token
+    EXPECT_TRUE(session.Close().ok());
+  }
+  {
+    // The same layer with a bf16 cache: 2 G d_h 2 bytes per token, and the f32
+    // answer within a relative Frobenius error of 1e-2 (the bound).
+    Session session(*stub_, "gqa_bf16_cache", /*causal=*/true);
+    std::optional<SessionResponse> r = session.SelfStep(x, d, 0, n);
+    ASSERT_TRUE(r.has_value()) << session.status().error_message();
+    EXPECT_EQ(Metric("mha_session_cache_bytes"), n * 2 * 2 * 8 * 2);
+    double err = 0, norm = 0;
+    for (int64_t i = 0; i < n * d; ++i) {
+      const double e = r->output().data(static_cast<int>(i)) - want[i];
+      err += e * e;
+      norm += static_cast<double>(want[i]) * want[i];
+    }
+    EXPECT_GT(err, 0.0);  // the cache really is bf16
+    EXPECT_LE(std::sqrt(err / norm), 1e-2);
     EXPECT_TRUE(session.Close().ok());
   }
   grpc::ClientContext context;
