@@ -14,8 +14,8 @@ build_packages=(
   libdnnl-dev ocl-icd-opencl-dev libabsl-dev nlohmann-json3-dev
   # proto and server
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc prometheus-cpp-dev
-  # the KServe v2 HTTP front and the client's --protocol=http (with HTTPS)
-  libcpp-httplib-dev libssl-dev
+  # the KServe v2 HTTP front (libevent, with OpenSSL for HTTPS) and the client's --protocol=http (cpp-httplib)
+  libcpp-httplib-dev libssl-dev libevent-dev
   # client: Cairo draws the attention heat maps (PNG out) with DejaVu for the labels
   libcairo2-dev fonts-dejavu-core
 )
