@@ -121,7 +121,17 @@ ABSL_FLAG(std::string, restricted_api, "",
           "environment. Groups: inference, metadata, health, statistics, model-repository, "
           "shared-memory (docs/service.md).");
 ABSL_FLAG(int32_t, http_threads, kDefaults.http_threads,
-          "HTTP connections served at once (one thread each, keep-alive included).");
+          "HTTP event-loop threads; 0: one per available CPU. Each serves any number of "
+          "connections, idle or computing (values above the CPU count are accepted with a "
+          "warning).");
+ABSL_FLAG(absl::Duration, http_header_timeout, kDefaults.http_header_timeout,
+          "An HTTP request's head (request line and headers) must arrive within this of its "
+          "first byte, else 408 and the connection closes.");
+ABSL_FLAG(absl::Duration, http_idle_timeout, kDefaults.http_idle_timeout,
+          "An idle keep-alive HTTP connection closes after this; a request body that stalls "
+          "this long is answered 408.");
+ABSL_FLAG(int64_t, http_max_connections, kDefaults.http_max_connections,
+          "HTTP connections held at once; one more is answered 503 and closed.");
 ABSL_FLAG(std::string, metrics_host, kDefaults.metrics_host,
           "Address /metrics listens on; loopback by default, 0.0.0.0 for all.");
 ABSL_FLAG(std::string, model_repository, kDefaults.model_repository,
@@ -258,6 +268,9 @@ int main(int argc, char** argv) {
   }
   options.restricted_api = absl::GetFlag(FLAGS_restricted_api);
   options.http_threads = absl::GetFlag(FLAGS_http_threads);
+  options.http_header_timeout = absl::GetFlag(FLAGS_http_header_timeout);
+  options.http_idle_timeout = absl::GetFlag(FLAGS_http_idle_timeout);
+  options.http_max_connections = absl::GetFlag(FLAGS_http_max_connections);
   options.batching.enabled = absl::GetFlag(FLAGS_batching);
   options.batching.max_queue_size = absl::GetFlag(FLAGS_max_queue_size);
   options.batching.max_queue_delay = absl::Microseconds(absl::GetFlag(FLAGS_max_queue_delay_us));

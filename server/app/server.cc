@@ -128,7 +128,14 @@ absl::Status ServerOptions::Validate() const {
   MHA_RETURN_IF_ERROR(PortInRange("port", port, 0));
   MHA_RETURN_IF_ERROR(PortInRange("metrics_port", metrics_port, -1));
   MHA_RETURN_IF_ERROR(PortInRange("http_port", http_port, -1));
-  MHA_RETURN_IF_ERROR(AtLeast("http_threads", http_threads, 1));
+  MHA_RETURN_IF_ERROR(AtLeast("http_threads", http_threads, 0));
+  MHA_RETURN_IF_ERROR(AtLeast("http_max_connections", http_max_connections, 1));
+  if (http_header_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("http_header_timeout: expected > 0");
+  }
+  if (http_idle_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("http_idle_timeout: expected > 0");
+  }
   MHA_RETURN_IF_ERROR(AtLeast("compute_threads", compute_threads, 0));
   MHA_RETURN_IF_ERROR(AtLeast("compute_workers", compute_workers, 1));
   if (!(inline_max_flops >= 0)) {
@@ -238,10 +245,20 @@ absl::Status Server::StartGrpc(const std::shared_ptr<grpc::ServerCredentials>& c
 
 absl::Status Server::StartHttp(int64_t max_receive) {
   if (options_.http_port < 0) return absl::OkStatus();
+  if (options_.http_threads > AvailableCpus()) {
+    log::Warning(absl::StrCat("--http_threads=", options_.http_threads, ": more event loops than ",
+                              AvailableCpus(), " CPUs; one loop serves any number of connections"));
+  }
   MHA_ASSIGN_OR_RETURN(http_, HttpFront::Start({.host = options_.host,
                                                 .port = options_.http_port,
-                                                .threads = options_.http_threads,
+                                                .threads = options_.http_threads > 0
+                                                               ? options_.http_threads
+                                                               : AvailableCpus(),
                                                 .max_body_bytes = max_receive,
+                                                .header_timeout = options_.http_header_timeout,
+                                                .idle_timeout = options_.http_idle_timeout,
+                                                .max_connections = options_.http_max_connections,
+                                                .drain_timeout = options_.drain_timeout,
                                                 .tls_cert = options_.tls_cert,
                                                 .tls_key = options_.tls_key,
                                                 .tls_client_ca = options_.tls_client_ca},

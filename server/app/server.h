@@ -65,7 +65,10 @@ struct ServerOptions {
   int32_t metrics_port = -1;               // -1 = no metrics endpoint; 0 = pick a free port
   // KServe v2 HTTP/REST (server/kserve_http/http_front.h) on `host`, with the TLS below.
   int32_t http_port = -1;  // -1 = off; 0 = pick a free port
-  int http_threads = 64;   // connections served at once
+  int http_threads = 0;    // event-loop threads; 0 = one per available CPU
+  absl::Duration http_header_timeout = absl::Seconds(10);  // a request head's deadline
+  absl::Duration http_idle_timeout = absl::Seconds(60);    // keep-alive, and between body reads
+  int64_t http_max_connections = 10000;                    // beyond: 503 and close
   absl::Duration drain_timeout = absl::Seconds(10);
   // Attention sessions (server/attention_v1/session.h): the K/V cache's byte budget (0 = a
   // quarter of AvailableMemoryBytes, server/app/cpu.h) and the idle timeout.

@@ -11,20 +11,22 @@
 //   GET  /v2/models/stats                Triton ModelStatistics of every model
 //   GET  /v2/models/{m}[/versions/{v}]/stats    Triton ModelStatistics (numbers, as Triton)
 //   POST /v2/models/{m}[/versions/{v}]/infer    JSON or JSON + binary
-//   (server/kserve_http/http_codec.h) POST /v2/repository/index            [{"name", "version",
-//   "state", "reason"}] Triton's shared memory, CUDA shared memory, trace and logging routes: 501
+//   POST /v2/repository/index            [{"name", "version", "state", "reason"}]
+//   Triton's shared memory, CUDA shared memory, trace and logging routes: 501
+// (the routes: server/kserve_http/http_routes.h; the bodies: http_codec.h).
 // Errors: {"error": "..."} with the status of the canonical code (HttpStatusOf),
 // every one: an unknown route is 404, a known route with another method 405 with
-// Allow, a body over max_body_bytes 413 (before it is read) naming the limit.
-// A body is read as sent whatever its Content-Type (as Triton does): cpp-httplib
-// would parse a form-encoded one (curl -d's default) as a form, 413 past 8 KiB.
+// Allow; framing, limits and timeouts are the transport's (event_server.h: 400,
+// 408, 413 before the body is read, 415, 417, 431, 503 past max_connections).
+// A body is read as sent whatever its Content-Type (as Triton does).
 //
-// Infer requests go through the one submit path (server/serving/submit.h), as
-// the gRPC fronts' do. Served by cpp-httplib: a pool of `threads` threads, one per
-// connection being served (a keep-alive connection holds its thread for up to 100 requests or 5 s
-// idle; connections beyond `threads` wait their turn in the accept queue).
-// An infer request waits on its thread for the batcher's answer; compute runs on
-// the compute workers as for gRPC.
+// Served by an event-driven server (event_server.h): `threads` event-loop threads
+// hold every connection, idle or computing. An infer request is parsed on its
+// loop thread and submitted through the one submit path (server/serving/submit.h),
+// as the gRPC fronts' are, never computed there (it does not run inline); its
+// answer is encoded on the compute worker that answers and written by the loop. A
+// client that closes its connection before the answer gets none, and the request
+// is counted CANCELLED.
 //
 // Thread safety: Start and Stop from one thread; the repository, submit path, metrics
 // and the answers it shares with the gRPC front (server/kserve/answers.h) must
@@ -35,25 +37,18 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <regex>
 #include <string>
-#include <thread>
-#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "server/kserve/answers.h"
+#include "server/kserve_http/event_server.h"
 #include "server/models/model_repository.h"
 #include "server/serving/metrics.h"
 #include "server/serving/restricted_api.h"
 #include "server/serving/submit.h"
-
-namespace httplib {
-class Server;
-struct Request;
-struct Response;
-}  // namespace httplib
 
 namespace mha::server {
 
@@ -73,8 +68,12 @@ class HttpFront {
   struct Options {
     std::string host = "127.0.0.1";
     int32_t port = 8000;  // 0 = pick a free port
-    int threads = 64;
+    int threads = 1;      // event-loop threads
     int64_t max_body_bytes = int64_t{64} << 20;
+    absl::Duration header_timeout = absl::Seconds(10);
+    absl::Duration idle_timeout = absl::Seconds(60);
+    int64_t max_connections = 10000;
+    absl::Duration drain_timeout = absl::Seconds(30);
     // PEM paths: cert + key serve HTTPS; client_ca also requires client certificates.
     std::string tls_cert, tls_key, tls_client_ca;
   };
@@ -90,42 +89,20 @@ class HttpFront {
                                                           const Services& services);
   ~HttpFront();  // Stop()
 
-  // Stops accepting, finishes the requests being served, joins the threads.
+  // Stops accepting, answers the requests being computed, closes every connection.
   void Stop();
 
-  int port() const { return port_; }
+  int port() const { return server_->port(); }
 
  private:
   HttpFront() = default;
-  void Route();  // every route below
-  // Health, server and model metadata, model config and statistics (GET).
-  void RouteMetadata();
-  // /v2/repository/index, and .../models/{name}/load and /unload (Triton's
-  // repository extension; the body may hold {"parameters": {}} and nothing else).
-  void RouteRepository();
-  // .../infer (POST): the HTTP thread waits for the batcher's forward pass.
-  void RouteInfer();
+  // Every request: the route, its method, its API group, then its answer.
+  void Serve(HttpRequest request, HttpResponder responder) const;
+  void Infer(const HttpRequest& request, std::string model, std::string version,
+             const HttpResponder& responder) const;
 
-  // Registers `handler` for `method` ("GET" or "POST") and `pattern`, and keeps the
-  // pattern for the 405 answer of the error handler.
-  void Handle(const std::string& method, const std::string& pattern,
-              std::function<void(const httplib::Request&, httplib::Response&)> handler);
-  // The {"error": ...} bodies of the answers cpp-httplib gives itself (404, 413,
-  // 400), and 405 for a known route asked with another method.
-  void RouteErrors(int64_t max_body_bytes);
-  // Triton's routes this server does not serve: 501 naming them.
-  void RouteUnimplemented();
-
-  struct RouteEntry {
-    std::string method;
-    std::regex pattern;
-  };
-  std::vector<RouteEntry> routes_;
   Services services_{};
-  std::unique_ptr<httplib::Server> server_;
-  std::thread thread_;
-  int port_ = 0;
-  int listener_ = -1;  // the listening socket, owned by server_
+  std::unique_ptr<EventHttpServer> server_;
 };
 
 }  // namespace mha::server

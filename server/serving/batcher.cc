@@ -152,7 +152,10 @@ absl::Status Batcher::AdmitLocked(const ModelQueue* found, bool warmup) const {
 }
 
 bool Batcher::RunsInline(const ModelQueue& queue, const WorkItem& item) const {
-  if (options_.inline_max_flops <= 0 || queued_ > 0 || computing_ > 0 || item.warmup) return false;
+  if (options_.inline_max_flops <= 0 || queued_ > 0 || computing_ > 0 || item.warmup ||
+      !item.may_run_inline) {
+    return false;
+  }
   // Awaited sessions' steps are gathered by a worker (batcher.h).
   if (item.step != nullptr && queue.pacing.awaiting()) return false;
   const BatchingPolicy& policy = queue.model->batching;

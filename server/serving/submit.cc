@@ -105,9 +105,15 @@ void RequestPath::Submit(const Call& call,
       .lse = prepared->outputs.lse,
       .deadline = std::min(call.deadline, prepared->deadline),
       .cancelled = call.cancelled,
+      .may_run_inline = call.run_inline,
       .done =
-          [meter, models = models_, answer](absl::Status status,
-                                            const ComputeTiming& timing) mutable {
+          [meter, models = models_, answer,
+           cancelled = call.cancel_after_compute ? call.cancelled : nullptr](
+              absl::Status status, const ComputeTiming& timing) mutable {
+            if (status.ok() && cancelled && cancelled()) {
+              status = absl::CancelledError(
+                  "the client closed its connection before the answer; computed, not sent");
+            }
             meter.Answered(status, *models, "", timing);
             answer(std::move(status), timing);
           },

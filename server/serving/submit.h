@@ -69,6 +69,12 @@ struct Call {
   std::function<bool()> cancelled;               // optional; polled while queued
   absl::Time received = absl::Now();             // mha_request_duration_seconds from here
   std::function<std::string()> peer;             // optional; read when access is logged
+  // false: never computed on the calling thread (Batcher's inline path); the HTTP
+  // front's event-loop threads compute nothing.
+  bool run_inline = true;
+  // true: an answer computed after `cancelled` turned true is counted and answered
+  // CANCELLED (the HTTP front: its client closed the connection, and gets nothing).
+  bool cancel_after_compute = false;
 };
 
 // How a call ends: its status, and its timing when OK. Called exactly once.

@@ -37,6 +37,7 @@ struct WorkItem {
   float* lse = nullptr;          // (B, h, Q) log-sum-exp, or nullptr; such an item runs alone
   absl::Time deadline = absl::InfiniteFuture();
   std::function<bool()> cancelled;  // optional; polled at batch formation
+  bool may_run_inline = true;       // false: never on the submitting thread (batcher.h)
   // Called exactly once if Submit is OK, on a worker thread; `timing` is set when
   // the status is OK. Must not block for long.
   std::function<void(absl::Status, const ComputeTiming&)> done;

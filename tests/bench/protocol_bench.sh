@@ -3,32 +3,33 @@
 # Protocol over gRPC (ModelInfer, raw FP32 bytes) and its KServe v2 REST form over
 # HTTP (binary tensor data), at concurrency 1 and 64, for the toy model (a server
 # without --model_repository, the default infer request: B 2, Q 4, K 6) and
-# bert_base (deploy/models; B 1, Q = K = 32 self-attention, as batching_bench.sh).
+# bert_base (deploy/models; B 8, Q = K = 128 self-attention, at concurrency 1 only).
 # One server per model; each figure is the median of RUNS short bench runs, the
 # protocols alternated within each round (attention, kserve, http, attention, ...)
 # so that drift on a shared machine hits all three alike. Prints one table with
-# the ratios kserve/attention and http/attention of req/s and p50.
+# the ratios kserve/attention and http/attention of req/s and p50, and the server's CPU
+# time per request (utime + stime of /proc/PID/stat over the requests its /metrics
+# counted, warm-up included) for each protocol.
 #
 #   tests/bench/protocol_bench.sh
 #   RUNS=3 DURATION=2s tests/bench/protocol_bench.sh
 #
-# Env: BUILD (build/release), RUNS (5), WARMUP (1s) and DURATION (3s, measured; whole
+# Env: BUILD (build/release), RUNS (5), WARMUP (1s) and DURATION (10s, measured; whole
 # seconds) per run, THREADS (the server's compute threads and OMP_NUM_THREADS; nproc),
-# HTTP_THREADS (the server's --http_threads; 64: it serves one keep-alive connection per
-# thread, and the client opens one per concurrency slot), OUT (a temp dir) for the JSON
-# reports and server logs.
+# HTTP_THREADS (the server's --http_threads; 0: one event loop per CPU), PROTOCOLS
+# ("attention kserve http"), OUT (a temp dir) for the JSON reports and server logs.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build/release}
 RUNS=${RUNS:-5}
 WARMUP=${WARMUP:-1s}
-DURATION=${DURATION:-3s}
+DURATION=${DURATION:-10s}
 THREADS=${THREADS:-$(nproc)}
-HTTP_THREADS=${HTTP_THREADS:-64}
+HTTP_THREADS=${HTTP_THREADS:-0}
 OUT=${OUT:-$(mktemp -d /tmp/mha_protocol_bench.XXXXXX)}
 SERVER=$BUILD/server/attention_server
 CLIENT=$BUILD/client/attention_client
-PROTOCOLS=(attention kserve http)
+read -r -a PROTOCOLS <<<"${PROTOCOLS:-attention kserve http}"
 CONCURRENCY=(1 64)
 export OMP_NUM_THREADS=$THREADS
 
@@ -41,10 +42,10 @@ cleanup() {
 }
 trap cleanup EXIT
 
-start_server() {  # $1: log file; rest: flags. Sets PID, PORT and HTTP_PORT.
+start_server() {  # $1: log file; rest: flags. Sets PID, PORT, HTTP_PORT and METRICS_PORT.
   local log=$1
   shift
-  "$SERVER" --port=0 --http_port=0 --http_threads="$HTTP_THREADS" --metrics_port=-1 \
+  "$SERVER" --port=0 --http_port=0 --http_threads="$HTTP_THREADS" --metrics_port=0 \
     --compute_threads="$THREADS" "$@" \
     >"$log.out" 2>"$log.err" &
   PID=$!
@@ -52,6 +53,7 @@ start_server() {  # $1: log file; rest: flags. Sets PID, PORT and HTTP_PORT.
     if grep -q "^listening on" "$log.out" 2>/dev/null && grep -q "^http on" "$log.out"; then
       PORT=$(sed -n 's/^listening on .*:\([0-9]*\)$/\1/p' "$log.out")
       HTTP_PORT=$(sed -n 's/^http on .*:\([0-9]*\)$/\1/p' "$log.out")
+      METRICS_PORT=$(sed -n 's/^metrics on .*:\([0-9]*\)$/\1/p' "$log.out")
       return 0
     fi
     kill -0 "$PID" 2>/dev/null || { cat "$log.err" >&2; return 1; }
@@ -71,21 +73,36 @@ stop_server() {
 windows=$((${DURATION%s}))
 (( windows >= 1 )) || windows=1
 
+# The server's CPU ticks (utime + stime) and the requests its /metrics counted.
+server_usage() {
+  local ticks requests
+  ticks=$(awk '{print $14 + $15}' "/proc/$PID/stat")
+  requests=$(curl -s "127.0.0.1:$METRICS_PORT/metrics" |
+    awk '/^mha_requests_total\{/ {n += $NF} END {printf "%d", n}')
+  echo "$ticks $requests"
+}
+
 run() {  # $1 model label, $2 protocol, $3 concurrency, $4 round; rest: request flags
   local label=$1 protocol=$2 concurrency=$3 round=$4
   shift 4
   local target=127.0.0.1:$PORT
   [[ $protocol == http ]] && target=127.0.0.1:$HTTP_PORT
+  local before after
+  before=$(server_usage)
   "$CLIENT" bench --protocol="$protocol" --target="$target" "$@" \
     --concurrency="$concurrency" --warmup="$WARMUP" --window=1s --max_windows="$windows" \
     --stable_windows="$windows" --duration=$((windows + 3))s --timeout=30s --progress=false \
     --json="$OUT/${label}_${protocol}_c${concurrency}_r${round}.json" >/dev/null
+  after=$(server_usage)
+  echo "$before $after $(getconf CLK_TCK)" >"$OUT/${label}_${protocol}_c${concurrency}_r${round}.cpu"
 }
 
-bench_model() {  # $1 label; rest: request flags
+bench_model() {  # $1 label, $2 concurrency levels ("1 64"); rest: request flags
   local label=$1
-  shift
-  for concurrency in "${CONCURRENCY[@]}"; do
+  local -a levels
+  read -r -a levels <<<"$2"
+  shift 2
+  for concurrency in "${levels[@]}"; do
     for round in $(seq "$RUNS"); do
       for protocol in "${PROTOCOLS[@]}"; do
         run "$label" "$protocol" "$concurrency" "$round" "$@"
@@ -98,40 +115,50 @@ bench_model() {  # $1 label; rest: request flags
 echo "protocol bench: $RUNS runs per cell (warm-up $WARMUP, $windows s measured); server" \
   "--compute_threads=$THREADS --http_threads=$HTTP_THREADS; reports in $OUT"
 start_server "$OUT/server_toy"
-bench_model toy
+bench_model toy "${CONCURRENCY[*]}"
 stop_server
 start_server "$OUT/server_bert" --model_repository=deploy/models
-bench_model bert_base --model=bert_base --batch=1 --num_queries=32 --num_keys=0 --valid_lens=none
+bench_model bert_base 1 --model=bert_base --batch=8 --num_queries=128 --num_keys=0 --valid_lens=none
 stop_server
 
-python3 - "$OUT" "$RUNS" "$(nproc)" <<'EOF'
+python3 - "$OUT" "$RUNS" "$(nproc)" "${PROTOCOLS[*]}" <<'EOF'
 import json, statistics, sys
 out, runs, cores = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-protocols = ("attention", "kserve", "http")
-requests = {"toy": "B 2, Q 4, K 6 (default infer request)", "bert_base": "B 1, Q = K = 32"}
+protocols = tuple(sys.argv[4].split())
+requests = {"toy": "B 2, Q 4, K 6 (default infer request)", "bert_base": "B 8, Q = K = 128"}
+levels = {"toy": (1, 64), "bert_base": (1,)}
 
 def cell(model, protocol, c):
     reports = [json.load(open(f"{out}/{model}_{protocol}_c{c}_r{r}.json")) for r in range(1, runs + 1)]
     steps = [rep["steps"][0] for rep in reports]
     errors = sum(sum(s["errors"].values()) for s in steps)
+    cpu = []
+    for r in range(1, runs + 1):
+        t0, n0, t1, n1, hz = map(int, open(f"{out}/{model}_{protocol}_c{c}_r{r}.cpu").read().split())
+        cpu.append((t1 - t0) / hz * 1e6 / max(1, n1 - n0))
     return (statistics.median(s["requests_per_s"] for s in steps),
-            statistics.median(s["latency_us"]["p50"] for s in steps) / 1e3, errors)
+            statistics.median(s["latency_us"]["p50"] for s in steps) / 1e3, errors,
+            statistics.median(cpu))
 
 print(f"\nmedian of {runs} runs per cell; protocols alternated within each round; one server "
       f"per model.\nThe client (load generator) shares the machine's {cores} cores with the "
       f"server: absolute figures are lower than a separate client would measure.\n")
 print(f"{'model':10} {'conc':>4} {'protocol':9} {'req/s':>9} {'p50 ms':>8} {'errors':>6} "
-      f"{'req/s vs attention':>18} {'p50 vs attention':>16}")
+      f"{'CPU us/req':>10} {'req/s vs attention':>18} {'p50 vs attention':>16} "
+      f"{'CPU vs attention':>16}")
 for model in ("toy", "bert_base"):
-    for c in (1, 64):
+    for c in levels[model]:
         base = cell(model, "attention", c)
         for protocol in protocols:
-            rps, p50, errors = cell(model, protocol, c)
-            ratio = "" if protocol == "attention" else f"{rps / base[0]:18.2f} {p50 / base[1]:16.2f}"
-            print(f"{model:10} {c:4d} {protocol:9} {rps:9.0f} {p50:8.3f} {errors:6d} {ratio}")
+            rps, p50, errors, cpu = cell(model, protocol, c)
+            ratio = "" if protocol == "attention" else (
+                f"{rps / base[0]:18.2f} {p50 / base[1]:16.2f} {cpu / base[3]:16.2f}")
+            print(f"{model:10} {c:4d} {protocol:9} {rps:9.0f} {p50:8.3f} {errors:6d} {cpu:10.0f} "
+                  f"{ratio}")
 print("\nrequests: " + "; ".join(f"{m}: {r}" for m, r in requests.items()) +
       ".\nattention: attention.v1 Attend; kserve: inference ModelInfer with raw FP32 "
       "bytes; http: POST /v2/models/{model}/infer with binary tensor data, one keep-alive "
       "connection per concurrency slot.\nRatios are protocol / attention: req/s below 1 "
-      "and p50 above 1 are the protocol's overhead.")
+      "and p50 above 1 are the protocol's overhead. CPU us/req: the server's utime + stime "
+      "over the requests its /metrics counted (warm-up included), median of the runs.")
 EOF

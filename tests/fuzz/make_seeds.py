@@ -216,6 +216,28 @@ def http_body_seeds():
     }
 
 
+def http_framing_seeds():
+    # http_framing_fuzzer.cc: byte 0 picks the piece size, the rest is a connection's bytes.
+    get = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+    body = b'{"inputs": []}'
+    post = (b"POST /v2/models/m/versions/1/infer?x=1 HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
+            b"\r\nExpect: 100-continue\r\n\r\n" % len(body) + body)
+    chunked = (b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+               b"\r\n4;ext=1\r\n{\"a\"\r\n2\r\n:1\r\n1\r\n}\r\n0\r\nTrailer: t\r\n\r\n")
+    return {
+        "pipelined": b"\x00" + get + post + chunked + b"GET /v2 HTTP/1.0\r\n\r\n",
+        "bytewise": b"\x00" + post,
+        "split7": b"\x06" + chunked + get,
+        "bare_lf": b"\x03" + b"\r\nGET /v2/models/a%20b/ready HTTP/1.1\nHost: x\n\n",
+        "both_lengths": b"\x01" + b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
+                        b"Transfer-Encoding: chunked\r\n\r\n",
+        "lengths": b"\x02" + b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3, 3\r\n"
+                   b"Content-Length: 4\r\n\r\nabcd",
+        "shm_routes": b"\x05" + b"GET /v2/systemsharedmemory/region/r1/status HTTP/1.1\r\nHost: x"
+                       b"\r\n\r\nPOST /v2/cudasharedmemory/unregister HTTP/1.1\r\nHost: x\r\n\r\n",
+    }
+
+
 def infer_input(name, datatype, shape, contents=b""):
     # ModelInferRequest.InferInputTensor: name 1, datatype 2, shape 3 (packed), contents 5
     body = field(1, 2, name) + field(2, 2, datatype)
@@ -352,6 +374,7 @@ def session_request_seeds():
 def main():
     for target, seeds in (("request", request_seeds()), ("safetensors", safetensors_seeds()),
                           ("config", config_seeds()), ("http_body", http_body_seeds()),
+                          ("http_framing", http_framing_seeds()),
                           ("inference_request", inference_request_seeds()),
                           ("session_request", session_request_seeds())):
         folder = os.path.join(HERE, "corpus", target)

@@ -1,0 +1,124 @@
+// HTTP/1.1 request framing (RFC 9112) for the event-driven HTTP front: where a
+// request's head ends, what its body is, and which requests are refused before
+// their body is read. Pure and incremental: the transport feeds it the bytes as
+// they arrive (any split), and it never holds more than the limits allow.
+//
+// Rules, each refusal answered with its status and then the connection closed:
+//   - empty lines before a request line are skipped (RFC 9112 §2.2);
+//   - request line: token SP origin-form-or-"*" SP "HTTP/1.1" or "HTTP/1.0"; else
+//     400 (505 for another version); lines end with CRLF or a bare LF;
+//   - header lines: token ":" OWS value OWS; whitespace before the colon, a folded
+//     line or a control character in a value: 400;
+//   - head (request line and header lines, or a chunked body's trailer lines) over
+//     Limits::max_head_bytes, or more than Limits::max_headers lines: 431;
+//   - HTTP/1.1 without exactly one Host: 400;
+//   - Transfer-Encoding: only "chunked" (400 for anything else), never with
+//     Content-Length (400), never in HTTP/1.0 (400) (§6.1);
+//   - Content-Length: digits, every value (repeated headers, comma lists) the same,
+//     else 400 (§6.3); over Limits::max_body_bytes: 413 at once, before any body
+//     byte is read (with or without Expect: 100-continue);
+//   - no Content-Length and no Transfer-Encoding: the body is empty (§6.3), for
+//     every method;
+//   - chunked: hex sizes (16 digits at most), extensions skipped, the sum of the
+//     chunks over max_body_bytes is 413 as soon as a size line says so;
+//   - Expect: "100-continue" is reported (RequestHead::expect_continue; the
+//     transport answers 100 after the head passed these checks); any other
+//     expectation: 417.
+// Pipelined requests: Feed stops at the end of each request; the bytes after it are
+// the next request's, never this one's body.
+//
+// Thread safety: one parser per connection, used by one thread at a time.
+#ifndef MHA_SERVER_KSERVE_HTTP_HTTP1_H_
+#define MHA_SERVER_KSERVE_HTTP_HTTP1_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+
+namespace mha::server::http1 {
+
+struct Limits {
+  int64_t max_head_bytes = int64_t{64} << 10;  // request line + headers, and trailers
+  int64_t max_headers = 256;                   // header lines, and trailer lines
+  int64_t max_body_bytes = int64_t{64} << 20;  // as framed (Content-Length or chunks)
+};
+
+struct RequestHead {
+  std::string method;  // as sent (methods are case-sensitive)
+  std::string target;  // "/path?query" or "*"
+  int minor_version = 1;
+  std::vector<std::pair<std::string, std::string>> headers;  // in order, names as sent
+  bool keep_alive = true;        // HTTP/1.1 unless "Connection: close"; 1.0 only with keep-alive
+  bool expect_continue = false;  // "Expect: 100-continue"
+  bool chunked = false;
+  int64_t content_length = 0;  // when not chunked
+
+  // The first header of that name (case-insensitive), or nullopt.
+  std::optional<absl::string_view> Find(absl::string_view name) const;
+};
+
+// A refusal: the status to answer and a message for {"error": ...}.
+struct Refusal {
+  int status = 400;
+  std::string message;
+};
+
+class RequestParser {
+ public:
+  enum class Event {
+    kNeedMore,  // every byte given was consumed; feed more
+    kHead,      // the head is complete and accepted: head() is set; feed the body next
+    kRequest,   // the request is complete: head() and body() are set
+    kRefused,   // refusal() is set: answer it and close the connection
+  };
+
+  explicit RequestParser(const Limits& limits) : limits_(limits) {}
+
+  // Consumes a prefix of `data` (its length in *consumed), up to the next event.
+  // After kRequest, call Next() before feeding the following request's bytes.
+  Event Feed(absl::string_view data, size_t* consumed);
+
+  // Starts the next request on the same connection.
+  void Next();
+
+  // Whether any byte of the current request has been seen (the header deadline runs
+  // from the first one), and whether its head is complete.
+  bool started() const { return started_; }
+  bool head_done() const { return state_ != State::kHead && state_ != State::kSkipEmpty; }
+
+  const RequestHead& head() const { return head_; }
+  std::string& body() { return body_; }
+  const Refusal& refusal() const { return refusal_; }
+
+ private:
+  enum class State { kSkipEmpty, kHead, kBody, kChunkSize, kChunkData, kChunkDataEnd, kTrailer,
+                     kDone, kRefused };
+
+  Event Refuse(int status, std::string message);
+  // The head's text (without its final empty line) parsed into head_.
+  Event ParseHead();
+  // A line of at most max_head_bytes from `data` into line_ (which keeps partial
+  // lines across calls); true when a whole line (without its LF/CRLF) is in line_.
+  bool TakeLine(absl::string_view data, size_t* pos, int64_t budget);
+
+  Limits limits_;
+  State state_ = State::kSkipEmpty;
+  bool started_ = false;
+  std::string head_text_;  // the head so far
+  size_t scanned_ = 0;     // head_text_ bytes searched for the empty line
+  std::string line_;       // a chunk-size or trailer line so far
+  int64_t trailer_bytes_ = 0, trailer_lines_ = 0;
+  int64_t remaining_ = 0;  // body or chunk bytes still to read
+  RequestHead head_;
+  std::string body_;
+  Refusal refusal_;
+};
+
+}  // namespace mha::server::http1
+
+#endif  // MHA_SERVER_KSERVE_HTTP_HTTP1_H_
