@@ -245,7 +245,8 @@ RequestParser::Event RequestParser::Feed(absl::string_view data, size_t* consume
       }
       case State::kHead: {
         if (pos == data.size()) return done(Event::kNeedMore);
-        const size_t limit = static_cast<size_t>(limits_.max_head_bytes) + 4;
+        // The head, its final empty line included, is at most max_head_bytes.
+        const size_t limit = static_cast<size_t>(limits_.max_head_bytes);
         const size_t take = std::min(data.size() - pos, limit - std::min(limit, head_text_.size()));
         const size_t before = head_text_.size();
         Append(&head_text_, data.substr(pos, take));
@@ -265,15 +266,11 @@ RequestParser::Event RequestParser::Feed(absl::string_view data, size_t* consume
         scanned_ = head_text_.size();
         if (end == absl::string_view::npos) {
           pos += take;
-          if (static_cast<int64_t>(head_text_.size()) > limits_.max_head_bytes) {
+          if (static_cast<int64_t>(head_text_.size()) >= limits_.max_head_bytes) {
             return done(Refuse(431, absl::StrCat("request header fields: over the limit of ",
                                                  limits_.max_head_bytes, " bytes")));
           }
           return done(Event::kNeedMore);
-        }
-        if (static_cast<int64_t>(end) > limits_.max_head_bytes + 2) {
-          return done(Refuse(431, absl::StrCat("request header fields: over the limit of ",
-                                               limits_.max_head_bytes, " bytes")));
         }
         pos += end - before;
         head_text_.resize(end);
