@@ -243,6 +243,7 @@ struct EventHttpServer::Impl {
   std::atomic<int64_t> open{0};
   std::atomic<bool> stopping{false};
   uint64_t next_loop = 0;  // loop 0's thread
+  absl::Notification go;   // the loops start once every thread id is known
 
   ~Impl() {
     if (tls != nullptr) SSL_CTX_free(tls);
@@ -754,11 +755,11 @@ absl::StatusOr<std::unique_ptr<EventHttpServer>> EventHttpServer::Start(const Op
         evconnlistener_enable(static_cast<Impl*>(arg)->listener);
       },
       &impl);
+  // Every loop's thread id is known before any loop runs (OnAccept and Send compare
+  // them): the threads wait for `go`.
   for (const std::shared_ptr<Loop>& loop : impl.loops) {
-    absl::Notification started;
-    loop->thread = std::thread([raw = loop.get(), &started] {
-      raw->id = std::this_thread::get_id();
-      started.Notify();
+    loop->thread = std::thread([raw = loop.get(), go = &impl.go] {
+      go->WaitForNotification();
       // Keeps the loop running while it has nothing else to wait for.
       event* keep = event_new(raw->base, -1, EV_PERSIST, [](evutil_socket_t, short, void*) {},
                               nullptr);
@@ -767,8 +768,9 @@ absl::StatusOr<std::unique_ptr<EventHttpServer>> EventHttpServer::Start(const Op
       event_base_dispatch(raw->base);
       event_free(keep);
     });
-    started.WaitForNotification();
+    loop->id = loop->thread.get_id();
   }
+  impl.go.Notify();
   return server;
 }
 
