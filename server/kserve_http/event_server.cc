@@ -14,6 +14,7 @@
 #include <openssl/ssl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -590,8 +591,26 @@ void EventHttpServer::Impl::Write(Connection* c, HttpResponse response) {
   }
   head += "\r\n";
   evbuffer* out = bufferevent_get_output(c->bev);
+  if (c->head_request) response.body.clear();
+  // A small answer on plain TCP with nothing queued before it is written at once:
+  // through the bufferevent it would cost a poll for writability and two epoll_ctl.
+  if (tls == nullptr && evbuffer_get_length(out) == 0 && response.body.size() <= 65536) {
+    iovec parts[2] = {{head.data(), head.size()}, {response.body.data(), response.body.size()}};
+    const ssize_t sent = writev(bufferevent_getfd(c->bev), parts, response.body.empty() ? 1 : 2);
+    size_t done = sent > 0 ? static_cast<size_t>(sent) : 0;
+    const size_t head_done = std::min(done, head.size());
+    head.erase(0, head_done);
+    response.body.erase(0, done - head_done);
+    if (head.empty() && response.body.empty()) {
+      if (c->close_after_write) return OnWrite(c->bev, c);
+      c->busy = false;
+      c->head_request = false;
+      bufferevent_setwatermark(c->bev, EV_READ, 0, 0);
+      return;
+    }
+  }
   evbuffer_add(out, head.data(), head.size());
-  if (!c->head_request && !response.body.empty()) {
+  if (!response.body.empty()) {
     if (response.body.size() < 16384) {
       evbuffer_add(out, response.body.data(), response.body.size());
     } else {  // large bodies are referenced, not copied

@@ -286,7 +286,6 @@ void HttpFront::Infer(const HttpRequest& req, std::string model, std::string ver
             .version = version,
             .cancelled = [res] { return res.ClientGone(); },
             .peer = [peer = req.peer] { return peer; },
-            .run_inline = false,
             .cancel_after_compute = true};
   absl::StatusOr<inference::ModelInferRequest> request;
   if (absl::StatusOr<std::optional<int64_t>> header_length = HeaderLength(req);

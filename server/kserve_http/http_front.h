@@ -23,8 +23,12 @@
 // Served by an event-driven server (event_server.h): `threads` event-loop threads
 // hold every connection, idle or computing. An infer request is parsed on its
 // loop thread and submitted through the one submit path (server/serving/submit.h),
-// as the gRPC fronts' are, never computed there (it does not run inline); its
-// answer is encoded on the compute worker that answers and written by the loop. A
+// as the gRPC fronts' are. Compute runs on the compute workers, except the
+// batcher's inline path (server/serving/batcher.h: a request within
+// --inline_max_flops, tens of microseconds, when nothing else is queued or
+// computing), which runs on the loop as it runs on a gRPC thread (docs/service.md
+// says why; --inline_max_flops=0 keeps all compute off the loops). A computed
+// answer is encoded on the thread that computed it and written by the loop. A
 // client that closes its connection before the answer gets none, and the request
 // is counted CANCELLED.
 //
