@@ -82,8 +82,8 @@ void StoreRows(KvSequence& cache, int64_t n, const float* k, const float* v, int
 
 // Paged attention: a query-row block of one head of one step, over its cache's
 // blocks with an online softmax. Plain loops (kernels::GroupScores,
-// GroupContext): a decode step is one query row against kBlockTokens keys per
-// block, far below what a oneDNN primitive's dispatch is worth.
+// GroupContext): a decode step is a few query rows (h / G) against kBlockTokens
+// keys per block, far below what a oneDNN primitive's dispatch is worth.
 template <typename T>
 void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratch& scratch) const {
   constexpr int64_t kBt = KvCachePool::kBlockTokens;
