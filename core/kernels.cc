@@ -149,11 +149,23 @@ struct Prefetcher {
       : next(static_cast<const char*>(start)),
         end(next + (start == nullptr ? 0 : bytes)),
         per_step(steps > 0 ? (bytes / 64 + steps - 1) / steps : 0) {}
+  // to_l2: prefetcht2, which leaves the lines in L2 (the paged pass's group
+  // kernels): a prefetch into L1 holds one of its few miss buffers until the line
+  // arrives, which caps the reads in flight, and a block's keys or values (16 KiB
+  // at d_h 128) ahead of the one being read would crowd it out of a 32 KiB L1.
+  bool to_l2 = false;
+  MHA_INLINE void One(const char* x) {
+    if (to_l2) {
+      __builtin_prefetch(x, 0, 1);
+    } else {
+      __builtin_prefetch(x);
+    }
+  }
   MHA_INLINE void Step() {
-    for (int64_t i = 0; i < per_step && next < end; ++i, next += 64) __builtin_prefetch(next);
+    for (int64_t i = 0; i < per_step && next < end; ++i, next += 64) One(next);
   }
   MHA_INLINE void Rest() {
-    for (; next < end; next += 64) __builtin_prefetch(next);
+    for (; next < end; next += 64) One(next);
   }
 };
 
@@ -237,6 +249,214 @@ MHA_INLINE void ContextRow(const float* w, const T* v, int64_t p, int64_t nk, fl
   }
 }
 
+// A vector of 16 keys or values, widened to f32 once for all the rows that use it.
+MHA_INLINE void Load16(const uint16_t* x, Floats16& v) {
+  Halves16 h;
+  std::memcpy(&h, x, sizeof h);
+  const Words16 bits = __builtin_convertvector(h, Words16) << 16;
+  std::memcpy(&v, &bits, sizeof v);
+}
+
+// R rows' scores against V vectors of keys at j0: s[r * lds + j0, + 16 V) =
+// scale * q[r * p, + p) kt[:, j0 : j0 + 16 V] for r < R. Each vector of keys is loaded
+// once for the R rows; the sums run in U interleaved partial sums over the features,
+// so that R U V chains of multiply-adds are in flight (at least 8 for the whole
+// blocks of 32 keys). R 1 is TransposedScoresGroup's order of additions.
+template <int R, int U, int V, typename T>
+MHA_INLINE void ScoresRowsGroup(const float* q, const T* kt, int64_t ld, int64_t p, int64_t j0,
+                                float scale, float* s, int64_t lds, Prefetcher& pf) {
+  Floats16 acc[U][R][V] = {};
+  int64_t c = 0;
+  for (; c + U <= p; c += U) {
+    pf.Step();
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      Floats16 k[V];
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) Load16(kt + (c + u) * ld + j0 + 16 * v, k[v]);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const float qc = q[r * p + c + u];
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) acc[u][r][v] += qc * k[v];
+      }
+    }
+  }
+  for (; c < p; ++c) {
+    Floats16 k[V];
+    for (int v = 0; v < V; ++v) Load16(kt + c * ld + j0 + 16 * v, k[v]);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float qc = q[r * p + c];
+      for (int v = 0; v < V; ++v) acc[0][r][v] += qc * k[v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) {
+      Floats16 sum;
+      if constexpr (U == 4) {
+        sum = (acc[0][r][v] + acc[1][r][v]) + (acc[2][r][v] + acc[3][r][v]);
+      } else if constexpr (U == 2) {
+        sum = acc[0][r][v] + acc[1][r][v];
+      } else {
+        sum = acc[0][r][v];
+      }
+      Store16(s + r * lds + j0 + 16 * v, scale * sum);
+    }
+  }
+}
+
+// R rows (q rows of p, s rows of nk) against keys [0, nk) stored transposed: groups
+// of 32 keys, then of 16; keys past the last group take a plain loop per row.
+template <int R, typename T>
+MHA_INLINE void ScoresRows(const float* q, const T* kt, int64_t ld, int64_t p, int64_t nk,
+                           float scale, float* s, Prefetcher& pf) {
+  constexpr int U = R == 1 ? 4 : R <= 3 ? 2 : 1;
+  int64_t j0 = 0;
+  for (; j0 + 32 <= nk; j0 += 32) ScoresRowsGroup<R, U, 2>(q, kt, ld, p, j0, scale, s, nk, pf);
+  for (; j0 + 16 <= nk; j0 += 16) {
+    ScoresRowsGroup<R, R <= 2 ? 4 : 2, 1>(q, kt, ld, p, j0, scale, s, nk, pf);
+  }
+  if (j0 == nk) return;
+  for (int r = 0; r < R; ++r) {
+    float* sr = s + r * nk;
+    std::fill(sr + j0, sr + nk, 0.0f);
+    for (int64_t c = 0; c < p; ++c) {
+      const float qc = scale * q[r * p + c];
+      const T* row = kt + c * ld;
+#pragma omp simd
+      for (int64_t j = j0; j < nk; ++j) sr[j] += qc * Widen(row[j]);
+    }
+  }
+}
+
+// R rows' context over V vectors of columns at c0: o[r * p + c0, + 16 V) +=
+// w[r * nk, + nk) v[:, c0 : c0 + 16 V] for r < R. Each vector of a value row is
+// loaded once for the R rows; U interleaved partial sums over the keys (2 for one
+// row, ContextGroup's order of additions).
+template <int R, int U, int V, typename T>
+MHA_INLINE void ContextRowsGroup(const float* w, const T* v, int64_t p, int64_t nk, int64_t c0,
+                                 float* o, Prefetcher& pf) {
+  Floats16 a[U][R][V];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    for (int u = 0; u < V; ++u) Load16(o + r * p + c0 + 16 * u, a[0][r][u]);
+    for (int i = 1; i < U; ++i) {
+      for (int u = 0; u < V; ++u) a[i][r][u] = Floats16{};
+    }
+  }
+  int64_t j = 0;
+  for (; j + U <= nk; j += U) {
+    pf.Step();
+#pragma GCC unroll 4
+    for (int i = 0; i < U; ++i) {
+      Floats16 x[V];
+#pragma GCC unroll 4
+      for (int u = 0; u < V; ++u) Load16(v + (j + i) * p + c0 + 16 * u, x[u]);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const float wj = w[r * nk + j + i];
+#pragma GCC unroll 4
+        for (int u = 0; u < V; ++u) a[i][r][u] += wj * x[u];
+      }
+    }
+  }
+  for (; j < nk; ++j) {
+    Floats16 x[V];
+    for (int u = 0; u < V; ++u) Load16(v + j * p + c0 + 16 * u, x[u]);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float wj = w[r * nk + j];
+      for (int u = 0; u < V; ++u) a[0][r][u] += wj * x[u];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    for (int u = 0; u < V; ++u) {
+      Floats16 sum = a[0][r][u];
+      for (int i = 1; i < U; ++i) sum += a[i][r][u];
+      Store16(o + r * p + c0 + 16 * u, sum);
+    }
+  }
+}
+
+// R rows (w rows of nk, o rows of p) += w v: groups of 64 columns for up to four
+// rows (32 for more, keeping R V sums in registers), then of 32 and 16; columns past
+// the last group take a plain loop per row.
+template <int R, typename T>
+MHA_INLINE void ContextRows(const float* w, const T* v, int64_t p, int64_t nk, float* o,
+                            Prefetcher& pf) {
+  constexpr int U = R == 1 ? 2 : 1;
+  int64_t c0 = 0;
+  if constexpr (R <= 4) {
+    for (; c0 + 64 <= p; c0 += 64) ContextRowsGroup<R, U, 4>(w, v, p, nk, c0, o, pf);
+  }
+  for (; c0 + 32 <= p; c0 += 32) ContextRowsGroup<R, U, 2>(w, v, p, nk, c0, o, pf);
+  for (; c0 + 16 <= p; c0 += 16) ContextRowsGroup<R, R <= 2 ? 2 : 1, 1>(w, v, p, nk, c0, o, pf);
+  if (c0 == p) return;
+  for (int r = 0; r < R; ++r) {
+    float* orow = o + r * p;
+    for (int64_t j = 0; j < nk; ++j) {
+      const float wj = w[r * nk + j];
+      const T* vj = v + j * p;
+#pragma omp simd
+      for (int64_t c = c0; c < p; ++c) orow[c] += wj * Widen(vj[c]);
+    }
+  }
+}
+
+// Rows in groups of at most 8: a group of R rows holds 2 R (scores) or up to 16
+// (context) vectors of sums in registers. More than 8 rows are split evenly (9 as
+// 5 + 4, not 8 + 1), so that no group is left with a row or two.
+inline int GroupRows(int64_t rest) {
+  if (rest <= 8) return static_cast<int>(rest);
+  const int64_t groups = (rest + 7) / 8;
+  return static_cast<int>((rest + groups - 1) / groups);
+}
+
+template <typename T>
+MHA_INLINE void GroupScoresImpl(const float* q, const T* kt, int64_t ld, int64_t p, int64_t mq,
+                                int64_t nk, float scale, float* s, Prefetcher& pf) {
+  for (int64_t r0 = 0; r0 < mq;) {
+    const int rows = GroupRows(mq - r0);
+    const float* qr = q + r0 * p;
+    float* sr = s + r0 * nk;
+    switch (rows) {
+      case 1: ScoresRows<1>(qr, kt, ld, p, nk, scale, sr, pf); break;
+      case 2: ScoresRows<2>(qr, kt, ld, p, nk, scale, sr, pf); break;
+      case 3: ScoresRows<3>(qr, kt, ld, p, nk, scale, sr, pf); break;
+      case 4: ScoresRows<4>(qr, kt, ld, p, nk, scale, sr, pf); break;
+      case 5: ScoresRows<5>(qr, kt, ld, p, nk, scale, sr, pf); break;
+      case 6: ScoresRows<6>(qr, kt, ld, p, nk, scale, sr, pf); break;
+      case 7: ScoresRows<7>(qr, kt, ld, p, nk, scale, sr, pf); break;
+      default: ScoresRows<8>(qr, kt, ld, p, nk, scale, sr, pf); break;
+    }
+    r0 += rows;
+  }
+}
+
+template <typename T>
+MHA_INLINE void GroupContextImpl(const float* w, const T* v, int64_t p, int64_t mq, int64_t nk,
+                                 float* o, Prefetcher& pf) {
+  for (int64_t r0 = 0; r0 < mq;) {
+    const int rows = GroupRows(mq - r0);
+    const float* wr = w + r0 * nk;
+    float* orow = o + r0 * p;
+    switch (rows) {
+      case 1: ContextRows<1>(wr, v, p, nk, orow, pf); break;
+      case 2: ContextRows<2>(wr, v, p, nk, orow, pf); break;
+      case 3: ContextRows<3>(wr, v, p, nk, orow, pf); break;
+      case 4: ContextRows<4>(wr, v, p, nk, orow, pf); break;
+      case 5: ContextRows<5>(wr, v, p, nk, orow, pf); break;
+      case 6: ContextRows<6>(wr, v, p, nk, orow, pf); break;
+      case 7: ContextRows<7>(wr, v, p, nk, orow, pf); break;
+      default: ContextRows<8>(wr, v, p, nk, orow, pf); break;
+    }
+    r0 += rows;
+  }
+}
+
 }  // namespace
 
 MHA_MULTIVERSION void SmallScores(const float* q, const float* k, int64_t p, int64_t mq, int64_t nk,
@@ -299,6 +519,44 @@ MHA_MULTIVERSION void SmallContextBf16(const float* probs, const uint16_t* v, in
                                        int64_t prefetch_bytes) {
   Prefetcher pf(prefetch, prefetch_bytes, (p / 64) * (nk / 2));
   for (int64_t i = 0; i < mq; ++i) ContextRow(probs + i * nk, v, p, nk, o + i * p, pf);
+  pf.Rest();
+}
+
+// The prefetches spread over the first group of rows' loop steps: a step per
+// feature (scores) or per key (context) of each group of keys or columns.
+MHA_MULTIVERSION void GroupScores(const float* q, const float* kt, int64_t ld, int64_t p,
+                                  int64_t mq, int64_t nk, float scale, float* s,
+                                  const void* prefetch, int64_t prefetch_bytes) {
+  Prefetcher pf(prefetch, prefetch_bytes, ((nk + 31) / 32) * (p / 2));
+  pf.to_l2 = true;
+  GroupScoresImpl(q, kt, ld, p, mq, nk, scale, s, pf);
+  pf.Rest();
+}
+
+MHA_MULTIVERSION void GroupScoresBf16(const float* q, const uint16_t* kt, int64_t ld, int64_t p,
+                                      int64_t mq, int64_t nk, float scale, float* s,
+                                      const void* prefetch, int64_t prefetch_bytes) {
+  Prefetcher pf(prefetch, prefetch_bytes, ((nk + 31) / 32) * (p / 2));
+  pf.to_l2 = true;
+  GroupScoresImpl(q, kt, ld, p, mq, nk, scale, s, pf);
+  pf.Rest();
+}
+
+MHA_MULTIVERSION void GroupContext(const float* probs, const float* v, int64_t p, int64_t mq,
+                                   int64_t nk, float* o, const void* prefetch,
+                                   int64_t prefetch_bytes) {
+  Prefetcher pf(prefetch, prefetch_bytes, ((p + 63) / 64) * (nk / 2));
+  pf.to_l2 = true;
+  GroupContextImpl(probs, v, p, mq, nk, o, pf);
+  pf.Rest();
+}
+
+MHA_MULTIVERSION void GroupContextBf16(const float* probs, const uint16_t* v, int64_t p, int64_t mq,
+                                       int64_t nk, float* o, const void* prefetch,
+                                       int64_t prefetch_bytes) {
+  Prefetcher pf(prefetch, prefetch_bytes, ((p + 63) / 64) * (nk / 2));
+  pf.to_l2 = true;
+  GroupContextImpl(probs, v, p, mq, nk, o, pf);
   pf.Rest();
 }
 

@@ -53,6 +53,27 @@ void SmallContextBf16(const float* probs, const uint16_t* v, int64_t p, int64_t 
                       float* o, const void* prefetch = nullptr,
                       int64_t prefetch_bytes = 0);  // accumulates
 
+// The paged pass's kernels for a grouped-query group: the query rows of every query
+// head sharing one key/value head (times the step's new tokens) against one cache
+// block, with the same results as TransposedScores(Bf16) and SmallContext(Bf16)
+// (accumulating) up to the order of f32 additions. Rows go in register-blocked
+// groups of up to 8: each vector of keys (scores) or of a value row (context) is
+// loaded once for all of a group's rows, instead of once per row, so the block
+// streams through once per group and the multiply-adds of the rows run side by side.
+//   GroupScores:  s (mq, nk) = scale * q (mq, p) kt[:, :nk], kt (p, ld)
+//   GroupContext: o (mq, p) += probs (mq, nk) v (nk, p)
+// prefetch (prefetch_bytes) is fetched over the loops as in the kernels above, but into
+// L2 only (prefetcht2), which keeps more reads in flight than prefetches into L1.
+void GroupScores(const float* q, const float* kt, int64_t ld, int64_t p, int64_t mq, int64_t nk,
+                 float scale, float* s, const void* prefetch = nullptr, int64_t prefetch_bytes = 0);
+void GroupScoresBf16(const float* q, const uint16_t* kt, int64_t ld, int64_t p, int64_t mq,
+                     int64_t nk, float scale, float* s, const void* prefetch = nullptr,
+                     int64_t prefetch_bytes = 0);
+void GroupContext(const float* probs, const float* v, int64_t p, int64_t mq, int64_t nk, float* o,
+                  const void* prefetch = nullptr, int64_t prefetch_bytes = 0);
+void GroupContextBf16(const float* probs, const uint16_t* v, int64_t p, int64_t mq, int64_t nk,
+                      float* o, const void* prefetch = nullptr, int64_t prefetch_bytes = 0);
+
 // A few rows through a weight matrix W (n, k): y (m, n) = x (m, k) W^T + b, row
 // strides ldx and ldy. A few rows (a decode step's projections) read every weight
 // once for 2m FLOPs, so they run at the rate W streams from memory; a general GEMM's

@@ -32,22 +32,25 @@ int64_t PagedRows(int64_t n) {
   return rows;
 }
 
-// The paged kernels by the cache's element type: f32, or bf16 held as uint16_t.
+// The paged kernels by the cache's element type: f32, or bf16 held as uint16_t. A
+// task's rows (its query heads sharing one key/value head, times its queries) go
+// through each block together, in register-blocked groups (kernels::GroupScores,
+// GroupContext): the block streams in once per group of up to 8 rows, not per row.
 inline void BlockScores(const float* q, const float* kt, int64_t ld, int64_t p, int64_t mq,
                         int64_t nk, float scale, float* s, const void* prefetch, int64_t bytes) {
-  kernels::TransposedScores(q, kt, ld, p, mq, nk, scale, s, prefetch, bytes);
+  kernels::GroupScores(q, kt, ld, p, mq, nk, scale, s, prefetch, bytes);
 }
 inline void BlockScores(const float* q, const uint16_t* kt, int64_t ld, int64_t p, int64_t mq,
                         int64_t nk, float scale, float* s, const void* prefetch, int64_t bytes) {
-  kernels::TransposedScoresBf16(q, kt, ld, p, mq, nk, scale, s, prefetch, bytes);
+  kernels::GroupScoresBf16(q, kt, ld, p, mq, nk, scale, s, prefetch, bytes);
 }
 inline void BlockContext(const float* probs, const float* v, int64_t p, int64_t mq, int64_t nk,
                          float* o, const void* prefetch, int64_t bytes) {
-  kernels::SmallContext(probs, v, p, mq, nk, /*accumulate=*/true, o, prefetch, bytes);
+  kernels::GroupContext(probs, v, p, mq, nk, o, prefetch, bytes);
 }
 inline void BlockContext(const float* probs, const uint16_t* v, int64_t p, int64_t mq, int64_t nk,
                          float* o, const void* prefetch, int64_t bytes) {
-  kernels::SmallContextBf16(probs, v, p, mq, nk, o, prefetch, bytes);
+  kernels::GroupContextBf16(probs, v, p, mq, nk, o, prefetch, bytes);
 }
 inline void ToCache(const float* x, float* y, int64_t n) { std::copy_n(x, n, y); }
 inline void ToCache(const float* x, uint16_t* y, int64_t n) { kernels::ToBf16(x, y, n); }
@@ -78,9 +81,9 @@ void StoreRows(KvSequence& cache, int64_t n, const float* k, const float* v, int
 }  // namespace
 
 // Paged attention: a query-row block of one head of one step, over its cache's
-// blocks with an online softmax. Plain loops (kernels::TransposedScores,
-// SmallContext): a decode step is one query row against kBlockTokens keys per
-// block, far below what a oneDNN primitive's dispatch is worth.
+// blocks with an online softmax. Plain loops (kernels::GroupScores,
+// GroupContext): a decode step is a few query rows (h / G) against kBlockTokens
+// keys per block, far below what a oneDNN primitive's dispatch is worth.
 template <typename T>
 void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratch& scratch) const {
   constexpr int64_t kBt = KvCachePool::kBlockTokens;

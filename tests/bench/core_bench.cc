@@ -240,6 +240,77 @@ BENCHMARK(BM_DecodeStep)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
+// The attention-only worker's decode step in the core alone (issue 35; the serving
+// figure is tests/bench/attention_only_bench.py): 16 sessions of
+// deploy/models_llm/llama_attention_only's heads (h 32, G 8 or 32, d_h 128, no
+// projections), their caches filled to 4,032 tokens (appended without attending),
+// then one call of one causal token per session per iteration, 64 iterations (context
+// 4,033-4,096). cache GB/s: the bytes of the cache the steps read (2 G d_h f32 or
+// bf16 per token) over wall time.
+//   build/release/tests/bench/mha_core_bench --benchmark_filter=Decode/attention_only
+void BM_AttentionOnlyDecode(benchmark::State& state) {
+  const int64_t kv_heads = state.range(0);
+  const bool bf16 = state.range(1) != 0;
+  constexpr int64_t kSessions = 16, kContext = 4032, kSteps = 64, kHeads = 32, kDh = 128;
+  ModelConfig config;
+  config.num_heads = kHeads;
+  config.num_kv_heads = kv_heads;
+  config.num_hiddens = config.query_size = kHeads * kDh;
+  config.key_size = config.value_size = kv_heads * kDh;
+  config.projections = Projections::kNone;
+  if (bf16) config.kv_cache_precision = Precision::kBf16;
+  auto mha = MultiHeadAttention::Create(config, Weights{}).value();
+  const int64_t E = kHeads * kDh, Ekv = kv_heads * kDh, elem = bf16 ? 2 : 4;
+  KvCachePool pool(kSessions * (kContext + kSteps + KvCachePool::kBlockTokens) * 2 * Ekv * elem);
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> kv(kContext * Ekv), q(kSessions * E), k(kSessions * Ekv), v(kSessions * Ekv);
+  for (float& x : kv) x = dist(rng);
+  for (float& x : q) x = dist(rng);
+  for (float& x : k) x = dist(rng);
+  for (float& x : v) x = dist(rng);
+  std::vector<float> out(kSessions * E), lse(kSessions * kHeads);
+  std::vector<std::unique_ptr<KvSequence>> caches;
+  for (int64_t s = 0; s < kSessions; ++s) {
+    caches.push_back(std::make_unique<KvSequence>(&pool, kv_heads, kDh, bf16));
+    if (!caches.back()->Reserve(kContext).ok()) return state.SkipWithError("pool");
+    const PagedStep fill{.num_keys = kContext,
+                         .keys = kv.data(),
+                         .values = kv.data(),
+                         .cache = caches.back().get()};
+    if (!mha->ForwardPaged({&fill, 1}).ok()) return state.SkipWithError("fill");
+  }
+  std::vector<PagedStep> batch(kSessions);
+  double bytes = 0;
+  for (auto _ : state) {
+    for (int64_t s = 0; s < kSessions; ++s) {
+      if (!caches[s]->Reserve(1).ok()) return state.SkipWithError("pool");
+      bytes += static_cast<double>((caches[s]->size() + 1) * 2 * Ekv * elem);
+      batch[s] = {.num_queries = 1,
+                  .queries = q.data() + s * E,
+                  .num_keys = 1,
+                  .keys = k.data() + s * Ekv,
+                  .values = v.data() + s * Ekv,
+                  .causal = true,
+                  .cache = caches[s].get(),
+                  .output = out.data() + s * E,
+                  .lse = lse.data() + s * kHeads};
+    }
+    if (!mha->ForwardPaged(batch).ok()) return state.SkipWithError("ForwardPaged");
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.counters["cache GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsRate);
+  state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(kSessions),
+                                                  benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_AttentionOnlyDecode)
+    ->Name("Decode/attention_only")
+    ->ArgNames({"G", "bf16"})
+    ->ArgsProduct({{8, 32}, {0, 1}})
+    ->Iterations(64)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
 // Causal prefill of 2,048 tokens (self-attention, B 1) on a grouped-query rotary
 // layer (p_o 2048, h 16, G 4, rope theta 10000 over the whole head, no bias) and on
 // the same-size multi-head layer without rope: issue 34's bound is the first within
