@@ -94,7 +94,10 @@ void RequestPath::Submit(const Call& call,
   if (absl::Status admitted = batcher_->Admit(model->get()); !admitted.ok()) {
     return refuse(admitted);
   }
-  absl::StatusOr<Prepared> prepared = decode(**model);
+  absl::StatusOr<Prepared> prepared = [&] {
+    ScopedSharedMemory regions(shared_memory_);
+    return decode(**model);
+  }();
   if (!prepared.ok()) return refuse(prepared.status());
   meter.Accepted(prepared->request);
   absl::Status submitted = batcher_->Submit(WorkItem{
@@ -106,8 +109,9 @@ void RequestPath::Submit(const Call& call,
       .deadline = std::min(call.deadline, prepared->deadline),
       .cancelled = call.cancelled,
       .done =
-          [meter, models = models_, answer](absl::Status status,
-                                            const ComputeTiming& timing) mutable {
+          [meter, models = models_, answer, finish = std::move(prepared->finish)](
+              absl::Status status, const ComputeTiming& timing) mutable {
+            if (status.ok() && finish) status = finish();
             meter.Answered(status, *models, "", timing);
             answer(std::move(status), timing);
           },
