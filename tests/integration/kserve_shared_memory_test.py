@@ -18,6 +18,7 @@ import concurrent.futures
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -647,6 +648,40 @@ class LimitsTest(Case):
     def tearDown(self):
         for region in self.regions:
             region.destroy()
+
+
+class ClientTest(Case):
+    """attention_client infer|bench --protocol=kserve --shared_memory=system: the
+    same answer as inline, and no region left behind (created, registered, unlinked
+    at once, unregistered on exit)."""
+
+    def client(self, *args):
+        binary = os.path.join(os.path.dirname(os.path.dirname(BINARY)), "client",
+                              "attention_client")
+        if not os.path.exists(binary):
+            self.skipTest(f"no {binary}")
+        return subprocess.run([binary, *args, "--protocol=kserve", f"--target={self.target}"],
+                              capture_output=True, text=True, timeout=120)
+
+    def test_infer_and_bench(self):
+        before = set(os.listdir("/dev/shm"))
+        request = ["--batch=2", "--num_queries=3", "--num_keys=5", "--valid_lens=5,2",
+                   "--return_attention"]
+        shm = self.client("infer", "--shared_memory=system", *request)
+        inline = self.client("infer", *request)
+        self.assertEqual(shm.returncode, 0, shm.stderr)
+        self.assertEqual(inline.returncode, 0, inline.stderr)
+        strip = lambda text: [l for l in text.splitlines() if not l.startswith("time:")]
+        self.assertEqual(strip(shm.stdout), strip(inline.stdout))
+        bench = self.client("bench", "--shared_memory=system", "--concurrency=1:2",
+                            "--duration=2s", "--warmup=0.2s", "--window=0.5s")
+        self.assertEqual(bench.returncode, 0, bench.stderr)
+        self.assertIn("failed: 0", bench.stdout)
+        self.assertEqual(len(self.status().regions), 0)  # unregistered on exit
+        self.assertEqual(set(os.listdir("/dev/shm")) - before, set())  # unlinked
+        refused = self.client("bench", "--shared_memory=system", "--mode=stream")
+        self.assertEqual(refused.returncode, 2, refused.stderr)
+        self.assertIn("--shared_memory=system", refused.stderr)
 
 
 def non_loopback_address():
