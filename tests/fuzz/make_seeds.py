@@ -211,6 +211,15 @@ def http_body_seeds():
             "outputs": [{"name": "y", "parameters": {"binary_data": True, "p": 2}}]})),
         "huge_shape": http_body(json.dumps({"inputs": [
             {"name": "x", "datatype": "FP32", "shape": [1 << 40, 3], "data": [[1, 2, 3]]}]})),
+        "shared_memory_mixed": http_body(json.dumps({
+            "parameters": {"binary_data_output": True},
+            "inputs": [
+                {"name": "queries", "datatype": "FP32", "shape": [1, 2, 2],
+                 "parameters": {"shared_memory_region": "in", "shared_memory_byte_size": 16,
+                                "shared_memory_offset": 64}},
+                {"name": "keys", "datatype": "FP32", "shape": [1], "data": [1.5]}],
+            "outputs": [{"name": "output", "parameters": {
+                "shared_memory_region": "out", "shared_memory_byte_size": 4096}}]})),
         "deep": http_body(b'{"inputs": [], "x": ' + b"[" * 40 + b"]" * 40 + b"}"),
         "bad_header_length": http_body(b'{"inputs": []}', -3, mode=2),
     }
