@@ -509,6 +509,15 @@ absl::StatusOr<ValidatedRequest> DecodeInferRequest(const ModelInferRequest& req
   }
   MHA_ASSIGN_OR_RETURN(Parsed parsed, ParseInputs(request));
   int64_t request_bytes = static_cast<int64_t>(request.ByteSizeLong());
+  // The bytes copied in from shared memory count in the request's size, checked
+  // before any is copied (no allocation proportional to what a request names).
+  for (int w = 0; w < kNumInputs; ++w) {
+    if (parsed.shm[w].has_value()) {
+      request_bytes += static_cast<int64_t>(std::min<uint64_t>(
+          parsed.shm[w]->byte_size, uint64_t{1} << 50));  // elements <= 2^40, bytes <= 8
+    }
+  }
+  MHA_RETURN_IF_ERROR(CheckRequestBytes(request_bytes, model));
   for (int w = 0; w < kNumInputs; ++w) {  // copied in from shared memory, then read as raw
     if (!parsed.shm[w].has_value()) continue;
     const SharedMemoryRef& ref = *parsed.shm[w];
@@ -521,7 +530,6 @@ absl::StatusOr<ValidatedRequest> DecodeInferRequest(const ModelInferRequest& req
                                                     read.message()));
     }
     parsed.raw[w] = &bytes;
-    request_bytes += static_cast<int64_t>(ref.byte_size);
   }
   RequestView view{.bytes = request_bytes,
                    .causal = causal,

@@ -642,8 +642,7 @@ class LimitsTest(Case):
         self.register("r2", region.key, 16, metadata=[("triton-grpc-protocol-shm-key", "secret")])
         self.assertRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, self.register, "r3", region.key,
                             16, metadata=key, names=["--shared_memory_max_regions"])
-        self.inf.SystemSharedMemoryUnregister(API.inf.SystemSharedMemoryUnregisterRequest(),
-                                              timeout=TIMEOUT, metadata=key)
+
 
     def tearDown(self):
         for region in self.regions:
@@ -682,6 +681,26 @@ class ClientTest(Case):
         refused = self.client("bench", "--shared_memory=system", "--mode=stream")
         self.assertEqual(refused.returncode, 2, refused.stderr)
         self.assertIn("--shared_memory=system", refused.stderr)
+
+
+class RequestBytesTest(Case):
+    server_args = ["--shared_memory=system", "--max_request_bytes=100000"]
+
+    def test_region_bytes_count_against_max_request_bytes(self):
+        # Checked before any byte is read (no allocation proportional to what a
+        # request names).
+        big = uniform(61, 1, 300, D)  # 120000 bytes
+        large = self.region(big.nbytes)
+        large.set(0, big)
+        self.register("large", large.key, big.nbytes)
+        self.assertRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, self.infer,
+                            build_request([("queries", "FP32", big, ("large", big.nbytes, 0))]),
+                            names=["max_request_bytes"])
+        small = big[:, :100]  # 40000 bytes: fits
+        response = self.infer(build_request([("queries", "FP32", small,
+                                              ("large", small.nbytes, 0))]))
+        self.assertEqual(list(response.outputs[0].shape), [1, 100, P_O])
+        self.assertServing()
 
 
 def non_loopback_address():
