@@ -703,6 +703,74 @@ class RequestBytesTest(Case):
         self.assertServing()
 
 
+class TruncationUnderLoadTest(Case):
+    """Slow (--slow; MHA_SLOW_TESTS=1): eight clients send requests by region for
+    SECONDS while another thread truncates the file to a random size and grows it
+    back, again and again. Every answer is OK or FAILED_PRECONDITION naming the
+    region; the server stays up and answers correctly afterwards."""
+
+    SECONDS = 20
+
+    def test_truncation_under_load(self):
+        import random
+        import threading
+        q = uniform(70, 8, 64, D)
+        size = 2 * q.nbytes
+        region = self.region(size)
+        self.register("load", region.key, size)
+        path = f"/dev/shm/{region.shm.name}"
+        region.shm.close()  # no mapping of ours may see the file shrink
+        fd = os.open(path, os.O_RDWR)
+        os.pwrite(fd, q.tobytes(), 0)
+        request = build_request([("queries", "FP32", q, ("load", q.nbytes, 0))],
+                                [("output", ("load", 8 * 64 * P_O * 4, q.nbytes))])
+        stop = time.monotonic() + self.SECONDS
+        outcomes = {"OK": 0, "FAILED_PRECONDITION": 0}
+        lock = threading.Lock()
+        failures = []
+
+        def client():
+            while time.monotonic() < stop:
+                try:
+                    self.inf.ModelInfer(request, timeout=TIMEOUT)
+                    code = "OK"
+                except grpc.RpcError as e:
+                    code = e.code().name
+                    if code != "FAILED_PRECONDITION" or '"load"' not in e.details():
+                        failures.append((code, e.details()))
+                with lock:
+                    outcomes[code] = outcomes.get(code, 0) + 1
+
+        def truncator():
+            rng = random.Random(7)
+            while time.monotonic() < stop:
+                os.ftruncate(fd, rng.randrange(0, size))
+                time.sleep(rng.uniform(0.0, 0.02))
+                os.ftruncate(fd, size)
+                os.pwrite(fd, q.tobytes(), 0)
+                time.sleep(rng.uniform(0.0, 0.05))
+
+        threads = [threading.Thread(target=client) for _ in range(8)]
+        threads.append(threading.Thread(target=truncator))
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        os.ftruncate(fd, size)
+        os.pwrite(fd, q.tobytes(), 0)
+        self.assertEqual(failures, [])
+        self.assertGreater(outcomes["OK"], 0, outcomes)
+        self.assertGreater(outcomes["FAILED_PRECONDITION"], 0, outcomes)
+        print(f"truncation under load: {outcomes}", file=sys.stderr)
+        self.infer(request)
+        got = np.frombuffer(os.pread(fd, 8 * 64 * P_O * 4, q.nbytes), dtype="<f4")
+        want = self.inline([("queries", "FP32", q)])["output"]
+        self.assertLessEqual(max_abs_diff(got.reshape(8, 64, P_O), want), TOLERANCE)
+        os.close(fd)
+        region.shm = shared_memory.SharedMemory(name=region.shm.name)
+        self.assertServing()
+
+
 def non_loopback_address():
     """An address of this host that is not loopback, or None."""
     import socket
@@ -761,10 +829,19 @@ def main():
         print(__doc__)
         return 2
     BINARY, SOURCE = sys.argv[1], sys.argv[2]
+    rest = sys.argv[3:]
+    if "--slow" in rest:  # the slow label's run: truncation under load only
+        if os.environ.get("MHA_SLOW_TESTS") != "1":
+            print("skipped: slow (MHA_SLOW_TESTS=1 runs it)")
+            return 77
+        rest = [a for a in rest if a != "--slow"] + ["TruncationUnderLoadTest"]
+    else:
+        unittest.skip("slow: kserve_shared_memory_truncation_load runs it")(
+            TruncationUnderLoadTest)
     out_dir = tempfile.mkdtemp(prefix="kserve_shm_stubs_")
     try:
         API = load_api(SOURCE, out_dir)
-        program = unittest.main(argv=[sys.argv[0], *sys.argv[3:]], exit=False, verbosity=2)
+        program = unittest.main(argv=[sys.argv[0], *rest], exit=False, verbosity=2)
         return 0 if program.result.wasSuccessful() else 1
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
