@@ -349,8 +349,8 @@ absl::StatusOr<mha::client::Protocol> ProtocolFromFlags(const std::string& verb)
                        mha::client::ParseProtocol(absl::GetFlag(FLAGS_protocol)));
   if (const std::string shm = absl::GetFlag(FLAGS_shared_memory); shm != "none") {
     if (shm != "system") {
-      return UsageError(absl::StrCat("--shared_memory: expected system or none, got \"", shm,
-                                     "\""));
+      return UsageError(
+          absl::StrCat("--shared_memory: expected system or none, got \"", shm, "\""));
     }
     if (protocol != Protocol::kKServe) {
       return UsageError(
@@ -398,10 +398,10 @@ std::set<std::string> VerbFlags(const std::string& verb) {
   }
   if (verb == "infer") flags.insert({"output", "return_attention", "shared_memory"});
   if (verb == "bench") {
-    flags.insert({"shared_memory", "concurrency", "request_rate", "request_distribution", "mode", "streams", "rpc",
+    flags.insert({"concurrency", "request_rate", "request_distribution", "mode", "streams", "rpc",
                   "channels", "warmup", "window", "stable_windows", "stability", "max_windows",
                   "duration", "max_requests", "allow_errors", "max_errors", "json", "csv",
-                  "progress"});
+                  "progress", "shared_memory"});
   }
   if (verb == "heatmap") {
     flags.insert({"output", "json", "batch_index", "cell_size", "columns", "scale"});

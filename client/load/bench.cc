@@ -265,8 +265,10 @@ absl::StatusOr<BenchReport> RunBench(const BenchOptions& options, Connection& co
   if (options.shared_memory) {
     // A region per slot, created, registered and unlinked now, unregistered when
     // the run ends (payloads' destruction).
-    MHA_ASSIGN_OR_RETURN(const attention::v1::ModelInfo model, connection.GetModel(request.model()));
-    const OutputSizes outputs = OutputSizesOf(payloads.infer, model.num_hiddens(), model.num_heads());
+    MHA_ASSIGN_OR_RETURN(const attention::v1::ModelInfo model,
+                         connection.GetModel(request.model()));
+    const OutputSizes outputs =
+        OutputSizesOf(payloads.infer, model.num_hiddens(), model.num_heads());
     const uint64_t bytes = SharedMemoryBytes(payloads.infer, outputs);
     const int slots = *std::max_element(options.concurrency.begin(), options.concurrency.end());
     for (int i = 0; i < slots; ++i) {

@@ -311,7 +311,7 @@ class UnaryCalls final : public CallSender::Impl {
       const ModelInferRequest* infer =
           target_.slot_infer_requests != nullptr && !target_.slot_infer_requests->empty()
               ? &(*target_.slot_infer_requests)[static_cast<size_t>(slot) %
-                                                 target_.slot_infer_requests->size()]
+                                                target_.slot_infer_requests->size()]
               : target_.infer_request;
       infer_stubs_[channel]->async()->ModelInfer(
           &call->context, infer, &call->infer,

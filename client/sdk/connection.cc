@@ -1,7 +1,5 @@
 #include "client/sdk/connection.h"
 
-#include "client/sdk/shared_memory.h"
-
 #include <algorithm>
 #include <string>
 #include <utility>
@@ -12,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 #include "client/sdk/kserve.h"
+#include "client/sdk/shared_memory.h"
 #include "client/sdk/status.h"
 #include "proto/attention.grpc.pb.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"

@@ -76,17 +76,16 @@ absl::StatusOr<std::unique_ptr<SharedMemorySlot>> SharedMemorySlot::Create(
     if (fd < 0 && errno != EEXIST) break;
   }
   if (fd < 0) {
-    return absl::InternalError(
-        absl::StrCat("shm_open(\"/", name, "\"): ", std::strerror(errno)));
+    return absl::InternalError(absl::StrCat("shm_open(\"/", name, "\"): ", std::strerror(errno)));
   }
   const std::string key = "/" + name;
   if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
     const int error = errno;
     close(fd);
     shm_unlink(key.c_str());
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "ftruncate(\"", key, "\", ", bytes, "): ", std::strerror(error),
-        " (is /dev/shm large enough? docs/deploy.md, \"Shared memory\")"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("ftruncate(\"", key, "\", ", bytes, "): ", std::strerror(error),
+                     " (is /dev/shm large enough? docs/deploy.md, \"Shared memory\")"));
   }
   auto stub = inference::GRPCInferenceService::NewStub(channel);
   grpc::ClientContext context;
@@ -133,9 +132,8 @@ absl::StatusOr<inference::ModelInferRequest> SharedMemorySlot::Place(
     if (at + raw.size() > bytes_) {
       return absl::InvalidArgumentError("shared memory: the region is too small");
     }
-    if (!raw.empty() &&
-        pwrite(fd_, raw.data(), raw.size(), static_cast<off_t>(at)) !=
-            static_cast<ssize_t>(raw.size())) {
+    if (!raw.empty() && pwrite(fd_, raw.data(), raw.size(), static_cast<off_t>(at)) !=
+                            static_cast<ssize_t>(raw.size())) {
       return absl::InternalError(absl::StrCat("pwrite: ", std::strerror(errno)));
     }
     SetParameters(placed.mutable_inputs(i)->mutable_parameters(), name_, raw.size(), at);

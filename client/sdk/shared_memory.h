@@ -42,8 +42,7 @@ using OutputSizes = std::vector<std::pair<std::string, uint64_t>>;
 OutputSizes OutputSizesOf(const inference::ModelInferRequest& request, int64_t num_hiddens,
                           int64_t num_heads);
 // The region bytes `request` (raw inputs) and `outputs` take, aligned as placed.
-uint64_t SharedMemoryBytes(const inference::ModelInferRequest& request,
-                           const OutputSizes& outputs);
+uint64_t SharedMemoryBytes(const inference::ModelInferRequest& request, const OutputSizes& outputs);
 
 class SharedMemorySlot {
  public:
@@ -69,8 +68,8 @@ class SharedMemorySlot {
   absl::Status FillOutputs(inference::ModelInferResponse* response) const;
 
  private:
-  SharedMemorySlot(std::shared_ptr<grpc::Channel> channel, std::string name, int fd,
-                   uint64_t bytes, absl::Duration timeout)
+  SharedMemorySlot(std::shared_ptr<grpc::Channel> channel, std::string name, int fd, uint64_t bytes,
+                   absl::Duration timeout)
       : channel_(std::move(channel)),
         name_(std::move(name)),
         fd_(fd),

@@ -276,8 +276,8 @@ int main(int argc, char** argv) {
   if (const std::string shm = absl::GetFlag(FLAGS_shared_memory); shm == "system") {
     options.shared_memory = true;
   } else if (shm != "none") {
-    mha::ExitWithUsageError(absl::StrCat("--shared_memory: expected system or none, got \"",
-                                         shm, "\""));
+    mha::ExitWithUsageError(
+        absl::StrCat("--shared_memory: expected system or none, got \"", shm, "\""));
   }
   options.shared_memory_options.allow_remote = absl::GetFlag(FLAGS_shared_memory_allow_remote);
   options.shared_memory_options.max_regions = absl::GetFlag(FLAGS_shared_memory_max_regions);

@@ -208,10 +208,9 @@ absl::Status Server::StartServices() {
   if (options_.shared_memory) {
     shared_memory_ = std::make_unique<SharedMemoryRegistry>(options_.shared_memory_options);
   }
-  path_ = std::make_unique<RequestPath>(models_.get(), batcher_.get(), metrics_.get(),
-                                        restricted_.get(),
-                                        options_.log_requests ? AccessLog(LogAccess) : nullptr,
-                                        shared_memory_.get());
+  path_ = std::make_unique<RequestPath>(
+      models_.get(), batcher_.get(), metrics_.get(), restricted_.get(),
+      options_.log_requests ? AccessLog(LogAccess) : nullptr, shared_memory_.get());
   service_ = std::make_unique<AttentionServiceImpl>(models_.get(), path_.get(), sessions_.get());
   kserve_models_ = std::make_unique<KserveModels>(models_.get(), states_.get(), lifecycle_.get());
   inference_service_ = std::make_unique<InferenceServiceImpl>(models_.get(), path_.get(),

@@ -84,9 +84,9 @@ absl::StatusOr<std::optional<SharedMemoryRef>> ParseSharedMemory(const Parameter
   const std::string prefix = absl::StrCat(field, ".parameters.");
   const auto region = parameters.find(kRegion);
   if (region == parameters.end()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        prefix, kRegion, ": required with ", kByteSize, " and ", kOffset,
-        " (Triton's system shared memory)"));
+    return absl::InvalidArgumentError(absl::StrCat(prefix, kRegion, ": required with ", kByteSize,
+                                                   " and ", kOffset,
+                                                   " (Triton's system shared memory)"));
   }
   if (region->second.parameter_choice_case() != InferParameter::kStringParam ||
       region->second.string_param().empty()) {
@@ -96,8 +96,7 @@ absl::StatusOr<std::optional<SharedMemoryRef>> ParseSharedMemory(const Parameter
   const std::string& name = region->second.string_param();
   const auto size = parameters.find(kByteSize);
   if (size == parameters.end()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(prefix, kByteSize, ": required with ", kRegion));
+    return absl::InvalidArgumentError(absl::StrCat(prefix, kByteSize, ": required with ", kRegion));
   }
   SharedMemoryRef ref;
   MHA_ASSIGN_OR_RETURN(ref.byte_size, UnsignedParameter(size->second, prefix + kByteSize));
@@ -119,9 +118,8 @@ absl::StatusOr<std::optional<SharedMemoryRef>> ParseSharedMemory(const Parameter
   const uint64_t region_bytes = ref.region->spec().byte_size;
   if (!RangeFits(ref.offset, ref.byte_size, region_bytes)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        prefix, kOffset, " ", ref.offset, " + ", kByteSize, " ", ref.byte_size,
-        " is beyond the ", region_bytes, " bytes of shared memory region \"", Abbreviate(name),
-        "\""));
+        prefix, kOffset, " ", ref.offset, " + ", kByteSize, " ", ref.byte_size, " is beyond the ",
+        region_bytes, " bytes of shared memory region \"", Abbreviate(name), "\""));
   }
   return ref;
 }
@@ -169,8 +167,8 @@ absl::StatusOr<Parsed> ParseInputs(const ModelInferRequest& request) {
           request.inputs_size(), " inputs; give one per input, in the order of inputs"));
     }
     return absl::InvalidArgumentError(absl::StrCat(
-        "raw_input_contents: ", request.raw_input_contents_size(), " entries for ",
-        inline_inputs, " inputs not in shared memory; give one per such input, in the order of "
+        "raw_input_contents: ", request.raw_input_contents_size(), " entries for ", inline_inputs,
+        " inputs not in shared memory; give one per such input, in the order of "
         "inputs (shared-memory inputs have none)"));
   }
   int raw_index = 0;
@@ -201,9 +199,9 @@ absl::StatusOr<Parsed> ParseInputs(const ModelInferRequest& request) {
       const uint64_t bytes =
           static_cast<uint64_t>(elements) * static_cast<uint64_t>(ElementBytes(input.datatype()));
       if (shm->byte_size != bytes) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            field, ".parameters.", kByteSize, ": shape ", ShapeString(input.shape()), " of ",
-            input.datatype(), " is ", bytes, " bytes, got ", shm->byte_size));
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ".parameters.", kByteSize, ": shape ", ShapeString(input.shape()),
+                         " of ", input.datatype(), " is ", bytes, " bytes, got ", shm->byte_size));
       }
       parsed.shm[w] = *std::move(shm);
     } else if (raw) {
@@ -433,13 +431,12 @@ absl::Status CheckSharedMemoryOutputs(const Parsed& parsed, const ValidatedReque
                                                      : validated.output_elements();
     const uint64_t bytes = static_cast<uint64_t>(elements) * sizeof(float);
     if (out.byte_size < bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          out.field, ".parameters.", kByteSize, ": ", out.byte_size, " bytes, but the output is ",
-          bytes, " bytes (", elements, " FP32 values)"));
+      return absl::InvalidArgumentError(absl::StrCat(out.field, ".parameters.", kByteSize, ": ",
+                                                     out.byte_size, " bytes, but the output is ",
+                                                     bytes, " bytes (", elements, " FP32 values)"));
     }
     out.values->resize(static_cast<size_t>(elements));
-    outputs.push_back(
-        {out.field, out.region.get(), out.region->spec().offset + out.offset, bytes});
+    outputs.push_back({out.field, out.region.get(), out.region->spec().offset + out.offset, bytes});
   }
   for (size_t o = 0; o < outputs.size(); ++o) {
     const ByteRange& out = outputs[o];
@@ -450,16 +447,16 @@ absl::Status CheckSharedMemoryOutputs(const Parsed& parsed, const ValidatedReque
     };
     for (const ByteRange& in : inputs) {
       if (clash(in)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            Describe(out), " overlaps ", Describe(in),
-            "; an output's shared memory must not overlap an input's"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(Describe(out), " overlaps ", Describe(in),
+                         "; an output's shared memory must not overlap an input's"));
       }
     }
     for (size_t p = 0; p < o; ++p) {
       if (clash(outputs[p])) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            Describe(out), " overlaps ", Describe(outputs[p]),
-            "; outputs' shared memory must not overlap"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(Describe(out), " overlaps ", Describe(outputs[p]),
+                         "; outputs' shared memory must not overlap"));
       }
     }
   }
@@ -472,8 +469,8 @@ std::function<absl::Status()> WriteSharedMemoryOutputs(const InferDecoded& decod
   if (decoded.shared_memory_outputs.empty()) return nullptr;
   return [outputs = decoded.shared_memory_outputs]() -> absl::Status {
     for (const SharedMemoryOutput& out : outputs) {
-      absl::Status written = out.region->Write(out.offset, out.values->data(),
-                                               out.values->size() * sizeof(float));
+      absl::Status written =
+          out.region->Write(out.offset, out.values->data(), out.values->size() * sizeof(float));
       if (!written.ok()) {
         return absl::Status(written.code(), absl::StrCat(out.field, ".parameters.", kRegion, ": ",
                                                          written.message()));
@@ -523,11 +520,9 @@ absl::StatusOr<ValidatedRequest> DecodeInferRequest(const ModelInferRequest& req
     const SharedMemoryRef& ref = *parsed.shm[w];
     std::string& bytes = decoded->shared_memory_inputs[w];
     bytes.resize(static_cast<size_t>(ref.byte_size));
-    if (absl::Status read = ref.region->Read(ref.offset, ref.byte_size, bytes.data());
-        !read.ok()) {
+    if (absl::Status read = ref.region->Read(ref.offset, ref.byte_size, bytes.data()); !read.ok()) {
       return absl::Status(read.code(), absl::StrCat(Field(parsed.index[w], kInputNames[w]),
-                                                    ".parameters.", kRegion, ": ",
-                                                    read.message()));
+                                                    ".parameters.", kRegion, ": ", read.message()));
     }
     parsed.raw[w] = &bytes;
   }

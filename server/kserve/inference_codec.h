@@ -79,8 +79,8 @@ namespace mha::server {
 
 // An output the request asked to have written into a shared-memory region.
 struct SharedMemoryOutput {
-  std::string name;   // "output", "attention" or "lse"
-  std::string field;  // outputs[i] ("name"), for messages
+  std::string name;                                  // "output", "attention" or "lse"
+  std::string field;                                 // outputs[i] ("name"), for messages
   std::shared_ptr<const SharedMemoryRegion> region;  // held until written
   uint64_t offset = 0;                               // from the region's start
   uint64_t byte_size = 0;                            // as the request gave it

@@ -119,8 +119,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::SystemSharedMemoryUnregister(
   if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kSharedMemory, context); !allowed.ok()) {
     return Reply(context, allowed);
   }
-  absl::StatusOr<SharedMemoryRegistry*> registry =
-      Registry(*path_, "SystemSharedMemoryUnregister");
+  absl::StatusOr<SharedMemoryRegistry*> registry = Registry(*path_, "SystemSharedMemoryUnregister");
   if (!registry.ok()) return Reply(context, registry.status());
   (*registry)->Unregister(request->name());
   return Reply(context, absl::OkStatus());

@@ -433,10 +433,10 @@ absl::Status ParseInput(size_t index, const Json& json, BinaryPart* binary,
   // (server/kserve/inference_codec.h checks the parameters); no raw entry.
   if (tensor->parameters().contains("shared_memory_region")) {
     if (data != json.end() || binary_size.has_value()) {
-      return Invalid(input.label,
-                     absl::StrCat("has parameters.shared_memory_region and ",
-                                  data != json.end() ? "data" : "parameters.binary_data_size",
-                                  "; send one"));
+      return Invalid(
+          input.label,
+          absl::StrCat("has parameters.shared_memory_region and ",
+                       data != json.end() ? "data" : "parameters.binary_data_size", "; send one"));
     }
     return absl::OkStatus();
   }
@@ -649,8 +649,8 @@ absl::StatusOr<HttpBody> Encode(const ModelInferRequest& request,
       // Written into the client's region (Triton's system shared memory): the entry
       // carries its parameters and no data; its raw_output_contents entry is empty.
       if (!raw.empty()) {
-        return absl::InternalError(absl::StrCat(label, ": a shared-memory output with ",
-                                                raw.size(), " bytes of raw_output_contents"));
+        return absl::InternalError(absl::StrCat(label, ": a shared-memory output with ", raw.size(),
+                                                " bytes of raw_output_contents"));
       }
       OrderedJson entry = OrderedJson::object();
       entry["name"] = output.name();

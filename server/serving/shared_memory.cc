@@ -99,10 +99,10 @@ absl::Status SharedMemoryRegion::Read(uint64_t offset, uint64_t bytes, void* out
     const ssize_t got = pread(fd_, to, bytes, static_cast<off_t>(at));
     if (got < 0 && errno == EINTR) continue;
     if (got <= 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "shared memory region ", Quoted(spec_.name), " (key ", Quoted(spec_.key),
-          "): cannot read ", bytes, " bytes at file offset ", at, ": ",
-          got == 0 ? "the file was truncated" : Errno(errno)));
+      return absl::FailedPreconditionError(
+          absl::StrCat("shared memory region ", Quoted(spec_.name), " (key ", Quoted(spec_.key),
+                       "): cannot read ", bytes, " bytes at file offset ", at, ": ",
+                       got == 0 ? "the file was truncated" : Errno(errno)));
     }
     to += got;
     at += static_cast<uint64_t>(got);
@@ -116,10 +116,10 @@ absl::Status SharedMemoryRegion::Write(uint64_t offset, const void* data, uint64
   uint64_t at = spec_.offset + offset;
   struct stat st {};
   if (fstat(fd_, &st) != 0 || static_cast<uint64_t>(st.st_size) < at + bytes) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "shared memory region ", Quoted(spec_.name), " (key ", Quoted(spec_.key),
-        "): cannot write ", bytes, " bytes at file offset ", at,
-        ": the file was truncated to ", st.st_size, " bytes"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("shared memory region ", Quoted(spec_.name), " (key ", Quoted(spec_.key),
+                     "): cannot write ", bytes, " bytes at file offset ", at,
+                     ": the file was truncated to ", st.st_size, " bytes"));
   }
   const char* from = static_cast<const char*>(data);
   while (bytes > 0) {
@@ -164,9 +164,9 @@ absl::Status SharedMemoryRegistry::Register(const RegionSpec& spec, bool peer_is
                                                  " is already registered; unregister it first"));
   }
   if (static_cast<int64_t>(regions_.size()) >= options_.max_regions) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "shared memory region ", Quoted(spec.name), ": ", regions_.size(),
-        " regions are registered, the most --shared_memory_max_regions allows"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("shared memory region ", Quoted(spec.name), ": ", regions_.size(),
+                     " regions are registered, the most --shared_memory_max_regions allows"));
   }
   if (spec.byte_size > static_cast<uint64_t>(options_.max_bytes - bytes_)) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -189,10 +189,10 @@ absl::Status SharedMemoryRegistry::Register(const RegionSpec& spec, bool peer_is
   }
   if (st.st_uid != geteuid()) {
     close(fd);
-    return absl::PermissionDeniedError(absl::StrCat(
-        "shared memory region ", Quoted(spec.name), ": key ", Quoted(spec.key),
-        ": owned by uid ", st.st_uid, ", not the server's uid ", geteuid(),
-        "; create it as the server's user (mode 0600)"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("shared memory region ", Quoted(spec.name), ": key ", Quoted(spec.key),
+                     ": owned by uid ", st.st_uid, ", not the server's uid ", geteuid(),
+                     "; create it as the server's user (mode 0600)"));
   }
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   if (!RangeFits(spec.offset, spec.byte_size, size)) {
@@ -223,8 +223,7 @@ void SharedMemoryRegistry::Unregister(absl::string_view name) {
   regions_.erase(it);
 }
 
-absl::StatusOr<std::vector<RegionSpec>> SharedMemoryRegistry::Status(
-    absl::string_view name) const {
+absl::StatusOr<std::vector<RegionSpec>> SharedMemoryRegistry::Status(absl::string_view name) const {
   std::vector<RegionSpec> out;
   absl::MutexLock lock(&mu_);
   if (name.empty()) {

@@ -16,8 +16,8 @@
 #include <unistd.h>
 
 #include <cstddef>
-#include <cstdlib>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -74,8 +74,8 @@ bool Documented(const absl::Status& status) {
 void CheckArithmetic(uint64_t a, uint64_t a_bytes, uint64_t b, uint64_t b_bytes) {
   using u128 = unsigned __int128;
   MHA_FUZZ_CHECK(mha::server::RangeFits(a, a_bytes, b) == (u128{a} + a_bytes <= u128{b}));
-  const bool overlap = a_bytes != 0 && b_bytes != 0 && u128{a} < u128{b} + b_bytes &&
-                       u128{b} < u128{a} + a_bytes;
+  const bool overlap =
+      a_bytes != 0 && b_bytes != 0 && u128{a} < u128{b} + b_bytes && u128{b} < u128{a} + a_bytes;
   MHA_FUZZ_CHECK(mha::server::RangesOverlap(a, a_bytes, b, b_bytes) == overlap);
   MHA_FUZZ_CHECK(mha::server::RangesOverlap(b, b_bytes, a, a_bytes) == overlap);
 }

@@ -96,9 +96,9 @@ TEST(SharedMemoryArithmeticTest, Keys) {
 }
 
 TEST(SharedMemoryArithmeticTest, LoopbackPeers) {
-  for (const char* peer : {"ipv4:127.0.0.1:5000", "ipv4:127.3.2.1:1", "ipv6:[::1]:5000",
-                           "ipv6:[::ffff:127.0.0.1]:80", "unix:/tmp/s", "127.0.0.1", "::1",
-                           "[::1]", "unix-abstract:x"}) {
+  for (const char* peer :
+       {"ipv4:127.0.0.1:5000", "ipv4:127.3.2.1:1", "ipv6:[::1]:5000", "ipv6:[::ffff:127.0.0.1]:80",
+        "unix:/tmp/s", "127.0.0.1", "::1", "[::1]", "unix-abstract:x"}) {
     EXPECT_TRUE(IsLoopbackPeer(peer)) << peer;
   }
   for (const char* peer : {"ipv4:192.0.2.2:5000", "ipv6:[fd00::2]:5000", "ipv6:[::ffff:10.0.0.1]:1",
@@ -242,9 +242,9 @@ TEST(SharedMemoryAnswersTest, RegisterBody) {
   EXPECT_EQ(spec->offset, 8u);
   EXPECT_EQ(spec->byte_size, 16u);
   EXPECT_EQ(ParseRegisterBody("r", R"({"key": "/k", "byte_size": 16})")->offset, 0u);
-  EXPECT_EQ(ParseRegisterBody("r", R"({"key": "/k", "byte_size": 18446744073709551615})")
-                ->byte_size,
-            kMax);
+  EXPECT_EQ(
+      ParseRegisterBody("r", R"({"key": "/k", "byte_size": 18446744073709551615})")->byte_size,
+      kMax);
   for (const auto& [body, names] : std::vector<std::pair<std::string, std::string>>{
            {"", "invalid JSON"},
            {"{", "invalid JSON"},
@@ -281,9 +281,8 @@ TEST(SharedMemoryAnswersTest, RoutesAnswer) {
   EXPECT_EQ(SharedMemoryRegisterBody(&registry, "s", body, false).code(),
             absl::StatusCode::kPermissionDenied);
   const nlohmann::json status = nlohmann::json::parse(*SharedMemoryStatusBody(&registry, "r"));
-  EXPECT_EQ(status, nlohmann::json::parse(absl::StrCat(
-                        R"([{"name": "r", "key": ")", file.key(),
-                        R"(", "offset": 0, "byte_size": 64}])")));
+  EXPECT_EQ(status, nlohmann::json::parse(absl::StrCat(R"([{"name": "r", "key": ")", file.key(),
+                                                       R"(", "offset": 0, "byte_size": 64}])")));
   EXPECT_EQ(SharedMemoryStatusBody(&registry, "s").status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(SharedMemoryUnregister(&registry, "s").ok());
   EXPECT_TRUE(SharedMemoryUnregister(&registry, "").ok());
