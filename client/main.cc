@@ -98,6 +98,11 @@ ABSL_FLAG(std::string, output, "",
 ABSL_FLAG(bool, return_attention, false, "infer: also ask for the attention weights.");
 
 // bench.
+ABSL_FLAG(std::string, shared_memory, "none",
+          "infer, bench: system sends tensors through POSIX shared-memory regions "
+          "registered with the server (Triton's system shared memory; --protocol=kserve, "
+          "a server on this host started with --shared_memory=system; bench: one region "
+          "per concurrency slot, unary calls), or none.");
 ABSL_FLAG(std::string, concurrency, "1",
           "bench: requests in flight, N or a sweep START:END[:STEP|:xFACTOR], e.g. 1:64:x2.");
 ABSL_FLAG(std::string, request_rate, "",
@@ -282,6 +287,7 @@ absl::StatusOr<mha::client::BenchOptions> BenchFromFlags() {
   bench.max_errors = absl::GetFlag(FLAGS_max_errors);
   MHA_ASSIGN_OR_RETURN(bench.allowed_errors, ParseAllowErrors(absl::GetFlag(FLAGS_allow_errors)));
   bench.seed = absl::GetFlag(FLAGS_seed);
+  bench.shared_memory = absl::GetFlag(FLAGS_shared_memory) == "system";
   return bench;
 }
 
@@ -298,6 +304,7 @@ mha::client::ChannelOptions ChannelFromFlags(mha::client::Protocol protocol, boo
     channel.targets.emplace_back(t);
   }
   channel.tls = absl::GetFlag(FLAGS_tls);
+  channel.shared_memory = absl::GetFlag(FLAGS_shared_memory) == "system";
   channel.tls_ca = absl::GetFlag(FLAGS_tls_ca);
   channel.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   channel.tls_key = absl::GetFlag(FLAGS_tls_key);
@@ -340,6 +347,16 @@ absl::StatusOr<mha::client::Protocol> ProtocolFromFlags(const std::string& verb)
   using mha::client::Protocol;
   MHA_ASSIGN_OR_RETURN(const Protocol protocol,
                        mha::client::ParseProtocol(absl::GetFlag(FLAGS_protocol)));
+  if (const std::string shm = absl::GetFlag(FLAGS_shared_memory); shm != "none") {
+    if (shm != "system") {
+      return UsageError(
+          absl::StrCat("--shared_memory: expected system or none, got \"", shm, "\""));
+    }
+    if (protocol != Protocol::kKServe) {
+      return UsageError(
+          "--shared_memory=system: registers regions over gRPC; use --protocol=kserve");
+    }
+  }
   if (protocol == Protocol::kAttention) return protocol;
   const std::string flag = absl::StrCat("--protocol=", mha::client::ProtocolName(protocol));
   if (verb != "infer" && verb != "bench") {
@@ -379,12 +396,12 @@ std::set<std::string> VerbFlags(const std::string& verb) {
   if (verb == "infer" || verb == "bench" || verb == "heatmap" || verb == "heads") {
     flags = kRequestFlags;
   }
-  if (verb == "infer") flags.insert({"output", "return_attention"});
+  if (verb == "infer") flags.insert({"output", "return_attention", "shared_memory"});
   if (verb == "bench") {
     flags.insert({"concurrency", "request_rate", "request_distribution", "mode", "streams", "rpc",
                   "channels", "warmup", "window", "stable_windows", "stability", "max_windows",
                   "duration", "max_requests", "allow_errors", "max_errors", "json", "csv",
-                  "progress"});
+                  "progress", "shared_memory"});
   }
   if (verb == "heatmap") {
     flags.insert({"output", "json", "batch_index", "cell_size", "columns", "scale"});

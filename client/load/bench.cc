@@ -11,6 +11,7 @@
 #include "client/sdk/channel.h"
 #include "client/sdk/kserve.h"
 #include "client/sdk/request.h"
+#include "client/sdk/shared_memory.h"
 #include "client/sdk/status.h"
 
 namespace mha::client {
@@ -123,6 +124,9 @@ struct Payloads {
   const AttendRequest* attend = nullptr;
   inference::ModelInferRequest infer;
   HttpRequest http;
+  // --shared_memory=system: a region and a request naming it per concurrency slot.
+  std::vector<std::unique_ptr<SharedMemorySlot>> slots;
+  std::vector<inference::ModelInferRequest> slot_requests;
 };
 
 // (concurrency, 0) per closed-loop step, or (0, rate) per open-loop step.
@@ -145,6 +149,7 @@ LoadTarget StepTarget(Rpc rpc, const BenchOptions& options, const Connection& co
   target.calls.http = connection.http();
   target.calls.request = payloads.attend;
   target.calls.infer_request = &payloads.infer;
+  if (!payloads.slot_requests.empty()) target.calls.slot_infer_requests = &payloads.slot_requests;
   target.calls.http_request = &payloads.http;
   target.calls.rpc = rpc;
   target.calls.mode = rpc == Rpc::kHealth ? Mode::kUnary : options.mode;
@@ -191,6 +196,18 @@ absl::StatusOr<std::vector<double>> ParseSweep(absl::string_view text, absl::str
 }
 
 absl::Status CheckBenchOptions(const BenchOptions& options, Protocol protocol) {
+  if (options.shared_memory) {
+    if (protocol != Protocol::kKServe) {
+      return UsageError(
+          "--shared_memory=system: registers regions over gRPC; use --protocol=kserve");
+    }
+    if (options.mode != Mode::kUnary || !options.request_rates.empty() ||
+        options.rpc != Rpc::kAttend) {
+      return UsageError(
+          "--shared_memory=system: a region per concurrency slot needs unary calls at a "
+          "fixed --concurrency (no --mode=stream, --request_rate or --rpc=health)");
+    }
+  }
   if (protocol == Protocol::kHttp && options.mode == Mode::kStream) {
     return UsageError(
         "--mode=stream: HTTP has no streams; use --protocol=kserve (ModelStreamInfer)");
@@ -244,6 +261,24 @@ absl::StatusOr<BenchReport> RunBench(const BenchOptions& options, Connection& co
   if (connection.protocol() != Protocol::kAttention) {
     payloads.infer = ToModelInferRequest(request);
     if (connection.protocol() == Protocol::kHttp) payloads.http = ToHttpRequest(payloads.infer);
+  }
+  if (options.shared_memory) {
+    // A region per slot, created, registered and unlinked now, unregistered when
+    // the run ends (payloads' destruction).
+    MHA_ASSIGN_OR_RETURN(const attention::v1::ModelInfo model,
+                         connection.GetModel(request.model()));
+    const OutputSizes outputs =
+        OutputSizesOf(payloads.infer, model.num_hiddens(), model.num_heads());
+    const uint64_t bytes = SharedMemoryBytes(payloads.infer, outputs);
+    const int slots = *std::max_element(options.concurrency.begin(), options.concurrency.end());
+    for (int i = 0; i < slots; ++i) {
+      MHA_ASSIGN_OR_RETURN(std::unique_ptr<SharedMemorySlot> slot,
+                           SharedMemorySlot::Create(channels[0], bytes, options.timeout));
+      MHA_ASSIGN_OR_RETURN(inference::ModelInferRequest placed,
+                           slot->Place(payloads.infer, outputs));
+      payloads.slot_requests.push_back(std::move(placed));
+      payloads.slots.push_back(std::move(slot));
+    }
   }
 
   BenchProgress bench_progress(progress, interactive);

@@ -62,6 +62,9 @@ struct BenchOptions {
   int64_t max_errors = 10;                     // per step, of other codes; 0 = no limit
   absl::Duration timeout = absl::Seconds(10);  // per unary call
   uint64_t seed = 0;                           // Poisson intervals
+  // --shared_memory=system (kserve, unary, closed loop): inputs and outputs in a
+  // registered region per concurrency slot (client/sdk/shared_memory.h).
+  bool shared_memory = false;
 };
 
 struct StepReport {

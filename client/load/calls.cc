@@ -308,8 +308,13 @@ class UnaryCalls final : public CallSender::Impl {
           &call->context, &health_request_, &call->health,
           [finish, no_response](grpc::Status status) { finish(status, no_response); });
     } else if (kserve) {
+      const ModelInferRequest* infer =
+          target_.slot_infer_requests != nullptr && !target_.slot_infer_requests->empty()
+              ? &(*target_.slot_infer_requests)[static_cast<size_t>(slot) %
+                                                target_.slot_infer_requests->size()]
+              : target_.infer_request;
       infer_stubs_[channel]->async()->ModelInfer(
-          &call->context, target_.infer_request, &call->infer,
+          &call->context, infer, &call->infer,
           [finish, call](grpc::Status status) { finish(status, &call->infer); });
     } else {
       attend_stubs_[channel]->async()->Attend(

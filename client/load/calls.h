@@ -74,6 +74,9 @@ struct CallTarget {
   absl::Duration stream_deadline = absl::Seconds(60);  // a stream's whole life
   Protocol protocol = Protocol::kAttention;
   const inference::ModelInferRequest* infer_request = nullptr;
+  // kserve unary: when set, slot s sends (*slot_infer_requests)[s % size] instead of
+  // infer_request (each names its own shared-memory region, client/sdk/shared_memory.h).
+  const std::vector<inference::ModelInferRequest>* slot_infer_requests = nullptr;
   const HttpRequest* http_request = nullptr;
   HttpEndpoint http;  // the HTTP server
 };

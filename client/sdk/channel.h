@@ -46,6 +46,10 @@ struct ChannelOptions {
   // gRPC's client default is 4 MiB receive: too small for real outputs and attention.
   int64_t max_message_bytes = int64_t{256} << 20;
   absl::Duration timeout = absl::Seconds(10);  // the deadline of every call
+  // kserve: send tensors through a registered shared-memory region
+  // (client/sdk/shared_memory.h) instead of the request; the server must run with
+  // --shared_memory=system on this host.
+  bool shared_memory = false;
 };
 
 // `index` > 0 gives a channel its own connection (a separate subchannel pool), so

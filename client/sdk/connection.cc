@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 #include "client/sdk/kserve.h"
+#include "client/sdk/shared_memory.h"
 #include "client/sdk/status.h"
 #include "proto/attention.grpc.pb.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
@@ -98,10 +99,12 @@ class AttentionConnection final : public Connection {
 
 class KServeConnection final : public Connection {
  public:
-  KServeConnection(std::shared_ptr<grpc::Channel> channel, absl::Duration timeout)
+  KServeConnection(std::shared_ptr<grpc::Channel> channel, absl::Duration timeout,
+                   bool shared_memory = false)
       : Connection(Protocol::kKServe),
         stub_(inference::GRPCInferenceService::NewStub(channel)),
-        timeout_(timeout) {
+        timeout_(timeout),
+        shared_memory_(shared_memory) {
     channel_ = std::move(channel);
   }
 
@@ -125,10 +128,21 @@ class KServeConnection final : public Connection {
     grpc::ClientContext context;
     SetTimeout(&context, timeout_);
     inference::ModelInferResponse response;
+    inference::ModelInferRequest infer = ToModelInferRequest(request);
+    if (shared_memory_) {
+      MHA_ASSIGN_OR_RETURN(const ModelInfo model, GetModel(request.model()));
+      const OutputSizes outputs = OutputSizesOf(infer, model.num_hiddens(), model.num_heads());
+      const uint64_t bytes = SharedMemoryBytes(infer, outputs);
+      if (slot_ == nullptr || slot_->bytes() < bytes) {
+        slot_.reset();
+        MHA_ASSIGN_OR_RETURN(slot_, SharedMemorySlot::Create(channel_, bytes, timeout_));
+      }
+      MHA_ASSIGN_OR_RETURN(infer, slot_->Place(infer, outputs));
+    }
     const TrackedCall tracked(group_, &context);
-    const grpc::Status status =
-        stub_->ModelInfer(&context, ToModelInferRequest(request), &response);
+    const grpc::Status status = stub_->ModelInfer(&context, infer, &response);
     if (!status.ok()) return CallError("ModelInfer", status);
+    if (slot_ != nullptr) MHA_RETURN_IF_ERROR(slot_->FillOutputs(&response));
     auto attend = ToAttendResponse(response);
     if (!attend.ok()) {
       return absl::Status(attend.status().code(),
@@ -172,6 +186,8 @@ class KServeConnection final : public Connection {
 
   std::unique_ptr<inference::GRPCInferenceService::Stub> stub_;
   const absl::Duration timeout_;
+  const bool shared_memory_;
+  std::unique_ptr<SharedMemorySlot> slot_;  // --shared_memory=system: made on the first call
 };
 
 class RestConnection final : public Connection {
@@ -227,6 +243,13 @@ absl::StatusOr<std::unique_ptr<Connection>> Connection::Open(const ChannelOption
     return std::make_unique<RestConnection>(endpoint, options.timeout);
   }
   MHA_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, MakeChannel(options));
+  if (options.shared_memory) {
+    if (options.protocol != Protocol::kKServe) {
+      return absl::InvalidArgumentError(
+          "--shared_memory=system: registers regions over gRPC; use --protocol=kserve");
+    }
+    return std::make_unique<KServeConnection>(std::move(channel), options.timeout, true);
+  }
   return OverChannel(options.protocol, std::move(channel), options.timeout);
 }
 

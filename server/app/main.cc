@@ -77,6 +77,8 @@ constexpr std::pair<absl::string_view, absl::string_view> kFlagOfField[] = {
     {"batching.max_queue_wait", "max_queue_wait_us"},
     {"batching.session_gather", "session_gather_us"},
     {"repository_poll", "repository_poll_secs"},
+    {"shared_memory_options.max_regions", "shared_memory_max_regions"},
+    {"shared_memory_options.max_bytes", "shared_memory_max_bytes"},
 };
 
 // "field: problem" from ServerOptions::Validate, as "--flag: problem".
@@ -120,6 +122,20 @@ ABSL_FLAG(std::string, restricted_api, "",
           "PERMISSION_DENIED / 403. VALUE @FILE or $ENV reads the secret from a file or the "
           "environment. Groups: inference, metadata, health, statistics, model-repository, "
           "shared-memory (docs/service.md).");
+ABSL_FLAG(std::string, shared_memory, "none",
+          "Triton's system shared memory extension: system (clients on this host register "
+          "POSIX shared-memory regions and name them for inputs and outputs; "
+          "docs/service.md, docs/deploy.md) or none (its RPCs and routes answer "
+          "UNIMPLEMENTED).");
+ABSL_FLAG(bool, shared_memory_allow_remote, kDefaults.shared_memory_options.allow_remote,
+          "Let a peer that is not on loopback register shared-memory regions (a region is "
+          "a file of this host's /dev/shm: only a client on this host can use one, e.g. a "
+          "sidecar reaching the pod IP).");
+ABSL_FLAG(int64_t, shared_memory_max_regions, kDefaults.shared_memory_options.max_regions,
+          "Shared-memory regions registered at once; one more is RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, shared_memory_max_bytes, kDefaults.shared_memory_options.max_bytes,
+          "Bytes of shared-memory regions registered at once (their byte_size summed); "
+          "more is RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int32_t, http_threads, kDefaults.http_threads,
           "HTTP event-loop threads; 0: one per available CPU. Each serves any number of "
           "connections, idle or computing (values above the CPU count are accepted with a "
@@ -267,6 +283,15 @@ int main(int argc, char** argv) {
     if (!given("http_port")) options.http_port = 0;
   }
   options.restricted_api = absl::GetFlag(FLAGS_restricted_api);
+  if (const std::string shm = absl::GetFlag(FLAGS_shared_memory); shm == "system") {
+    options.shared_memory = true;
+  } else if (shm != "none") {
+    mha::ExitWithUsageError(
+        absl::StrCat("--shared_memory: expected system or none, got \"", shm, "\""));
+  }
+  options.shared_memory_options.allow_remote = absl::GetFlag(FLAGS_shared_memory_allow_remote);
+  options.shared_memory_options.max_regions = absl::GetFlag(FLAGS_shared_memory_max_regions);
+  options.shared_memory_options.max_bytes = absl::GetFlag(FLAGS_shared_memory_max_bytes);
   options.http_threads = absl::GetFlag(FLAGS_http_threads);
   options.http_header_timeout = absl::GetFlag(FLAGS_http_header_timeout);
   options.http_idle_timeout = absl::GetFlag(FLAGS_http_idle_timeout);

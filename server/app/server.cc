@@ -156,6 +156,10 @@ absl::Status ServerOptions::Validate() const {
   MHA_RETURN_IF_ERROR(NotNegative("batching.session_gather", batching.session_gather));
   MHA_RETURN_IF_ERROR(NotNegative("drain_timeout", drain_timeout));
   MHA_RETURN_IF_ERROR(AtLeast("session_cache_bytes", session_cache_bytes, 0));
+  MHA_RETURN_IF_ERROR(
+      AtLeast("shared_memory_options.max_regions", shared_memory_options.max_regions, 1));
+  MHA_RETURN_IF_ERROR(
+      AtLeast("shared_memory_options.max_bytes", shared_memory_options.max_bytes, 1));
   if (session_idle_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat("session_idle_timeout: expected > 0, got ",
                                                    absl::FormatDuration(session_idle_timeout)));
@@ -208,9 +212,12 @@ absl::Status Server::StartServices() {
       options_.log_requests ? AccessLog(LogAccess) : nullptr);
   MHA_ASSIGN_OR_RETURN(restricted_,
                        RestrictedApis::Create(options_.restricted_api, metrics_->registry().get()));
-  path_ = std::make_unique<RequestPath>(models_.get(), batcher_.get(), metrics_.get(),
-                                        restricted_.get(),
-                                        options_.log_requests ? AccessLog(LogAccess) : nullptr);
+  if (options_.shared_memory) {
+    shared_memory_ = std::make_unique<SharedMemoryRegistry>(options_.shared_memory_options);
+  }
+  path_ = std::make_unique<RequestPath>(
+      models_.get(), batcher_.get(), metrics_.get(), restricted_.get(),
+      options_.log_requests ? AccessLog(LogAccess) : nullptr, shared_memory_.get());
   service_ = std::make_unique<AttentionServiceImpl>(models_.get(), path_.get(), sessions_.get());
   kserve_models_ = std::make_unique<KserveModels>(models_.get(), states_.get(), lifecycle_.get());
   inference_service_ = std::make_unique<InferenceServiceImpl>(models_.get(), path_.get(),

@@ -39,6 +39,7 @@
 #include "server/models/model_states.h"
 #include "server/serving/batcher.h"
 #include "server/serving/metrics.h"
+#include "server/serving/shared_memory.h"
 #include "server/serving/submit.h"
 
 namespace mha::server {
@@ -84,6 +85,11 @@ struct ServerOptions {
   std::string restricted_api;
   // One access-log line (base/log.h) per request answered and per session ended.
   bool log_requests = false;
+  // Triton's system shared memory (server/serving/shared_memory.h): off by default
+  // (--shared_memory=none); on, the KServe fronts register regions and read inputs
+  // from / write outputs into them, within these limits.
+  bool shared_memory = false;
+  SharedMemoryOptions shared_memory_options;
 
   // Every field's range, and the TLS fields' combinations: INVALID_ARGUMENT whose
   // message starts with the field's name as written here, e.g.
@@ -139,6 +145,7 @@ class Server {
   std::unique_ptr<MetricsExposer> exposer_;
   std::unique_ptr<Batcher> batcher_;
   std::unique_ptr<RestrictedApis> restricted_;  // read by path_
+  std::unique_ptr<SharedMemoryRegistry> shared_memory_;  // read by path_; null when off
   std::unique_ptr<RequestPath> path_;           // every front's way to the batcher
   std::unique_ptr<ModelStates> states_;         // every readiness answer's
   std::unique_ptr<ModelLifecycle> lifecycle_;

@@ -14,7 +14,9 @@ std::string UnimplementedMessage(absl::string_view method) {
   if (absl::StartsWith(name, "inference.GRPCInferenceService/")) {
     const absl::string_view rpc = name.substr(name.find('/') + 1);
     if (absl::StartsWith(rpc, "SystemSharedMemory")) {
-      why = "no shared-memory extension; send tensors in the request";
+      why =
+          "system shared memory is off (attention_server --shared_memory=system serves it); "
+          "send tensors in the request";
     } else if (absl::StartsWith(rpc, "CudaSharedMemory")) {
       why = "no CUDA shared-memory extension (a CPU server); send tensors in the request";
     } else if (rpc == "TraceSetting") {

@@ -1,10 +1,13 @@
-// Answers every gRPC method no registered service declares (Triton's shared memory,
-// CUDA shared memory, trace and log settings RPCs, or a typo) with UNIMPLEMENTED and
-// a message naming the method, where gRPC itself would answer with an empty message:
+// Answers every gRPC method no registered service declares (Triton's CUDA shared
+// memory, trace and log settings RPCs, or a typo) with UNIMPLEMENTED and a message
+// naming the method, where gRPC itself would answer with an empty message:
 //
-//   /inference.GRPCInferenceService/SystemSharedMemoryRegister -> UNIMPLEMENTED
-//   "inference.GRPCInferenceService/SystemSharedMemoryRegister is not served by
-//    mha-serve: no shared-memory extension; send tensors in the request"
+//   /inference.GRPCInferenceService/CudaSharedMemoryRegister -> UNIMPLEMENTED
+//   "inference.GRPCInferenceService/CudaSharedMemoryRegister is not served by
+//    mha-serve: no CUDA shared-memory extension (a CPU server); send tensors in the
+//    request"
+// The KServe service answers its SystemSharedMemory* RPCs with the same message
+// when the extension is off (--shared_memory=none).
 //
 // Registered with ServerBuilder::RegisterCallbackGenericService; registered services
 // (and gRPC's health and reflection services) keep their methods.

@@ -70,8 +70,10 @@ absl::StatusOr<Prepared> DecodeInfer(const ModelInferRequest& request, const Mod
                                      InferDecoded* decoded, ModelInferResponse* response) {
   MHA_ASSIGN_OR_RETURN(ValidatedRequest validated, DecodeInferRequest(request, model, decoded));
   const OutputViews outputs = PrepareInferResponse(request, validated, *decoded, response);
-  return Prepared{
-      .request = validated, .outputs = outputs, .deadline = absl::Now() + decoded->timeout};
+  return Prepared{.request = validated,
+                  .outputs = outputs,
+                  .deadline = absl::Now() + decoded->timeout,
+                  .finish = WriteSharedMemoryOutputs(*decoded)};
 }
 
 inference::ModelConfig ToTritonConfig(const Model& model) {
@@ -147,7 +149,7 @@ inference::ModelMetadataResponse ToModelMetadata(const Model& model) {
   return metadata;
 }
 
-inference::ServerMetadataResponse ToServerMetadata() {
+inference::ServerMetadataResponse ToServerMetadata(bool shared_memory) {
   inference::ServerMetadataResponse metadata;
   metadata.set_name(kServerName);
   metadata.set_version(MHA_VERSION);
@@ -156,6 +158,7 @@ inference::ServerMetadataResponse ToServerMetadata() {
         "model_repository(unload_dependents)", "parameters", "statistics"}) {
     metadata.add_extensions(extension);
   }
+  if (shared_memory) metadata.add_extensions("system_shared_memory");
   return metadata;
 }
 

@@ -47,8 +47,9 @@ absl::StatusOr<Prepared> DecodeInfer(const inference::ModelInferRequest& request
 // Triton's ModelConfig and ModelMetadata of a served model.
 inference::ModelConfig ToTritonConfig(const Model& model);
 inference::ModelMetadataResponse ToModelMetadata(const Model& model);
-// ServerMetadata: name, version and the extensions served.
-inference::ServerMetadataResponse ToServerMetadata();
+// ServerMetadata: name, version and the extensions served (system_shared_memory
+// only when `shared_memory`: the server has a registry, --shared_memory=system).
+inference::ServerMetadataResponse ToServerMetadata(bool shared_memory = false);
 // ModelStatistics of `name` ("" = every model, one entry per model under its newest
 // version) and `version` ("" = the newest served).
 absl::StatusOr<inference::ModelStatisticsResponse> CollectStatistics(const ModelRepository& models,

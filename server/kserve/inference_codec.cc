@@ -18,6 +18,11 @@ using inference::InferParameter;
 using inference::ModelInferRequest;
 using inference::ModelInferResponse;
 using InputTensor = inference::ModelInferRequest::InferInputTensor;
+using ParameterMap = google::protobuf::Map<std::string, InferParameter>;
+
+constexpr char kRegion[] = "shared_memory_region";
+constexpr char kByteSize[] = "shared_memory_byte_size";
+constexpr char kOffset[] = "shared_memory_offset";
 
 enum class Input { kQueries, kKeys, kValues, kValidLens, kHeadMask };
 constexpr const char* kInputNames[] = {"queries", "keys", "values", "valid_lens", "head_mask"};
@@ -42,12 +47,82 @@ int ElementBytes(absl::string_view datatype) {
   return 0;
 }
 
+// Where a tensor is in shared memory: its region (held), offset and byte_size.
+struct SharedMemoryRef {
+  std::shared_ptr<const SharedMemoryRegion> region;
+  uint64_t offset = 0;
+  uint64_t byte_size = 0;
+};
+
 struct Parsed {
   const InputTensor* tensor[kNumInputs] = {};
   int index[kNumInputs] = {};
   int64_t elements[kNumInputs] = {};
-  const std::string* raw[kNumInputs] = {};  // raw_input_contents entry, when raw
+  // raw_input_contents entry, when raw (or the bytes copied from shared memory)
+  const std::string* raw[kNumInputs] = {};
+  std::optional<SharedMemoryRef> shm[kNumInputs];
 };
+
+bool NamesSharedMemory(const ParameterMap& parameters) {
+  return parameters.contains(kRegion) || parameters.contains(kByteSize) ||
+         parameters.contains(kOffset);
+}
+
+absl::StatusOr<uint64_t> UnsignedParameter(const InferParameter& value, const std::string& field) {
+  if (value.parameter_choice_case() == InferParameter::kUint64Param) return value.uint64_param();
+  if (value.parameter_choice_case() == InferParameter::kInt64Param && value.int64_param() >= 0) {
+    return static_cast<uint64_t>(value.int64_param());
+  }
+  return absl::InvalidArgumentError(absl::StrCat(field, ": expected an integer >= 0"));
+}
+
+// A tensor's shared-memory parameters (nullopt when it has none), its region found
+// in the current registry and its range checked against the region.
+absl::StatusOr<std::optional<SharedMemoryRef>> ParseSharedMemory(const ParameterMap& parameters,
+                                                                 const std::string& field) {
+  if (!NamesSharedMemory(parameters)) return std::nullopt;
+  const std::string prefix = absl::StrCat(field, ".parameters.");
+  const auto region = parameters.find(kRegion);
+  if (region == parameters.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, kRegion, ": required with ", kByteSize,
+                                                   " and ", kOffset,
+                                                   " (Triton's system shared memory)"));
+  }
+  if (region->second.parameter_choice_case() != InferParameter::kStringParam ||
+      region->second.string_param().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, kRegion, ": expected a registered region's name (a string)"));
+  }
+  const std::string& name = region->second.string_param();
+  const auto size = parameters.find(kByteSize);
+  if (size == parameters.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, kByteSize, ": required with ", kRegion));
+  }
+  SharedMemoryRef ref;
+  MHA_ASSIGN_OR_RETURN(ref.byte_size, UnsignedParameter(size->second, prefix + kByteSize));
+  if (const auto offset = parameters.find(kOffset); offset != parameters.end()) {
+    MHA_ASSIGN_OR_RETURN(ref.offset, UnsignedParameter(offset->second, prefix + kOffset));
+  }
+  const SharedMemoryRegistry* registry = CurrentSharedMemory();
+  if (registry == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, kRegion, " \"", Abbreviate(name),
+                     "\": this server has no system shared memory (attention_server "
+                     "--shared_memory=system turns it on); send the tensor in the request"));
+  }
+  absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> found = registry->Find(name);
+  if (!found.ok()) {
+    return absl::NotFoundError(absl::StrCat(prefix, kRegion, ": ", found.status().message()));
+  }
+  ref.region = *std::move(found);
+  const uint64_t region_bytes = ref.region->spec().byte_size;
+  if (!RangeFits(ref.offset, ref.byte_size, region_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        prefix, kOffset, " ", ref.offset, " + ", kByteSize, " ", ref.byte_size, " is beyond the ",
+        region_bytes, " bytes of shared memory region \"", Abbreviate(name), "\""));
+  }
+  return ref;
+}
 
 absl::StatusOr<int64_t> CountElements(const InputTensor& input, const std::string& field) {
   int64_t elements = 1;
@@ -81,11 +156,22 @@ absl::Status CheckDatatype(Input which, const InputTensor& input, const std::str
 absl::StatusOr<Parsed> ParseInputs(const ModelInferRequest& request) {
   Parsed parsed;
   const bool raw = request.raw_input_contents_size() > 0;
-  if (raw && request.raw_input_contents_size() != request.inputs_size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("raw_input_contents: ", request.raw_input_contents_size(), " entries for ",
-                     request.inputs_size(), " inputs; give one per input, in the order of inputs"));
+  int inline_inputs = 0;  // raw_input_contents is indexed over these only
+  for (const InputTensor& input : request.inputs()) {
+    if (!NamesSharedMemory(input.parameters())) ++inline_inputs;
   }
+  if (raw && request.raw_input_contents_size() != inline_inputs) {
+    if (inline_inputs == request.inputs_size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "raw_input_contents: ", request.raw_input_contents_size(), " entries for ",
+          request.inputs_size(), " inputs; give one per input, in the order of inputs"));
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        "raw_input_contents: ", request.raw_input_contents_size(), " entries for ", inline_inputs,
+        " inputs not in shared memory; give one per such input, in the order of "
+        "inputs (shared-memory inputs have none)"));
+  }
+  int raw_index = 0;
   for (int i = 0; i < request.inputs_size(); ++i) {
     const InputTensor& input = request.inputs(i);
     const std::string field = Field(i, input.name());
@@ -103,17 +189,33 @@ absl::StatusOr<Parsed> ParseInputs(const ModelInferRequest& request) {
     }
     MHA_RETURN_IF_ERROR(CheckDatatype(*which, input, field));
     MHA_ASSIGN_OR_RETURN(const int64_t elements, CountElements(input, field));
-    if (raw) {
+    MHA_ASSIGN_OR_RETURN(std::optional<SharedMemoryRef> shm,
+                         ParseSharedMemory(input.parameters(), field));
+    if (shm.has_value()) {
+      if (input.has_contents()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ": has contents and parameters.shared_memory_region; use one or the other"));
+      }
+      const uint64_t bytes =
+          static_cast<uint64_t>(elements) * static_cast<uint64_t>(ElementBytes(input.datatype()));
+      if (shm->byte_size != bytes) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ".parameters.", kByteSize, ": shape ", ShapeString(input.shape()),
+                         " of ", input.datatype(), " is ", bytes, " bytes, got ", shm->byte_size));
+      }
+      parsed.shm[w] = *std::move(shm);
+    } else if (raw) {
       if (input.has_contents()) {
         return absl::InvalidArgumentError(absl::StrCat(
             field, ": has contents while raw_input_contents is set; use one or the other"));
       }
       const int64_t bytes = elements * ElementBytes(input.datatype());
-      const std::string& data = request.raw_input_contents(i);
+      const int entry = raw_index++;
+      const std::string& data = request.raw_input_contents(entry);
       if (static_cast<int64_t>(data.size()) != bytes) {
         return absl::InvalidArgumentError(absl::StrCat(
             field, ": shape ", ShapeString(input.shape()), " of ", input.datatype(), " needs ",
-            bytes, " bytes, raw_input_contents[", i, "] has ", data.size()));
+            bytes, " bytes, raw_input_contents[", entry, "] has ", data.size()));
       }
       parsed.raw[w] = &data;
     } else {
@@ -256,23 +358,127 @@ absl::Status DecodeOutputs(const ModelInferRequest& request, InferDecoded* decod
     }
     *seen = true;
     decoded->order.push_back(name);
+    const std::string field = absl::StrCat("outputs[", i, "] (\"", name, "\")");
+    MHA_ASSIGN_OR_RETURN(std::optional<SharedMemoryRef> shm,
+                         ParseSharedMemory(request.outputs(i).parameters(), field));
+    if (shm.has_value()) {
+      decoded->shared_memory_outputs.push_back(
+          SharedMemoryOutput{.name = name,
+                             .field = field,
+                             .region = std::move(shm->region),
+                             .offset = shm->offset,
+                             .byte_size = shm->byte_size,
+                             .values = std::make_shared<std::vector<float>>()});
+    }
   }
   if (!want_output) decoded->order.push_back("output");
   return absl::OkStatus();
 }
 
 void AddOutput(const char* name, std::initializer_list<int64_t> shape, int64_t elements,
+               const ModelInferRequest& request, const InferDecoded& decoded,
                ModelInferResponse* response, float** view) {
   ModelInferResponse::InferOutputTensor* out = response->add_outputs();
   out->set_name(name);
   out->set_datatype("FP32");
   for (int64_t d : shape) out->add_shape(d);
   std::string* bytes = response->add_raw_output_contents();
+  for (const SharedMemoryOutput& shm : decoded.shared_memory_outputs) {
+    if (shm.name != name) continue;
+    // Written into the region once computed; the response names where (Triton's).
+    for (const auto& requested : request.outputs()) {
+      if (requested.name() != name) continue;
+      for (const char* key : {kRegion, kByteSize, kOffset}) {
+        if (const auto it = requested.parameters().find(key); it != requested.parameters().end()) {
+          (*out->mutable_parameters())[key] = it->second;
+        }
+      }
+    }
+    *view = shm.values->data();
+    return;
+  }
   bytes->resize(static_cast<size_t>(elements) * sizeof(float));
   *view = reinterpret_cast<float*>(bytes->data());
 }
 
+struct ByteRange {
+  std::string what;  // inputs[0] ("queries") or outputs[1] ("attention")
+  const SharedMemoryRegion* region;
+  uint64_t start;  // in the region's file
+  uint64_t bytes;
+};
+
+std::string Describe(const ByteRange& r) {
+  return absl::StrCat(r.what, " (region \"", Abbreviate(r.region->spec().name), "\", bytes [",
+                      r.start, ", ", r.start + r.bytes, ") of key \"",
+                      Abbreviate(r.region->spec().key), "\")");
+}
+
+// Sizes the shared-memory outputs now that their shapes are known, and refuses an
+// output range sharing a byte of a file with an input's or another output's.
+absl::Status CheckSharedMemoryOutputs(const Parsed& parsed, const ValidatedRequest& validated,
+                                      InferDecoded* decoded) {
+  std::vector<ByteRange> inputs, outputs;
+  for (int w = 0; w < kNumInputs; ++w) {
+    if (!parsed.shm[w].has_value()) continue;
+    const SharedMemoryRef& ref = *parsed.shm[w];
+    inputs.push_back({Field(parsed.index[w], kInputNames[w]), ref.region.get(),
+                      ref.region->spec().offset + ref.offset, ref.byte_size});
+  }
+  for (SharedMemoryOutput& out : decoded->shared_memory_outputs) {
+    const int64_t elements = out.name == "attention" ? validated.attention_elements()
+                             : out.name == "lse"     ? validated.lse_elements()
+                                                     : validated.output_elements();
+    const uint64_t bytes = static_cast<uint64_t>(elements) * sizeof(float);
+    if (out.byte_size < bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(out.field, ".parameters.", kByteSize, ": ",
+                                                     out.byte_size, " bytes, but the output is ",
+                                                     bytes, " bytes (", elements, " FP32 values)"));
+    }
+    out.values->resize(static_cast<size_t>(elements));
+    outputs.push_back({out.field, out.region.get(), out.region->spec().offset + out.offset, bytes});
+  }
+  for (size_t o = 0; o < outputs.size(); ++o) {
+    const ByteRange& out = outputs[o];
+    auto clash = [&out](const ByteRange& other) {
+      return out.region->device() == other.region->device() &&
+             out.region->inode() == other.region->inode() &&
+             RangesOverlap(out.start, out.bytes, other.start, other.bytes);
+    };
+    for (const ByteRange& in : inputs) {
+      if (clash(in)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(Describe(out), " overlaps ", Describe(in),
+                         "; an output's shared memory must not overlap an input's"));
+      }
+    }
+    for (size_t p = 0; p < o; ++p) {
+      if (clash(outputs[p])) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(Describe(out), " overlaps ", Describe(outputs[p]),
+                         "; outputs' shared memory must not overlap"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+std::function<absl::Status()> WriteSharedMemoryOutputs(const InferDecoded& decoded) {
+  if (decoded.shared_memory_outputs.empty()) return nullptr;
+  return [outputs = decoded.shared_memory_outputs]() -> absl::Status {
+    for (const SharedMemoryOutput& out : outputs) {
+      absl::Status written =
+          out.region->Write(out.offset, out.values->data(), out.values->size() * sizeof(float));
+      if (!written.ok()) {
+        return absl::Status(written.code(), absl::StrCat(out.field, ".parameters.", kRegion, ": ",
+                                                         written.message()));
+      }
+    }
+    return absl::OkStatus();
+  };
+}
 
 float HalfToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
@@ -298,8 +504,29 @@ absl::StatusOr<ValidatedRequest> DecodeInferRequest(const ModelInferRequest& req
                      " has projections FULL; the lse output is for attention-only models "
                      "(projections NONE)"));
   }
-  MHA_ASSIGN_OR_RETURN(const Parsed parsed, ParseInputs(request));
-  RequestView view{.bytes = static_cast<int64_t>(request.ByteSizeLong()),
+  MHA_ASSIGN_OR_RETURN(Parsed parsed, ParseInputs(request));
+  int64_t request_bytes = static_cast<int64_t>(request.ByteSizeLong());
+  // The bytes copied in from shared memory count in the request's size, checked
+  // before any is copied (no allocation proportional to what a request names).
+  for (int w = 0; w < kNumInputs; ++w) {
+    if (parsed.shm[w].has_value()) {
+      request_bytes += static_cast<int64_t>(std::min<uint64_t>(
+          parsed.shm[w]->byte_size, uint64_t{1} << 50));  // elements <= 2^40, bytes <= 8
+    }
+  }
+  MHA_RETURN_IF_ERROR(CheckRequestBytes(request_bytes, model));
+  for (int w = 0; w < kNumInputs; ++w) {  // copied in from shared memory, then read as raw
+    if (!parsed.shm[w].has_value()) continue;
+    const SharedMemoryRef& ref = *parsed.shm[w];
+    std::string& bytes = decoded->shared_memory_inputs[w];
+    bytes.resize(static_cast<size_t>(ref.byte_size));
+    if (absl::Status read = ref.region->Read(ref.offset, ref.byte_size, bytes.data()); !read.ok()) {
+      return absl::Status(read.code(), absl::StrCat(Field(parsed.index[w], kInputNames[w]),
+                                                    ".parameters.", kRegion, ": ", read.message()));
+    }
+    parsed.raw[w] = &bytes;
+  }
+  RequestView view{.bytes = request_bytes,
                    .causal = causal,
                    .return_attention = decoded->want_attention,
                    .return_lse = decoded->want_lse};
@@ -333,6 +560,7 @@ absl::StatusOr<ValidatedRequest> DecodeInferRequest(const ModelInferRequest& req
           ": expected shape [", b, "] or [", b, ", ", q, "], got ", ShapeString(lens->shape())));
     }
   }
+  MHA_RETURN_IF_ERROR(CheckSharedMemoryOutputs(parsed, validated, decoded));
   return validated;
 }
 
@@ -348,13 +576,13 @@ OutputViews PrepareInferResponse(const ModelInferRequest& request,
   for (const std::string& name : decoded.order) {
     if (name == "attention") {
       AddOutput("attention", {in.batch, c.num_heads, in.num_queries, in.num_keys},
-                validated.attention_elements(), response, &views.attention);
+                validated.attention_elements(), request, decoded, response, &views.attention);
     } else if (name == "lse") {
-      AddOutput("lse", {in.batch, c.num_heads, in.num_queries}, validated.lse_elements(), response,
-                &views.lse);
+      AddOutput("lse", {in.batch, c.num_heads, in.num_queries}, validated.lse_elements(), request,
+                decoded, response, &views.lse);
     } else {
       AddOutput("output", {in.batch, in.num_queries, c.num_hiddens}, validated.output_elements(),
-                response, &views.output);
+                request, decoded, response, &views.output);
     }
   }
   return views;

@@ -24,13 +24,46 @@
 // Answers go in raw_output_contents, in the order of the requested outputs; `id`
 // is echoed; model_version is the version that computed it.
 //
+//
+// Triton's system shared memory (server/serving/shared_memory.h; on with
+// attention_server --shared_memory=system): an input or a requested output whose
+// parameters carry shared_memory_region (a string: a registered region),
+// shared_memory_byte_size (an integer) and optionally shared_memory_offset (an
+// integer, default 0, from the region's start) is read from / written into that
+// region. raw_input_contents then holds entries only for the inline inputs (a
+// shared-memory input has none, and no contents); every output still gets a
+// raw_output_contents entry, empty for a shared-memory output, whose response
+// tensor carries the request's three parameters. The rules, each INVALID_ARGUMENT
+// naming the field (inputs[i] ("name").parameters.shared_memory_byte_size, ...)
+// unless said:
+//   - the parameters' types; shared_memory_byte_size without shared_memory_region
+//   - the server has no registry (--shared_memory=none)
+//   - the region is not registered: NOT_FOUND naming the field and the region
+//   - offset + byte_size beyond the region's byte_size (as registered)
+//   - an input's byte_size must equal its tensor's bytes; an output's must be >= its
+//     tensor's bytes (FP32), of which only the tensor's bytes are written
+//   - a byte range an output writes (offset, the tensor's bytes) that shares a
+//     byte of the same file (st_dev, st_ino: two regions may name one file) with an
+//     input's or another output's range: naming both
+//   - a region whose file the client truncated below the bytes: FAILED_PRECONDITION
+//     naming the region (server/serving/shared_memory.h)
+// An input's bytes are copied in (pread) while the request is decoded, then read
+// and checked like raw_input_contents (so a later rewrite of the region cannot
+// change what was validated); they count in the request's bytes against
+// max_request_bytes. An output is computed into a buffer of the request and
+// written out (pwrite) once computed, before the answer (Prepared::finish,
+// WriteSharedMemoryOutputs below); a request that fails writes nothing.
+//
 // Errors are INVALID_ARGUMENT naming the input by index and name, e.g.
 //   inputs[1] ("keys"): expected datatype FP32, FP16 or BF16, got INT8
 // then whatever Validate answers (shapes against the model, limits, values).
 #ifndef MHA_SERVER_KSERVE_INFERENCE_CODEC_H_
 #define MHA_SERVER_KSERVE_INFERENCE_CODEC_H_
 
+#include <array>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -40,14 +73,29 @@
 #include "proto/inference/grpc_service.pb.h"
 #include "server/serving/model.h"
 #include "server/serving/request.h"
+#include "server/serving/shared_memory.h"
 
 namespace mha::server {
+
+// An output the request asked to have written into a shared-memory region.
+struct SharedMemoryOutput {
+  std::string name;                                  // "output", "attention" or "lse"
+  std::string field;                                 // outputs[i] ("name"), for messages
+  std::shared_ptr<const SharedMemoryRegion> region;  // held until written
+  uint64_t offset = 0;                               // from the region's start
+  uint64_t byte_size = 0;                            // as the request gave it
+  std::shared_ptr<std::vector<float>> values;        // computed here
+};
 
 // What a decoded request owns: inputs converted to f32 or int32, and which
 // outputs it asked for. Decoded views point into it (or into the request).
 struct InferDecoded {
   std::vector<float> queries, keys, values, head_mask;  // used when converted
   std::vector<int32_t> valid_lens;
+  // Inputs copied from shared-memory regions, by input (queries, keys, values,
+  // valid_lens, head_mask): the bytes raw_input_contents would have held.
+  std::array<std::string, 5> shared_memory_inputs;
+  std::vector<SharedMemoryOutput> shared_memory_outputs;
   bool want_attention = false;
   bool want_lse = false;
   // The outputs in the order `outputs` named them ("output" last when not named).
@@ -61,10 +109,15 @@ absl::StatusOr<ValidatedRequest> DecodeInferRequest(const inference::ModelInferR
                                                     const Model& model, InferDecoded* decoded);
 
 // Fills `response`'s model, id and output tensors (FP32, shapes) and sizes their
-// raw_output_contents, zeroed; returns views of them for the core.
+// raw_output_contents, zeroed (empty for a shared-memory output, whose view is its
+// SharedMemoryOutput::values); returns views of them for the core.
 OutputViews PrepareInferResponse(const inference::ModelInferRequest& request,
                                  const ValidatedRequest& validated, const InferDecoded& decoded,
                                  inference::ModelInferResponse* response);
+
+// What writes `decoded`'s shared-memory outputs into their regions once the request
+// computed (Prepared::finish); nullptr when it has none. Holds what it writes.
+std::function<absl::Status()> WriteSharedMemoryOutputs(const InferDecoded& decoded);
 
 // An IEEE half-precision value as the float it is (exactly).
 float HalfToFloat(uint16_t h);

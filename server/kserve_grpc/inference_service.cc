@@ -10,6 +10,7 @@
 #include "server/grpc_common/grpc_status.h"
 #include "server/grpc_common/restricted.h"
 #include "server/grpc_common/stream_reactor.h"
+#include "server/grpc_common/unimplemented_service.h"
 #include "server/serving/abbreviate.h"
 #include "server/serving/submit.h"
 
@@ -64,7 +65,65 @@ std::vector<KserveModels::ControlParameter> ControlParameters(
   return out;
 }
 
+// The registry, or UNIMPLEMENTED naming the RPC when the extension is off.
+absl::StatusOr<SharedMemoryRegistry*> Registry(const RequestPath& path, const char* rpc) {
+  if (path.shared_memory() == nullptr) {
+    return absl::UnimplementedError(
+        UnimplementedMessage(absl::StrCat("/inference.GRPCInferenceService/", rpc)));
+  }
+  return path.shared_memory();
+}
+
 }  // namespace
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::SystemSharedMemoryStatus(
+    grpc::CallbackServerContext* context, const inference::SystemSharedMemoryStatusRequest* request,
+    inference::SystemSharedMemoryStatusResponse* response) {
+  if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kSharedMemory, context); !allowed.ok()) {
+    return Reply(context, allowed);
+  }
+  absl::StatusOr<SharedMemoryRegistry*> registry = Registry(*path_, "SystemSharedMemoryStatus");
+  if (!registry.ok()) return Reply(context, registry.status());
+  absl::StatusOr<std::vector<RegionSpec>> regions = (*registry)->Status(request->name());
+  if (!regions.ok()) return Reply(context, regions.status());
+  for (const RegionSpec& region : *regions) {
+    auto& status = (*response->mutable_regions())[region.name];
+    status.set_name(region.name);
+    status.set_key(region.key);
+    status.set_offset(region.offset);
+    status.set_byte_size(region.byte_size);
+  }
+  return Reply(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::SystemSharedMemoryRegister(
+    grpc::CallbackServerContext* context,
+    const inference::SystemSharedMemoryRegisterRequest* request,
+    inference::SystemSharedMemoryRegisterResponse* /*response*/) {
+  if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kSharedMemory, context); !allowed.ok()) {
+    return Reply(context, allowed);
+  }
+  absl::StatusOr<SharedMemoryRegistry*> registry = Registry(*path_, "SystemSharedMemoryRegister");
+  if (!registry.ok()) return Reply(context, registry.status());
+  return Reply(context, (*registry)->Register({.name = request->name(),
+                                               .key = request->key(),
+                                               .offset = request->offset(),
+                                               .byte_size = request->byte_size()},
+                                              IsLoopbackPeer(context->peer())));
+}
+
+grpc::ServerUnaryReactor* InferenceServiceImpl::SystemSharedMemoryUnregister(
+    grpc::CallbackServerContext* context,
+    const inference::SystemSharedMemoryUnregisterRequest* request,
+    inference::SystemSharedMemoryUnregisterResponse* /*response*/) {
+  if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kSharedMemory, context); !allowed.ok()) {
+    return Reply(context, allowed);
+  }
+  absl::StatusOr<SharedMemoryRegistry*> registry = Registry(*path_, "SystemSharedMemoryUnregister");
+  if (!registry.ok()) return Reply(context, registry.status());
+  (*registry)->Unregister(request->name());
+  return Reply(context, absl::OkStatus());
+}
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::ServerLive(
     grpc::CallbackServerContext* context, const inference::ServerLiveRequest* /*request*/,
@@ -104,7 +163,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ServerMetadata(
   if (absl::Status allowed = AllowGrpc(*path_, ApiGroup::kMetadata, context); !allowed.ok()) {
     return Reply(context, allowed);
   }
-  *response = ToServerMetadata();
+  *response = ToServerMetadata(path_->shared_memory() != nullptr);
   return Reply(context, absl::OkStatus());
 }
 

@@ -18,8 +18,15 @@
 //   RepositoryIndex  every served version and every folder not served, with reasons
 //   RepositoryModelLoad / RepositoryModelUnload  explicit model control only
 //                    (server/models/model_lifecycle.h), else PERMISSION_DENIED
-// RPCs not listed (shared memory, trace, log settings) answer UNIMPLEMENTED naming
-// the RPC (server/grpc_common/unimplemented_service.h).
+//   SystemSharedMemoryStatus / Register / Unregister  Triton's system shared
+//                    memory (server/serving/shared_memory.h; the registry is the
+//                    request path's), restricted group shared-memory; register
+//                    from a peer not on loopback is PERMISSION_DENIED unless
+//                    --shared_memory_allow_remote. UNIMPLEMENTED (the message of
+//                    server/grpc_common/unimplemented_service.h) when the server
+//                    has no registry (--shared_memory=none)
+// RPCs not listed (CUDA shared memory, trace, log settings) answer UNIMPLEMENTED
+// naming the RPC (server/grpc_common/unimplemented_service.h).
 //
 // Thread safety: thread-safe; the repository, submit path, metrics and answers
 // must outlive it.
@@ -79,6 +86,18 @@ class InferenceServiceImpl final : public inference::GRPCInferenceService::Callb
   grpc::ServerUnaryReactor* RepositoryModelUnload(
       grpc::CallbackServerContext* context, const inference::RepositoryModelUnloadRequest* request,
       inference::RepositoryModelUnloadResponse* response) override;
+  grpc::ServerUnaryReactor* SystemSharedMemoryStatus(
+      grpc::CallbackServerContext* context,
+      const inference::SystemSharedMemoryStatusRequest* request,
+      inference::SystemSharedMemoryStatusResponse* response) override;
+  grpc::ServerUnaryReactor* SystemSharedMemoryRegister(
+      grpc::CallbackServerContext* context,
+      const inference::SystemSharedMemoryRegisterRequest* request,
+      inference::SystemSharedMemoryRegisterResponse* response) override;
+  grpc::ServerUnaryReactor* SystemSharedMemoryUnregister(
+      grpc::CallbackServerContext* context,
+      const inference::SystemSharedMemoryUnregisterRequest* request,
+      inference::SystemSharedMemoryUnregisterResponse* response) override;
 
  private:
   const ModelRepository* models_;

@@ -428,8 +428,19 @@ absl::Status ParseInput(size_t index, const Json& json, BinaryPart* binary,
   MHA_ASSIGN_OR_RETURN(const std::optional<int64_t> binary_size,
                        ParseInputParameters(json, input, tensor));
 
-  std::string* raw = request->add_raw_input_contents();
   const auto data = json.find("data");
+  // Triton's system shared memory: the values are in a registered region
+  // (server/kserve/inference_codec.h checks the parameters); no raw entry.
+  if (tensor->parameters().contains("shared_memory_region")) {
+    if (data != json.end() || binary_size.has_value()) {
+      return Invalid(
+          input.label,
+          absl::StrCat("has parameters.shared_memory_region and ",
+                       data != json.end() ? "data" : "parameters.binary_data_size", "; send one"));
+    }
+    return absl::OkStatus();
+  }
+  std::string* raw = request->add_raw_input_contents();
   if (!binary_size.has_value()) {
     if (data == json.end()) {
       return Invalid(input.label, "expected data or parameters.binary_data_size");
@@ -634,6 +645,21 @@ absl::StatusOr<HttpBody> Encode(const ModelInferRequest& request,
           absl::StrCat(label, ": datatype ", Quote(output.datatype()), " has no HTTP encoding"));
     }
     const absl::Span<const int64_t> shape(output.shape().data(), output.shape_size());
+    if (output.parameters().contains("shared_memory_region")) {
+      // Written into the client's region (Triton's system shared memory): the entry
+      // carries its parameters and no data; its raw_output_contents entry is empty.
+      if (!raw.empty()) {
+        return absl::InternalError(absl::StrCat(label, ": a shared-memory output with ", raw.size(),
+                                                " bytes of raw_output_contents"));
+      }
+      OrderedJson entry = OrderedJson::object();
+      entry["name"] = output.name();
+      entry["datatype"] = output.datatype();
+      entry["shape"] = std::vector<int64_t>(shape.begin(), shape.end());
+      entry["parameters"] = ParametersJson(output.parameters());
+      outputs.push_back(std::move(entry));
+      continue;
+    }
     const bool dims_ok = std::all_of(shape.begin(), shape.end(), [](int64_t d) { return d >= 0; });
     const auto size = dims_ok ? Size(shape, type->size) : std::nullopt;
     if (!size.has_value() || size->second != static_cast<int64_t>(raw.size())) {

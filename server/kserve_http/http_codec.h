@@ -38,12 +38,19 @@
 //           FP16 and BF16 must be sent as binary data.
 //         parameters.binary_data_size: prod(shape) * element size bytes, taken from
 //           the binary part in the order of the inputs that declare it.
+//         parameters.shared_memory_region (a string; with shared_memory_byte_size and
+//           optionally shared_memory_offset, Triton's system shared memory): the
+//           values are in that registered region; neither data nor binary_data_size
+//           (INVALID_ARGUMENT naming the input), and no raw_input_contents entry.
+//           server/kserve/inference_codec.h checks the parameters against the region.
 //       The binary part must be consumed exactly.
 // Messages name the field and the expectation, quoting client strings abbreviated:
 //   inputs[1] ("keys").data[0][1][0]: expected a number for FP32, got "x"
 //   inputs[0] ("queries").data: shape (1, 2, 2) needs 4 values, got 3
-// Every input of the result has its row-major little-endian bytes in the matching
-// raw_input_contents entry (never InferTensorContents), however it was sent. Inputs
+// Every input of the result but those in shared memory has its row-major
+// little-endian bytes in the matching raw_input_contents entry (never
+// InferTensorContents), however it was sent; raw_input_contents is indexed over
+// those inputs only, as over gRPC. Inputs
 // keep the body's order; duplicate names are left to the server's validation.
 // No allocation is proportional to a size the body claims but does not carry.
 //
@@ -51,7 +58,13 @@
 //   {"model_name": "attention", "model_version": "1", "id": "r1",
 //    "outputs": [{"name": "output", "datatype": "FP32", "shape": [1, 2],
 //                 "data": [0.1, -2.5]}]}
-// ("id" and "parameters" only when set). An output goes binary, as
+// ("id" and "parameters" only when set). An output written into a shared-memory
+// region (its response tensor carries the shared_memory_region parameter; its
+// raw_output_contents entry is empty) is
+//   {"name": ..., "datatype": ..., "shape": ..., "parameters": {"shared_memory_region":
+//    "out", "shared_memory_byte_size": 16}}
+// with no data, binary or not (Triton's).
+// Otherwise an output goes binary, as
 //   {"name": ..., "datatype": ..., "shape": ..., "parameters": {"binary_data_size": 8}}
 // with its bytes appended after the JSON in output order, when the request's output
 // of that name has parameters.binary_data true, or when the request has

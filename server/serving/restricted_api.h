@@ -23,7 +23,7 @@
 //                     it, and it tells no more than ServerReady)
 //   statistics        ModelStatistics, .../stats
 //   model-repository  RepositoryIndex, RepositoryModelLoad/Unload, /v2/repository/...
-//   shared-memory     the shared-memory registration calls (when they exist)
+//   shared-memory     Triton's system shared memory calls (status, register, unregister)
 //
 // Thread safety: Allow is thread-safe; Parse and Create build it once at start.
 #ifndef MHA_SERVER_SERVING_RESTRICTED_API_H_

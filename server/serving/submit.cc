@@ -94,7 +94,10 @@ void RequestPath::Submit(const Call& call,
   if (absl::Status admitted = batcher_->Admit(model->get()); !admitted.ok()) {
     return refuse(admitted);
   }
-  absl::StatusOr<Prepared> prepared = decode(**model);
+  absl::StatusOr<Prepared> prepared = [&] {
+    ScopedSharedMemory regions(shared_memory_);
+    return decode(**model);
+  }();
   if (!prepared.ok()) return refuse(prepared.status());
   meter.Accepted(prepared->request);
   absl::Status submitted = batcher_->Submit(WorkItem{
@@ -107,9 +110,10 @@ void RequestPath::Submit(const Call& call,
       .cancelled = call.cancelled,
       .may_run_inline = call.run_inline,
       .done =
-          [meter, models = models_, answer,
+          [meter, models = models_, answer, finish = std::move(prepared->finish),
            cancelled = call.cancel_after_compute ? call.cancelled : nullptr](
               absl::Status status, const ComputeTiming& timing) mutable {
+            if (status.ok() && finish) status = finish();
             if (status.ok() && cancelled && cancelled()) {
               status = absl::CancelledError(
                   "the client closed its connection before the answer; computed, not sent");

@@ -18,7 +18,10 @@
 //      request that meets a full queue gets RESOURCE_EXHAUSTED, then
 //      INVALID_ARGUMENT on retry
 //   3. decodes and validates it (the front's `decode`, which ends with
-//      server/serving/request.h's Validate) and sizes its response
+//      server/serving/request.h's Validate) and sizes its response; while it runs,
+//      CurrentSharedMemory() is the path's registry (server/serving/shared_memory.h),
+//      so that a codec reads inputs from and sizes outputs into regions whatever the
+//      front; the Prepared's `finish` (if any) runs after a successful compute
 //   4. counts it in flight and queues it (Batcher::Submit, which checks the queue
 //      again); it expires at the earlier of the call's deadline and the front's
 //      own (Prepared::deadline), and is dropped if `cancelled` says so while queued
@@ -48,6 +51,7 @@
 #include "server/serving/model_source.h"
 #include "server/serving/request.h"
 #include "server/serving/restricted_api.h"
+#include "server/serving/shared_memory.h"
 #include "server/serving/work_item.h"
 
 namespace mha::server {
@@ -58,6 +62,10 @@ struct Prepared {
   ValidatedRequest request;
   OutputViews outputs;
   absl::Time deadline = absl::InfiniteFuture();
+  // Optional: runs once the request computed OK, on the thread that answers, before
+  // the answer; a failure becomes the answer (outputs into shared-memory regions,
+  // server/serving/shared_memory.h, are written here).
+  std::function<absl::Status()> finish;
 };
 
 // One call as its front received it.
@@ -84,13 +92,20 @@ class RequestPath {
  public:
   // `restricted` (optional, outliving the path) restricts API groups for every front.
   // `access_log` (optional) gets a record of every answer.
+  // `shared_memory` (optional, outliving the path): the registered regions every
+  // front's decode resolves (CurrentSharedMemory() while `decode` runs).
   RequestPath(const ModelSource* models, Batcher* batcher, Metrics* metrics,
-              const RestrictedApis* restricted = nullptr, AccessLog access_log = nullptr)
+              const RestrictedApis* restricted = nullptr, AccessLog access_log = nullptr,
+              SharedMemoryRegistry* shared_memory = nullptr)
       : models_(models),
         batcher_(batcher),
         metrics_(metrics),
         restricted_(restricted),
-        access_log_(std::move(access_log)) {}
+        access_log_(std::move(access_log)),
+        shared_memory_(shared_memory) {}
+
+  // The system shared-memory registry; nullptr when the extension is off.
+  SharedMemoryRegistry* shared_memory() const { return shared_memory_; }
 
   // Every front's first step for every call, of any group (server/serving/restricted_api.h):
   // OK, or PERMISSION_DENIED (counted) when the group is restricted and the call lacks its
@@ -116,6 +131,7 @@ class RequestPath {
   Metrics* const metrics_;
   const RestrictedApis* const restricted_;
   const AccessLog access_log_;
+  SharedMemoryRegistry* const shared_memory_;
 };
 
 // An Answer to wait for, on a thread that may block: the HTTP front's (its

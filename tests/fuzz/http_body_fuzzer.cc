@@ -5,10 +5,12 @@
 // 1: the next 4 bytes modulo the body size + 1, 2: the next 4 bytes as a signed
 // int32, possibly out of range); bytes 1-4 are that little-endian value; the rest is
 // the body. Checks: refusals are INVALID_ARGUMENT with a message ErrorBody turns into
-// valid JSON; accepted requests carry one raw_input_contents entry per input of
-// exactly prod(shape) * element size bytes; the encoded response reads back (its
+// valid JSON; accepted requests carry one raw_input_contents entry per input not
+// in shared memory (parameters.shared_memory_region) of exactly prod(shape) *
+// element size bytes, and none for the others; the encoded response reads back (its
 // JSON parses, JSON data matches the bytes bit for bit, binary outputs follow the
-// header in order and as the request asked).
+// header in order and as the request asked, shared-memory outputs carry their
+// parameters and no data).
 #include <google/protobuf/stubs/logging.h>
 
 #include <algorithm>
@@ -33,6 +35,10 @@ namespace {
 using inference::ModelInferRequest;
 using inference::ModelInferResponse;
 using Json = nlohmann::json;
+
+bool InSharedMemory(const ModelInferRequest::InferInputTensor& input) {
+  return input.parameters().count("shared_memory_region") > 0;
+}
 
 // Responses carry at most this many outputs: enough to mix JSON and binary ones.
 constexpr int kMaxOutputs = 16;
@@ -138,15 +144,23 @@ ModelInferResponse MakeResponse(const ModelInferRequest& request) {
     output->set_datatype(request.inputs(from).datatype());
     *output->mutable_shape() = request.inputs(from).shape();
     *output->mutable_parameters() = request.inputs(from).parameters();
-    *response.add_raw_output_contents() = request.raw_input_contents(from);
+    // An input in shared memory answers as an output written into it: no bytes.
+    int raw = 0;
+    for (int j = 0; j < from; ++j) raw += InSharedMemory(request.inputs(j)) ? 0 : 1;
+    *response.add_raw_output_contents() =
+        InSharedMemory(request.inputs(from)) ? std::string() : request.raw_input_contents(raw);
   }
   return response;
 }
 
 // Whether some output is sent as JSON (not as binary data).
+bool IsShared(const ModelInferResponse::InferOutputTensor& output) {
+  return output.parameters().count("shared_memory_region") > 0;
+}
+
 bool AnyJsonOutput(const ModelInferRequest& request, const ModelInferResponse& response) {
   for (const auto& output : response.outputs()) {
-    if (!ExpectBinary(request, output.name())) return true;
+    if (!IsShared(output) && !ExpectBinary(request, output.name())) return true;
   }
   return false;
 }
@@ -178,6 +192,12 @@ void CheckEncoded(const ModelInferRequest& request, const ModelInferResponse& re
     const std::string& raw = response.raw_output_contents(i);
     const Json& entry = json["outputs"][i];
     MHA_FUZZ_CHECK(entry.at("name") == output.name() && entry.at("datatype") == output.datatype());
+    if (IsShared(output)) {
+      MHA_FUZZ_CHECK(!entry.contains("data") &&
+                     entry.at("parameters").contains("shared_memory_region"));
+      MHA_FUZZ_CHECK(!entry.at("parameters").contains("binary_data_size"));
+      continue;
+    }
     if (ExpectBinary(request, output.name())) {
       any_binary = true;
       MHA_FUZZ_CHECK(!entry.contains("data"));
@@ -232,9 +252,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   MHA_FUZZ_CHECK(request->model_name() == "m" && request->model_version() == "1");
-  MHA_FUZZ_CHECK(request->raw_input_contents_size() == request->inputs_size());
+  int inline_inputs = 0;
+  for (const auto& input : request->inputs()) inline_inputs += InSharedMemory(input) ? 0 : 1;
+  MHA_FUZZ_CHECK(request->raw_input_contents_size() == inline_inputs);
+  int raw = 0;
   for (int i = 0; i < request->inputs_size(); ++i) {
     const auto& input = request->inputs(i);
+    if (InSharedMemory(input)) continue;
     const int element_size = ElementSize(input.datatype());
     MHA_FUZZ_CHECK(element_size > 0, "%s\n", input.datatype().c_str());
     MHA_FUZZ_CHECK(input.parameters().count("binary_data_size") == 0);
@@ -242,7 +266,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     for (const int64_t dim : input.shape()) {
       MHA_FUZZ_CHECK(dim >= 0 && !__builtin_mul_overflow(bytes, dim, &bytes));
     }
-    MHA_FUZZ_CHECK(static_cast<size_t>(bytes) == request->raw_input_contents(i).size());
+    MHA_FUZZ_CHECK(static_cast<size_t>(bytes) == request->raw_input_contents(raw++).size());
   }
   CheckEncoded(*request, MakeResponse(*request));
   return 0;

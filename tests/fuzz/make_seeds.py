@@ -211,6 +211,15 @@ def http_body_seeds():
             "outputs": [{"name": "y", "parameters": {"binary_data": True, "p": 2}}]})),
         "huge_shape": http_body(json.dumps({"inputs": [
             {"name": "x", "datatype": "FP32", "shape": [1 << 40, 3], "data": [[1, 2, 3]]}]})),
+        "shared_memory_mixed": http_body(json.dumps({
+            "parameters": {"binary_data_output": True},
+            "inputs": [
+                {"name": "queries", "datatype": "FP32", "shape": [1, 2, 2],
+                 "parameters": {"shared_memory_region": "in", "shared_memory_byte_size": 16,
+                                "shared_memory_offset": 64}},
+                {"name": "keys", "datatype": "FP32", "shape": [1], "data": [1.5]}],
+            "outputs": [{"name": "output", "parameters": {
+                "shared_memory_region": "out", "shared_memory_byte_size": 4096}}]})),
         "deep": http_body(b'{"inputs": [], "x": ' + b"[" * 40 + b"]" * 40 + b"}"),
         "bad_header_length": http_body(b'{"inputs": []}', -3, mode=2),
     }
@@ -371,12 +380,33 @@ def session_request_seeds():
     }
 
 
+def shared_memory_seeds():
+    """shared_memory_fuzzer.cc: a read's offset and length (two little-endian
+    uint64s), a key selector (odd: the fuzzer's real shm file), the register body."""
+    def seed(body, offset=0, length=16, real=1):
+        return struct.pack("<QQB", offset, length, real) + body
+    return {
+        "real_whole": seed(b'{"key": "/x", "offset": 0, "byte_size": 4096}'),
+        "real_tail": seed(b'{"key": "/x", "offset": 4000, "byte_size": 96}', offset=80),
+        "real_beyond": seed(b'{"key": "/x", "offset": 4000, "byte_size": 97}'),
+        "read_beyond": seed(b'{"key": "/x", "byte_size": 64}', offset=60, length=8),
+        "huge_offset": seed(b'{"key": "/x", "offset": 18446744073709551615, "byte_size": 1}'),
+        "own_key": seed(b'{"key": "/a/b", "byte_size": 16}', real=0),
+        "dot_key": seed(b'{"key": "/..", "byte_size": 16}', real=0),
+        "string_size": seed(b'{"key": "/x", "byte_size": "16"}'),
+        "negative": seed(b'{"key": "/x", "byte_size": -16}'),
+        "not_object": seed(b'[1, 2]'),
+        "peer": seed(b'ipv6:[::ffff:127.0.0.1]:50051', real=0),
+    }
+
+
 def main():
     for target, seeds in (("request", request_seeds()), ("safetensors", safetensors_seeds()),
                           ("config", config_seeds()), ("http_body", http_body_seeds()),
                           ("http_framing", http_framing_seeds()),
                           ("inference_request", inference_request_seeds()),
-                          ("session_request", session_request_seeds())):
+                          ("session_request", session_request_seeds()),
+                          ("shared_memory", shared_memory_seeds())):
         folder = os.path.join(HERE, "corpus", target)
         os.makedirs(folder, exist_ok=True)
         for name, data in seeds.items():

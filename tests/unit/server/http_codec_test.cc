@@ -725,3 +725,65 @@ TEST(HttpCodecTest, ErrorBodyEscapes) {
 
 }  // namespace
 }  // namespace mha::server
+
+namespace mha::server {
+namespace {
+
+// Triton's system shared memory: an input naming a region carries no data and gets
+// no raw_input_contents entry; an output written into one is sent with its
+// parameters and no data, binary or not.
+TEST(HttpCodecSharedMemoryTest, InputsInARegionHaveNoRawEntry) {
+  const ModelInferRequest request = ParseOk(R"({"inputs": [
+      {"name": "queries", "datatype": "FP32", "shape": [1, 2, 2],
+       "parameters": {"shared_memory_region": "in", "shared_memory_byte_size": 16,
+                      "shared_memory_offset": 64}},
+      {"name": "keys", "datatype": "FP32", "shape": [1], "data": [1.5]}],
+      "outputs": [{"name": "output", "parameters": {"shared_memory_region": "out",
+                                                    "shared_memory_byte_size": 4096}}]})");
+  ASSERT_EQ(request.inputs_size(), 2);
+  ASSERT_EQ(request.raw_input_contents_size(), 1);  // keys only
+  EXPECT_EQ(request.raw_input_contents(0), std::string("\0\0\xc0\x3f", 4));
+  const auto& parameters = request.inputs(0).parameters();
+  EXPECT_EQ(parameters.at("shared_memory_region").string_param(), "in");
+  EXPECT_EQ(parameters.at("shared_memory_byte_size").int64_param(), 16);
+  EXPECT_EQ(parameters.at("shared_memory_offset").int64_param(), 64);
+  EXPECT_EQ(request.outputs(0).parameters().at("shared_memory_region").string_param(), "out");
+}
+
+TEST(HttpCodecSharedMemoryTest, DataAndARegionAreRefused) {
+  for (const char* body :
+       {R"({"inputs": [{"name": "q", "datatype": "FP32", "shape": [1], "data": [1],
+            "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 4}}]})",
+        R"({"inputs": [{"name": "q", "datatype": "FP32", "shape": [1],
+            "parameters": {"shared_memory_region": "r", "binary_data_size": 4}}]})"}) {
+    const absl::StatusOr<ModelInferRequest> parsed =
+        ParseInferRequest("m", "1", body, std::optional<int64_t>(std::strlen(body)));
+    ASSERT_FALSE(parsed.ok()) << body;
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(parsed.status().message()),
+                HasSubstr("inputs[0] (\"q\"): has parameters.shared_memory_region and"));
+  }
+}
+
+TEST(HttpCodecSharedMemoryTest, OutputsInARegionCarryNoData) {
+  ModelInferRequest request;
+  (*request.mutable_parameters())["binary_data_output"].set_bool_param(true);
+  ModelInferResponse response = BasicResponse();
+  auto* shm = AddOutput(&response, "output", "FP32", {2, 3}, "");
+  (*shm->mutable_parameters())["shared_memory_region"].set_string_param("out");
+  (*shm->mutable_parameters())["shared_memory_byte_size"].set_int64_param(24);
+  AddOutput(&response, "lse", "FP32", {1}, Raw<float>({0.5f}));
+  const absl::StatusOr<HttpBody> encoded = EncodeInferResponse(request, response);
+  ASSERT_TRUE(encoded.ok()) << encoded.status();
+  const Json json = Json::parse(encoded->body.substr(0, encoded->header_length));
+  EXPECT_EQ(json["outputs"][0], Json::parse(R"({"name": "output", "datatype": "FP32",
+      "shape": [2, 3], "parameters": {"shared_memory_byte_size": 24,
+                                      "shared_memory_region": "out"}})"));
+  EXPECT_EQ(encoded->body.substr(encoded->header_length), Raw<float>({0.5f}));  // lse only
+  // A shared-memory output with bytes is the server's bug.
+  *response.mutable_raw_output_contents(0) = std::string(24, '\0');
+  EXPECT_EQ(EncodeInferResponse(request, response).status().code(), absl::StatusCode::kInternal);
+}
+
+}  // namespace
+}  // namespace mha::server
