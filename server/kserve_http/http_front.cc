@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 #include "server/kserve/inference_codec.h"
+#include "server/kserve/shared_memory_answers.h"
 #include "server/kserve_http/http_codec.h"
 #include "server/kserve_http/http_routes.h"
 #include "server/serving/abbreviate.h"
@@ -96,6 +97,8 @@ int HttpStatusOf(absl::StatusCode code) {
     case absl::StatusCode::kOk:
       return 200;
     case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kAlreadyExists:  // as Triton answers a region registered twice
+    case absl::StatusCode::kFailedPrecondition:
       return 400;
     case absl::StatusCode::kNotFound:
       return 404;
@@ -182,7 +185,8 @@ void HttpFront::Serve(HttpRequest req, HttpResponder res) const {
       return res.Send(readiness.ok() ? Json(json::object()) : Error(readiness));
     }
     case HttpRoute::kServer: {
-      const inference::ServerMetadataResponse m = ToServerMetadata();
+      const inference::ServerMetadataResponse m =
+          ToServerMetadata(s.path->shared_memory() != nullptr);
       return res.Send(Json(
           {{"name", m.name()},
            {"version", m.version()},
@@ -244,9 +248,21 @@ void HttpFront::Serve(HttpRequest req, HttpResponder res) const {
       }
       return res.Send(status.ok() ? Json(json::object()) : Error(status));
     }
-    case HttpRoute::kSharedMemoryStatus:
-    case HttpRoute::kSharedMemoryRegister:
-    case HttpRoute::kSharedMemoryUnregister:
+    case HttpRoute::kSharedMemoryStatus: {
+      absl::StatusOr<std::string> body =
+          SharedMemoryStatusBody(s.path->shared_memory(), match->region);
+      return res.Send(body.ok() ? Body(*std::move(body)) : Error(body.status()));
+    }
+    case HttpRoute::kSharedMemoryRegister: {
+      const absl::Status status = SharedMemoryRegisterBody(s.path->shared_memory(),
+                                                           match->region, req.body,
+                                                           req.loopback_peer);
+      return res.Send(status.ok() ? Json(json::object()) : Error(status));
+    }
+    case HttpRoute::kSharedMemoryUnregister: {
+      const absl::Status status = SharedMemoryUnregister(s.path->shared_memory(), match->region);
+      return res.Send(status.ok() ? Json(json::object()) : Error(status));
+    }
     case HttpRoute::kCudaSharedMemory:
     case HttpRoute::kTrace:
     case HttpRoute::kModelTrace:
@@ -255,11 +271,6 @@ void HttpFront::Serve(HttpRequest req, HttpResponder res) const {
   }
   const char* why = "no logging extension; logging is set by flags at start";
   switch (match->route) {
-    case HttpRoute::kSharedMemoryStatus:
-    case HttpRoute::kSharedMemoryRegister:
-    case HttpRoute::kSharedMemoryUnregister:
-      why = "no shared-memory extension; send tensors in the request";
-      break;
     case HttpRoute::kCudaSharedMemory:
       why = "no CUDA shared-memory extension (a CPU server); send tensors in the request";
       break;

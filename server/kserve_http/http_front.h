@@ -12,7 +12,9 @@
 //   GET  /v2/models/{m}[/versions/{v}]/stats    Triton ModelStatistics (numbers, as Triton)
 //   POST /v2/models/{m}[/versions/{v}]/infer    JSON or JSON + binary
 //   POST /v2/repository/index            [{"name", "version", "state", "reason"}]
-//   Triton's shared memory, CUDA shared memory, trace and logging routes: 501
+//   GET  /v2/systemsharedmemory[/region/{r}]/status, POST .../region/{r}/register,
+//   POST /v2/systemsharedmemory[/region/{r}]/unregister   (server/kserve/shared_memory_answers.h)
+//   Triton's CUDA shared memory, trace and logging routes: 501
 // (the routes: server/kserve_http/http_routes.h; the bodies: http_codec.h).
 // Errors: {"error": "..."} with the status of the canonical code (HttpStatusOf),
 // every one: an unknown route is 404, a known route with another method 405 with
@@ -56,7 +58,8 @@
 
 namespace mha::server {
 
-// The HTTP status of a canonical code: INVALID_ARGUMENT 400, PERMISSION_DENIED 403,
+// The HTTP status of a canonical code: INVALID_ARGUMENT, ALREADY_EXISTS and
+// FAILED_PRECONDITION 400, PERMISSION_DENIED 403,
 // NOT_FOUND 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504,
 // UNIMPLEMENTED 501, OK 200, anything else 500.
 int HttpStatusOf(absl::StatusCode code);

@@ -551,20 +551,66 @@ class InFlightTest(Case):
 
 
 class HttpTest(Case):
-    """The HTTP front gets inputs and outputs by region from the shared codec
-    (regions registered over gRPC here)."""
+    """The HTTP routes of the registry with Triton's statuses, and inputs and outputs
+    by region from the shared codec."""
 
     server_args = ["--shared_memory=system", "--http_port=0"]
 
-    def post(self, path, body):
-        request = urllib.request.Request(f"http://127.0.0.1:{self.proc.http_port}{path}",
-                                         data=json.dumps(body).encode(), method="POST",
-                                         headers={"Content-Type": "application/json"})
+    def post(self, path, body=None):
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.proc.http_port}{path}",
+            data=None if body is None else json.dumps(body).encode(), method="POST",
+            headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=TIMEOUT) as f:
                 return f.status, json.loads(f.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
+
+    def get(self, path):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.proc.http_port}{path}",
+                                        timeout=TIMEOUT) as f:
+                return f.status, json.loads(f.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def test_http_status_register_unregister_round_trip(self):
+        status, metadata = self.get("/v2")
+        self.assertIn("system_shared_memory", metadata["extensions"])
+        region = self.region(4096)
+        base = "/v2/systemsharedmemory"
+        self.assertEqual(self.post(f"{base}/region/r1/register",
+                                   {"key": region.key, "offset": 0, "byte_size": 4096}),
+                         (200, {}))
+        self.assertEqual(self.post(f"{base}/region/r2/register",
+                                   {"key": region.key, "offset": 1024, "byte_size": 1024}),
+                         (200, {}))
+        status, regions = self.get(f"{base}/status")
+        self.assertEqual(status, 200)
+        self.assertEqual([(r["name"], r["key"], r["offset"], r["byte_size"]) for r in regions],
+                         [("r1", region.key, 0, 4096), ("r2", region.key, 1024, 1024)])
+        self.assertEqual(self.get(f"{base}/region/r2/status")[1],
+                         [{"name": "r2", "key": region.key, "offset": 1024, "byte_size": 1024}])
+        # Triton's codes: a name registered twice 400, an unknown name's status 404,
+        # unregistering an unknown name succeeds; a bad body names its field.
+        status, answer = self.post(f"{base}/region/r1/register",
+                                   {"key": region.key, "byte_size": 16})
+        self.assertEqual(status, 400, answer)
+        self.assertIn("r1", answer["error"])
+        status, answer = self.post(f"{base}/region/r3/register", {"key": region.key,
+                                                                  "byte_size": "16"})
+        self.assertEqual(status, 400, answer)
+        self.assertIn("byte_size", answer["error"])
+        self.assertEqual(self.get(f"{base}/region/nope/status")[0], 404)
+        self.assertEqual(self.post(f"{base}/region/nope/unregister"), (200, {}))
+        self.assertEqual(self.post(f"{base}/region/r1/unregister"), (200, {}))
+        self.assertEqual([r["name"] for r in self.get(f"{base}/status")[1]], ["r2"])
+        self.assertEqual(self.post(f"{base}/unregister"), (200, {}))  # every region
+        self.assertEqual(self.get(f"{base}/status"), (200, []))
+        status, answer = self.get("/v2/cudasharedmemory/status")
+        self.assertEqual(status, 501, answer)
+        self.assertServing()
 
     def test_infer_with_regions(self):
         q, k, v = uniform(40, 2, 3, D), uniform(41, 2, 4, D), uniform(42, 2, 4, D)
