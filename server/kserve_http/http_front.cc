@@ -249,17 +249,20 @@ void HttpFront::Serve(HttpRequest req, HttpResponder res) const {
       return res.Send(status.ok() ? Json(json::object()) : Error(status));
     }
     case HttpRoute::kSharedMemoryStatus: {
+      if (s.path->shared_memory() == nullptr) break;  // off: 501 naming the route, below
       absl::StatusOr<std::string> body =
           SharedMemoryStatusBody(s.path->shared_memory(), match->region);
       return res.Send(body.ok() ? Body(*std::move(body)) : Error(body.status()));
     }
     case HttpRoute::kSharedMemoryRegister: {
+      if (s.path->shared_memory() == nullptr) break;
       const absl::Status status = SharedMemoryRegisterBody(s.path->shared_memory(),
                                                            match->region, req.body,
                                                            req.loopback_peer);
       return res.Send(status.ok() ? Json(json::object()) : Error(status));
     }
     case HttpRoute::kSharedMemoryUnregister: {
+      if (s.path->shared_memory() == nullptr) break;
       const absl::Status status = SharedMemoryUnregister(s.path->shared_memory(), match->region);
       return res.Send(status.ok() ? Json(json::object()) : Error(status));
     }
@@ -271,6 +274,12 @@ void HttpFront::Serve(HttpRequest req, HttpResponder res) const {
   }
   const char* why = "no logging extension; logging is set by flags at start";
   switch (match->route) {
+    case HttpRoute::kSharedMemoryStatus:
+    case HttpRoute::kSharedMemoryRegister:
+    case HttpRoute::kSharedMemoryUnregister:
+      why = "system shared memory is off (attention_server --shared_memory=system serves it); "
+            "send tensors in the request";
+      break;
     case HttpRoute::kCudaSharedMemory:
       why = "no CUDA shared-memory extension (a CPU server); send tensors in the request";
       break;
