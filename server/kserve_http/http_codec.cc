@@ -647,7 +647,9 @@ absl::StatusOr<HttpBody> Encode(const ModelInferRequest& request,
     const absl::Span<const int64_t> shape(output.shape().data(), output.shape_size());
     if (output.parameters().contains("shared_memory_region")) {
       // Written into the client's region (Triton's system shared memory): the entry
-      // carries its parameters and no data; its raw_output_contents entry is empty.
+      // has no data and no parameters, as Triton writes it (tritonclient's C++ HTTP
+      // client reads "parameters" as binary data and needs its binary_data_size);
+      // its raw_output_contents entry is empty.
       if (!raw.empty()) {
         return absl::InternalError(absl::StrCat(label, ": a shared-memory output with ", raw.size(),
                                                 " bytes of raw_output_contents"));
@@ -656,7 +658,6 @@ absl::StatusOr<HttpBody> Encode(const ModelInferRequest& request,
       entry["name"] = output.name();
       entry["datatype"] = output.datatype();
       entry["shape"] = std::vector<int64_t>(shape.begin(), shape.end());
-      entry["parameters"] = ParametersJson(output.parameters());
       outputs.push_back(std::move(entry));
       continue;
     }

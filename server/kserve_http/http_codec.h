@@ -61,9 +61,9 @@
 // ("id" and "parameters" only when set). An output written into a shared-memory
 // region (its response tensor carries the shared_memory_region parameter; its
 // raw_output_contents entry is empty) is
-//   {"name": ..., "datatype": ..., "shape": ..., "parameters": {"shared_memory_region":
-//    "out", "shared_memory_byte_size": 16}}
-// with no data, binary or not (Triton's).
+//   {"name": ..., "datatype": ..., "shape": ...}
+// with no data and no parameters, binary or not, as Triton writes it (tritonclient's
+// C++ HTTP client takes an output with "parameters" for a binary one).
 // Otherwise an output goes binary, as
 //   {"name": ..., "datatype": ..., "shape": ..., "parameters": {"binary_data_size": 8}}
 // with its bytes appended after the JSON in output order, when the request's output

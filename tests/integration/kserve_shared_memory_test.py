@@ -636,7 +636,7 @@ class HttpTest(Case):
         self.assertEqual(status, 200, answer)
         output = answer["outputs"][0]
         self.assertNotIn("data", output)
-        self.assertEqual(output["parameters"]["shared_memory_region"], "h")
+        self.assertNotIn("parameters", output)  # as Triton: tritonclient reads them as binary
         self.assertEqual(output["shape"], [2, 3, P_O])
         want = self.inline([("queries", "FP32", q), ("keys", "FP32", k), ("values", "FP32", v),
                             ("valid_lens", "INT32", lens)])["output"]
