@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "server/kserve/json_depth.h"
 #include "server/serving/abbreviate.h"
 
 namespace mha::server {
@@ -12,8 +13,6 @@ namespace {
 
 using Json = nlohmann::json;
 using OrderedJson = nlohmann::ordered_json;
-
-constexpr int kMaxDepth = 32;
 
 absl::Status Unimplemented() {
   return absl::UnimplementedError(
@@ -26,33 +25,6 @@ std::string Describe(const Json& value) {
   if (value.is_object()) return "an object";
   if (value.is_array()) return "an array";
   return Abbreviate(value.dump(-1, ' ', false, Json::error_handler_t::replace));
-}
-
-// Arrays and objects opened and not yet closed, outside strings (the parser
-// recurses as deep as the text nests).
-absl::Status CheckDepth(absl::string_view text) {
-  int depth = 0;
-  bool in_string = false, escaped = false;
-  for (const char c : text) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > kMaxDepth) {
-        return absl::InvalidArgumentError(absl::StrCat("JSON nesting deeper than ", kMaxDepth));
-      }
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return absl::OkStatus();
 }
 
 absl::StatusOr<uint64_t> Unsigned(const Json& root, const char* field, bool required) {
@@ -76,7 +48,7 @@ absl::StatusOr<RegionSpec> ParseRegisterBody(absl::string_view name, absl::strin
     return absl::InvalidArgumentError(
         absl::StrCat("request body: invalid JSON: a NUL byte at offset ", nul));
   }
-  MHA_RETURN_IF_ERROR(CheckDepth(body));
+  MHA_RETURN_IF_ERROR(CheckJsonDepth(body));
   Json root = Json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded()) {
     return absl::InvalidArgumentError("request body: invalid JSON");

@@ -15,6 +15,7 @@
 #include "absl/types/span.h"
 #include "base/status_macros.h"
 #include "server/kserve/inference_codec.h"
+#include "server/kserve/json_depth.h"
 #include "server/serving/abbreviate.h"
 #include "server/serving/request.h"
 
@@ -30,8 +31,6 @@ using ParameterMap = google::protobuf::Map<std::string, InferParameter>;
 
 static_assert(std::endian::native == std::endian::little,
               "tensor bytes are copied as they lie in memory");
-
-constexpr int kMaxDepth = 32;
 
 enum class Kind { kBool, kUnsigned, kSigned, kHalf, kBfloat16, kFloat, kDouble };
 
@@ -82,33 +81,6 @@ absl::Status Expected(absl::string_view field, absl::string_view what, const Jso
   return Invalid(field, absl::StrCat("expected ", what, ", got ", Describe(got)));
 }
 
-// Arrays and objects opened and not yet closed, outside strings; the parser and the
-// decoding below recurse no deeper than this allows.
-absl::Status CheckDepth(absl::string_view text) {
-  int depth = 0;
-  bool in_string = false, escaped = false;
-  for (const char c : text) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > kMaxDepth) {
-        return absl::InvalidArgumentError(absl::StrCat("JSON nesting deeper than ", kMaxDepth));
-      }
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<Json> ParseJson(absl::string_view text) {
   // JSON has no raw NUL (a string holds it as \u0000); nlohmann's parser would take
   // one for the end of the input and accept the bytes after it unread.
@@ -117,7 +89,7 @@ absl::StatusOr<Json> ParseJson(absl::string_view text) {
         "request body: invalid JSON: a NUL byte at offset ", nul,
         " (nothing may follow the JSON value; binary data needs Inference-Header-Content-Length)"));
   }
-  MHA_RETURN_IF_ERROR(CheckDepth(text));
+  MHA_RETURN_IF_ERROR(CheckJsonDepth(text));
   try {
     return Json::parse(text.begin(), text.end());
   } catch (const Json::exception& e) {
@@ -262,7 +234,7 @@ absl::Status AppendFlat(const InputSpec& input, const Json& data, std::string* o
 }
 
 // `node` at `path` (data[i][j]...) holds dimensions level.. of the shape. Recursion
-// follows arrays that are in the body, so CheckDepth bounds it.
+// follows arrays that are in the body, so CheckJsonDepth bounds it.
 absl::Status AppendNested(const InputSpec& input, const Json& node, size_t level, std::string* path,
                           std::string* out) {
   const auto field = [&] { return absl::StrCat(input.label, ".", *path); };
