@@ -38,10 +38,7 @@
 namespace mha::server {
 
 std::optional<absl::string_view> HttpRequest::Header(absl::string_view name) const {
-  for (const auto& [key, value] : headers) {
-    if (absl::EqualsIgnoreCase(key, name)) return value;
-  }
-  return std::nullopt;
+  return http1::FindHeader(headers, name);
 }
 
 namespace {
@@ -171,7 +168,6 @@ struct Connection : std::enable_shared_from_this<Connection> {
   bool loopback = false;
   http1::RequestParser parser;
   bool busy = false;             // a request is with the handler
-  bool dispatching = false;      // inside the handler's call
   bool close_after_write = false;
   bool closed = false;
   bool head_request = false;     // the request being answered is a HEAD
@@ -257,7 +253,9 @@ struct EventHttpServer::Impl {
   void Dispatch(Connection* c);
   void Refuse(Connection* c, int status, absl::string_view message);
   void Write(Connection* c, HttpResponse response);
-  void ArmIdle(Connection* c, bool body);
+  void ArmIdle(Connection* c);
+  // The answer is written: the connection reads its next request.
+  void Ready(Connection* c);
 
   static void OnRead(bufferevent* bev, void* arg);
   static void OnWrite(bufferevent* bev, void* arg);
@@ -437,7 +435,7 @@ void EventHttpServer::Impl::Open(const std::shared_ptr<Loop>& loop, int fd, std:
   loop->connections.emplace(c.get(), c);
   bufferevent_setcb(bev, &Impl::OnRead, &Impl::OnWrite, &Impl::OnEvent, c.get());
   bufferevent_enable(bev, EV_READ | EV_WRITE);
-  ArmIdle(c.get(), /*body=*/false);
+  ArmIdle(c.get());
 }
 
 void EventHttpServer::Impl::Close(Connection* c) {
@@ -458,11 +456,16 @@ void EventHttpServer::Impl::Close(Connection* c) {
   c->loop->connections.erase(c);  // may destroy c: nothing after this
 }
 
-void EventHttpServer::Impl::ArmIdle(Connection* c, bool body) {
+void EventHttpServer::Impl::ArmIdle(Connection* c) {
   if (c->idle == nullptr) return;
   const timeval t = TimevalOf(options.idle_timeout);
-  (void)body;
   evtimer_add(c->idle, &t);
+}
+
+void EventHttpServer::Impl::Ready(Connection* c) {
+  c->busy = false;
+  c->head_request = false;
+  bufferevent_setwatermark(c->bev, EV_READ, 0, 0);
 }
 
 void EventHttpServer::Impl::ProcessInput(Connection* c) {
@@ -493,11 +496,9 @@ void EventHttpServer::Impl::ProcessInput(Connection* c) {
     switch (event) {
       case http1::RequestParser::Event::kNeedMore:
         if (total < length) continue;  // more segments than one peek holds
-        if (c->parser.started() || length > 0) {
-          if (c->parser.head_done()) ArmIdle(c, /*body=*/true);
-        } else {
-          ArmIdle(c, /*body=*/false);
-        }
+        // Between requests, and between a body's reads, the idle timer runs; while a
+        // head arrives, its deadline does.
+        if (!c->parser.started() || c->parser.head_done()) ArmIdle(c);
         return;
       case http1::RequestParser::Event::kHead:
         evtimer_del(c->deadline);
@@ -570,10 +571,7 @@ void EventHttpServer::Impl::Dispatch(Connection* c) {
   c->parser.Next();
   // Bytes of a pipelined request wait in the buffer; reading stops past kPipelineBuffer.
   bufferevent_setwatermark(c->bev, EV_READ, 0, kPipelineBuffer);
-  c->dispatching = true;
-  std::shared_ptr<Connection> keep = c->shared_from_this();
-  handler(std::move(request), HttpResponder(keep));
-  c->dispatching = false;
+  handler(std::move(request), HttpResponder(c->shared_from_this()));
 }
 
 void EventHttpServer::Impl::Write(Connection* c, HttpResponse response) {
@@ -603,10 +601,7 @@ void EventHttpServer::Impl::Write(Connection* c, HttpResponse response) {
     response.body.erase(0, done - head_done);
     if (head.empty() && response.body.empty()) {
       if (c->close_after_write) return OnWrite(c->bev, c);
-      c->busy = false;
-      c->head_request = false;
-      bufferevent_setwatermark(c->bev, EV_READ, 0, 0);
-      return;
+      return Ready(c);
     }
   }
   evbuffer_add(out, head.data(), head.size());
@@ -621,9 +616,7 @@ void EventHttpServer::Impl::Write(Connection* c, HttpResponse response) {
     }
   }
   if (c->close_after_write) return;  // OnWrite closes once it is flushed
-  c->busy = false;
-  c->head_request = false;
-  bufferevent_setwatermark(c->bev, EV_READ, 0, 0);
+  Ready(c);
 }
 
 void EventHttpServer::Impl::OnRead(bufferevent*, void* arg) {

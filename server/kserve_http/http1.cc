@@ -65,7 +65,7 @@ void Append(std::string* out, absl::string_view text) { out->append(text.data(),
 
 }  // namespace
 
-std::optional<absl::string_view> RequestHead::Find(absl::string_view name) const {
+std::optional<absl::string_view> FindHeader(const Headers& headers, absl::string_view name) {
   for (const auto& [key, value] : headers) {
     if (absl::EqualsIgnoreCase(key, name)) return value;
   }

@@ -48,18 +48,24 @@ struct Limits {
   int64_t max_body_bytes = int64_t{64} << 20;  // as framed (Content-Length or chunks)
 };
 
+using Headers = std::vector<std::pair<std::string, std::string>>;  // in order, names as sent
+
+// The first header of that name (case-insensitive), or nullopt.
+std::optional<absl::string_view> FindHeader(const Headers& headers, absl::string_view name);
+
 struct RequestHead {
   std::string method;  // as sent (methods are case-sensitive)
   std::string target;  // "/path?query" or "*"
   int minor_version = 1;
-  std::vector<std::pair<std::string, std::string>> headers;  // in order, names as sent
+  Headers headers;
   bool keep_alive = true;        // HTTP/1.1 unless "Connection: close"; 1.0 only with keep-alive
   bool expect_continue = false;  // "Expect: 100-continue"
   bool chunked = false;
   int64_t content_length = 0;  // when not chunked
 
-  // The first header of that name (case-insensitive), or nullopt.
-  std::optional<absl::string_view> Find(absl::string_view name) const;
+  std::optional<absl::string_view> Find(absl::string_view name) const {
+    return FindHeader(headers, name);
+  }
 };
 
 // A refusal: the status to answer and a message for {"error": ...}.
