@@ -469,6 +469,10 @@ void EventHttpServer::Impl::Ready(Connection* c) {
 }
 
 void EventHttpServer::Impl::ProcessInput(Connection* c) {
+  // A request answered at once may close its connection (Connection: close while
+  // the server stops), which drops the loop's reference: this one keeps `c` alive
+  // until the loop below has looked at `closed`.
+  const std::shared_ptr<Connection> keep = c->shared_from_this();
   while (!c->closed && !c->busy && !c->close_after_write) {
     evbuffer* in = bufferevent_get_input(c->bev);
     const size_t length = evbuffer_get_length(in);
