@@ -216,13 +216,14 @@ RequestParser::Event RequestParser::ParseHead() {
 
 // Appends data[*pos, ...) up to and including the next LF to line_; true when the
 // line is complete (its LF and a CR before it removed). `budget` bounds line_.
-bool RequestParser::TakeLine(absl::string_view data, size_t* pos, int64_t budget) {
+bool RequestParser::TakeLine(absl::string_view data, size_t* pos, int64_t budget, bool* over) {
   const size_t lf = data.find('\n', *pos);
   const size_t end = lf == absl::string_view::npos ? data.size() : lf;
   const size_t room = static_cast<size_t>(std::max<int64_t>(
       0, budget + 1 - static_cast<int64_t>(line_.size())));
   Append(&line_, data.substr(*pos, std::min(end - *pos, room)));
   *pos = lf == absl::string_view::npos ? data.size() : lf + 1;
+  if (over != nullptr) *over = static_cast<int64_t>(line_.size()) > budget;
   if (lf == absl::string_view::npos) return false;
   if (!line_.empty() && line_.back() == '\r') line_.pop_back();
   return true;
@@ -287,12 +288,14 @@ RequestParser::Event RequestParser::Feed(absl::string_view data, size_t* consume
         return done(Event::kRequest);
       }
       case State::kChunkSize: {
-        if (!TakeLine(data, &pos, limits_.max_head_bytes)) {
-          if (static_cast<int64_t>(line_.size()) > limits_.max_head_bytes) {
-            return done(Refuse(431, "chunked body: a chunk-size line over the header limit"));
-          }
-          return done(Event::kNeedMore);
+        // Over-long is judged whether or not the line is complete, so that the
+        // answer does not depend on where the reads split it.
+        bool over = false;
+        const bool line = TakeLine(data, &pos, limits_.max_head_bytes, &over);
+        if (over) {
+          return done(Refuse(431, "chunked body: a chunk-size line over the header limit"));
         }
+        if (!line) return done(Event::kNeedMore);
         absl::string_view size_text = line_;
         size_text = size_text.substr(0, size_text.find(';'));
         size_text = TrimOws(size_text);

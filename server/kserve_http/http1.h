@@ -108,9 +108,11 @@ class RequestParser {
   Event Refuse(int status, std::string message);
   // The head's text (without its final empty line) parsed into head_.
   Event ParseHead();
-  // A line of at most max_head_bytes from `data` into line_ (which keeps partial
-  // lines across calls); true when a whole line (without its LF/CRLF) is in line_.
-  bool TakeLine(absl::string_view data, size_t* pos, int64_t budget);
+  // A line from `data` into line_ (which keeps partial lines across calls, at most
+  // budget + 1 bytes of them); true when a whole line (without its LF/CRLF) is in
+  // line_. *over: the line's bytes so far, its CR included, exceed `budget`; the same
+  // whether the line arrived in one read or in many.
+  bool TakeLine(absl::string_view data, size_t* pos, int64_t budget, bool* over = nullptr);
 
   Limits limits_;
   State state_ = State::kSkipEmpty;

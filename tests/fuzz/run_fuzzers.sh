@@ -48,6 +48,15 @@ for target in $targets; do
   fi
   printf '%-12s %8s %10s %8s %8s %8s  %s\n' "$target" "$seconds" "${execs:-?}" \
     "${rate:-?}" "${cov:-?}" "${ft:-?}" "$result"
+  if [[ "$result" != ok ]]; then
+    # The log dies with the machine in CI: show the finding and its input here.
+    grep -A40 -m1 -E '^==[0-9]+==|ERROR: libFuzzer' "$log" | sed 's/^/    /'
+    for artefact in "$out/$target.artifacts/"*; do
+      [[ -f "$artefact" ]] || continue
+      echo "    input $artefact (base64):"
+      head -c 4096 "$artefact" | base64 | sed 's/^/    /'
+    done
+  fi
 done
 echo "logs, scratch corpora and artefacts: $out"
 exit $status

@@ -94,6 +94,16 @@ TEST(Http1Test, FramingRefusals) {
       {"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nab\r\n", 400},
       {"GET / HTTP/1.1\r\nHost: x\r\nX: " + std::string(600, 'y') + "\r\n\r\n", 431},
       {"GET / HTTP/1.1\r\nHost: x\r\nX: " + std::string(600, 'y'), 431},
+      // A chunk-size line over the limit, whole or cut, and one whose CR is its 513th byte.
+      {"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1;" +
+           std::string(600, 'e') + "\r\n",
+       431},
+      {"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1;" +
+           std::string(600, 'e'),
+       431},
+      {"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1;" +
+           std::string(510, 'e') + "\r\n",
+       431},
   };
   const Limits limits{.max_head_bytes = 512, .max_headers = 16, .max_body_bytes = 1024};
   for (const auto& [data, status] : cases) {
