@@ -73,7 +73,7 @@ absl::StatusOr<Prepared> DecodeInfer(const ModelInferRequest& request, const Mod
   return Prepared{.request = validated,
                   .outputs = outputs,
                   .deadline = absl::Now() + decoded->timeout,
-                  .finish = WriteSharedMemoryOutputs(*decoded)};
+                  .finish = FinishSharedMemory(*decoded)};
 }
 
 inference::ModelConfig ToTritonConfig(const Model& model) {

@@ -1,5 +1,6 @@
 #include "server/kserve/inference_codec.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -58,8 +59,9 @@ struct Parsed {
   const InputTensor* tensor[kNumInputs] = {};
   int index[kNumInputs] = {};
   int64_t elements[kNumInputs] = {};
-  // raw_input_contents entry, when raw (or the bytes copied from shared memory)
-  const std::string* raw[kNumInputs] = {};
+  // The bytes of a raw_input_contents entry, or of a shared-memory input's range in
+  // its region's mapping; nullptr for typed contents.
+  const char* raw[kNumInputs] = {};
   std::optional<SharedMemoryRef> shm[kNumInputs];
 };
 
@@ -217,7 +219,7 @@ absl::StatusOr<Parsed> ParseInputs(const ModelInferRequest& request) {
             field, ": shape ", ShapeString(input.shape()), " of ", input.datatype(), " needs ",
             bytes, " bytes, raw_input_contents[", entry, "] has ", data.size()));
       }
-      parsed.raw[w] = &data;
+      parsed.raw[w] = data.data();
     } else {
       const inference::InferTensorContents& c = input.contents();
       const std::string& type = input.datatype();
@@ -259,7 +261,7 @@ TensorView FloatView(const Parsed& parsed, Input which, std::vector<float>* stor
     view.data = input.contents().fp32_contents().data();
     return view;
   }
-  const char* bytes = parsed.raw[w]->data();
+  const char* bytes = parsed.raw[w];
   if (input.datatype() == "FP32" && reinterpret_cast<uintptr_t>(bytes) % alignof(float) == 0) {
     view.data = reinterpret_cast<const float*>(bytes);
     return view;
@@ -293,7 +295,7 @@ absl::Status DecodeValidLens(const Parsed& parsed, std::vector<int32_t>* out) {
   for (int64_t i = 0; i < n; ++i) {
     int64_t value;
     if (parsed.raw[w] != nullptr) {
-      const char* at = parsed.raw[w]->data() + i * (int64 ? 8 : 4);
+      const char* at = parsed.raw[w] + i * (int64 ? 8 : 4);
       if (int64) {
         std::memcpy(&value, at, sizeof(value));
       } else {
@@ -367,8 +369,7 @@ absl::Status DecodeOutputs(const ModelInferRequest& request, InferDecoded* decod
                              .field = field,
                              .region = std::move(shm->region),
                              .offset = shm->offset,
-                             .byte_size = shm->byte_size,
-                             .values = std::make_shared<std::vector<float>>()});
+                             .byte_size = shm->byte_size});
     }
   }
   if (!want_output) decoded->order.push_back("output");
@@ -394,7 +395,7 @@ void AddOutput(const char* name, std::initializer_list<int64_t> shape, int64_t e
         }
       }
     }
-    *view = shm.values->data();
+    *view = shm.in_place != nullptr ? shm.in_place : shm.values->data();
     return;
   }
   bytes->resize(static_cast<size_t>(elements) * sizeof(float));
@@ -412,6 +413,24 @@ std::string Describe(const ByteRange& r) {
   return absl::StrCat(r.what, " (region \"", Abbreviate(r.region->spec().name), "\", bytes [",
                       r.start, ", ", r.start + r.bytes, ") of key \"",
                       Abbreviate(r.region->spec().key), "\")");
+}
+
+absl::Status NamedRegionError(const std::string& field, const absl::Status& status) {
+  return absl::Status(status.code(),
+                      absl::StrCat(field, ".parameters.", kRegion, ": ", status.message()));
+}
+
+// CheckIntact for `region` unless `checked` has it; the error names `field`.
+absl::Status CheckIntactOnce(const SharedMemoryRegion& region, const std::string& field,
+                             std::vector<const SharedMemoryRegion*>* checked) {
+  if (std::find(checked->begin(), checked->end(), &region) != checked->end()) {
+    return absl::OkStatus();
+  }
+  checked->push_back(&region);
+  if (absl::Status intact = region.CheckIntact(); !intact.ok()) {
+    return NamedRegionError(field, intact);
+  }
+  return absl::OkStatus();
 }
 
 // Sizes the shared-memory outputs now that their shapes are known, and refuses an
@@ -435,7 +454,12 @@ absl::Status CheckSharedMemoryOutputs(const Parsed& parsed, const ValidatedReque
                                                      out.byte_size, " bytes, but the output is ",
                                                      bytes, " bytes (", elements, " FP32 values)"));
     }
-    out.values->resize(static_cast<size_t>(elements));
+    char* at = out.region->data() + out.offset;
+    if (reinterpret_cast<uintptr_t>(at) % alignof(float) == 0) {
+      out.in_place = reinterpret_cast<float*>(at);
+    } else {
+      out.values = std::make_shared<std::vector<float>>(static_cast<size_t>(elements));
+    }
     outputs.push_back({out.field, out.region.get(), out.region->spec().offset + out.offset, bytes});
   }
   for (size_t o = 0; o < outputs.size(); ++o) {
@@ -465,16 +489,25 @@ absl::Status CheckSharedMemoryOutputs(const Parsed& parsed, const ValidatedReque
 
 }  // namespace
 
-std::function<absl::Status()> WriteSharedMemoryOutputs(const InferDecoded& decoded) {
-  if (decoded.shared_memory_outputs.empty()) return nullptr;
-  return [outputs = decoded.shared_memory_outputs]() -> absl::Status {
+std::function<absl::Status()> FinishSharedMemory(const InferDecoded& decoded) {
+  if (decoded.shared_memory_outputs.empty() && decoded.shared_memory_inputs.empty()) {
+    return nullptr;
+  }
+  return [outputs = decoded.shared_memory_outputs,
+          inputs = decoded.shared_memory_inputs]() -> absl::Status {
     for (const SharedMemoryOutput& out : outputs) {
+      if (out.in_place != nullptr) continue;
       absl::Status written =
           out.region->Write(out.offset, out.values->data(), out.values->size() * sizeof(float));
-      if (!written.ok()) {
-        return absl::Status(written.code(), absl::StrCat(out.field, ".parameters.", kRegion, ": ",
-                                                         written.message()));
-      }
+      if (!written.ok()) return NamedRegionError(out.field, written);
+    }
+    // A fault while the request read or wrote a region (the client truncated it):
+    // what it computed or wrote is not the answer.
+    for (const SharedMemoryInput& in : inputs) {
+      if (in.region->faulted()) return NamedRegionError(in.field, in.region->CheckIntact());
+    }
+    for (const SharedMemoryOutput& out : outputs) {
+      if (out.region->faulted()) return NamedRegionError(out.field, out.region->CheckIntact());
     }
     return absl::OkStatus();
   };
@@ -506,8 +539,8 @@ absl::StatusOr<ValidatedRequest> DecodeInferRequest(const ModelInferRequest& req
   }
   MHA_ASSIGN_OR_RETURN(Parsed parsed, ParseInputs(request));
   int64_t request_bytes = static_cast<int64_t>(request.ByteSizeLong());
-  // The bytes copied in from shared memory count in the request's size, checked
-  // before any is copied (no allocation proportional to what a request names).
+  // The bytes read from shared memory count in the request's size (a merged call
+  // copies them).
   for (int w = 0; w < kNumInputs; ++w) {
     if (parsed.shm[w].has_value()) {
       request_bytes += static_cast<int64_t>(std::min<uint64_t>(
@@ -515,16 +548,14 @@ absl::StatusOr<ValidatedRequest> DecodeInferRequest(const ModelInferRequest& req
     }
   }
   MHA_RETURN_IF_ERROR(CheckRequestBytes(request_bytes, model));
-  for (int w = 0; w < kNumInputs; ++w) {  // copied in from shared memory, then read as raw
+  std::vector<const SharedMemoryRegion*> intact;  // each region's file checked once
+  for (int w = 0; w < kNumInputs; ++w) {  // read in place, as raw
     if (!parsed.shm[w].has_value()) continue;
-    const SharedMemoryRef& ref = *parsed.shm[w];
-    std::string& bytes = decoded->shared_memory_inputs[w];
-    bytes.resize(static_cast<size_t>(ref.byte_size));
-    if (absl::Status read = ref.region->Read(ref.offset, ref.byte_size, bytes.data()); !read.ok()) {
-      return absl::Status(read.code(), absl::StrCat(Field(parsed.index[w], kInputNames[w]),
-                                                    ".parameters.", kRegion, ": ", read.message()));
-    }
-    parsed.raw[w] = &bytes;
+    SharedMemoryRef& ref = *parsed.shm[w];
+    std::string field = Field(parsed.index[w], kInputNames[w]);
+    MHA_RETURN_IF_ERROR(CheckIntactOnce(*ref.region, field, &intact));
+    parsed.raw[w] = ref.region->data() + ref.offset;
+    decoded->shared_memory_inputs.push_back({std::move(field), ref.region});
   }
   RequestView view{.bytes = request_bytes,
                    .causal = causal,
@@ -560,7 +591,14 @@ absl::StatusOr<ValidatedRequest> DecodeInferRequest(const ModelInferRequest& req
           ": expected shape [", b, "] or [", b, ", ", q, "], got ", ShapeString(lens->shape())));
     }
   }
+  for (const SharedMemoryOutput& out : decoded->shared_memory_outputs) {
+    MHA_RETURN_IF_ERROR(CheckIntactOnce(*out.region, out.field, &intact));
+  }
   MHA_RETURN_IF_ERROR(CheckSharedMemoryOutputs(parsed, validated, decoded));
+  // A fault while the values were checked (the file truncated meanwhile).
+  for (const SharedMemoryInput& in : decoded->shared_memory_inputs) {
+    if (in.region->faulted()) return NamedRegionError(in.field, in.region->CheckIntact());
+  }
   return validated;
 }
 

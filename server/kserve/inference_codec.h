@@ -45,14 +45,18 @@
 //   - a byte range an output writes (offset, the tensor's bytes) that shares a
 //     byte of the same file (st_dev, st_ino: two regions may name one file) with an
 //     input's or another output's range: naming both
-//   - a region whose file the client truncated below the bytes: FAILED_PRECONDITION
-//     naming the region (server/serving/shared_memory.h)
-// An input's bytes are copied in (pread) while the request is decoded, then read
-// and checked like raw_input_contents (so a later rewrite of the region cannot
-// change what was validated); they count in the request's bytes against
-// max_request_bytes. An output is computed into a buffer of the request and
-// written out (pwrite) once computed, before the answer (Prepared::finish,
-// WriteSharedMemoryOutputs below); a request that fails writes nothing.
+//   - a region whose file the client truncated below the region, or whose mapping
+//     faulted (server/serving/shared_memory.h): FAILED_PRECONDITION naming the
+//     field and the region, at decode and again when the request is computed
+// Inputs are read in place from the region's mapping (FP32 with (region offset +
+// tensor offset) % 4 == 0; else converted or copied like raw_input_contents): their
+// values are checked at decode and read again when computed, so a client that
+// rewrites the region meanwhile changes only its own answer. Their bytes count in the
+// request's bytes against max_request_bytes (a merged call copies them). An output is
+// computed into the region (offset % 4 == 0; else into a buffer of the request,
+// copied in once computed, before the answer: Prepared::finish,
+// FinishSharedMemory below); a request that fails still may have written part of
+// an in-place output.
 //
 // Errors are INVALID_ARGUMENT naming the input by index and name, e.g.
 //   inputs[1] ("keys"): expected datatype FP32, FP16 or BF16, got INT8
@@ -60,7 +64,6 @@
 #ifndef MHA_SERVER_KSERVE_INFERENCE_CODEC_H_
 #define MHA_SERVER_KSERVE_INFERENCE_CODEC_H_
 
-#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -84,7 +87,15 @@ struct SharedMemoryOutput {
   std::shared_ptr<const SharedMemoryRegion> region;  // held until written
   uint64_t offset = 0;                               // from the region's start
   uint64_t byte_size = 0;                            // as the request gave it
-  std::shared_ptr<std::vector<float>> values;        // computed here
+  float* in_place = nullptr;                         // computed here when aligned
+  std::shared_ptr<std::vector<float>> values;        // else here, then copied in
+};
+
+// A shared-memory input: its field (inputs[i] ("name")) and region, held until the
+// request is computed.
+struct SharedMemoryInput {
+  std::string field;
+  std::shared_ptr<const SharedMemoryRegion> region;
 };
 
 // What a decoded request owns: inputs converted to f32 or int32, and which
@@ -92,9 +103,7 @@ struct SharedMemoryOutput {
 struct InferDecoded {
   std::vector<float> queries, keys, values, head_mask;  // used when converted
   std::vector<int32_t> valid_lens;
-  // Inputs copied from shared-memory regions, by input (queries, keys, values,
-  // valid_lens, head_mask): the bytes raw_input_contents would have held.
-  std::array<std::string, 5> shared_memory_inputs;
+  std::vector<SharedMemoryInput> shared_memory_inputs;  // read in place
   std::vector<SharedMemoryOutput> shared_memory_outputs;
   bool want_attention = false;
   bool want_lse = false;
@@ -115,9 +124,11 @@ OutputViews PrepareInferResponse(const inference::ModelInferRequest& request,
                                  const ValidatedRequest& validated, const InferDecoded& decoded,
                                  inference::ModelInferResponse* response);
 
-// What writes `decoded`'s shared-memory outputs into their regions once the request
-// computed (Prepared::finish); nullptr when it has none. Holds what it writes.
-std::function<absl::Status()> WriteSharedMemoryOutputs(const InferDecoded& decoded);
+// What ends a request that named shared memory once it computed (Prepared::finish;
+// nullptr when it named none): copies in the outputs not computed in place, then
+// fails the request (FAILED_PRECONDITION naming the field) if any of its regions
+// faulted while it ran. Holds the regions.
+std::function<absl::Status()> FinishSharedMemory(const InferDecoded& decoded);
 
 // An IEEE half-precision value as the float it is (exactly).
 float HalfToFloat(uint16_t h);

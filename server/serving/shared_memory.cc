@@ -2,12 +2,15 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -23,6 +26,75 @@ thread_local const SharedMemoryRegistry* current_registry = nullptr;
 std::string Quoted(absl::string_view s) { return absl::StrCat("\"", Abbreviate(s), "\""); }
 
 std::string Errno(int error) { return std::strerror(error); }
+
+// The mappings the SIGBUS handler may repair, one slot per mapped region. A slot is
+// claimed (in_use) before its range is published and its range cleared before the
+// mapping goes; the handler reads only atomics and calls only mmap and sigaction.
+struct MappedSlot {
+  std::atomic<bool> in_use{false};
+  std::atomic<uintptr_t> begin{0}, end{0};
+  std::atomic<bool> faulted{false};
+};
+MappedSlot mapped_slots[kMaxMappedRegions];
+struct sigaction previous_sigbus;
+std::once_flag sigbus_once;
+
+void OnSigbus(int signal, siginfo_t* info, void* context) {
+  const uintptr_t address = reinterpret_cast<uintptr_t>(info->si_addr);
+  for (MappedSlot& slot : mapped_slots) {
+    const uintptr_t begin = slot.begin.load(std::memory_order_acquire);
+    if (address < begin || address >= slot.end.load(std::memory_order_acquire)) continue;
+    // Zero pages over the whole mapping: the access is retried and reads zeros, and
+    // no later access faults. The region is failed for every request naming it.
+    slot.faulted.store(true, std::memory_order_release);
+    const size_t length = slot.end.load(std::memory_order_acquire) - begin;
+    if (mmap(reinterpret_cast<void*>(begin), length, PROT_READ | PROT_WRITE,
+             MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) != MAP_FAILED) {
+      return;
+    }
+    break;  // cannot repair: as if the fault were not ours
+  }
+  if (previous_sigbus.sa_flags & SA_SIGINFO) {
+    previous_sigbus.sa_sigaction(signal, info, context);
+  } else if (previous_sigbus.sa_handler != SIG_DFL && previous_sigbus.sa_handler != SIG_IGN) {
+    previous_sigbus.sa_handler(signal);
+  } else {
+    // The default action: the access is retried and kills the process, as it would
+    // have without this handler.
+    struct sigaction fallback {};
+    fallback.sa_handler = SIG_DFL;
+    sigaction(SIGBUS, &fallback, nullptr);
+  }
+}
+
+void InstallSigbusHandler() {
+  std::call_once(sigbus_once, [] {
+    struct sigaction action {};
+    action.sa_sigaction = OnSigbus;
+    action.sa_flags = SA_SIGINFO;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGBUS, &action, &previous_sigbus);
+  });
+}
+
+// A free slot for [begin, end), or -1.
+int ClaimSlot(uintptr_t begin, uintptr_t end) {
+  for (int i = 0; i < kMaxMappedRegions; ++i) {
+    bool expected = false;
+    if (!mapped_slots[i].in_use.compare_exchange_strong(expected, true)) continue;
+    mapped_slots[i].faulted.store(false, std::memory_order_relaxed);
+    mapped_slots[i].end.store(end, std::memory_order_release);
+    mapped_slots[i].begin.store(begin, std::memory_order_release);
+    return i;
+  }
+  return -1;
+}
+
+void ReleaseSlot(int i) {
+  mapped_slots[i].begin.store(0, std::memory_order_release);
+  mapped_slots[i].end.store(0, std::memory_order_release);
+  mapped_slots[i].in_use.store(false, std::memory_order_release);
+}
 
 }  // namespace
 
@@ -80,7 +152,45 @@ bool IsLoopbackPeer(absl::string_view peer) {
   return false;
 }
 
-SharedMemoryRegion::~SharedMemoryRegion() { close(fd_); }
+SharedMemoryRegion::SharedMemoryRegion(RegionSpec spec, int fd, dev_t device, ino_t inode,
+                                       void* mapping, size_t mapped_bytes, int slot)
+    : spec_(std::move(spec)),
+      fd_(fd),
+      device_(device),
+      inode_(inode),
+      mapping_(mapping),
+      mapped_bytes_(mapped_bytes),
+      data_(static_cast<char*>(mapping) + (mapped_bytes - spec_.byte_size)),
+      slot_(slot) {}
+
+SharedMemoryRegion::~SharedMemoryRegion() {
+  ReleaseSlot(slot_);
+  munmap(mapping_, mapped_bytes_);
+  close(fd_);
+}
+
+bool SharedMemoryRegion::faulted() const {
+  return mapped_slots[slot_].faulted.load(std::memory_order_acquire);
+}
+
+absl::Status SharedMemoryRegion::Truncated(absl::string_view how) const {
+  return absl::FailedPreconditionError(
+      absl::StrCat("shared memory region ", Quoted(spec_.name), " (key ", Quoted(spec_.key),
+                   "): the file was truncated ", how,
+                   "; restore its size, then unregister the region and register it again"));
+}
+
+absl::Status SharedMemoryRegion::CheckIntact() const {
+  if (faulted()) return Truncated("while a request used it");
+  struct stat st {};
+  if (fstat(fd_, &st) != 0) return Truncated(absl::StrCat("(fstat: ", Errno(errno), ")"));
+  // No overflow: the registered offset + byte_size fit in the file at register.
+  if (static_cast<uint64_t>(st.st_size) < spec_.offset + spec_.byte_size) {
+    return Truncated(absl::StrCat("to ", st.st_size, " bytes, below the region's [", spec_.offset,
+                                  ", ", spec_.offset + spec_.byte_size, ")"));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status SharedMemoryRegion::CheckRange(uint64_t offset, uint64_t bytes) const {
   if (!RangeFits(offset, bytes, spec_.byte_size)) {
@@ -93,49 +203,16 @@ absl::Status SharedMemoryRegion::CheckRange(uint64_t offset, uint64_t bytes) con
 
 absl::Status SharedMemoryRegion::Read(uint64_t offset, uint64_t bytes, void* out) const {
   if (absl::Status in_range = CheckRange(offset, bytes); !in_range.ok()) return in_range;
-  char* to = static_cast<char*>(out);
-  uint64_t at = spec_.offset + offset;  // no overflow: registered offset + byte_size fit
-  while (bytes > 0) {
-    const ssize_t got = pread(fd_, to, bytes, static_cast<off_t>(at));
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("shared memory region ", Quoted(spec_.name), " (key ", Quoted(spec_.key),
-                       "): cannot read ", bytes, " bytes at file offset ", at, ": ",
-                       got == 0 ? "the file was truncated" : Errno(errno)));
-    }
-    to += got;
-    at += static_cast<uint64_t>(got);
-    bytes -= static_cast<uint64_t>(got);
-  }
-  return absl::OkStatus();
+  if (absl::Status intact = CheckIntact(); !intact.ok()) return intact;
+  std::memcpy(out, data_ + offset, bytes);
+  return CheckIntact();
 }
 
 absl::Status SharedMemoryRegion::Write(uint64_t offset, const void* data, uint64_t bytes) const {
   if (absl::Status in_range = CheckRange(offset, bytes); !in_range.ok()) return in_range;
-  uint64_t at = spec_.offset + offset;
-  struct stat st {};
-  if (fstat(fd_, &st) != 0 || static_cast<uint64_t>(st.st_size) < at + bytes) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("shared memory region ", Quoted(spec_.name), " (key ", Quoted(spec_.key),
-                     "): cannot write ", bytes, " bytes at file offset ", at,
-                     ": the file was truncated to ", st.st_size, " bytes"));
-  }
-  const char* from = static_cast<const char*>(data);
-  while (bytes > 0) {
-    const ssize_t put = pwrite(fd_, from, bytes, static_cast<off_t>(at));
-    if (put < 0 && errno == EINTR) continue;
-    if (put <= 0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("shared memory region ", Quoted(spec_.name), " (key ", Quoted(spec_.key),
-                       "): cannot write ", bytes, " bytes at file offset ", at, ": ",
-                       put == 0 ? "nothing written" : Errno(errno)));
-    }
-    from += put;
-    at += static_cast<uint64_t>(put);
-    bytes -= static_cast<uint64_t>(put);
-  }
-  return absl::OkStatus();
+  if (absl::Status intact = CheckIntact(); !intact.ok()) return intact;
+  std::memcpy(data_ + offset, data, bytes);
+  return CheckIntact();
 }
 
 absl::Status SharedMemoryRegistry::Register(const RegionSpec& spec, bool peer_is_loopback) {
@@ -201,8 +278,31 @@ absl::Status SharedMemoryRegistry::Register(const RegionSpec& spec, bool peer_is
         "shared memory region ", Quoted(spec.name), ": offset ", spec.offset, " + byte_size ",
         spec.byte_size, " is beyond the ", size, " bytes of key ", Quoted(spec.key)));
   }
-  regions_.emplace(spec.name, std::shared_ptr<const SharedMemoryRegion>(
-                                  new SharedMemoryRegion(spec, fd, st.st_dev, st.st_ino)));
+  // Mapped from the page holding offset to the region's end.
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t map_offset = spec.offset - spec.offset % page;
+  const size_t mapped_bytes = static_cast<size_t>(spec.offset - map_offset + spec.byte_size);
+  InstallSigbusHandler();
+  void* mapping = mmap(nullptr, mapped_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                       static_cast<off_t>(map_offset));
+  if (mapping == MAP_FAILED) {
+    const int error = errno;
+    close(fd);
+    return absl::ResourceExhaustedError(absl::StrCat("shared memory region ", Quoted(spec.name),
+                                                     ": cannot map its ", spec.byte_size,
+                                                     " bytes: ", Errno(error)));
+  }
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(mapping);
+  const int slot = ClaimSlot(begin, begin + mapped_bytes);
+  if (slot < 0) {
+    munmap(mapping, mapped_bytes);
+    close(fd);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("shared memory region ", Quoted(spec.name), ": ", kMaxMappedRegions,
+                     " regions are mapped (registered, or unregistered and still in use)"));
+  }
+  regions_.emplace(spec.name, std::shared_ptr<const SharedMemoryRegion>(new SharedMemoryRegion(
+                                  spec, fd, st.st_dev, st.st_ino, mapping, mapped_bytes, slot)));
   bytes_ += static_cast<int64_t>(spec.byte_size);
   return absl::OkStatus();
 }

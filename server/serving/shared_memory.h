@@ -12,18 +12,31 @@
 //   in->Read(/*offset=*/0, /*bytes=*/16, buffer);   // pread from the region's file
 //   registry.Unregister("in");  // `in` stays usable until its last holder drops it
 //
-// How bytes move (a decision, measured in docs/performance.md): the registry keeps
-// the descriptor shm_open gave and maps nothing. An input is copied in with pread
-// when its request is decoded (one copy, where the inline path has the socket's
-// copies), and is checked for finite values after the copy, so a client that
-// rewrites the region while its request runs cannot change what was validated. An
-// output is computed into the request's own buffer and copied out with pwrite
-// once computed, before the answer. A client that truncates its file meanwhile
-// makes pread come up short or pwrite find the file too small: that request fails
-// with FAILED_PRECONDITION naming the region; no page is ever mapped, so no
-// SIGBUS can reach the server. (pwrite past a truncated end would grow the file
-// back; the size is checked with fstat just before, leaving a race that only
-// re-grows a file the client itself owns.)
+// How bytes move (a decision, measured in docs/performance.md): the registry maps
+// each region (MAP_SHARED, read and write) when it is registered and keeps the
+// descriptor shm_open gave. An input is read in place: the decoded request points
+// into the mapping, its finite values are checked there at decode, and the core
+// reads it again at compute time (a client that rewrites its region meanwhile
+// changes its own answer, unchecked); a merged call copies it into the batch like
+// any input. An aligned output ((region offset + tensor offset) % 4 == 0) is
+// computed into the mapping; a misaligned one is computed into the request's own
+// buffer and copied in once computed.
+//
+// A client may truncate its file under a mapping. Two guards keep the server up and
+// the answer honest:
+//   - each request checks, with one fstat per region it names, that the file still
+//     holds the region when the request is decoded;
+//   - a SIGBUS from a mapped page past the file's end (the truncation raced the
+//     request) is caught by a process-wide handler (installed with the first
+//     region) that maps zero pages over that region's whole mapping and marks the
+//     region faulted; the faulting access is retried and reads zeros, and every
+//     request naming the region then fails with FAILED_PRECONDITION naming it,
+//     "truncated" (CheckIntact). A faulted region stays so: unregister it and
+//     register it again. A SIGBUS at any other address goes to the handler that was
+//     there before (the default one kills the process, as without ours).
+// The handler finds the region in a fixed table of kMaxMappedRegions slots
+// (lock-free, async-signal-safe); a mapping holds a slot until its last holder
+// drops the region, registered or not.
 //
 // Safety (the register call's checks, in this order, the first failure answered):
 //   peer      a peer that is not loopback: PERMISSION_DENIED (unless
@@ -40,6 +53,8 @@
 //             PERMISSION_DENIED naming `key` and both uids
 //   bounds    offset + byte_size beyond the file's fstat size: INVALID_ARGUMENT
 //             naming `offset`/`byte_size` and the size
+//   map       mmap fails (address space), or kMaxMappedRegions regions are mapped:
+//             RESOURCE_EXHAUSTED naming the region
 // Unregistering an unknown name succeeds (Triton's); "" unregisters every region.
 // Status of an unknown name is NOT_FOUND; "" lists every region, by name.
 //
@@ -66,6 +81,8 @@ namespace mha::server {
 
 inline constexpr size_t kMaxRegionNameBytes = 256;
 inline constexpr size_t kMaxShmKeyBytes = 255;  // NAME_MAX, the leading '/' included
+// Regions mapped at once, registered or held by requests after their unregister.
+inline constexpr int kMaxMappedRegions = 4096;
 
 // What a register call names (Triton's SystemSharedMemoryRegisterRequest), and what
 // status lists.
@@ -76,8 +93,8 @@ struct RegionSpec {
   uint64_t byte_size = 0;  // its length
 };
 
-// One registered region: the kept descriptor of its file. Reads and writes are
-// relative to the region's start and bounded by its byte_size (checked again
+// One registered region: its mapping and the kept descriptor of its file. Offsets
+// are relative to the region's start and bounded by its byte_size (checked again
 // here: the caller's bounds are checked first, naming the request's fields).
 class SharedMemoryRegion {
  public:
@@ -91,23 +108,37 @@ class SharedMemoryRegion {
   dev_t device() const { return device_; }
   ino_t inode() const { return inode_; }
 
-  // Copies `bytes` bytes at `offset` of the region into `out`. FAILED_PRECONDITION
-  // naming the region when the file has been truncated below them.
+  // The region's byte_size bytes, mapped (the first at the file's spec().offset).
+  // Reads and writes through it may fault if the client truncates the file: see
+  // above; check CheckIntact() after using them.
+  char* data() const { return data_; }
+  // OK while the file holds the region (an fstat) and no access to it has faulted;
+  // else FAILED_PRECONDITION naming the region, "truncated".
+  absl::Status CheckIntact() const;
+  // Whether an access has faulted (no system call; CheckIntact includes it).
+  bool faulted() const;
+
+  // Copies `bytes` bytes at `offset` of the region into `out`, or from `data` to
+  // `offset` of the region, then CheckIntact(). INVALID_ARGUMENT for a range beyond
+  // the region.
   absl::Status Read(uint64_t offset, uint64_t bytes, void* out) const;
-  // Copies `bytes` bytes from `data` to `offset` of the region (the file must still
-  // hold them: FAILED_PRECONDITION naming the region, else).
   absl::Status Write(uint64_t offset, const void* data, uint64_t bytes) const;
 
  private:
   friend class SharedMemoryRegistry;
-  SharedMemoryRegion(RegionSpec spec, int fd, dev_t device, ino_t inode)
-      : spec_(std::move(spec)), fd_(fd), device_(device), inode_(inode) {}
+  SharedMemoryRegion(RegionSpec spec, int fd, dev_t device, ino_t inode, void* mapping,
+                     size_t mapped_bytes, int slot);
   absl::Status CheckRange(uint64_t offset, uint64_t bytes) const;
+  absl::Status Truncated(absl::string_view how) const;
 
   const RegionSpec spec_;
   const int fd_;
   const dev_t device_;
   const ino_t inode_;
+  void* const mapping_;        // page-aligned start of the mapping
+  const size_t mapped_bytes_;  // its length
+  char* const data_;           // the region's first byte in it
+  const int slot_;             // in the SIGBUS handler's table
 };
 
 struct SharedMemoryOptions {

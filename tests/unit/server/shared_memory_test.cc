@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -216,6 +218,80 @@ TEST(SharedMemoryRegistryTest, ReadWriteAndTruncation) {
   struct stat st {};
   ASSERT_EQ(fstat(file.fd(), &st), 0);
   EXPECT_EQ(st.st_size, 1005);
+}
+
+TEST(SharedMemoryRegistryTest, TheRegionIsMappedInPlace) {
+  ShmFile file(3 * 4096);
+  SharedMemoryRegistry registry({});
+  ASSERT_TRUE(registry.Register(Spec("m", file, 4100, 5000), true).ok());
+  std::shared_ptr<const SharedMemoryRegion> region = *registry.Find("m");
+  // The client's bytes are the region's, and the region's the client's.
+  ASSERT_EQ(pwrite(file.fd(), "abc", 3, 4100), 3);
+  EXPECT_EQ(std::string(region->data(), 3), "abc");
+  std::memcpy(region->data() + 4999, "z", 1);
+  char last = 0;
+  ASSERT_EQ(pread(file.fd(), &last, 1, 4100 + 4999), 1);
+  EXPECT_EQ(last, 'z');
+  EXPECT_TRUE(region->CheckIntact().ok());
+  EXPECT_FALSE(region->faulted());
+}
+
+// A client truncates its file under the mapping and the server then touches a page
+// past the new end: the SIGBUS handler maps zeros there and marks the region
+// faulted; the process lives on, and the region is refused until registered again.
+TEST(SharedMemoryRegistryTest, AFaultPastTheTruncatedEndFailsTheRegionNotTheProcess) {
+  ShmFile file(4 * 4096);
+  SharedMemoryRegistry registry({});
+  ASSERT_TRUE(registry.Register(Spec("t", file, 0, 4 * 4096), true).ok());
+  ASSERT_TRUE(registry.Register(Spec("other", file, 0, 4096), true).ok());
+  std::shared_ptr<const SharedMemoryRegion> region = *registry.Find("t");
+  std::shared_ptr<const SharedMemoryRegion> other = *registry.Find("other");
+  std::memset(region->data(), 7, 4 * 4096);
+  ASSERT_EQ(ftruncate(file.fd(), 4096), 0);
+  // Within the first page nothing faults; fstat sees the truncation.
+  EXPECT_EQ(region->CheckIntact().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(region->faulted());
+  volatile char* past = region->data() + 2 * 4096 + 5;
+  const char seen = *past;  // SIGBUS, repaired
+  EXPECT_EQ(seen, 0);
+  past[1] = 1;  // writable, and goes nowhere
+  EXPECT_TRUE(region->faulted());
+  absl::Status status = region->CheckIntact();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  EXPECT_TRUE(Has(std::string(status.message()), "while a request used it")) << status;
+  EXPECT_TRUE(Has(std::string(status.message()), "\"t\"")) << status;
+  // The other region over the same file did not fault and is intact (its page stays).
+  EXPECT_FALSE(other->faulted());
+  EXPECT_TRUE(other->CheckIntact().ok());
+  EXPECT_EQ(other->data()[0], 7);
+  // Registered again once the file is whole: a new mapping, not faulted.
+  ASSERT_EQ(ftruncate(file.fd(), 4 * 4096), 0);
+  registry.Unregister("t");
+  region.reset();
+  ASSERT_TRUE(registry.Register(Spec("t", file, 0, 4 * 4096), true).ok());
+  std::shared_ptr<const SharedMemoryRegion> again = *registry.Find("t");
+  EXPECT_FALSE(again->faulted());
+  EXPECT_TRUE(again->CheckIntact().ok());
+  EXPECT_EQ(again->data()[2 * 4096 + 5], 0);  // the file's page, zero-filled when regrown
+}
+
+// A SIGBUS at an address that is no region's still ends the process.
+TEST(SharedMemoryRegistryDeathTest, AFaultOutsideEveryRegionIsNotSwallowed) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  ShmFile file(4096);
+  SharedMemoryRegistry registry({});
+  ASSERT_TRUE(registry.Register(Spec("r", file, 0, 4096), true).ok());  // the handler is in
+  EXPECT_DEATH(
+      {
+        ShmFile mine(2 * 4096, "mine");
+        void* map = mmap(nullptr, 2 * 4096, PROT_READ, MAP_SHARED, mine.fd(), 0);
+        if (map == MAP_FAILED) std::abort();
+        if (ftruncate(mine.fd(), 0) != 0) std::abort();
+        volatile const char* p = static_cast<const char*>(map) + 4096;
+        std::printf("%d", *p);
+        std::exit(0);  // not reached
+      },
+      "");
 }
 
 TEST(SharedMemoryRegistryTest, CurrentIsScoped) {
