@@ -113,6 +113,20 @@ absl::StatusOr<std::string> Inflate(absl::string_view in, int window_bits, int64
   return out;
 }
 
+// Appends `bytes` to `out`: copied when small, else handed over by reference (freed
+// once written).
+void AddToBuffer(evbuffer* out, std::string bytes) {
+  if (bytes.empty()) return;
+  if (bytes.size() < 16384) {
+    evbuffer_add(out, bytes.data(), bytes.size());
+    return;
+  }
+  auto* held = new std::string(std::move(bytes));
+  evbuffer_add_reference(
+      out, held->data(), held->size(),
+      [](const void*, size_t, void* arg) { delete static_cast<std::string*>(arg); }, held);
+}
+
 std::string Deflate(absl::string_view in, int window_bits) {
   z_stream z{};
   if (deflateInit2(&z, Z_DEFAULT_COMPRESSION, Z_DEFLATED, window_bits, 8,
@@ -582,9 +596,22 @@ void EventHttpServer::Impl::Write(Connection* c, HttpResponse response) {
   if (c->closed) return;  // the client left: the answer is dropped
   Loop* loop = c->loop.get();
   if (stopping.load()) c->close_after_write = true;
+  if (c->head_request) {
+    response.body.clear();
+    response.tail.clear();
+  }
+  // A small tail joins the body (one write below); a large one stays by reference.
+  size_t tail_bytes = 0;
+  for (const std::string& part : response.tail) tail_bytes += part.size();
+  if (tail_bytes > 0 && response.body.size() + tail_bytes <= 65536) {
+    for (const std::string& part : response.tail) response.body += part;
+    response.tail.clear();
+    tail_bytes = 0;
+  }
   std::string head = absl::StrCat("HTTP/1.1 ", response.status, " ", Reason(response.status),
                                   "\r\n", loop->Date(), "Content-Type: ", response.content_type,
-                                  "\r\nContent-Length: ", response.body.size(), "\r\n");
+                                  "\r\nContent-Length: ", response.body.size() + tail_bytes,
+                                  "\r\n");
   for (const auto& [name, value] : response.headers) absl::StrAppend(&head, name, ": ", value, "\r\n");
   if (c->close_after_write) {
     head += "Connection: close\r\n";
@@ -593,10 +620,10 @@ void EventHttpServer::Impl::Write(Connection* c, HttpResponse response) {
   }
   head += "\r\n";
   evbuffer* out = bufferevent_get_output(c->bev);
-  if (c->head_request) response.body.clear();
   // A small answer on plain TCP with nothing queued before it is written at once:
   // through the bufferevent it would cost a poll for writability and two epoll_ctl.
-  if (tls == nullptr && evbuffer_get_length(out) == 0 && response.body.size() <= 65536) {
+  if (tls == nullptr && evbuffer_get_length(out) == 0 && response.body.size() <= 65536 &&
+      response.tail.empty()) {
     iovec parts[2] = {{head.data(), head.size()}, {response.body.data(), response.body.size()}};
     const ssize_t sent = writev(bufferevent_getfd(c->bev), parts, response.body.empty() ? 1 : 2);
     size_t done = sent > 0 ? static_cast<size_t>(sent) : 0;
@@ -609,16 +636,8 @@ void EventHttpServer::Impl::Write(Connection* c, HttpResponse response) {
     }
   }
   evbuffer_add(out, head.data(), head.size());
-  if (!response.body.empty()) {
-    if (response.body.size() < 16384) {
-      evbuffer_add(out, response.body.data(), response.body.size());
-    } else {  // large bodies are referenced, not copied
-      auto* held = new std::string(std::move(response.body));
-      evbuffer_add_reference(
-          out, held->data(), held->size(),
-          [](const void*, size_t, void* arg) { delete static_cast<std::string*>(arg); }, held);
-    }
-  }
+  AddToBuffer(out, std::move(response.body));
+  for (std::string& part : response.tail) AddToBuffer(out, std::move(part));
   if (c->close_after_write) return;  // OnWrite closes once it is flushed
   Ready(c);
 }

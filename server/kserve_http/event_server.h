@@ -63,6 +63,9 @@ struct HttpResponse {
   std::string content_type = "application/json";
   std::vector<std::pair<std::string, std::string>> headers;  // beyond the framing ones
   std::string body;
+  // Sent after `body`, never compressed; a large part is handed to the socket by
+  // reference (binary tensor outputs, not copied into `body`).
+  std::vector<std::string> tail;
 };
 
 namespace http_internal {

@@ -294,6 +294,9 @@ struct BinaryPart {
   absl::string_view bytes;
   bool present = false;  // the request had Inference-Header-Content-Length
   size_t used = 0;
+  // The body `bytes` ends, when the caller gave it up: the tensor that ends the body
+  // takes its buffer (shifted down, no new allocation) instead of a copy.
+  std::string* donor = nullptr;
 };
 
 // The input's "shape" into `tensor` and `input` (shape, elements, bytes).
@@ -366,8 +369,18 @@ absl::Status TakeBinaryData(const InputSpec& input, int64_t binary_size, BinaryP
                                       " bytes, but the request has no binary data (no "
                                       "Inference-Header-Content-Length header)"));
   }
-  raw->assign(binary->bytes.data() + binary->used, binary_size);
+  const char* from = binary->bytes.data() + binary->used;
   binary->used += binary_size;
+  if (binary->donor != nullptr && binary->used == binary->bytes.size() && binary_size > 65536) {
+    // The last bytes of the body: nothing reads the body after them.
+    std::string* donor = std::exchange(binary->donor, nullptr);
+    donor->erase(0, static_cast<size_t>(from - donor->data()));
+    raw->swap(*donor);
+    binary->bytes = {};
+    binary->used = 0;
+    return absl::OkStatus();
+  }
+  raw->assign(from, binary_size);
   return absl::OkStatus();
 }
 
@@ -591,8 +604,10 @@ bool SendsBinary(const ModelInferRequest& request, const std::string& output) {
   return IsTrue(request.parameters(), "binary_data_output");
 }
 
+// The body; with `split`, binary outputs are listed in binary_outputs instead of
+// appended.
 absl::StatusOr<HttpBody> Encode(const ModelInferRequest& request,
-                                const ModelInferResponse& response) {
+                                const ModelInferResponse& response, bool split) {
   OrderedJson root = OrderedJson::object();
   root["model_name"] = response.model_name();
   root["model_version"] = response.model_version();
@@ -604,8 +619,7 @@ absl::StatusOr<HttpBody> Encode(const ModelInferRequest& request,
                                             " raw_output_contents"));
   }
   OrderedJson outputs = OrderedJson::array();
-  std::string binary;
-  bool any_binary = false;
+  std::vector<int> binary_outputs;
   for (int i = 0; i < response.outputs_size(); ++i) {
     const ModelInferResponse::InferOutputTensor& output = response.outputs(i);
     const std::string& raw = response.raw_output_contents(i);
@@ -646,9 +660,8 @@ absl::StatusOr<HttpBody> Encode(const ModelInferRequest& request,
     OrderedJson parameters = ParametersJson(output.parameters());
     const bool send_binary = SendsBinary(request, output.name());
     if (send_binary) {
-      any_binary = true;
       parameters["binary_data_size"] = raw.size();
-      binary += raw;
+      binary_outputs.push_back(i);
     }
     if (!parameters.empty()) entry["parameters"] = std::move(parameters);
     if (!send_binary) {
@@ -674,9 +687,13 @@ absl::StatusOr<HttpBody> Encode(const ModelInferRequest& request,
 
   HttpBody out;
   out.body = root.dump(-1, ' ', false, OrderedJson::error_handler_t::replace);
-  if (any_binary) {
+  if (!binary_outputs.empty()) {
     out.header_length = static_cast<int64_t>(out.body.size());
-    out.body += binary;
+    if (split) {
+      out.binary_outputs = std::move(binary_outputs);
+    } else {
+      for (int i : binary_outputs) out.body += response.raw_output_contents(i);
+    }
     out.content_type = "application/octet-stream";
   } else {
     out.content_type = "application/json";
@@ -686,11 +703,12 @@ absl::StatusOr<HttpBody> Encode(const ModelInferRequest& request,
 
 }  // namespace
 
-absl::StatusOr<ModelInferRequest> ParseInferRequest(absl::string_view model_name,
-                                                    absl::string_view model_version,
-                                                    absl::string_view body,
-                                                    std::optional<int64_t> header_length) {
-  BinaryPart binary{.present = header_length.has_value()};
+namespace {
+
+absl::StatusOr<ModelInferRequest> Parse(absl::string_view model_name,
+                                        absl::string_view model_version, absl::string_view body,
+                                        std::optional<int64_t> header_length, std::string* donor) {
+  BinaryPart binary{.present = header_length.has_value(), .donor = donor};
   absl::string_view header = body;
   if (header_length.has_value()) {
     if (*header_length < 0 || static_cast<uint64_t>(*header_length) > body.size()) {
@@ -713,10 +731,35 @@ absl::StatusOr<ModelInferRequest> ParseInferRequest(absl::string_view model_name
   return request;
 }
 
+}  // namespace
+
+absl::StatusOr<ModelInferRequest> ParseInferRequest(absl::string_view model_name,
+                                                    absl::string_view model_version,
+                                                    absl::string_view body,
+                                                    std::optional<int64_t> header_length) {
+  return Parse(model_name, model_version, body, header_length, nullptr);
+}
+
+absl::StatusOr<ModelInferRequest> ParseInferRequest(absl::string_view model_name,
+                                                    absl::string_view model_version,
+                                                    std::string* body,
+                                                    std::optional<int64_t> header_length) {
+  return Parse(model_name, model_version, *body, header_length, body);
+}
+
 absl::StatusOr<HttpBody> EncodeInferResponse(const ModelInferRequest& request,
                                              const ModelInferResponse& response) {
   try {
-    return Encode(request, response);
+    return Encode(request, response, /*split=*/false);
+  } catch (const Json::exception& e) {
+    return absl::InternalError(absl::StrCat("response: ", e.what()));
+  }
+}
+
+absl::StatusOr<HttpBody> EncodeInferResponseHead(const ModelInferRequest& request,
+                                                 const ModelInferResponse& response) {
+  try {
+    return Encode(request, response, /*split=*/true);
   } catch (const Json::exception& e) {
     return absl::InternalError(absl::StrCat("response: ", e.what()));
   }

@@ -98,12 +98,21 @@ namespace mha::server {
 absl::StatusOr<inference::ModelInferRequest> ParseInferRequest(
     absl::string_view model_name, absl::string_view model_version, absl::string_view body,
     std::optional<int64_t> header_length);
+// The same, taking `body`'s buffer for a binary tensor over 64 KiB that ends the body
+// (its bytes shifted down in place rather than copied into a new string); *body is
+// left unspecified.
+absl::StatusOr<inference::ModelInferRequest> ParseInferRequest(
+    absl::string_view model_name, absl::string_view model_version, std::string* body,
+    std::optional<int64_t> header_length);
 
 // An HTTP response body and the headers that describe it.
 struct HttpBody {
   std::string body;
   std::string content_type;    // "application/json" or "application/octet-stream"
   int64_t header_length = -1;  // Inference-Header-Content-Length; -1: no such header
+  // EncodeInferResponseHead only: the outputs (indices into raw_output_contents)
+  // whose bytes follow `body` on the wire, in order; `body` is then the JSON alone.
+  std::vector<int> binary_outputs;
 };
 
 // The body answering `request` (as parsed above) with `response`; INVALID_ARGUMENT
@@ -113,6 +122,12 @@ struct HttpBody {
 // Never throws.
 absl::StatusOr<HttpBody> EncodeInferResponse(const inference::ModelInferRequest& request,
                                              const inference::ModelInferResponse& response);
+// The same, but the binary outputs' bytes are not copied after the JSON: the caller
+// sends `response.raw_output_contents(i)` for each i of binary_outputs after `body`
+// (the HTTP front moves them into HttpResponse::tail; a 3.1 MB output is then never
+// copied in user space).
+absl::StatusOr<HttpBody> EncodeInferResponseHead(const inference::ModelInferRequest& request,
+                                                 const inference::ModelInferResponse& response);
 
 // The body of a repository request (Triton's repository extension): POST
 // /v2/repository/index takes {"ready": bool}, .../models/{name}/load and /unload

@@ -297,7 +297,7 @@ void HttpFront::Serve(HttpRequest req, HttpResponder res) const {
 // POST .../models/{name}[/versions/{v}]/infer: parses the body on the loop thread,
 // submits the request (server/serving/submit.h) and answers from the thread that
 // completes it.
-void HttpFront::Infer(const HttpRequest& req, std::string model, std::string version,
+void HttpFront::Infer(HttpRequest& req, std::string model, std::string version,
                       const HttpResponder& res) const {
   const RequestPath& path = *services_.path;
   auto state = std::make_shared<InferState>();
@@ -312,7 +312,7 @@ void HttpFront::Infer(const HttpRequest& req, std::string model, std::string ver
       !header_length.ok()) {
     request = header_length.status();
   } else {
-    request = ParseInferRequest(model, version, req.body, *header_length);
+    request = ParseInferRequest(model, version, &req.body, *header_length);
   }
   if (!request.ok()) {
     path.Refused(call, request.status());
@@ -327,9 +327,12 @@ void HttpFront::Infer(const HttpRequest& req, std::string model, std::string ver
       },
       [state, res](absl::Status status, const ComputeTiming&) {
         if (!status.ok()) return res.Send(Error(status));
-        absl::StatusOr<HttpBody> body = EncodeInferResponse(state->request, state->response);
+        absl::StatusOr<HttpBody> body = EncodeInferResponseHead(state->request, state->response);
         if (!body.ok()) return res.Send(Error(body.status()));
         HttpResponse answer{.content_type = body->content_type, .body = std::move(body->body)};
+        for (int i : body->binary_outputs) {  // moved, not copied
+          answer.tail.push_back(std::move(*state->response.mutable_raw_output_contents(i)));
+        }
         if (body->header_length >= 0) {
           answer.headers.emplace_back("Inference-Header-Content-Length",
                                       std::to_string(body->header_length));

@@ -105,7 +105,7 @@ class HttpFront {
   HttpFront() = default;
   // Every request: the route, its method, its API group, then its answer.
   void Serve(HttpRequest request, HttpResponder responder) const;
-  void Infer(const HttpRequest& request, std::string model, std::string version,
+  void Infer(HttpRequest& request, std::string model, std::string version,
              const HttpResponder& responder) const;
 
   Services services_{};

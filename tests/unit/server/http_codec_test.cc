@@ -118,6 +118,37 @@ TEST(HttpCodecTest, BinaryInputsFollowTheJsonHeader) {
   EXPECT_TRUE(request.inputs(2).parameters().empty());
 }
 
+// The HTTP front gives up the body: the large tensor that ends it takes the body's
+// buffer; the others are copied; the result equals the copying parse.
+TEST(HttpCodecTest, TheTensorEndingAGivenUpBodyTakesItsBuffer) {
+  const std::string header = R"({"inputs": [
+      {"name": "a", "datatype": "FP32", "shape": [20000], "parameters": {"binary_data_size": 80000}},
+      {"name": "b", "datatype": "FP32", "shape": [30000], "parameters": {"binary_data_size": 120000}}]})";
+  std::vector<float> a(20000), b(30000);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<float>(i) * 0.5f;
+  for (size_t i = 0; i < b.size(); ++i) b[i] = -static_cast<float>(i);
+  const std::string a_raw(reinterpret_cast<const char*>(a.data()), a.size() * sizeof(float));
+  const std::string b_raw(reinterpret_cast<const char*>(b.data()), b.size() * sizeof(float));
+  const std::string whole = absl::StrCat(header, a_raw, b_raw);
+  std::string body = whole;
+  const char* buffer = body.data();
+  const absl::StatusOr<ModelInferRequest> given =
+      ParseInferRequest("m", "1", &body, static_cast<int64_t>(header.size()));
+  ASSERT_TRUE(given.ok()) << given.status();
+  ASSERT_EQ(given->raw_input_contents_size(), 2);
+  EXPECT_EQ(given->raw_input_contents(0), a_raw);
+  EXPECT_EQ(given->raw_input_contents(1), b_raw);
+  EXPECT_EQ(given->raw_input_contents(1).data(), buffer);  // the body's own buffer
+  EXPECT_EQ(ParseOk(whole, static_cast<int64_t>(header.size())).SerializeAsString(),
+            given->SerializeAsString());
+  // A body with bytes left after its last tensor is refused as before.
+  std::string longer = whole + "x";
+  EXPECT_EQ(ParseInferRequest("m", "1", &longer, static_cast<int64_t>(header.size()))
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(HttpCodecTest, HeaderLengthOfTheWholeBodyMeansNoBinaryData) {
   const std::string body = OneInput("UINT8", "[1]", "[9]");
   EXPECT_EQ(ParseOk(body, static_cast<int64_t>(body.size())).raw_input_contents(0), "\x09");
@@ -587,6 +618,25 @@ TEST(HttpCodecTest, BinaryOutputsFollowTheJsonHeader) {
   EXPECT_EQ(json["outputs"][1], Json::parse(R"({"name": "b", "datatype": "FP32", "shape": [2],
                             "parameters": {"binary_data_size": 8, "note": "n"}})"));
   EXPECT_EQ(json["outputs"][2]["data"], Json::array());
+}
+
+TEST(HttpCodecTest, TheHeadEncodingListsTheBinaryOutputsInsteadOfCopyingThem) {
+  ModelInferRequest request;
+  ModelInferResponse response = BasicResponse();
+  AddOutput(&response, "a", "FP32", {2}, Raw<float>({1.5f, -2.0f}));
+  AddOutput(&response, "b", "INT64", {1}, Raw<int64_t>({7}));
+  (*request.mutable_parameters())["binary_data_output"].set_bool_param(true);
+  (*request.add_outputs()->mutable_parameters())["binary_data"].set_bool_param(false);
+  request.mutable_outputs(0)->set_name("b");
+  const absl::StatusOr<HttpBody> whole = EncodeInferResponse(request, response);
+  const absl::StatusOr<HttpBody> head = EncodeInferResponseHead(request, response);
+  ASSERT_TRUE(whole.ok() && head.ok());
+  EXPECT_EQ(head->binary_outputs, std::vector<int>{0});
+  EXPECT_EQ(head->header_length, whole->header_length);
+  EXPECT_EQ(head->body.size(), static_cast<size_t>(head->header_length));
+  EXPECT_EQ(head->content_type, "application/octet-stream");
+  EXPECT_EQ(head->body + response.raw_output_contents(0), whole->body);
+  EXPECT_TRUE(whole->binary_outputs.empty());
 }
 
 TEST(HttpCodecTest, BinaryDataOutputUnlessTheOutputSaysOtherwise) {
