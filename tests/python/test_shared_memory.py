@@ -247,6 +247,24 @@ def test_refused_before_any_call(client, inference, created):
     assert regions(inference) == {}
 
 
+def test_a_call_past_its_deadline_drops_the_region(client, inference, created):
+    """The request may still run at the server and write into the region: the next
+    request gets a new one. (A request that computes for tens of milliseconds against a
+    1 ms deadline: gRPC's timers are too coarse to fail a quicker call reliably.)"""
+    q = uniform(11, 32, 256, D)
+    with client.shared_memory() as shm:
+        shm.attend(q)
+        first = shm.name
+        with pytest.raises(mha_serve.Error) as caught:
+            shm.attend(q, timeout=1e-3)
+        assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert shm.name == "" and regions(inference) == {}
+        assert max_diff(shm.attend(q), client.attend(q)) <= TOLERANCE
+        assert shm.name != first and created == [first, shm.name]
+        assert list(regions(inference)) == [shm.name]
+    assert regions(inference) == {}
+
+
 def test_unknown_model_is_not_found(client, inference):
     with client.shared_memory() as shm:
         with pytest.raises(mha_serve.Error) as caught:

@@ -17,8 +17,10 @@ with SystemSharedMemoryRegister under name = its name, key = "/" + its name, the
 unlinked at once, whether the register succeeded or not: the server keeps its own
 descriptor, so nothing is left in /dev/shm even if this process is killed; close()
 unregisters it. A request bigger than the region replaces it with one that fits
-(unregister, close, create, register, unlink). Layout per request: the inputs, then
-the outputs, each at a 64-byte-aligned offset.
+(unregister, close, create, register, unlink); so does a call that ends without the
+server's answer (deadline, cancel, connection lost), since its request may still write
+into the region. Layout per request: the inputs, then the outputs, each at a
+64-byte-aligned offset (so the server reads and writes them in place).
 
 One request at a time per SharedMemoryClient (calls from several threads take turns);
 use one per thread for concurrent requests.
@@ -36,6 +38,11 @@ from ._proto import grpc_service_pb2_grpc as kserve_grpc
 from .client import DEFAULT_TARGET, DEFAULT_TIMEOUT, Client, Error
 
 ALIGNMENT = 64
+# A call that ended with these may leave its request running at the server, which
+# would still write its outputs into the region: the region is dropped (unregistered:
+# the server keeps it until that request ends) and the next request gets a new one.
+_MAY_STILL_RUN = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                  grpc.StatusCode.UNAVAILABLE)
 
 
 def _aligned(n):
@@ -251,7 +258,15 @@ class SharedMemoryClient:
                 # The byte size is the room given; the server writes the tensor's bytes.
                 _set_region(request.outputs.add(name=name).parameters, self._shm.name,
                             _aligned(size), offset)
-            response = self._unary("ModelInfer", request, timeout)
+            try:
+                response = self._unary("ModelInfer", request, timeout)
+            except Error as error:
+                if error.code in _MAY_STILL_RUN:
+                    self._release()
+                raise
+            except BaseException:   # interrupted mid-call
+                self._release()
+                raise
             answers = {}
             for tensor, raw in zip(response.outputs, response.raw_output_contents):
                 if tensor.name in output_at:
