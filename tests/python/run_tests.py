@@ -8,7 +8,8 @@ real servers they start.
 
 The venv is made anew (/usr/bin/python3 -m venv --system-site-packages DIR) and the
 package installed with pip --no-index --no-build-isolation from a copy of
-client/python and proto/attention.proto in a temporary directory, so the source tree
+client/python, proto/attention.proto and the KServe protos (proto/inference/) in a
+temporary directory, so the source tree
 gets no build/ or egg-info/.
 """
 
@@ -42,9 +43,13 @@ def main():
         package = os.path.join(copy, "client", "python")
         shutil.copytree(os.path.join(source, "client", "python"), package,
                         ignore=shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__",
-                                                      "attention_pb2*.py"))
-        os.makedirs(os.path.join(copy, "proto"))
-        shutil.copy(os.path.join(source, "proto", "attention.proto"), os.path.join(copy, "proto"))
+                                                      "attention_pb2*.py", "grpc_service_pb2*.py",
+                                                      "model_config_pb2.py"))
+        os.makedirs(os.path.join(copy, "proto", "inference"))
+        for proto in ("attention.proto", "inference/grpc_service.proto",
+                      "inference/model_config.proto"):
+            shutil.copy(os.path.join(source, "proto", proto),
+                        os.path.join(copy, "proto", proto))
         step("pip install", [os.path.join(args.venv, "bin", "pip"), "install", "--no-index",
                              "--no-build-isolation", "--quiet", package])
 

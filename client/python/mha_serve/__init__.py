@@ -6,6 +6,9 @@
         with client.session(model="decoder", causal=True) as session:  # AttendSession
             output = session.step(token)
 
+    with mha_serve.SharedMemoryClient("127.0.0.1:50051") as shm:  # mha_serve.shared_memory
+        output = shm.attend(queries, keys, values)     # tensors through /dev/shm
+
     attn = mha_serve.RemoteMultiheadAttention("127.0.0.1:50051")  # mha_serve.nn (torch)
     output, weights = attn(x, x, x, key_padding_mask=padding)
 
@@ -15,8 +18,8 @@
 Command line: `mha-serve-client` (= `python -m mha_serve`, mha_serve.cli) sends one
 request; `python -m mha_serve.export` exports a PyTorch module as a model folder.
 
-Client, Error, ModelInfo, Session and RemoteMultiheadAttention load on first use, so that
-`import mha_serve` needs neither grpc nor torch (the CLI reports a missing grpc in
+Client, Error, ModelInfo, Session, SharedMemoryClient and RemoteMultiheadAttention load
+on first use, so that `import mha_serve` needs neither grpc nor torch (the CLI reports a missing grpc in
 one line, and the exporter needs no grpc).
 """
 
@@ -25,11 +28,11 @@ from .toy import uniform_inputs
 
 __version__ = "0.1.0"
 __all__ = ["Client", "Error", "ModelInfo", "ModelLimits", "RemoteMultiheadAttention",
-           "Session", "export", "merge_attention", "uniform_inputs"]
+           "Session", "SharedMemoryClient", "export", "merge_attention", "uniform_inputs"]
 
 _LAZY = {"Client": "client", "Error": "client", "ModelInfo": "client",
          "ModelLimits": "client", "RemoteMultiheadAttention": "nn", "Session": "client",
-         "merge_attention": "merge"}
+         "SharedMemoryClient": "shared_memory", "merge_attention": "merge"}
 
 
 def __getattr__(name):

@@ -436,6 +436,13 @@ class Client:
         return decode_response_bytes(self.call_bytes(request, timeout), return_attention,
                                      return_lse)
 
+    def shared_memory(self, byte_size=0, timeout=None):
+        """A SharedMemoryClient on this client's channel (mha_serve.shared_memory):
+        attend() with the tensors in a shared-memory region, for a server on this host
+        run with --shared_memory=system. Closing it leaves this client open."""
+        from .shared_memory import SharedMemoryClient
+        return SharedMemoryClient(self, byte_size=byte_size, timeout=timeout)
+
     def stream(self, requests, timeout=None):
         """AttendStream: `requests` is an iterable of dicts of attend()'s keyword
         arguments (queries, keys, ..., model); yields attend()'s result for each, in

@@ -1,9 +1,11 @@
-"""The attention.v1 gRPC stubs (attention_pb2, attention_pb2_grpc).
+"""The gRPC stubs: attention.v1's (attention_pb2, attention_pb2_grpc, imported here)
+and KServe v2's with Triton's extensions (grpc_service_pb2, grpc_service_pb2_grpc,
+model_config_pb2; imported by mha_serve.shared_memory when used).
 
 An installed mha_serve carries them, generated at build time by setup.py. Imported
 from a source checkout instead (client/python on sys.path), they are generated from
-proto/attention.proto into a temporary directory on first import, which joins this
-package's __path__ and is removed at exit.
+proto/attention.proto and proto/inference/ into a temporary directory on first import,
+which joins this package's __path__ and is removed at exit.
 """
 
 import atexit
