@@ -229,6 +229,19 @@ bool RequestParser::TakeLine(absl::string_view data, size_t* pos, int64_t budget
   return true;
 }
 
+char* RequestParser::ReserveBody(size_t n) {
+  n = std::min(n, static_cast<size_t>(body_remaining()));
+  const size_t size = body_.size();
+  body_.resize(size + n);
+  return body_.data() + size;
+}
+
+void RequestParser::CommitBody(size_t reserved, size_t used) {
+  used = std::min(used, reserved);
+  body_.resize(body_.size() - (reserved - used));
+  remaining_ -= static_cast<int64_t>(used);
+}
+
 RequestParser::Event RequestParser::Feed(absl::string_view data, size_t* consumed) {
   size_t pos = 0;
   auto done = [&](Event event) {

@@ -97,6 +97,17 @@ class RequestParser {
   bool started() const { return started_; }
   bool head_done() const { return state_ != State::kHead && state_ != State::kSkipEmpty; }
 
+  // Content-Length body bytes still to come (0 outside such a body). A caller that
+  // can read them straight from its socket does so into ReserveBody's space and
+  // gives back what it did not fill with CommitBody, instead of feeding a copy:
+  //   char* at = parser.ReserveBody(n);  got = recv(fd, at, n, ...);
+  //   parser.CommitBody(n, got > 0 ? got : 0);   // then Feed({}) reports kRequest
+  int64_t body_remaining() const { return state_ == State::kBody ? remaining_ : 0; }
+  // Space for `n` <= body_remaining() more body bytes (valid until the next call).
+  char* ReserveBody(size_t n);
+  // `used` of the `reserved` bytes were written.
+  void CommitBody(size_t reserved, size_t used);
+
   const RequestHead& head() const { return head_; }
   std::string& body() { return body_; }
   const Refusal& refusal() const { return refusal_; }

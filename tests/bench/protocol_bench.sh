@@ -17,7 +17,8 @@
 # Env: BUILD (build/release), RUNS (5), WARMUP (1s) and DURATION (10s, measured; whole
 # seconds) per run, THREADS (the server's compute threads and OMP_NUM_THREADS; nproc),
 # HTTP_THREADS (the server's --http_threads; 0: one event loop per CPU), PROTOCOLS
-# ("attention kserve http"), OUT (a temp dir) for the JSON reports and server logs.
+# ("attention kserve http"), MODELS ("toy bert_base": either or both), OUT (a temp dir)
+# for the JSON reports and server logs.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build/release}
@@ -30,6 +31,7 @@ OUT=${OUT:-$(mktemp -d /tmp/mha_protocol_bench.XXXXXX)}
 SERVER=$BUILD/server/attention_server
 CLIENT=$BUILD/client/attention_client
 read -r -a PROTOCOLS <<<"${PROTOCOLS:-attention kserve http}"
+MODELS=${MODELS:-toy bert_base}
 CONCURRENCY=(1 64)
 export OMP_NUM_THREADS=$THREADS
 
@@ -114,17 +116,22 @@ bench_model() {  # $1 label, $2 concurrency levels ("1 64"); rest: request flags
 
 echo "protocol bench: $RUNS runs per cell (warm-up $WARMUP, $windows s measured); server" \
   "--compute_threads=$THREADS --http_threads=$HTTP_THREADS; reports in $OUT"
-start_server "$OUT/server_toy"
-bench_model toy "${CONCURRENCY[*]}"
-stop_server
-start_server "$OUT/server_bert" --model_repository=deploy/models
-bench_model bert_base 1 --model=bert_base --batch=8 --num_queries=128 --num_keys=0 --valid_lens=none
-stop_server
+if [[ " $MODELS " == *" toy "* ]]; then
+  start_server "$OUT/server_toy"
+  bench_model toy "${CONCURRENCY[*]}"
+  stop_server
+fi
+if [[ " $MODELS " == *" bert_base "* ]]; then
+  start_server "$OUT/server_bert" --model_repository=deploy/models
+  bench_model bert_base 1 --model=bert_base --batch=8 --num_queries=128 --num_keys=0 --valid_lens=none
+  stop_server
+fi
 
-python3 - "$OUT" "$RUNS" "$(nproc)" "${PROTOCOLS[*]}" <<'EOF'
+python3 - "$OUT" "$RUNS" "$(nproc)" "${PROTOCOLS[*]}" "$MODELS" <<'EOF'
 import json, statistics, sys
 out, runs, cores = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 protocols = tuple(sys.argv[4].split())
+models = tuple(sys.argv[5].split())
 requests = {"toy": "B 2, Q 4, K 6 (default infer request)", "bert_base": "B 8, Q = K = 128"}
 levels = {"toy": (1, 64), "bert_base": (1,)}
 
@@ -146,7 +153,7 @@ print(f"\nmedian of {runs} runs per cell; protocols alternated within each round
 print(f"{'model':10} {'conc':>4} {'protocol':9} {'req/s':>9} {'p50 ms':>8} {'errors':>6} "
       f"{'CPU us/req':>10} {'req/s vs attention':>18} {'p50 vs attention':>16} "
       f"{'CPU vs attention':>16}")
-for model in ("toy", "bert_base"):
+for model in (m for m in ("toy", "bert_base") if m in models):
     for c in levels[model]:
         base = cell(model, "attention", c)
         for protocol in protocols:

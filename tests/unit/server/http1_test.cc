@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -126,6 +127,33 @@ TEST(Http1Test, TheHeadIsAcceptedBeforeItsBodyArrives) {
   EXPECT_EQ(parser.Feed("deGET", &used), RequestParser::Event::kRequest);
   EXPECT_EQ(used, 2u);
   EXPECT_EQ(parser.body(), "abcde");
+}
+
+// What the event server does on plain TCP: the rest of a Content-Length body is
+// written into ReserveBody's space (as recv would), the unused part given back.
+TEST(Http1Test, ABodyReadStraightIntoItsBufferIsTheSameRequest) {
+  RequestParser parser(Limits{.max_body_bytes = 100});
+  size_t used = 0;
+  const std::string head = "POST /p HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n";
+  ASSERT_EQ(parser.Feed(head + "ab", &used), RequestParser::Event::kHead);
+  EXPECT_EQ(parser.body_remaining(), 10);
+  ASSERT_EQ(parser.Feed("ab", &used), RequestParser::Event::kNeedMore);
+  EXPECT_EQ(parser.body_remaining(), 8);
+  char* at = parser.ReserveBody(50);  // capped at what remains
+  std::memcpy(at, "cde", 3);          // a short read
+  parser.CommitBody(8, 3);
+  EXPECT_EQ(parser.body_remaining(), 5);
+  at = parser.ReserveBody(5);
+  std::memcpy(at, "fghij", 5);
+  parser.CommitBody(5, 5);
+  EXPECT_EQ(parser.body_remaining(), 0);
+  ASSERT_EQ(parser.Feed({}, &used), RequestParser::Event::kRequest);
+  EXPECT_EQ(parser.body(), "abcdefghij");
+  parser.Next();
+  EXPECT_EQ(parser.body_remaining(), 0);  // outside a body
+  ASSERT_EQ(parser.Feed("GET / HTTP/1.1\r\nHost: x\r\n\r\n", &used),
+            RequestParser::Event::kHead);
+  EXPECT_EQ(parser.body_remaining(), 0);  // GET: no body
 }
 
 TEST(Http1Test, KeepAliveFollowsTheVersionAndConnection) {
