@@ -504,10 +504,14 @@ std::function<absl::Status()> FinishSharedMemory(const InferDecoded& decoded) {
     // A fault while the request read or wrote a region (the client truncated it):
     // what it computed or wrote is not the answer.
     for (const SharedMemoryInput& in : inputs) {
-      if (in.region->faulted()) return NamedRegionError(in.field, in.region->CheckIntact());
+      if (absl::Status ok = in.region->CheckNoFaultSince(in.faults_seen); !ok.ok()) {
+        return NamedRegionError(in.field, ok);
+      }
     }
     for (const SharedMemoryOutput& out : outputs) {
-      if (out.region->faulted()) return NamedRegionError(out.field, out.region->CheckIntact());
+      if (absl::Status ok = out.region->CheckNoFaultSince(out.faults_seen); !ok.ok()) {
+        return NamedRegionError(out.field, ok);
+      }
     }
     return absl::OkStatus();
   };
@@ -555,7 +559,7 @@ absl::StatusOr<ValidatedRequest> DecodeInferRequest(const ModelInferRequest& req
     std::string field = Field(parsed.index[w], kInputNames[w]);
     MHA_RETURN_IF_ERROR(CheckIntactOnce(*ref.region, field, &intact));
     parsed.raw[w] = ref.region->data() + ref.offset;
-    decoded->shared_memory_inputs.push_back({std::move(field), ref.region});
+    decoded->shared_memory_inputs.push_back({std::move(field), ref.region, ref.region->faults()});
   }
   RequestView view{.bytes = request_bytes,
                    .causal = causal,
@@ -591,13 +595,16 @@ absl::StatusOr<ValidatedRequest> DecodeInferRequest(const ModelInferRequest& req
           ": expected shape [", b, "] or [", b, ", ", q, "], got ", ShapeString(lens->shape())));
     }
   }
-  for (const SharedMemoryOutput& out : decoded->shared_memory_outputs) {
+  for (SharedMemoryOutput& out : decoded->shared_memory_outputs) {
     MHA_RETURN_IF_ERROR(CheckIntactOnce(*out.region, out.field, &intact));
+    out.faults_seen = out.region->faults();
   }
   MHA_RETURN_IF_ERROR(CheckSharedMemoryOutputs(parsed, validated, decoded));
   // A fault while the values were checked (the file truncated meanwhile).
   for (const SharedMemoryInput& in : decoded->shared_memory_inputs) {
-    if (in.region->faulted()) return NamedRegionError(in.field, in.region->CheckIntact());
+    if (absl::Status ok = in.region->CheckNoFaultSince(in.faults_seen); !ok.ok()) {
+      return NamedRegionError(in.field, ok);
+    }
   }
   return validated;
 }

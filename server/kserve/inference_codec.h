@@ -46,8 +46,9 @@
 //     byte of the same file (st_dev, st_ino: two regions may name one file) with an
 //     input's or another output's range: naming both
 //   - a region whose file the client truncated below the region, or whose mapping
-//     faulted (server/serving/shared_memory.h): FAILED_PRECONDITION naming the
-//     field and the region, at decode and again when the request is computed
+//     faulted while the request used it (server/serving/shared_memory.h):
+//     FAILED_PRECONDITION naming the field and the region, at decode and again
+//     when the request is computed
 // Inputs are read in place from the region's mapping (FP32 with (region offset +
 // tensor offset) % 4 == 0; else converted or copied like raw_input_contents): their
 // values are checked at decode and read again when computed, so a client that
@@ -89,6 +90,7 @@ struct SharedMemoryOutput {
   uint64_t byte_size = 0;                            // as the request gave it
   float* in_place = nullptr;                         // computed here when aligned
   std::shared_ptr<std::vector<float>> values;        // else here, then copied in
+  uint64_t faults_seen = 0;                          // region->faults() at decode
 };
 
 // A shared-memory input: its field (inputs[i] ("name")) and region, held until the
@@ -96,6 +98,7 @@ struct SharedMemoryOutput {
 struct SharedMemoryInput {
   std::string field;
   std::shared_ptr<const SharedMemoryRegion> region;
+  uint64_t faults_seen = 0;  // region->faults() at decode
 };
 
 // What a decoded request owns: inputs converted to f32 or int32, and which

@@ -33,7 +33,7 @@ std::string Errno(int error) { return std::strerror(error); }
 struct MappedSlot {
   std::atomic<bool> in_use{false};
   std::atomic<uintptr_t> begin{0}, end{0};
-  std::atomic<bool> faulted{false};
+  std::atomic<uint64_t> faults{0};
 };
 MappedSlot mapped_slots[kMaxMappedRegions];
 struct sigaction previous_sigbus;
@@ -46,7 +46,7 @@ void OnSigbus(int signal, siginfo_t* info, void* context) {
     if (address < begin || address >= slot.end.load(std::memory_order_acquire)) continue;
     // Zero pages over the whole mapping: the access is retried and reads zeros, and
     // no later access faults. The region is failed for every request naming it.
-    slot.faulted.store(true, std::memory_order_release);
+    slot.faults.fetch_add(1, std::memory_order_acq_rel);
     const size_t length = slot.end.load(std::memory_order_acquire) - begin;
     if (mmap(reinterpret_cast<void*>(begin), length, PROT_READ | PROT_WRITE,
              MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) != MAP_FAILED) {
@@ -82,7 +82,7 @@ int ClaimSlot(uintptr_t begin, uintptr_t end) {
   for (int i = 0; i < kMaxMappedRegions; ++i) {
     bool expected = false;
     if (!mapped_slots[i].in_use.compare_exchange_strong(expected, true)) continue;
-    mapped_slots[i].faulted.store(false, std::memory_order_relaxed);
+    mapped_slots[i].faults.store(0, std::memory_order_relaxed);
     mapped_slots[i].end.store(end, std::memory_order_release);
     mapped_slots[i].begin.store(begin, std::memory_order_release);
     return i;
@@ -153,13 +153,15 @@ bool IsLoopbackPeer(absl::string_view peer) {
 }
 
 SharedMemoryRegion::SharedMemoryRegion(RegionSpec spec, int fd, dev_t device, ino_t inode,
-                                       void* mapping, size_t mapped_bytes, int slot)
+                                       void* mapping, size_t mapped_bytes, uint64_t map_offset,
+                                       int slot)
     : spec_(std::move(spec)),
       fd_(fd),
       device_(device),
       inode_(inode),
       mapping_(mapping),
       mapped_bytes_(mapped_bytes),
+      map_offset_(map_offset),
       data_(static_cast<char*>(mapping) + (mapped_bytes - spec_.byte_size)),
       slot_(slot) {}
 
@@ -169,8 +171,13 @@ SharedMemoryRegion::~SharedMemoryRegion() {
   close(fd_);
 }
 
-bool SharedMemoryRegion::faulted() const {
-  return mapped_slots[slot_].faulted.load(std::memory_order_acquire);
+uint64_t SharedMemoryRegion::faults() const {
+  return mapped_slots[slot_].faults.load(std::memory_order_acquire);
+}
+
+absl::Status SharedMemoryRegion::CheckNoFaultSince(uint64_t seen) const {
+  if (faults() != seen) return Truncated("while a request used it");
+  return absl::OkStatus();
 }
 
 absl::Status SharedMemoryRegion::Truncated(absl::string_view how) const {
@@ -181,7 +188,6 @@ absl::Status SharedMemoryRegion::Truncated(absl::string_view how) const {
 }
 
 absl::Status SharedMemoryRegion::CheckIntact() const {
-  if (faulted()) return Truncated("while a request used it");
   struct stat st {};
   if (fstat(fd_, &st) != 0) return Truncated(absl::StrCat("(fstat: ", Errno(errno), ")"));
   // No overflow: the registered offset + byte_size fit in the file at register.
@@ -189,6 +195,16 @@ absl::Status SharedMemoryRegion::CheckIntact() const {
     return Truncated(absl::StrCat("to ", st.st_size, " bytes, below the region's [", spec_.offset,
                                   ", ", spec_.offset + spec_.byte_size, ")"));
   }
+  const uint64_t faults_now = faults();
+  absl::MutexLock lock(&repair_mu_);
+  if (repaired_ == faults_now) return absl::OkStatus();
+  // The file is whole again: its pages replace the handler's zeros at the same
+  // addresses (requests still running over them fail by their fault count).
+  if (mmap(mapping_, mapped_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd_,
+           static_cast<off_t>(map_offset_)) == MAP_FAILED) {
+    return Truncated(absl::StrCat("earlier, and cannot be mapped again: ", Errno(errno)));
+  }
+  repaired_ = faults_now;
   return absl::OkStatus();
 }
 
@@ -204,15 +220,17 @@ absl::Status SharedMemoryRegion::CheckRange(uint64_t offset, uint64_t bytes) con
 absl::Status SharedMemoryRegion::Read(uint64_t offset, uint64_t bytes, void* out) const {
   if (absl::Status in_range = CheckRange(offset, bytes); !in_range.ok()) return in_range;
   if (absl::Status intact = CheckIntact(); !intact.ok()) return intact;
-  std::memcpy(out, data_ + offset, bytes);
-  return CheckIntact();
+  const uint64_t seen = faults();
+  if (bytes > 0) std::memcpy(out, data_ + offset, bytes);
+  return CheckNoFaultSince(seen);
 }
 
 absl::Status SharedMemoryRegion::Write(uint64_t offset, const void* data, uint64_t bytes) const {
   if (absl::Status in_range = CheckRange(offset, bytes); !in_range.ok()) return in_range;
   if (absl::Status intact = CheckIntact(); !intact.ok()) return intact;
-  std::memcpy(data_ + offset, data, bytes);
-  return CheckIntact();
+  const uint64_t seen = faults();
+  if (bytes > 0) std::memcpy(data_ + offset, data, bytes);
+  return CheckNoFaultSince(seen);
 }
 
 absl::Status SharedMemoryRegistry::Register(const RegionSpec& spec, bool peer_is_loopback) {
@@ -302,7 +320,8 @@ absl::Status SharedMemoryRegistry::Register(const RegionSpec& spec, bool peer_is
                      " regions are mapped (registered, or unregistered and still in use)"));
   }
   regions_.emplace(spec.name, std::shared_ptr<const SharedMemoryRegion>(new SharedMemoryRegion(
-                                  spec, fd, st.st_dev, st.st_ino, mapping, mapped_bytes, slot)));
+                                  spec, fd, st.st_dev, st.st_ino, mapping, mapped_bytes,
+                                  map_offset, slot)));
   bytes_ += static_cast<int64_t>(spec.byte_size);
   return absl::OkStatus();
 }

@@ -28,12 +28,15 @@
 //     holds the region when the request is decoded;
 //   - a SIGBUS from a mapped page past the file's end (the truncation raced the
 //     request) is caught by a process-wide handler (installed with the first
-//     region) that maps zero pages over that region's whole mapping and marks the
-//     region faulted; the faulting access is retried and reads zeros, and every
-//     request naming the region then fails with FAILED_PRECONDITION naming it,
-//     "truncated" (CheckIntact). A faulted region stays so: unregister it and
-//     register it again. A SIGBUS at any other address goes to the handler that was
-//     there before (the default one kills the process, as without ours).
+//     region) that maps zero pages over that region's whole mapping and counts a
+//     fault on it; the faulting access is retried and reads zeros. Every request
+//     records the region's fault count at decode and fails with FAILED_PRECONDITION
+//     naming the region, "truncated", if it changed by the time it computed
+//     (CheckNoFaultSince). The next request to find the file whole again maps it
+//     back over the same addresses (CheckIntact), so a client that restores its
+//     file's size needs no new register. A SIGBUS at any other address goes to the
+//     handler that was there before (the default one kills the process, as
+//     without ours).
 // The handler finds the region in a fixed table of kMaxMappedRegions slots
 // (lock-free, async-signal-safe); a mapping holds a slot until its last holder
 // drops the region, registered or not.
@@ -112,22 +115,26 @@ class SharedMemoryRegion {
   // Reads and writes through it may fault if the client truncates the file: see
   // above; check CheckIntact() after using them.
   char* data() const { return data_; }
-  // OK while the file holds the region (an fstat) and no access to it has faulted;
-  // else FAILED_PRECONDITION naming the region, "truncated".
+  // OK when the file holds the region (an fstat); a mapping a fault replaced with
+  // zeros is then mapped back onto the file. Else FAILED_PRECONDITION naming the
+  // region, "truncated".
   absl::Status CheckIntact() const;
-  // Whether an access has faulted (no system call; CheckIntact includes it).
-  bool faulted() const;
+  // Faults the SIGBUS handler repaired in this region so far (no system call).
+  uint64_t faults() const;
+  // FAILED_PRECONDITION naming the region, "truncated while a request used it", when
+  // faults() is no longer `seen` (what a request read or wrote may be zeros).
+  absl::Status CheckNoFaultSince(uint64_t seen) const;
 
-  // Copies `bytes` bytes at `offset` of the region into `out`, or from `data` to
-  // `offset` of the region, then CheckIntact(). INVALID_ARGUMENT for a range beyond
-  // the region.
+  // CheckIntact(), then copies `bytes` bytes at `offset` of the region into `out`, or
+  // from `data` to `offset` of the region; FAILED_PRECONDITION if a fault hit the
+  // copy. INVALID_ARGUMENT for a range beyond the region.
   absl::Status Read(uint64_t offset, uint64_t bytes, void* out) const;
   absl::Status Write(uint64_t offset, const void* data, uint64_t bytes) const;
 
  private:
   friend class SharedMemoryRegistry;
   SharedMemoryRegion(RegionSpec spec, int fd, dev_t device, ino_t inode, void* mapping,
-                     size_t mapped_bytes, int slot);
+                     size_t mapped_bytes, uint64_t map_offset, int slot);
   absl::Status CheckRange(uint64_t offset, uint64_t bytes) const;
   absl::Status Truncated(absl::string_view how) const;
 
@@ -137,8 +144,11 @@ class SharedMemoryRegion {
   const ino_t inode_;
   void* const mapping_;        // page-aligned start of the mapping
   const size_t mapped_bytes_;  // its length
+  const uint64_t map_offset_;  // its offset in the file
   char* const data_;           // the region's first byte in it
   const int slot_;             // in the SIGBUS handler's table
+  mutable absl::Mutex repair_mu_;
+  mutable uint64_t repaired_ ABSL_GUARDED_BY(repair_mu_) = 0;  // faults mapped back
 };
 
 struct SharedMemoryOptions {

@@ -50,7 +50,7 @@ for target in $targets; do
     "${rate:-?}" "${cov:-?}" "${ft:-?}" "$result"
   if [[ "$result" != ok ]]; then
     # The log dies with the machine in CI: show the finding and its input here.
-    grep -A40 -m1 -E '^==[0-9]+==|ERROR: libFuzzer' "$log" | sed 's/^/    /'
+    grep -A40 -m1 -E '^==[0-9]+==|ERROR: libFuzzer|runtime error:' "$log" | sed 's/^/    /'
     for artefact in "$out/$target.artifacts/"*; do
       [[ -f "$artefact" ]] || continue
       echo "    input $artefact (base64):"

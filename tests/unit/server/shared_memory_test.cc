@@ -233,13 +233,14 @@ TEST(SharedMemoryRegistryTest, TheRegionIsMappedInPlace) {
   ASSERT_EQ(pread(file.fd(), &last, 1, 4100 + 4999), 1);
   EXPECT_EQ(last, 'z');
   EXPECT_TRUE(region->CheckIntact().ok());
-  EXPECT_FALSE(region->faulted());
+  EXPECT_EQ(region->faults(), 0u);
 }
 
 // A client truncates its file under the mapping and the server then touches a page
-// past the new end: the SIGBUS handler maps zeros there and marks the region
-// faulted; the process lives on, and the region is refused until registered again.
-TEST(SharedMemoryRegistryTest, AFaultPastTheTruncatedEndFailsTheRegionNotTheProcess) {
+// past the new end: the SIGBUS handler maps zeros there and counts a fault; the
+// process lives on, what saw the fault fails, and once the file is whole again the
+// region maps it back.
+TEST(SharedMemoryRegistryTest, AFaultPastTheTruncatedEndFailsItsUsersNotTheProcess) {
   ShmFile file(4 * 4096);
   SharedMemoryRegistry registry({});
   ASSERT_TRUE(registry.Register(Spec("t", file, 0, 4 * 4096), true).ok());
@@ -247,32 +248,39 @@ TEST(SharedMemoryRegistryTest, AFaultPastTheTruncatedEndFailsTheRegionNotTheProc
   std::shared_ptr<const SharedMemoryRegion> region = *registry.Find("t");
   std::shared_ptr<const SharedMemoryRegion> other = *registry.Find("other");
   std::memset(region->data(), 7, 4 * 4096);
+  const uint64_t seen = region->faults();
   ASSERT_EQ(ftruncate(file.fd(), 4096), 0);
   // Within the first page nothing faults; fstat sees the truncation.
   EXPECT_EQ(region->CheckIntact().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_FALSE(region->faulted());
+  EXPECT_EQ(region->faults(), seen);
   volatile char* past = region->data() + 2 * 4096 + 5;
-  const char seen = *past;  // SIGBUS, repaired
-  EXPECT_EQ(seen, 0);
+  const char value = *past;  // SIGBUS, repaired
+  EXPECT_EQ(value, 0);
   past[1] = 1;  // writable, and goes nowhere
-  EXPECT_TRUE(region->faulted());
-  absl::Status status = region->CheckIntact();
+  EXPECT_EQ(region->faults(), seen + 1);
+  absl::Status status = region->CheckNoFaultSince(seen);
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
   EXPECT_TRUE(Has(std::string(status.message()), "while a request used it")) << status;
   EXPECT_TRUE(Has(std::string(status.message()), "\"t\"")) << status;
+  EXPECT_EQ(region->CheckIntact().code(), absl::StatusCode::kFailedPrecondition);  // still short
   // The other region over the same file did not fault and is intact (its page stays).
-  EXPECT_FALSE(other->faulted());
+  EXPECT_EQ(other->faults(), 0u);
   EXPECT_TRUE(other->CheckIntact().ok());
   EXPECT_EQ(other->data()[0], 7);
-  // Registered again once the file is whole: a new mapping, not faulted.
+  // The client restores the size: the next check maps the file back, and the
+  // region reads and writes the file's bytes again.
   ASSERT_EQ(ftruncate(file.fd(), 4 * 4096), 0);
-  registry.Unregister("t");
-  region.reset();
-  ASSERT_TRUE(registry.Register(Spec("t", file, 0, 4 * 4096), true).ok());
-  std::shared_ptr<const SharedMemoryRegion> again = *registry.Find("t");
-  EXPECT_FALSE(again->faulted());
-  EXPECT_TRUE(again->CheckIntact().ok());
-  EXPECT_EQ(again->data()[2 * 4096 + 5], 0);  // the file's page, zero-filled when regrown
+  EXPECT_TRUE(region->CheckIntact().ok());
+  const uint64_t after = region->faults();
+  EXPECT_EQ(region->data()[0], 7);              // the page the truncation kept
+  EXPECT_EQ(region->data()[2 * 4096 + 5], 0);   // the file's, zero-filled when regrown
+  ASSERT_EQ(pwrite(file.fd(), "q", 1, 3 * 4096), 1);
+  EXPECT_EQ(region->data()[3 * 4096], 'q');
+  region->data()[4 * 4096 - 1] = 'z';
+  char last = 0;
+  ASSERT_EQ(pread(file.fd(), &last, 1, 4 * 4096 - 1), 1);
+  EXPECT_EQ(last, 'z');
+  EXPECT_TRUE(region->CheckNoFaultSince(after).ok());
 }
 
 // A SIGBUS at an address that is no region's still ends the process.
