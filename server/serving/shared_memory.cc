@@ -30,6 +30,8 @@ std::string Errno(int error) { return std::strerror(error); }
 // The mappings the SIGBUS handler may repair, one slot per mapped region. A slot is
 // claimed (in_use) before its range is published and its range cleared before the
 // mapping goes; the handler reads only atomics and calls only mmap and sigaction.
+// begin is set first and cleared last, and the handler skips begin 0 and reads begin
+// again after end, so that it never pairs one mapping's begin with another's end.
 struct MappedSlot {
   std::atomic<bool> in_use{false};
   std::atomic<uintptr_t> begin{0}, end{0};
@@ -43,11 +45,14 @@ void OnSigbus(int signal, siginfo_t* info, void* context) {
   const uintptr_t address = reinterpret_cast<uintptr_t>(info->si_addr);
   for (MappedSlot& slot : mapped_slots) {
     const uintptr_t begin = slot.begin.load(std::memory_order_acquire);
-    if (address < begin || address >= slot.end.load(std::memory_order_acquire)) continue;
+    if (begin == 0 || address < begin) continue;
+    const uintptr_t end = slot.end.load(std::memory_order_acquire);
+    // A begin that changed meanwhile: the slot was recycled; end may be another's.
+    if (address >= end || slot.begin.load(std::memory_order_acquire) != begin) continue;
     // Zero pages over the whole mapping: the access is retried and reads zeros, and
     // no later access faults. The region is failed for every request naming it.
     slot.faults.fetch_add(1, std::memory_order_acq_rel);
-    const size_t length = slot.end.load(std::memory_order_acquire) - begin;
+    const size_t length = end - begin;
     if (mmap(reinterpret_cast<void*>(begin), length, PROT_READ | PROT_WRITE,
              MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) != MAP_FAILED) {
       return;
@@ -83,16 +88,16 @@ int ClaimSlot(uintptr_t begin, uintptr_t end) {
     bool expected = false;
     if (!mapped_slots[i].in_use.compare_exchange_strong(expected, true)) continue;
     mapped_slots[i].faults.store(0, std::memory_order_relaxed);
-    mapped_slots[i].end.store(end, std::memory_order_release);
     mapped_slots[i].begin.store(begin, std::memory_order_release);
+    mapped_slots[i].end.store(end, std::memory_order_release);
     return i;
   }
   return -1;
 }
 
 void ReleaseSlot(int i) {
-  mapped_slots[i].begin.store(0, std::memory_order_release);
   mapped_slots[i].end.store(0, std::memory_order_release);
+  mapped_slots[i].begin.store(0, std::memory_order_release);
   mapped_slots[i].in_use.store(false, std::memory_order_release);
 }
 
