@@ -420,6 +420,15 @@ absl::Status NamedRegionError(const std::string& field, const absl::Status& stat
                       absl::StrCat(field, ".parameters.", kRegion, ": ", status.message()));
 }
 
+// The region's CheckNoFaultSince(seen), the error naming `field`.
+absl::Status CheckNoFault(const std::string& field, const SharedMemoryRegion& region,
+                          uint64_t seen) {
+  if (absl::Status ok = region.CheckNoFaultSince(seen); !ok.ok()) {
+    return NamedRegionError(field, ok);
+  }
+  return absl::OkStatus();
+}
+
 // CheckIntact for `region` unless `checked` has it; the error names `field`.
 absl::Status CheckIntactOnce(const SharedMemoryRegion& region, const std::string& field,
                              std::vector<const SharedMemoryRegion*>* checked) {
@@ -504,14 +513,10 @@ std::function<absl::Status()> FinishSharedMemory(const InferDecoded& decoded) {
     // A fault while the request read or wrote a region (the client truncated it):
     // what it computed or wrote is not the answer.
     for (const SharedMemoryInput& in : inputs) {
-      if (absl::Status ok = in.region->CheckNoFaultSince(in.faults_seen); !ok.ok()) {
-        return NamedRegionError(in.field, ok);
-      }
+      MHA_RETURN_IF_ERROR(CheckNoFault(in.field, *in.region, in.faults_seen));
     }
     for (const SharedMemoryOutput& out : outputs) {
-      if (absl::Status ok = out.region->CheckNoFaultSince(out.faults_seen); !ok.ok()) {
-        return NamedRegionError(out.field, ok);
-      }
+      MHA_RETURN_IF_ERROR(CheckNoFault(out.field, *out.region, out.faults_seen));
     }
     return absl::OkStatus();
   };
@@ -602,9 +607,7 @@ absl::StatusOr<ValidatedRequest> DecodeInferRequest(const ModelInferRequest& req
   MHA_RETURN_IF_ERROR(CheckSharedMemoryOutputs(parsed, validated, decoded));
   // A fault while the values were checked (the file truncated meanwhile).
   for (const SharedMemoryInput& in : decoded->shared_memory_inputs) {
-    if (absl::Status ok = in.region->CheckNoFaultSince(in.faults_seen); !ok.ok()) {
-      return NamedRegionError(in.field, ok);
-    }
+    MHA_RETURN_IF_ERROR(CheckNoFault(in.field, *in.region, in.faults_seen));
   }
   return validated;
 }
