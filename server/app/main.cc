@@ -175,8 +175,10 @@ ABSL_FLAG(double, inline_max_flops, kDefaults.inline_max_flops,
           "ones go to the compute workers. 0 = always hand off.");
 ABSL_FLAG(bool, default_warmup, kDefaults.default_warmup,
           "Warm up a model whose config.pbtxt lists no warmup passes with the default ones "
-          "(B 1 x Q 128, and the largest batch the batcher may form), so its first request "
-          "and later load find weights packed and workspaces grown.");
+          "(B 1 x Q 128 self-attention, B 1 x Q 64 x K 128 with keys, the client's default "
+          "B 2 x Q 4 x K 6, and the largest batch the batcher may form), so its first "
+          "requests and later load find weights packed, primitives made and workspaces "
+          "grown.");
 ABSL_FLAG(int64_t, max_queue_size, kDefaults.batching.max_queue_size,
           "Requests waiting for compute, per model, before new ones get RESOURCE_EXHAUSTED.");
 ABSL_FLAG(bool, batching, kDefaults.batching.enabled,

@@ -227,7 +227,13 @@ std::vector<WarmupShape> DefaultWarmup(const core::ModelConfig& config, const Mo
   const int64_t rows = std::clamp<int64_t>(batching.max_batch_size, 1, limits.max_batch_size);
   const int64_t length =
       std::clamp<int64_t>(batching.max_batch_tokens / rows, 1, limits.max_sequence_length);
+  const int64_t seq = limits.max_sequence_length;
+  const int64_t small_rows = std::min<int64_t>(2, limits.max_batch_size);
   return {{.batch = 1, .num_queries = first, .num_keys = self ? 0 : first},
+          {.batch = 1, .num_queries = std::max<int64_t>(1, first / 2), .num_keys = first},
+          {.batch = small_rows,
+           .num_queries = std::min<int64_t>(4, seq),
+           .num_keys = std::min<int64_t>(6, seq)},
           {.batch = rows, .num_queries = length, .num_keys = self ? 0 : length}};
 }
 
