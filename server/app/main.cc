@@ -209,6 +209,9 @@ ABSL_FLAG(int64_t, max_attention_elements, kLimits.max_attention_elements,
           "Default limit on B*h*Q*K attention weights returned by return_attention.");
 ABSL_FLAG(absl::Duration, drain_timeout, kDefaults.drain_timeout,
           "On SIGTERM/SIGINT: how long in-flight calls may take to finish.");
+ABSL_FLAG(absl::Duration, malloc_trim_interval, kDefaults.malloc_trim_interval,
+          "Give the memory malloc holds free back to the system (malloc_trim) this often, so "
+          "that RSS returns to the working set after a burst; 0 = never.");
 ABSL_FLAG(int64_t, session_cache_bytes, 0,
           "AttendSession: bytes of projected keys and values every session together may "
           "cache; a step over it gets RESOURCE_EXHAUSTED. 0 = a quarter of the memory the "
@@ -310,6 +313,7 @@ int main(int argc, char** argv) {
   options.limits.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   options.limits.max_attention_elements = absl::GetFlag(FLAGS_max_attention_elements);
   options.drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
+  options.malloc_trim_interval = absl::GetFlag(FLAGS_malloc_trim_interval);
   options.session_cache_bytes = absl::GetFlag(FLAGS_session_cache_bytes);
   options.session_idle_timeout = absl::GetFlag(FLAGS_session_idle_timeout);
   options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
