@@ -53,7 +53,8 @@ absl::Status WarmOnce(Batcher& batcher, const std::shared_ptr<const Model>& mode
                                                     .num_keys = keys,
                                                     .queries = queries.data,
                                                     .keys = self ? nullptr : key_data.data,
-                                                    .values = self ? nullptr : value_data.data},
+                                                    .values = self ? nullptr : value_data.data,
+                                                    .valid_lens = shape.valid_lens},
                                          .output = output.data,
                                          .warmup = true});
 }

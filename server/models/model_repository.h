@@ -160,8 +160,10 @@ struct ResolvedModelConfig {
 //   2. B 1, Q = that length / 2, K = that length, keys given: cross-attention, K != Q
 //      (the separate key/value projections and their packed weights; K > Q so that a
 //      rotary model, whose queries are the last Q keys, accepts it);
-//   3. B 2, Q 4, K 6 with keys (within the limits): attention_client's default request
-//      (d2l's toy request), the small-call path;
+//   3. B 2, Q 4, K 6 with keys and valid_lens [3, 2] (within the limits):
+//      attention_client's default request (d2l's toy request), the small-call path
+//      and the per-row key prefix that valid_lens shorter than K project (a 3-D GEMM
+//      whose primitive is made per longest valid length);
 //   4. the largest call the batcher may form: B = the batching max_batch_size, Q = K =
 //      min(max_sequence_length, max_batch_tokens / B), which grows the workspaces to
 //      their steady size, so memory does not step up under later load.

@@ -295,7 +295,8 @@ TEST(ModelRepositoryTest, ModelsWithoutWarmupGetTheDefaultPasses) {
   ASSERT_EQ(bert.size(), 4u);
   EXPECT_EQ(bert[0], (WarmupShape{.batch = 1, .num_queries = 128, .num_keys = 0}));
   EXPECT_EQ(bert[1], (WarmupShape{.batch = 1, .num_queries = 64, .num_keys = 128}));
-  EXPECT_EQ(bert[2], (WarmupShape{.batch = 2, .num_queries = 4, .num_keys = 6}));
+  EXPECT_EQ(bert[2],
+            (WarmupShape{.batch = 2, .num_queries = 4, .num_keys = 6, .valid_lens = {3, 2}}));
   // 8192 tokens over 32 rows
   EXPECT_EQ(bert[3], (WarmupShape{.batch = 32, .num_queries = 256, .num_keys = 0}));
 
@@ -306,7 +307,8 @@ TEST(ModelRepositoryTest, ModelsWithoutWarmupGetTheDefaultPasses) {
   // d_q != d_k: cross-attention throughout
   EXPECT_EQ(small[0], (WarmupShape{.batch = 1, .num_queries = 5, .num_keys = 5}));
   EXPECT_EQ(small[1], (WarmupShape{.batch = 1, .num_queries = 2, .num_keys = 5}));
-  EXPECT_EQ(small[2], (WarmupShape{.batch = 1, .num_queries = 4, .num_keys = 5}));  // clamped
+  EXPECT_EQ(small[2],  // clamped
+            (WarmupShape{.batch = 1, .num_queries = 4, .num_keys = 5, .valid_lens = {3}}));
   // the batcher's rows clamped to the model's limit
   EXPECT_EQ(small[3], (WarmupShape{.batch = 1, .num_queries = 5, .num_keys = 5}));
 
