@@ -2,6 +2,7 @@
 // Protocol (KServe v2) over gRPC, and KServe v2 over HTTP when --http_port is set
 // (docs/service.md). Every flag lives here and fills ServerOptions.
 #include <grpc/support/log.h>
+#include <malloc.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -24,6 +25,7 @@
 #include "base/log.h"
 #include "base/mutex_mode.h"
 #include "core/config.h"
+#include "server/app/cpu.h"
 #include "server/app/server.h"
 
 namespace {
@@ -212,6 +214,10 @@ ABSL_FLAG(absl::Duration, drain_timeout, kDefaults.drain_timeout,
 ABSL_FLAG(absl::Duration, malloc_trim_interval, kDefaults.malloc_trim_interval,
           "Give the memory malloc holds free back to the system (malloc_trim) this often, so "
           "that RSS returns to the working set after a burst; 0 = never.");
+ABSL_FLAG(int32_t, malloc_arena_max, 0,
+          "glibc malloc arenas at most (M_ARENA_MAX): fewer arenas keep the requests' freed "
+          "buffers in fewer places. 0 = the CPUs this process may use; -1 = glibc's default "
+          "(8 per core).");
 ABSL_FLAG(int64_t, session_cache_bytes, 0,
           "AttendSession: bytes of projected keys and values every session together may "
           "cache; a step over it gets RESOURCE_EXHAUSTED. 0 = a quarter of the memory the "
@@ -321,6 +327,14 @@ int main(int argc, char** argv) {
   options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   if (const absl::Status valid = options.Validate(); !valid.ok()) {
     mha::ExitWithUsageError(NameTheFlag(valid.message()));
+  }
+
+  // Before any thread starts: arenas are made per thread as threads first allocate.
+  if (const int arenas = absl::GetFlag(FLAGS_malloc_arena_max); arenas >= 0) {
+    mallopt(M_ARENA_MAX, arenas > 0 ? arenas : mha::server::AvailableCpus());
+  } else if (arenas < -1) {
+    mha::ExitWithUsageError(
+        absl::StrCat("--malloc_arena_max: expected -1, 0 or a count, got ", arenas));
   }
 
   // Signals are taken synchronously by sigwait below; block them before any

@@ -3,7 +3,7 @@
 // burst of queued requests. Why, and what it costs: docs/reliability.md, "Memory at
 // steady state".
 //
-//   MemoryTrimmer trimmer(absl::Seconds(10));   // a thread; stops in the destructor
+//   MemoryTrimmer trimmer(absl::Seconds(2));   // a thread; stops in the destructor
 #ifndef MHA_SERVER_APP_MEMORY_TRIMMER_H_
 #define MHA_SERVER_APP_MEMORY_TRIMMER_H_
 

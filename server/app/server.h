@@ -74,7 +74,7 @@ struct ServerOptions {
   absl::Duration drain_timeout = absl::Seconds(10);
   // malloc_trim(0) at this interval, so that memory freed after a burst goes back to
   // the system (server/app/memory_trimmer.h); 0 = never.
-  absl::Duration malloc_trim_interval = absl::Seconds(10);
+  absl::Duration malloc_trim_interval = absl::Seconds(2);
   // Attention sessions (server/attention_v1/session.h): the K/V cache's byte budget (0 = a
   // quarter of AvailableMemoryBytes, server/app/cpu.h) and the idle timeout.
   int64_t session_cache_bytes = 0;
