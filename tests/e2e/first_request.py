@@ -13,7 +13,10 @@ first request pays for compute, not for the connection):
   bert_self   bert_base (deploy/models), B 1 x Q 96, self-attention (no keys);
   bert_cross  bert_base, B 2, Q 24, K 40 with keys: cross-attention, K != Q.
 Times are the client's round trip (Client.call_bytes on pre-encoded requests) and
-the server's compute time (the response's Timing). Prints one line per kind and round,
+the server's compute time (the response's Timing). A control follows the 20: the same
+request again after an idle spell as long as the one between the server's start and
+the first request (the "idle" columns), on the now warm server: what a cold CPU cache
+and a sleeping core cost a request that needs nothing built. Prints one line per kind and round,
 and the worst round per kind. Exit 1 when a kind's first request is over the bound in
 any round. Slow (about a minute, most of it warm-ups): skipped (exit 77) unless
 MHA_SLOW_TESTS=1, like the other e2e measurements. The client shares the machine's
@@ -61,15 +64,25 @@ def measure(server, args, shape, following):
     from mha_serve._proto import attention_pb2 as pb2
     request = encode(mha, shape)
     proc, target = start_server(server, args, timeout=300)
+    ready = time.perf_counter()
     try:
         with mha.Client(target) as client:
             client.models()  # connects the channel; touches no model
             times, computes = [], []
-            for _ in range(1 + following):
+
+            def timed():
                 start = time.perf_counter()
                 reply = client.call_bytes(request)
                 times.append((time.perf_counter() - start) * 1e3)
                 computes.append(pb2.AttendResponse.FromString(reply).timing.compute_us / 1e3)
+
+            idle = time.perf_counter() - ready
+            for _ in range(1 + following):
+                timed()
+            # The control: the same request after as long an idle spell on the now warm
+            # server (cold CPU caches, a sleeping core), the last figure of each list.
+            time.sleep(idle)
+            timed()
     finally:
         code = stop_server(proc)
     if code != 0:
@@ -102,16 +115,18 @@ def main():
         worst = {}
         failed = False
         print(f"{'kind':<11} {'round':>5} {'first ms':>9} {'next med':>9} {'ratio':>6} "
-              f"{'compute first':>14} {'compute med':>12}")
+              f"{'compute first':>14} {'compute med':>12} {'idle ms':>9} {'ratio':>6} "
+              f"{'compute idle':>12}")
         for name in opts.kinds.split(","):
             args, shape = table[name]
             for r in range(opts.rounds):
                 times, computes = measure(opts.server, args + opts.server_args.split(), shape,
                                           opts.next)
-                med = statistics.median(times[1:])
+                med = statistics.median(times[1:-1])
                 ratio = times[0] / med
                 print(f"{name:<11} {r + 1:>5} {times[0]:>9.3f} {med:>9.3f} {ratio:>6.2f} "
-                      f"{computes[0]:>14.3f} {statistics.median(computes[1:]):>12.3f}",
+                      f"{computes[0]:>14.3f} {statistics.median(computes[1:-1]):>12.3f} "
+                      f"{times[-1]:>9.3f} {times[-1] / med:>6.2f} {computes[-1]:>12.3f}",
                       flush=True)
                 worst[name] = max(worst.get(name, 0.0), ratio)
                 failed |= ratio > opts.bound
