@@ -2,6 +2,7 @@
 // Protocol (KServe v2) over gRPC, and KServe v2 over HTTP when --http_port is set
 // (docs/service.md). Every flag lives here and fills ServerOptions.
 #include <grpc/support/log.h>
+#include <malloc.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -24,6 +25,7 @@
 #include "base/log.h"
 #include "base/mutex_mode.h"
 #include "core/config.h"
+#include "server/app/cpu.h"
 #include "server/app/server.h"
 
 namespace {
@@ -175,8 +177,10 @@ ABSL_FLAG(double, inline_max_flops, kDefaults.inline_max_flops,
           "ones go to the compute workers. 0 = always hand off.");
 ABSL_FLAG(bool, default_warmup, kDefaults.default_warmup,
           "Warm up a model whose config.pbtxt lists no warmup passes with the default ones "
-          "(B 1 x Q 128, and the largest batch the batcher may form), so its first request "
-          "and later load find weights packed and workspaces grown.");
+          "(B 1 x Q 128 self-attention, B 1 x Q 64 x K 128 with keys, the client's default "
+          "B 2 x Q 4 x K 6, and the largest batch the batcher may form), so its first "
+          "requests and later load find weights packed, primitives made and workspaces "
+          "grown.");
 ABSL_FLAG(int64_t, max_queue_size, kDefaults.batching.max_queue_size,
           "Requests waiting for compute, per model, before new ones get RESOURCE_EXHAUSTED.");
 ABSL_FLAG(bool, batching, kDefaults.batching.enabled,
@@ -207,6 +211,13 @@ ABSL_FLAG(int64_t, max_attention_elements, kLimits.max_attention_elements,
           "Default limit on B*h*Q*K attention weights returned by return_attention.");
 ABSL_FLAG(absl::Duration, drain_timeout, kDefaults.drain_timeout,
           "On SIGTERM/SIGINT: how long in-flight calls may take to finish.");
+ABSL_FLAG(absl::Duration, malloc_trim_interval, kDefaults.malloc_trim_interval,
+          "Give the memory malloc holds free back to the system (malloc_trim) this often, so "
+          "that RSS returns to the working set after a burst; 0 = never.");
+ABSL_FLAG(int32_t, malloc_arena_max, 0,
+          "glibc malloc arenas at most (M_ARENA_MAX): fewer arenas keep the requests' freed "
+          "buffers in fewer places. 0 = the CPUs this process may use; -1 = glibc's default "
+          "(8 per core).");
 ABSL_FLAG(int64_t, session_cache_bytes, 0,
           "AttendSession: bytes of projected keys and values every session together may "
           "cache; a step over it gets RESOURCE_EXHAUSTED. 0 = a quarter of the memory the "
@@ -308,6 +319,7 @@ int main(int argc, char** argv) {
   options.limits.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   options.limits.max_attention_elements = absl::GetFlag(FLAGS_max_attention_elements);
   options.drain_timeout = absl::GetFlag(FLAGS_drain_timeout);
+  options.malloc_trim_interval = absl::GetFlag(FLAGS_malloc_trim_interval);
   options.session_cache_bytes = absl::GetFlag(FLAGS_session_cache_bytes);
   options.session_idle_timeout = absl::GetFlag(FLAGS_session_idle_timeout);
   options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
@@ -315,6 +327,14 @@ int main(int argc, char** argv) {
   options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   if (const absl::Status valid = options.Validate(); !valid.ok()) {
     mha::ExitWithUsageError(NameTheFlag(valid.message()));
+  }
+
+  // Before any thread starts: arenas are made per thread as threads first allocate.
+  if (const int arenas = absl::GetFlag(FLAGS_malloc_arena_max); arenas >= 0) {
+    mallopt(M_ARENA_MAX, arenas > 0 ? arenas : mha::server::AvailableCpus());
+  } else if (arenas < -1) {
+    mha::ExitWithUsageError(
+        absl::StrCat("--malloc_arena_max: expected -1, 0 or a count, got ", arenas));
   }
 
   // Signals are taken synchronously by sigwait below; block them before any

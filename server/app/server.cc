@@ -155,6 +155,7 @@ absl::Status ServerOptions::Validate() const {
   MHA_RETURN_IF_ERROR(NotNegative("batching.max_queue_wait", batching.max_queue_wait));
   MHA_RETURN_IF_ERROR(NotNegative("batching.session_gather", batching.session_gather));
   MHA_RETURN_IF_ERROR(NotNegative("drain_timeout", drain_timeout));
+  MHA_RETURN_IF_ERROR(NotNegative("malloc_trim_interval", malloc_trim_interval));
   MHA_RETURN_IF_ERROR(AtLeast("session_cache_bytes", session_cache_bytes, 0));
   MHA_RETURN_IF_ERROR(
       AtLeast("shared_memory_options.max_regions", shared_memory_options.max_regions, 1));
@@ -344,6 +345,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(const ServerOptions& opti
   server->lifecycle_->SetHealth(
       [health](const std::string& name, bool serving) { health->SetServingStatus(name, serving); });
   server->warmup_thread_ = std::thread(&Server::Warm, server.get());
+  server->trimmer_ = std::make_unique<MemoryTrimmer>(options.malloc_trim_interval);
   return server;
 }
 
@@ -386,6 +388,7 @@ void Server::Shutdown() {
   // After the batcher: a warm-up pass still queued has been computed, or refused.
   if (warmup_thread_.joinable()) warmup_thread_.join();
   if (grpc_server_ != nullptr) grpc_server_->Wait();
+  if (trimmer_ != nullptr) trimmer_->Stop();
 }
 
 std::string Server::address() const { return HostPort(options_.host, port_); }

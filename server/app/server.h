@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/app/memory_trimmer.h"
 #include "server/app/metrics_exposer.h"
 #include "server/attention_v1/service.h"
 #include "server/attention_v1/session.h"
@@ -71,6 +72,9 @@ struct ServerOptions {
   absl::Duration http_idle_timeout = absl::Seconds(60);    // keep-alive, and between body reads
   int64_t http_max_connections = 10000;                    // beyond: 503 and close
   absl::Duration drain_timeout = absl::Seconds(10);
+  // malloc_trim(0) at this interval, so that memory freed after a burst goes back to
+  // the system (server/app/memory_trimmer.h); 0 = never.
+  absl::Duration malloc_trim_interval = absl::Seconds(2);
   // Attention sessions (server/attention_v1/session.h): the K/V cache's byte budget (0 = a
   // quarter of AvailableMemoryBytes, server/app/cpu.h) and the idle timeout.
   int64_t session_cache_bytes = 0;
@@ -156,6 +160,7 @@ class Server {
   UnimplementedService unimplemented_;  // every method not declared
   std::unique_ptr<grpc::Server> grpc_server_;
   std::unique_ptr<HttpFront> http_;
+  std::unique_ptr<MemoryTrimmer> trimmer_;
   bool shut_down_ = false;
 
   // Create's steps after the models and metrics: each sets members or fails.

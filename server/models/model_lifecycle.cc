@@ -53,7 +53,8 @@ absl::Status WarmOnce(Batcher& batcher, const std::shared_ptr<const Model>& mode
                                                     .num_keys = keys,
                                                     .queries = queries.data,
                                                     .keys = self ? nullptr : key_data.data,
-                                                    .values = self ? nullptr : value_data.data},
+                                                    .values = self ? nullptr : value_data.data,
+                                                    .valid_lens = shape.valid_lens},
                                          .output = output.data,
                                          .warmup = true});
 }
@@ -264,13 +265,14 @@ absl::Status ModelLifecycle::LoadLocked(const std::string& name) {
     for (const auto& model : versions) {
       status.Update(Queue(model));
       if (!status.ok()) break;
-      // The default second pass grows the shared workspaces to the largest batch the
+      // The default last pass grows the shared workspaces to the largest batch the
       // batcher may form for this model. When the version it replaces had the same
-      // default passes, they are grown already: the first pass (packing, kernels) is
-      // enough, and the reload does not hold that batch's tensors.
+      // default passes, they are grown already: the passes before it (packing,
+      // kernels, the common shapes' primitives) are enough, and the reload does not
+      // hold that batch's tensors.
       passes = model->warmup.size();
-      if (model->default_warmup && model->warmup == served_default_warmup) {
-        passes = 1;
+      if (model->default_warmup && model->warmup == served_default_warmup && passes > 1) {
+        passes -= 1;
       }
       absl::StatusOr<absl::Duration> warmed = WarmUp(*batcher_, model, passes);
       status.Update(warmed.status());

@@ -227,7 +227,20 @@ std::vector<WarmupShape> DefaultWarmup(const core::ModelConfig& config, const Mo
   const int64_t rows = std::clamp<int64_t>(batching.max_batch_size, 1, limits.max_batch_size);
   const int64_t length =
       std::clamp<int64_t>(batching.max_batch_tokens / rows, 1, limits.max_sequence_length);
+  const int64_t seq = limits.max_sequence_length;
+  // attention_client's default request: B 2, Q 4, K 6, valid_lens [3, 2].
+  const int64_t small_rows = std::min<int64_t>(2, limits.max_batch_size);
+  const int64_t small_keys = std::min<int64_t>(6, seq);
+  std::vector<int32_t> small_lens;
+  for (int64_t b = 0; b < small_rows; ++b) {
+    small_lens.push_back(static_cast<int32_t>(std::min<int64_t>(3 - b, small_keys)));
+  }
   return {{.batch = 1, .num_queries = first, .num_keys = self ? 0 : first},
+          {.batch = 1, .num_queries = std::max<int64_t>(1, first / 2), .num_keys = first},
+          {.batch = small_rows,
+           .num_queries = std::min<int64_t>(4, seq),
+           .num_keys = small_keys,
+           .valid_lens = std::move(small_lens)},
           {.batch = rows, .num_queries = length, .num_keys = self ? 0 : length}};
 }
 

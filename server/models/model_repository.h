@@ -151,13 +151,20 @@ struct ResolvedModelConfig {
   std::vector<WarmupShape> warmup;  // each within the limits
   bool default_warmup = false;      // `warmup` is DefaultWarmup's
 };
-// The warm-up of a model whose config.pbtxt lists none: two passes that leave the
-// first real request little to set up (docs/performance.md, "Warm start"):
+// The warm-up of a model whose config.pbtxt lists none: four passes that leave the
+// first real request of each common kind little to set up (docs/service.md, "Warm-up"):
 //   1. B 1, Q = min(128, max_sequence_length), self-attention when the model can
 //      (else K = Q): packs the weights into the layout the projections use (a 2-3 ms
 //      reorder for bert_base), compiles the kernels and creates the common blocks'
 //      primitives;
-//   2. the largest call the batcher may form: B = the batching max_batch_size, Q = K =
+//   2. B 1, Q = that length / 2, K = that length, keys given: cross-attention, K != Q
+//      (the separate key/value projections and their packed weights; K > Q so that a
+//      rotary model, whose queries are the last Q keys, accepts it);
+//   3. B 2, Q 4, K 6 with keys and valid_lens [3, 2] (within the limits):
+//      attention_client's default request (d2l's toy request), the small-call path
+//      and the per-row key prefix that valid_lens shorter than K project (a 3-D GEMM
+//      whose primitive is made per longest valid length);
+//   4. the largest call the batcher may form: B = the batching max_batch_size, Q = K =
 //      min(max_sequence_length, max_batch_tokens / B), which grows the workspaces to
 //      their steady size, so memory does not step up under later load.
 // A request of a new shape then costs only its own primitives (tenths of a ms each).

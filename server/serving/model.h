@@ -52,11 +52,13 @@ struct BatchingPolicy {
 };
 
 // One warm-up forward pass (config.pbtxt `warmup`): B rows of Q queries and K keys;
-// K 0 = self-attention.
+// K 0 = self-attention. valid_lens: one per row, or empty (every key valid); only the
+// default passes set it (server/models/model_repository.h DefaultWarmup).
 struct WarmupShape {
   int64_t batch = 1;
   int64_t num_queries = 1;
   int64_t num_keys = 0;
+  std::vector<int32_t> valid_lens;
 
   bool operator==(const WarmupShape&) const = default;
 };

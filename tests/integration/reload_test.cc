@@ -134,15 +134,15 @@ TEST_F(ReloadTest, SighupSwapsChangedModelsLoadsNewOnesAndUnloadsRemovedOnes) {
   repository_.Write("c/config.pbtxt", ToyConfig(7));
   std::filesystem::remove_all(std::filesystem::path(repository_.path()) / "b");
   EXPECT_EQ(Reload(), "repository: reload done (loaded 2, unloaded 1, failed 0)");
-  // A reload with the same default passes runs the first only (the shared workspaces
-  // are grown); a new model runs both.
+  // A reload with the same default passes runs all but the last (the largest batch:
+  // the shared workspaces are grown); a new model runs all four.
   EXPECT_TRUE(absl::StrContains(server_->log(),
                                 "model a: reloaded, version(s) 1, weights seeded "
-                                "(seed 7), warm-up 1 pass(es)"))
+                                "(seed 7), warm-up 3 pass(es)"))
       << server_->log();
   EXPECT_TRUE(absl::StrContains(server_->log(),
                                 "model c: loaded, version(s) 1, weights seeded "
-                                "(seed 7), warm-up 2 pass(es)"))
+                                "(seed 7), warm-up 4 pass(es)"))
       << server_->log();
 
   const std::vector<float> new_a = Answer("a").value();

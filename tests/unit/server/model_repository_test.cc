@@ -280,9 +280,10 @@ TEST(ModelRepositoryTest, AttentionOnlyModelsResolveTheirSizesFromTheHeads) {
 }
 
 // A config without `warmup` gets the default passes, inside its limits: B 1 x Q 128
-// (or max_sequence_length), then the largest batch the batcher may form; a model
-// that cannot self-attend warms with keys. Listed passes replace them;
-// default_warmup = false leaves such a model cold.
+// (or max_sequence_length), cross-attention with K != Q, the client's default request
+// (B 2, Q 4, K 6), then the largest batch the batcher may form; a model that cannot
+// self-attend warms with keys. Listed passes replace them; default_warmup = false
+// leaves such a model cold.
 TEST(ModelRepositoryTest, ModelsWithoutWarmupGetTheDefaultPasses) {
   const auto shapes = [](absl::string_view text, bool default_warmup = true) {
     const auto config = ParseModelConfig(text, "test").value();
@@ -291,22 +292,25 @@ TEST(ModelRepositoryTest, ModelsWithoutWarmupGetTheDefaultPasses) {
   const std::vector<WarmupShape> bert = shapes(
       "num_hiddens: 768 num_heads: 12 limits { max_batch_size: 64 max_sequence_length: 512 } "
       "batching { max_batch_size: 32 max_batch_tokens: 8192 }");
-  ASSERT_EQ(bert.size(), 2u);
-  EXPECT_EQ(bert[0].batch, 1);
-  EXPECT_EQ(bert[0].num_queries, 128);
-  EXPECT_EQ(bert[0].num_keys, 0);
-  EXPECT_EQ(bert[1].batch, 32);
-  EXPECT_EQ(bert[1].num_queries, 256);  // 8192 tokens over 32 rows
-  EXPECT_EQ(bert[1].num_keys, 0);
+  ASSERT_EQ(bert.size(), 4u);
+  EXPECT_EQ(bert[0], (WarmupShape{.batch = 1, .num_queries = 128, .num_keys = 0}));
+  EXPECT_EQ(bert[1], (WarmupShape{.batch = 1, .num_queries = 64, .num_keys = 128}));
+  EXPECT_EQ(bert[2],
+            (WarmupShape{.batch = 2, .num_queries = 4, .num_keys = 6, .valid_lens = {3, 2}}));
+  // 8192 tokens over 32 rows
+  EXPECT_EQ(bert[3], (WarmupShape{.batch = 32, .num_queries = 256, .num_keys = 0}));
 
   const std::vector<WarmupShape> small = shapes(
-      "num_hiddens: 16 num_heads: 2 query_size: 8 limits { max_batch_size: 4 "
-      "max_sequence_length: 20 } batching { max_batch_size: 100 max_batch_tokens: 1000000 }");
-  ASSERT_EQ(small.size(), 2u);
-  EXPECT_EQ(small[0].num_queries, 20);
-  EXPECT_EQ(small[0].num_keys, 20);  // d_q != d_k: cross-attention
-  EXPECT_EQ(small[1].batch, 4);      // the batcher's rows clamped to the model's limit
-  EXPECT_EQ(small[1].num_queries, 20);
+      "num_hiddens: 16 num_heads: 2 query_size: 8 limits { max_batch_size: 1 "
+      "max_sequence_length: 5 } batching { max_batch_size: 100 max_batch_tokens: 1000000 }");
+  ASSERT_EQ(small.size(), 4u);
+  // d_q != d_k: cross-attention throughout
+  EXPECT_EQ(small[0], (WarmupShape{.batch = 1, .num_queries = 5, .num_keys = 5}));
+  EXPECT_EQ(small[1], (WarmupShape{.batch = 1, .num_queries = 2, .num_keys = 5}));
+  EXPECT_EQ(small[2],  // clamped
+            (WarmupShape{.batch = 1, .num_queries = 4, .num_keys = 5, .valid_lens = {3}}));
+  // the batcher's rows clamped to the model's limit
+  EXPECT_EQ(small[3], (WarmupShape{.batch = 1, .num_queries = 5, .num_keys = 5}));
 
   const std::vector<WarmupShape> listed =
       shapes("num_hiddens: 16 num_heads: 2 warmup { batch: 3 num_queries: 5 }");
@@ -316,7 +320,7 @@ TEST(ModelRepositoryTest, ModelsWithoutWarmupGetTheDefaultPasses) {
   EXPECT_TRUE(shapes("num_hiddens: 16 num_heads: 2", /*default_warmup=*/false).empty());
 
   auto embedded = ModelRepository::Create({}).value();
-  EXPECT_EQ(embedded->Find("").value()->warmup.size(), 2u);
+  EXPECT_EQ(embedded->Find("").value()->warmup.size(), 4u);
   auto cold = ModelRepository::Create({.default_warmup = false}).value();
   EXPECT_TRUE(cold->Find("").value()->warmup.empty());
 }

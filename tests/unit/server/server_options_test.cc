@@ -28,6 +28,8 @@ TEST(ServerOptionsTest, EachBadFieldIsNamed) {
        "batching.max_queue_wait: expected >= 0, got -5 us"},
       {[](ServerOptions& o) { o.batching.session_gather = absl::Microseconds(-1); },
        "batching.session_gather: expected >= 0, got -1 us"},
+      {[](ServerOptions& o) { o.malloc_trim_interval = absl::Seconds(-1); },
+       "malloc_trim_interval: expected >= 0, got -1000000 us"},
       {[](ServerOptions& o) { o.tls_cert = "c.pem"; }, "tls_key: tls_cert and tls_key go together"},
       {[](ServerOptions& o) { o.tls_client_ca = "ca.pem"; },
        "tls_client_ca: needs tls_cert and tls_key"},
