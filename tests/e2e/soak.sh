@@ -6,10 +6,11 @@
 #   - errors: only RESOURCE_EXHAUSTED, and only in the bench windows (10 s) that
 #     overlap [HOG_AT, HOG_AT + HOG_SECS + 10 s];
 #   - RSS 60 s after the hog ends, and RSS at the end, each <= 1.05x the RSS at the
-#     end of warm-up (60 s);
+#     end of warm-up (60 s); RSS is read every second, and the two checkpoints during
+#     load take the median of their last ten readings (the end is read at rest);
 #   - open file descriptors at the end <= those at the end of warm-up;
 #   - a clean exit (status 0) on SIGTERM.
-# Samples the server's RSS and fd count every 10 s and prints them, with each bench
+# Prints the server's RSS (and its 10 s median) and fd count every 10 s, with each bench
 # window's rate and errors.
 #
 # Usage: tests/e2e/soak.sh [BUILD_DIR] [DURATION_S]   (build/release, 600)
@@ -24,6 +25,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 BUILD="${1:-$here/../../build/release}"
 duration="${2:-600}"
 warmup=60
+((duration > warmup)) || { echo "soak: DURATION_S must exceed the ${warmup} s warm-up" >&2; exit 2; }
 hog_at="${HOG_AT:-240}"
 hog_secs="${HOG_SECS:-60}"
 after_hog=$((hog_at + hog_secs + 60))  # the RSS sample 60 s after the hog
@@ -65,19 +67,26 @@ client=$!
 start="$(date +%s.%N)"
 # Sleeps until `t` seconds after the bench started.
 sleep_until() { sleep "$(awk -v s="$start" -v t="$1" -v n="$(date +%s.%N)" 'BEGIN { d = s + t - n; print (d > 0 ? d : 0) }')"; }
-printf '%6s %10s %5s\n' t_s rss_kib fds | tee "$WORK/samples.txt"
+# RSS is read every second; a checkpoint's RSS (the end of warm-up, 60 s after the
+# neighbour) is the median of the ten readings up to it, so that one reading that
+# catches a momentary backlog of requests in flight does not stand for the level.
+printf '%6s %10s %10s %5s\n' t_s rss_kib median10 fds | tee "$WORK/samples.txt"
+: >"$WORK/rss_1s.txt"
+median10() { tail -n 10 "$WORK/rss_1s.txt" | sort -n | awk '{ v[NR] = $1 } END { print ((NR % 2) ? v[(NR + 1) / 2] : int((v[NR / 2] + v[NR / 2 + 1]) / 2)) }'; }
 rss_warm= fds_warm= rss_after=
-for ((t = 0; t <= duration; t += 10)); do
+for ((t = 0; t <= duration; t += 1)); do
   sleep_until "$t"
   if ((hog_secs > 0 && t == hog_at)); then
     taskset -c 1 timeout "$hog_secs" bash -c 'while :; do :; done' &
     hog=$!
     echo "neighbour: busy loop on CPU 1 (pid $hog) for ${hog_secs} s"
   fi
-  rss="$(rss_kib)" fds="$(fd_count)"
-  printf '%6d %10d %5d\n' "$t" "$rss" "$fds" | tee -a "$WORK/samples.txt"
-  if ((t == warmup)); then rss_warm="$rss" fds_warm="$fds"; fi
-  if ((t == after_hog)); then rss_after="$rss"; fi
+  rss_kib >>"$WORK/rss_1s.txt"
+  ((t % 10 == 0)) || continue
+  rss="$(tail -n 1 "$WORK/rss_1s.txt")" fds="$(fd_count)" med="$(median10)"
+  printf '%6d %10d %10d %5d\n' "$t" "$rss" "$med" "$fds" | tee -a "$WORK/samples.txt"
+  if ((t == warmup)); then rss_warm="$med" fds_warm="$fds"; fi
+  if ((t == after_hog)); then rss_after="$med"; fi
   kill -0 "$client" 2>/dev/null || break
 done
 wait "$client" || die "bench failed: $(tail -5 "$WORK/soak.out")"
