@@ -406,7 +406,8 @@ void Batcher::BatchDone(const Batch& batch, absl::Duration elapsed, bool compute
   if (front.step != nullptr && !front.warmup) {  // its sessions are answered next
     queue.pacing.CallEnded(batch.items, computed, absl::Now());
   }
-  if (!computed || batch.tokens == 0) return;
+  // Warm-up passes are cold by design (packing, primitives): not the model's pace.
+  if (!computed || batch.tokens == 0 || front.warmup) return;
   const double sample = absl::ToDoubleSeconds(elapsed) / static_cast<double>(batch.tokens);
   double& average = queue.seconds_per_token;
   average = average == 0 ? sample : 0.75 * average + 0.25 * sample;

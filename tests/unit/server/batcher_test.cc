@@ -325,6 +325,44 @@ TEST_F(BatcherTest, ExpectedQueueWaitOverMaxQueueWaitIsResourceExhausted) {
   for (const absl::Status& s : RunAll(unbounded)) EXPECT_TRUE(s.ok()) << s;
 }
 
+// Warm-up passes do not teach max_queue_wait the model's time per token: they are
+// cold by design (weights packed, primitives made), and a fresh server seeded with
+// them refused its first burst (the bert_base (8, 128) soak, docs/reliability.md).
+// Call 0 is a warm-up pass held in its callback (after its forward call ended), so
+// the model has computed nothing but warm-up: max_queue_size alone applies, and a
+// bound of 1 ns still admits every request queued behind it.
+TEST_F(BatcherTest, WarmUpPassesDoNotSetTheTimePerTokenForMaxQueueWait) {
+  MakeRepository({.max_queue_delay = absl::ZeroDuration(),
+                  .max_queue_size = 1000,
+                  .max_queue_wait = absl::Nanoseconds(1)});
+  auto batcher = MakeBatcher();
+  std::vector<Call> calls(8);
+  absl::Mutex mu;
+  bool release = false;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    calls[i].request = Request(8, 64, 0);
+    WorkItem item = Item(calls[i].request, &calls[i].response, [&, i](absl::Status status) {
+      absl::MutexLock lock(&mu);
+      calls[i].status = std::move(status);
+      calls[i].done = true;
+      if (i == 0) mu.Await(absl::Condition(&release));
+    });
+    item.warmup = i == 0;
+    const absl::Status submitted = batcher->Submit(std::move(item));
+    EXPECT_TRUE(submitted.ok()) << i << ": " << submitted;
+    if (i == 0 && submitted.ok()) {
+      absl::MutexLock lock(&mu);
+      mu.Await(absl::Condition(&calls[0].done));
+    }
+  }
+  {
+    absl::MutexLock lock(&mu);
+    release = true;
+  }
+  batcher->Shutdown();
+  for (const Call& call : calls) EXPECT_TRUE(call.done && call.status.ok()) << call.status;
+}
+
 // Admit answers what Submit would, without queueing: the service refuses with it
 // before validating a request.
 TEST_F(BatcherTest, AdmitAnswersAsSubmitWould) {
