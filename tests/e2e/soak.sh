@@ -17,7 +17,10 @@
 # Env: SERVER_ARGS (extra server flags), MODEL_ARGS, BENCH_ARGS (as overload.sh),
 #      CONCURRENCY (64, for the capacity step), LOAD_FRACTION (0.7), HOG_AT (240),
 #      HOG_SECS (60; 0 = no neighbour), OMP_NUM_THREADS.
-# bert_base-sized requests (8, 128):
+# bert_base-sized requests (8, 128), the queue bounded in time (256 such requests are
+# 15 s of work, past the client's deadline) and the capacity step at concurrency 8
+# (docs/reliability.md, Soak):
+#   CONCURRENCY=8 SERVER_ARGS=--max_queue_wait_us=1000000 \
 #   BENCH_ARGS="--model=bert_base --batch=8 --num_queries=128 --num_keys=0 --valid_lens=none" \
 #     bash tests/e2e/soak.sh
 set -euo pipefail
