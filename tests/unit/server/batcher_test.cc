@@ -88,9 +88,11 @@ class BatcherTest : public ::testing::Test {
   }
 
   // Submits every call (0 first, the rest while the worker is held) and waits
-  // for all of them. Returns the Submit statuses.
+  // for all of them. Returns the Submit statuses. first_is_warmup: call 0 is a
+  // warm-up pass.
   std::vector<absl::Status> RunAll(std::vector<Call>& calls,
-                                   absl::Time deadline_for_rest = absl::InfiniteFuture()) {
+                                   absl::Time deadline_for_rest = absl::InfiniteFuture(),
+                                   bool first_is_warmup = false) {
     auto batcher = MakeBatcher();
     absl::Mutex mu;
     bool release = false;
@@ -104,8 +106,9 @@ class BatcherTest : public ::testing::Test {
         if (i == 0) mu.Await(absl::Condition(&release));
       });
       item.deadline = i == 0 ? absl::InfiniteFuture() : deadline_for_rest;
+      item.warmup = i == 0 && first_is_warmup;
       submitted.push_back(batcher->Submit(std::move(item)));
-      if (i == 0) {  // wait until request 0 is running, not queued
+      if (i == 0 && submitted.back().ok()) {  // wait until request 0 is running, not queued
         absl::MutexLock lock(&mu);
         mu.Await(absl::Condition(&calls[0].done));
       }
@@ -335,31 +338,13 @@ TEST_F(BatcherTest, WarmUpPassesDoNotSetTheTimePerTokenForMaxQueueWait) {
   MakeRepository({.max_queue_delay = absl::ZeroDuration(),
                   .max_queue_size = 1000,
                   .max_queue_wait = absl::Nanoseconds(1)});
-  auto batcher = MakeBatcher();
   std::vector<Call> calls(8);
-  absl::Mutex mu;
-  bool release = false;
-  for (size_t i = 0; i < calls.size(); ++i) {
-    calls[i].request = Request(8, 64, 0);
-    WorkItem item = Item(calls[i].request, &calls[i].response, [&, i](absl::Status status) {
-      absl::MutexLock lock(&mu);
-      calls[i].status = std::move(status);
-      calls[i].done = true;
-      if (i == 0) mu.Await(absl::Condition(&release));
-    });
-    item.warmup = i == 0;
-    const absl::Status submitted = batcher->Submit(std::move(item));
-    EXPECT_TRUE(submitted.ok()) << i << ": " << submitted;
-    if (i == 0 && submitted.ok()) {
-      absl::MutexLock lock(&mu);
-      mu.Await(absl::Condition(&calls[0].done));
-    }
+  for (Call& call : calls) call.request = Request(8, 64, 0);
+  const std::vector<absl::Status> submitted =
+      RunAll(calls, absl::InfiniteFuture(), /*first_is_warmup=*/true);
+  for (size_t i = 0; i < submitted.size(); ++i) {
+    EXPECT_TRUE(submitted[i].ok()) << i << ": " << submitted[i];
   }
-  {
-    absl::MutexLock lock(&mu);
-    release = true;
-  }
-  batcher->Shutdown();
   for (const Call& call : calls) EXPECT_TRUE(call.done && call.status.ok()) << call.status;
 }
 
