@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/types/span.h"
@@ -349,6 +350,22 @@ absl::StatusOr<std::optional<int64_t>> ParseInputParameters(
   return binary_size;
 }
 
+// The next `size` bytes of the binary part (there are that many) into `raw`.
+void TakeBytes(int64_t size, BinaryPart* binary, std::string* raw) {
+  const char* from = binary->bytes.data() + binary->used;
+  binary->used += size;
+  if (binary->donor != nullptr && binary->used == binary->bytes.size() && size > 65536) {
+    // The last bytes of the body: nothing reads the body after them.
+    std::string* donor = std::exchange(binary->donor, nullptr);
+    donor->erase(0, static_cast<size_t>(from - donor->data()));
+    raw->swap(*donor);
+    binary->bytes = {};
+    binary->used = 0;
+    return;
+  }
+  raw->assign(from, size);
+}
+
 // The input's `binary_size` bytes, the next ones of the request's binary part, into
 // `raw`.
 absl::Status TakeBinaryData(const InputSpec& input, int64_t binary_size, BinaryPart* binary,
@@ -369,18 +386,7 @@ absl::Status TakeBinaryData(const InputSpec& input, int64_t binary_size, BinaryP
                                       " bytes, but the request has no binary data (no "
                                       "Inference-Header-Content-Length header)"));
   }
-  const char* from = binary->bytes.data() + binary->used;
-  binary->used += binary_size;
-  if (binary->donor != nullptr && binary->used == binary->bytes.size() && binary_size > 65536) {
-    // The last bytes of the body: nothing reads the body after them.
-    std::string* donor = std::exchange(binary->donor, nullptr);
-    donor->erase(0, static_cast<size_t>(from - donor->data()));
-    raw->swap(*donor);
-    binary->bytes = {};
-    binary->used = 0;
-    return absl::OkStatus();
-  }
-  raw->assign(from, binary_size);
+  TakeBytes(binary_size, binary, raw);
   return absl::OkStatus();
 }
 
@@ -701,6 +707,305 @@ absl::StatusOr<HttpBody> Encode(const ModelInferRequest& request,
   return out;
 }
 
+
+// --- The fast path: binary requests and responses of the common form ---
+// A binary request's JSON head is a few hundred bytes of a fixed form, and building
+// nlohmann's DOM for it, then the response's, was the largest part of the HTTP front's
+// own CPU at toy c 64 (docs/performance.md, issue 32). The fast path reads and writes
+// that form directly: keys it knows, each once; plain strings (printable ASCII, no
+// escapes); integers within int64; every input binary, every output binary with no
+// parameters of its own. On anything else it gives up (nullopt) and the general
+// path takes the body, which words every refusal: the fast path never refuses, and
+// what it builds is what the general path builds (http_body_fuzzer compares them).
+
+class HeadScanner {
+ public:
+  explicit HeadScanner(absl::string_view text) : p_(text.data()), end_(text.data() + text.size()) {}
+
+  bool Take(char c) {
+    SkipSpace();
+    if (p_ == end_ || *p_ != c) return false;
+    ++p_;
+    return true;
+  }
+  bool Next(char c) {
+    SkipSpace();
+    return p_ != end_ && *p_ == c;
+  }
+  bool AtEnd() {
+    SkipSpace();
+    return p_ == end_;
+  }
+  bool Word(absl::string_view word) {
+    SkipSpace();
+    if (static_cast<size_t>(end_ - p_) < word.size() ||
+        absl::string_view(p_, word.size()) != word) {
+      return false;
+    }
+    p_ += word.size();
+    return true;
+  }
+  // A string of printable ASCII without escapes.
+  std::optional<absl::string_view> PlainString() {
+    if (!Take('"')) return std::nullopt;
+    const char* start = p_;
+    while (p_ != end_ && *p_ != '"') {
+      const unsigned char c = static_cast<unsigned char>(*p_);
+      if (c < 0x20 || c > 0x7e || c == '\\') return std::nullopt;
+      ++p_;
+    }
+    if (p_ == end_) return std::nullopt;
+    const absl::string_view text(start, static_cast<size_t>(p_ - start));
+    ++p_;
+    return text;
+  }
+  // An integer as JSON writes one (no fraction, no exponent, not -0), within int64.
+  std::optional<int64_t> Integer() {
+    SkipSpace();
+    const char* start = p_;
+    if (p_ != end_ && *p_ == '-') ++p_;
+    const char* digits = p_;
+    while (p_ != end_ && *p_ >= '0' && *p_ <= '9') ++p_;
+    const size_t n = static_cast<size_t>(p_ - digits);
+    if (n == 0 || (n > 1 && *digits == '0') || (digits != start && n == 1 && *digits == '0')) {
+      return std::nullopt;
+    }
+    if (p_ != end_ && (*p_ == '.' || *p_ == 'e' || *p_ == 'E')) return std::nullopt;
+    int64_t value = 0;
+    const std::from_chars_result read = std::from_chars(start, p_, value);
+    if (read.ec != std::errc() || read.ptr != p_) return std::nullopt;
+    return value;
+  }
+
+ private:
+  void SkipSpace() {
+    while (p_ != end_ && (*p_ == ' ' || *p_ == '\t' || *p_ == '\n' || *p_ == '\r')) ++p_;
+  }
+  const char* p_;
+  const char* end_;
+};
+
+// An object: `member(key)` reads each value; false (or a malformed object) gives up.
+template <typename Member>
+bool ScanObject(HeadScanner& s, Member member) {
+  if (!s.Take('{')) return false;
+  if (s.Take('}')) return true;
+  do {
+    const std::optional<absl::string_view> key = s.PlainString();
+    if (!key || !s.Take(':') || !member(*key)) return false;
+  } while (s.Take(','));
+  return s.Take('}');
+}
+
+template <typename Element>
+bool ScanArray(HeadScanner& s, Element element) {
+  if (!s.Take('[')) return false;
+  if (s.Take(']')) return true;
+  do {
+    if (!element()) return false;
+  } while (s.Take(','));
+  return s.Take(']');
+}
+
+// Once per key: false the second time (nlohmann would keep the last; the general
+// path decides).
+bool Once(bool* seen) { return !std::exchange(*seen, true); }
+
+// A parameters object of bools, int64 integers and plain strings, each key once.
+bool ScanParameters(HeadScanner& s, ParameterMap* out) {
+  return ScanObject(s, [&](absl::string_view key) {
+    InferParameter value;
+    if (s.Next('"')) {
+      const std::optional<absl::string_view> text = s.PlainString();
+      if (!text) return false;
+      value.set_string_param(std::string(*text));
+    } else if (s.Word("true")) {
+      value.set_bool_param(true);
+    } else if (s.Word("false")) {
+      value.set_bool_param(false);
+    } else {
+      const std::optional<int64_t> number = s.Integer();
+      if (!number) return false;
+      value.set_int64_param(*number);
+    }
+    return out->insert({std::string(key), std::move(value)}).second;
+  });
+}
+
+bool IsBoolIfPresent(const ParameterMap& parameters, const std::string& name) {
+  const auto it = parameters.find(name);
+  return it == parameters.end() || it->second.has_bool_param();
+}
+
+bool ScanInput(HeadScanner& s, ModelInferRequest::InferInputTensor* tensor,
+               int64_t* binary_size) {
+  bool name = false, datatype = false, shape = false, parameters = false;
+  const bool read = ScanObject(s, [&](absl::string_view key) {
+    if (key == "name" && Once(&name)) {
+      const std::optional<absl::string_view> text = s.PlainString();
+      if (text) tensor->set_name(std::string(*text));
+      return text.has_value();
+    }
+    if (key == "datatype" && Once(&datatype)) {
+      const std::optional<absl::string_view> text = s.PlainString();
+      if (text) tensor->set_datatype(std::string(*text));
+      return text.has_value();
+    }
+    if (key == "shape" && Once(&shape)) {
+      return ScanArray(s, [&] {
+        const std::optional<int64_t> dim = s.Integer();
+        if (!dim || *dim < 0) return false;
+        tensor->add_shape(*dim);
+        return true;
+      });
+    }
+    if (key == "parameters" && Once(&parameters)) {
+      return ScanParameters(s, tensor->mutable_parameters());
+    }
+    return false;  // "data", or a key the general path ignores or refuses
+  });
+  if (!read || !name || !datatype || !shape) return false;
+  auto* map = tensor->mutable_parameters();
+  const auto size = map->find("binary_data_size");
+  if (size == map->end() || !size->second.has_int64_param() || size->second.int64_param() < 0 ||
+      map->contains("shared_memory_region")) {
+    return false;
+  }
+  *binary_size = size->second.int64_param();
+  map->erase(size);
+  return true;
+}
+
+bool ScanOutput(HeadScanner& s, ModelInferRequest::InferRequestedOutputTensor* output) {
+  bool name = false, parameters = false;
+  const bool read = ScanObject(s, [&](absl::string_view key) {
+    if (key == "name" && Once(&name)) {
+      const std::optional<absl::string_view> text = s.PlainString();
+      if (text) output->set_name(std::string(*text));
+      return text.has_value();
+    }
+    if (key == "parameters" && Once(&parameters)) {
+      return ScanParameters(s, output->mutable_parameters());
+    }
+    return false;
+  });
+  if (!read || !name || !IsBoolIfPresent(output->parameters(), "binary_data")) return false;
+  const auto binary = output->parameters().find("binary_data");
+  return !(output->name() == "lse" && binary != output->parameters().end() &&
+           !binary->second.bool_param());
+}
+
+std::optional<ModelInferRequest> ParseFast(absl::string_view model_name,
+                                           absl::string_view model_version, absl::string_view body,
+                                           std::optional<int64_t> header_length,
+                                           std::string* donor) {
+  if (!header_length.has_value() || *header_length < 0 ||
+      static_cast<uint64_t>(*header_length) > body.size()) {
+    return std::nullopt;
+  }
+  HeadScanner s(body.substr(0, *header_length));
+  ModelInferRequest request;
+  absl::InlinedVector<int64_t, 8> binary_sizes;
+  bool id = false, parameters = false, inputs = false, outputs = false;
+  const bool read = ScanObject(s, [&](absl::string_view key) {
+    if (key == "id" && Once(&id)) {
+      const std::optional<absl::string_view> text = s.PlainString();
+      if (text) request.set_id(std::string(*text));
+      return text.has_value();
+    }
+    if (key == "parameters" && Once(&parameters)) {
+      return ScanParameters(s, request.mutable_parameters()) &&
+             IsBoolIfPresent(request.parameters(), "binary_data_output");
+    }
+    if (key == "inputs" && Once(&inputs)) {
+      return ScanArray(s, [&] {
+        binary_sizes.push_back(0);
+        return ScanInput(s, request.add_inputs(), &binary_sizes.back());
+      });
+    }
+    if (key == "outputs" && Once(&outputs)) {
+      return ScanArray(s, [&] { return ScanOutput(s, request.add_outputs()); });
+    }
+    return false;
+  });
+  if (!read || !inputs || !s.AtEnd()) return std::nullopt;
+
+  // Every input's bytes, in order, exactly filling the binary part.
+  BinaryPart binary{.bytes = body.substr(*header_length), .present = true, .donor = donor};
+  uint64_t claimed = 0;
+  for (int i = 0; i < request.inputs_size(); ++i) {
+    const ModelInferRequest::InferInputTensor& tensor = request.inputs(i);
+    const DataType* type = FindDataType(tensor.datatype());
+    if (type == nullptr) return std::nullopt;
+    const auto size = Size(absl::MakeConstSpan(tensor.shape().data(), tensor.shape_size()),
+                           type->size);
+    if (!size.has_value() || size->second != binary_sizes[i]) return std::nullopt;
+    claimed += static_cast<uint64_t>(size->second);
+    if (claimed > binary.bytes.size()) return std::nullopt;
+  }
+  if (claimed != binary.bytes.size()) return std::nullopt;
+
+  request.set_model_name(std::string(model_name));
+  request.set_model_version(std::string(model_version));
+  for (int i = 0; i < request.inputs_size(); ++i) {
+    TakeBytes(binary_sizes[i], &binary, request.add_raw_input_contents());
+  }
+  return request;
+}
+
+bool IsPlain(absl::string_view text) {
+  return std::all_of(text.begin(), text.end(), [](char c) {
+    const unsigned char u = static_cast<unsigned char>(c);
+    return u >= 0x20 && u <= 0x7e && c != '"' && c != '\\';
+  });
+}
+
+std::optional<HttpBody> EncodeFast(const ModelInferRequest& request,
+                                   const ModelInferResponse& response, bool split) {
+  if (!response.parameters().empty() || response.outputs_size() == 0 ||
+      response.raw_output_contents_size() != response.outputs_size() ||
+      !IsPlain(response.model_name()) || !IsPlain(response.model_version()) ||
+      !IsPlain(response.id())) {
+    return std::nullopt;
+  }
+  HttpBody out;
+  std::string& body = out.body;
+  absl::StrAppend(&body, "{\"model_name\":\"", response.model_name(), "\",\"model_version\":\"",
+                  response.model_version(), "\"");
+  if (!response.id().empty()) absl::StrAppend(&body, ",\"id\":\"", response.id(), "\"");
+  body += ",\"outputs\":[";
+  for (int i = 0; i < response.outputs_size(); ++i) {
+    const ModelInferResponse::InferOutputTensor& output = response.outputs(i);
+    const std::string& raw = response.raw_output_contents(i);
+    const DataType* type = FindDataType(output.datatype());
+    const absl::Span<const int64_t> shape(output.shape().data(), output.shape_size());
+    if (type == nullptr || !output.parameters().empty() || !IsPlain(output.name()) ||
+        std::any_of(shape.begin(), shape.end(), [](int64_t d) { return d < 0; })) {
+      return std::nullopt;
+    }
+    const auto size = Size(shape, type->size);
+    if (!size.has_value() || size->second != static_cast<int64_t>(raw.size()) ||
+        !SendsBinary(request, output.name())) {
+      return std::nullopt;
+    }
+    absl::StrAppend(&body, i == 0 ? "" : ",", "{\"name\":\"", output.name(),
+                    "\",\"datatype\":\"", output.datatype(), "\",\"shape\":[",
+                    absl::StrJoin(shape, ","), "],\"parameters\":{\"binary_data_size\":",
+                    raw.size(), "}}");
+  }
+  body += "]}";
+  out.header_length = static_cast<int64_t>(body.size());
+  out.content_type = "application/octet-stream";
+  for (int i = 0; i < response.outputs_size(); ++i) {
+    if (split) {
+      out.binary_outputs.push_back(i);
+    } else {
+      body += response.raw_output_contents(i);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 namespace {
@@ -737,6 +1042,10 @@ absl::StatusOr<ModelInferRequest> ParseInferRequest(absl::string_view model_name
                                                     absl::string_view model_version,
                                                     absl::string_view body,
                                                     std::optional<int64_t> header_length) {
+  if (std::optional<ModelInferRequest> fast =
+          ParseFast(model_name, model_version, body, header_length, nullptr)) {
+    return *std::move(fast);
+  }
   return Parse(model_name, model_version, body, header_length, nullptr);
 }
 
@@ -744,26 +1053,60 @@ absl::StatusOr<ModelInferRequest> ParseInferRequest(absl::string_view model_name
                                                     absl::string_view model_version,
                                                     std::string* body,
                                                     std::optional<int64_t> header_length) {
+  if (std::optional<ModelInferRequest> fast =
+          ParseFast(model_name, model_version, *body, header_length, body)) {
+    return *std::move(fast);
+  }
   return Parse(model_name, model_version, *body, header_length, body);
 }
 
 absl::StatusOr<HttpBody> EncodeInferResponse(const ModelInferRequest& request,
                                              const ModelInferResponse& response) {
+  if (std::optional<HttpBody> fast = EncodeFast(request, response, /*split=*/false)) {
+    return *std::move(fast);
+  }
+  return http_codec_internal::EncodeGeneral(request, response, /*split=*/false);
+}
+
+absl::StatusOr<HttpBody> EncodeInferResponseHead(const ModelInferRequest& request,
+                                                 const ModelInferResponse& response) {
+  if (std::optional<HttpBody> fast = EncodeFast(request, response, /*split=*/true)) {
+    return *std::move(fast);
+  }
+  return http_codec_internal::EncodeGeneral(request, response, /*split=*/true);
+}
+
+namespace http_codec_internal {
+
+absl::StatusOr<ModelInferRequest> ParseGeneral(absl::string_view model_name,
+                                               absl::string_view model_version,
+                                               absl::string_view body,
+                                               std::optional<int64_t> header_length) {
+  return Parse(model_name, model_version, body, header_length, nullptr);
+}
+
+std::optional<ModelInferRequest> ParseFast(absl::string_view model_name,
+                                           absl::string_view model_version,
+                                           absl::string_view body,
+                                           std::optional<int64_t> header_length) {
+  return ::mha::server::ParseFast(model_name, model_version, body, header_length, nullptr);
+}
+
+absl::StatusOr<HttpBody> EncodeGeneral(const ModelInferRequest& request,
+                                       const ModelInferResponse& response, bool split) {
   try {
-    return Encode(request, response, /*split=*/false);
+    return Encode(request, response, split);
   } catch (const Json::exception& e) {
     return absl::InternalError(absl::StrCat("response: ", e.what()));
   }
 }
 
-absl::StatusOr<HttpBody> EncodeInferResponseHead(const ModelInferRequest& request,
-                                                 const ModelInferResponse& response) {
-  try {
-    return Encode(request, response, /*split=*/true);
-  } catch (const Json::exception& e) {
-    return absl::InternalError(absl::StrCat("response: ", e.what()));
-  }
+std::optional<HttpBody> EncodeFast(const ModelInferRequest& request,
+                                   const ModelInferResponse& response, bool split) {
+  return ::mha::server::EncodeFast(request, response, split);
 }
+
+}  // namespace http_codec_internal
 
 absl::StatusOr<RepositoryBody> ParseRepositoryBody(absl::string_view body) {
   RepositoryBody out;

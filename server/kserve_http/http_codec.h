@@ -129,6 +129,27 @@ absl::StatusOr<HttpBody> EncodeInferResponse(const inference::ModelInferRequest&
 absl::StatusOr<HttpBody> EncodeInferResponseHead(const inference::ModelInferRequest& request,
                                                  const inference::ModelInferResponse& response);
 
+// The two paths behind ParseInferRequest and EncodeInferResponse[Head], for tests and
+// fuzzers that compare them. The general path reads and writes every form through
+// nlohmann's DOM and words every refusal; the fast path reads and writes only the
+// common binary form (plain strings, integers, every input and output binary; see
+// http_codec.cc) and gives up (nullopt) on anything else, so that what it returns is
+// what the general path would.
+namespace http_codec_internal {
+absl::StatusOr<inference::ModelInferRequest> ParseGeneral(absl::string_view model_name,
+                                                          absl::string_view model_version,
+                                                          absl::string_view body,
+                                                          std::optional<int64_t> header_length);
+std::optional<inference::ModelInferRequest> ParseFast(absl::string_view model_name,
+                                                      absl::string_view model_version,
+                                                      absl::string_view body,
+                                                      std::optional<int64_t> header_length);
+absl::StatusOr<HttpBody> EncodeGeneral(const inference::ModelInferRequest& request,
+                                       const inference::ModelInferResponse& response, bool split);
+std::optional<HttpBody> EncodeFast(const inference::ModelInferRequest& request,
+                                   const inference::ModelInferResponse& response, bool split);
+}  // namespace http_codec_internal
+
 // The body of a repository request (Triton's repository extension): POST
 // /v2/repository/index takes {"ready": bool}, .../models/{name}/load and /unload
 // take {"parameters": {...}}. Empty or a JSON object (the same depth guard as

@@ -10,8 +10,10 @@
 // element size bytes, and none for the others; the encoded response reads back (its
 // JSON parses, JSON data matches the bytes bit for bit, binary outputs follow the
 // header in order and as the request asked, shared-memory outputs carry their
-// parameters and no data).
+// parameters and no data); the fast path for binary bodies builds exactly what the
+// general path builds, request and response, whenever it builds anything.
 #include <google/protobuf/stubs/logging.h>
+#include <google/protobuf/util/message_differencer.h>
 
 #include <algorithm>
 #include <bit>
@@ -165,7 +167,47 @@ bool AnyJsonOutput(const ModelInferRequest& request, const ModelInferResponse& r
   return false;
 }
 
+// The fast path (http_codec.h, http_codec_internal) builds exactly what the general
+// path builds whenever it builds anything, and what ParseInferRequest returned is
+// the general path's answer otherwise.
+void CheckFastParse(absl::string_view body, std::optional<int64_t> header_length,
+                    const absl::StatusOr<ModelInferRequest>& answered) {
+  namespace internal = mha::server::http_codec_internal;
+  const absl::StatusOr<ModelInferRequest> general =
+      internal::ParseGeneral("m", "1", body, header_length);
+  const std::optional<ModelInferRequest> fast =
+      internal::ParseFast("m", "1", body, header_length);
+  if (fast.has_value()) {
+    MHA_FUZZ_CHECK(general.ok(), "fast path accepted what the general path refuses: %s\n",
+                   general.status().ToString().c_str());
+    MHA_FUZZ_CHECK(google::protobuf::util::MessageDifferencer::Equals(*fast, *general),
+                   "fast:\n%s\ngeneral:\n%s\n", fast->DebugString().c_str(),
+                   general->DebugString().c_str());
+  }
+  MHA_FUZZ_CHECK(answered.status() == general.status());
+  if (answered.ok()) {
+    MHA_FUZZ_CHECK(google::protobuf::util::MessageDifferencer::Equals(*answered, *general));
+  }
+}
+
+// The same for responses: byte for byte, head and split.
+void CheckFastEncode(const ModelInferRequest& request, const ModelInferResponse& response) {
+  namespace internal = mha::server::http_codec_internal;
+  for (const bool split : {false, true}) {
+    const std::optional<mha::server::HttpBody> fast = internal::EncodeFast(request, response, split);
+    if (!fast.has_value()) continue;
+    const absl::StatusOr<mha::server::HttpBody> general =
+        internal::EncodeGeneral(request, response, split);
+    MHA_FUZZ_CHECK(general.ok(), "%s\n", general.status().ToString().c_str());
+    MHA_FUZZ_CHECK(fast->body == general->body && fast->content_type == general->content_type &&
+                       fast->header_length == general->header_length &&
+                       fast->binary_outputs == general->binary_outputs,
+                   "fast:\n%s\ngeneral:\n%s\n", fast->body.c_str(), general->body.c_str());
+  }
+}
+
 void CheckEncoded(const ModelInferRequest& request, const ModelInferResponse& response) {
+  CheckFastEncode(request, response);
   const absl::StatusOr<mha::server::HttpBody> encoded =
       mha::server::EncodeInferResponse(request, response);
   if (!encoded.ok() && absl::StrContains(encoded.status().message(), "JSON cannot carry")) {
@@ -241,6 +283,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   const absl::StatusOr<ModelInferRequest> request =
       mha::server::ParseInferRequest("m", "1", body, header_length);
+  CheckFastParse(body, header_length, request);
   if (!request.ok()) {
     MHA_FUZZ_CHECK(request.status().code() == absl::StatusCode::kInvalidArgument &&
                        !request.status().message().empty(),

@@ -190,6 +190,15 @@ def http_body_seeds():
             {"name": "f", "datatype": "FP32", "shape": [3], "parameters": {"binary_data_size": 12}}],
         "outputs": [{"name": "n", "parameters": {"binary_data": False}}, {"name": "f"}]}).encode()
     binary_tail = struct.pack("<2H", 0x3C00, 0x7E00) + struct.pack("<3f", 0.1, -2.5, 1e-40)
+    common_json = json.dumps({
+        "id": "7", "inputs": [
+            {"name": "queries", "datatype": "FP32", "shape": [1, 2, 2],
+             "parameters": {"binary_data_size": 16}},
+            {"name": "valid_lens", "datatype": "INT32", "shape": [1],
+             "parameters": {"binary_data_size": 4}}],
+        "outputs": [{"name": "output", "parameters": {"binary_data": True}}]},
+        separators=(",", ":")).encode()
+    common_tail = struct.pack("<4f", 1, 2, 3, 4) + struct.pack("<i", 2)
     return {
         "json_flat": http_body(json.dumps({
             "id": "r1",
@@ -220,6 +229,8 @@ def http_body_seeds():
                 {"name": "keys", "datatype": "FP32", "shape": [1], "data": [1.5]}],
             "outputs": [{"name": "output", "parameters": {
                 "shared_memory_region": "out", "shared_memory_byte_size": 4096}}]})),
+        # attention_client's binary request, the fast path's form (compact, as it writes it).
+        "binary_common": http_body(common_json + common_tail, len(common_json)),
         "deep": http_body(b'{"inputs": [], "x": ' + b"[" * 40 + b"]" * 40 + b"}"),
         "bad_header_length": http_body(b'{"inputs": []}', -3, mode=2),
     }

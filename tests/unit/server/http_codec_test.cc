@@ -9,10 +9,12 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <tuple>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -832,6 +834,150 @@ TEST(HttpCodecSharedMemoryTest, OutputsInARegionCarryNoData) {
   // A shared-memory output with bytes is the server's bug.
   *response.mutable_raw_output_contents(0) = std::string(24, '\0');
   EXPECT_EQ(EncodeInferResponse(request, response).status().code(), absl::StatusCode::kInternal);
+}
+
+}  // namespace
+}  // namespace mha::server
+
+// --- The fast path (http_codec.h, http_codec_internal) ---
+
+namespace mha::server {
+namespace {
+
+namespace internal = http_codec_internal;
+using google::protobuf::util::MessageDifferencer;
+
+// attention_client's binary request (client/sdk/kserve.cc ToHttpRequest): compact
+// JSON, every input binary, the output asked for as binary.
+constexpr char kClientHead[] =
+    R"({"id":"42","parameters":{"binary_data_output":true},"inputs":[)"
+    R"({"datatype":"FP32","name":"queries","parameters":{"binary_data_size":16},"shape":[1,2,2]},)"
+    R"({"datatype":"INT32","name":"valid_lens","parameters":{"binary_data_size":4},"shape":[1]}],)"
+    R"("outputs":[{"name":"output","parameters":{"binary_data":true}}]})";
+
+std::string ClientTail() {
+  return absl::StrCat(Raw<float>({1.0f, -2.0f, 0.5f, 3.0f}), Raw<int32_t>({2}));
+}
+
+TEST(HttpCodecFastPathTest, TheClientsRequestAndItsAnswerTakeItAndEqualTheGeneralPath) {
+  const std::string body = absl::StrCat(kClientHead, ClientTail());
+  const int64_t head = static_cast<int64_t>(std::strlen(kClientHead));
+  const std::optional<ModelInferRequest> fast = internal::ParseFast("m", "1", body, head);
+  const absl::StatusOr<ModelInferRequest> general = internal::ParseGeneral("m", "1", body, head);
+  ASSERT_TRUE(fast.has_value());
+  ASSERT_TRUE(general.ok()) << general.status();
+  EXPECT_TRUE(MessageDifferencer::Equals(*fast, *general))
+      << fast->DebugString() << "\n" << general->DebugString();
+  EXPECT_EQ(fast->raw_input_contents(1), Raw<int32_t>({2}));
+
+  ModelInferResponse response = BasicResponse();
+  response.set_id("42");
+  AddOutput(&response, "output", "FP32", {1, 2, 3}, Raw<float>({1, 2, 3, 4, 5, 6}));
+  for (const bool split : {false, true}) {
+    const std::optional<HttpBody> out = internal::EncodeFast(*fast, response, split);
+    const absl::StatusOr<HttpBody> expected = internal::EncodeGeneral(*fast, response, split);
+    ASSERT_TRUE(out.has_value());
+    ASSERT_TRUE(expected.ok()) << expected.status();
+    EXPECT_EQ(out->body, expected->body);
+    EXPECT_EQ(out->header_length, expected->header_length);
+    EXPECT_EQ(out->content_type, expected->content_type);
+    EXPECT_EQ(out->binary_outputs, expected->binary_outputs);
+  }
+}
+
+// Whatever the fast path does not read goes the general way, whose answer (a
+// result, or a refusal naming the field) ParseInferRequest returns unchanged.
+TEST(HttpCodecFastPathTest, OtherFormsGoTheGeneralWay) {
+  const std::string tail = ClientTail();
+  const std::string head = kClientHead;
+  const auto swap = [&](const std::string& from, const std::string& to) {
+    std::string changed = head;
+    const size_t at = changed.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    if (at != std::string::npos) changed.replace(at, from.size(), to);
+    return changed;
+  };
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"an escape in a string", swap(R"("queries")", R"("quer\u0069es")")},
+      {"a string that is not ASCII", swap(R"("42")", "\"\xc3\xa9\"")},
+      {"a fractional parameter", swap(R"({"binary_data_output":true})", R"({"t":1.5})")},
+      {"an exponent in a dimension", swap("[1,2,2]", "[1,2,2e0]")},
+      {"-0", swap("[1]", "[-0]")},
+      {"a key twice", swap(R"("name":"queries",)", R"("name":"x","name":"queries",)")},
+      {"a key the general path ignores", swap(R"({"id":"42",)", R"({"id":"42","x":[],)")},
+      {"a string for binary_data", swap(R"({"binary_data":true})", R"({"binary_data":"yes"})")},
+      {"lse asked for as JSON", swap(R"({"name":"output","parameters":{"binary_data":true}})",
+                                     R"({"name":"lse","parameters":{"binary_data":false}})")},
+      {"a size that is not the shape's", swap(R"({"binary_data_size":4})", R"({"binary_data_size":8})")},
+      {"a shared-memory input",
+       swap(R"({"binary_data_size":4})", R"({"binary_data_size":4,"shared_memory_region":"r"})")},
+      {"BYTES", swap(R"("INT32")", R"("BYTES")")},
+      {"an unknown datatype", swap(R"("INT32")", R"("INT31")")},
+      {"no inputs", swap(R"("inputs":[)", R"("inputz":[)")},
+  };
+  for (const auto& [what, changed] : cases) {
+    SCOPED_TRACE(what);
+    const std::string body = changed + tail;
+    const int64_t length = static_cast<int64_t>(changed.size());
+    EXPECT_FALSE(internal::ParseFast("m", "1", body, length).has_value());
+    const absl::StatusOr<ModelInferRequest> answered = ParseInferRequest("m", "1", body, length);
+    const absl::StatusOr<ModelInferRequest> general = internal::ParseGeneral("m", "1", body, length);
+    EXPECT_EQ(answered.status(), general.status());
+    if (answered.ok()) {
+      EXPECT_TRUE(MessageDifferencer::Equals(*answered, *general));
+    }
+  }
+  // The body around a correct head: bytes after the JSON, binary bytes left over or
+  // missing, no Inference-Header-Content-Length.
+  const int64_t length = static_cast<int64_t>(head.size());
+  for (const auto& [body, header_length] :
+       std::vector<std::pair<std::string, std::optional<int64_t>>>{
+           {head + " x" + tail, length + 2},
+           {head + tail + "x", length},
+           {head + tail.substr(1), length},
+           {head, std::nullopt}}) {
+    EXPECT_FALSE(internal::ParseFast("m", "1", body, header_length).has_value());
+    EXPECT_EQ(ParseInferRequest("m", "1", body, header_length).status().code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+}
+
+TEST(HttpCodecFastPathTest, ResponsesOfOtherFormsGoTheGeneralWay) {
+  const std::string body = absl::StrCat(kClientHead, ClientTail());
+  const ModelInferRequest request =
+      ParseOk(body, static_cast<int64_t>(std::strlen(kClientHead)));
+  const auto answer = [] {
+    ModelInferResponse response = BasicResponse();
+    AddOutput(&response, "output", "FP32", {1}, Raw<float>({1}));
+    return response;
+  };
+  ModelInferResponse with_parameters = answer();
+  (*with_parameters.mutable_parameters())["p"].set_int64_param(1);
+  ModelInferResponse in_shared_memory = answer();
+  (*in_shared_memory.mutable_outputs(0)->mutable_parameters())["shared_memory_region"]
+      .set_string_param("r");
+  in_shared_memory.mutable_raw_output_contents(0)->clear();
+  ModelInferResponse quoted_id = answer();
+  quoted_id.set_id("a\"b");
+  ModelInferResponse as_json = answer();
+  as_json.mutable_outputs(0)->set_name("attention");  // the request asks binary for "output" only
+  ModelInferRequest no_binary = request;
+  no_binary.mutable_parameters()->erase("binary_data_output");
+  for (const auto& [what, req, response] :
+       std::vector<std::tuple<std::string, ModelInferRequest, ModelInferResponse>>{
+           {"response parameters", request, with_parameters},
+           {"an output in shared memory", request, in_shared_memory},
+           {"a quote in the id", request, quoted_id},
+           {"an output sent as JSON", no_binary, as_json}}) {
+    SCOPED_TRACE(what);
+    EXPECT_FALSE(internal::EncodeFast(req, response, true).has_value());
+    const absl::StatusOr<HttpBody> answered = EncodeInferResponseHead(req, response);
+    const absl::StatusOr<HttpBody> general = internal::EncodeGeneral(req, response, true);
+    ASSERT_EQ(answered.status(), general.status());
+    if (answered.ok()) {
+      EXPECT_EQ(answered->body, general->body);
+    }
+  }
 }
 
 }  // namespace
