@@ -1,7 +1,9 @@
 // The KServe v2 REST calls attention_client makes, over HTTP/1.1 or HTTPS (server
-// verified with a CA bundle or the system roots, optional client certificate) with
-// cpp-httplib: one keep-alive connection, one request at a time. Bodies are built
-// and read by client/sdk/kserve.h.
+// verified with a CA bundle or the system roots, optional client certificate): one
+// keep-alive connection, one request at a time. Bodies are built and read by
+// client/sdk/kserve.h. Plain HTTP has its own transport (a request is one writev, a
+// response usually one recv: a load generator's cost per request is mostly its
+// syscalls; docs/performance.md); HTTPS goes through cpp-httplib.
 //
 //   HttpConnection http(ParseHttpTarget("127.0.0.1:8000").value(), absl::Seconds(10));
 //   auto metadata = http.ModelMetadata("default");  // GET /v2/models/default
@@ -10,7 +12,9 @@
 // Errors carry the canonical code and start with the method and path, e.g.
 // "NOT_FOUND: GET /v2/models/nope: unknown model (HTTP 404)". HTTP statuses map
 // as CodeFromHttpStatus; a connection that cannot be made or breaks is
-// UNAVAILABLE, a socket operation that outlasts the timeout DEADLINE_EXCEEDED.
+// UNAVAILABLE, a socket operation that outlasts the timeout DEADLINE_EXCEEDED, a
+// response that is not HTTP/1.1 INTERNAL. A kept-alive connection the server has
+// closed is replaced, and the request sent again, when nothing of an answer came.
 #ifndef MHA_CLIENT_SDK_HTTP_H_
 #define MHA_CLIENT_SDK_HTTP_H_
 
@@ -30,6 +34,8 @@ class Client;
 }  // namespace httplib
 
 namespace mha::client {
+
+class PlainHttpTransport;
 
 inline constexpr int kDefaultHttpPort = 8000;
 
@@ -71,7 +77,8 @@ class HttpConnection {
  private:
   const HttpEndpoint endpoint_;
   const absl::Duration timeout_;
-  std::unique_ptr<httplib::Client> client_;
+  std::unique_ptr<httplib::Client> client_;   // HTTPS
+  std::unique_ptr<PlainHttpTransport> plain_;  // HTTP
 };
 
 }  // namespace mha::client

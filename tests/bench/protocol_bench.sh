@@ -9,7 +9,7 @@
 # so that drift on a shared machine hits all three alike. Prints one table with
 # the ratios kserve/attention and http/attention of req/s and p50, and the server's CPU
 # time per request (utime + stime of /proc/PID/stat over the requests its /metrics
-# counted, warm-up included) for each protocol.
+# counted, warm-up included) for each protocol, and the client's over the same requests.
 #
 #   tests/bench/protocol_bench.sh
 #   RUNS=3 DURATION=2s tests/bench/protocol_bench.sh
@@ -90,13 +90,19 @@ run() {  # $1 model label, $2 protocol, $3 concurrency, $4 round; rest: request 
   local target=127.0.0.1:$PORT
   [[ $protocol == http ]] && target=127.0.0.1:$HTTP_PORT
   local before after
+  local cell=$OUT/${label}_${protocol}_c${concurrency}_r${round}
   before=$(server_usage)
-  "$CLIENT" bench --protocol="$protocol" --target="$target" "$@" \
-    --concurrency="$concurrency" --warmup="$WARMUP" --window=1s --max_windows="$windows" \
-    --stable_windows="$windows" --duration=$((windows + 3))s --timeout=30s --progress=false \
-    --json="$OUT/${label}_${protocol}_c${concurrency}_r${round}.json" >/dev/null
+  # The subshell's `times` (second line: its children's user and system time) gives
+  # the client's CPU time.
+  (
+    "$CLIENT" bench --protocol="$protocol" --target="$target" "$@" \
+      --concurrency="$concurrency" --warmup="$WARMUP" --window=1s --max_windows="$windows" \
+      --stable_windows="$windows" --duration=$((windows + 3))s --timeout=30s --progress=false \
+      --json="$cell.json" >/dev/null
+    times >"$cell.client"
+  )
   after=$(server_usage)
-  echo "$before $after $(getconf CLK_TCK)" >"$OUT/${label}_${protocol}_c${concurrency}_r${round}.cpu"
+  echo "$before $after $(getconf CLK_TCK)" >"$cell.cpu"
 }
 
 bench_model() {  # $1 label, $2 concurrency levels ("1 64"); rest: request flags
@@ -139,33 +145,38 @@ def cell(model, protocol, c):
     reports = [json.load(open(f"{out}/{model}_{protocol}_c{c}_r{r}.json")) for r in range(1, runs + 1)]
     steps = [rep["steps"][0] for rep in reports]
     errors = sum(sum(s["errors"].values()) for s in steps)
-    cpu = []
+    cpu, client = [], []
     for r in range(1, runs + 1):
         t0, n0, t1, n1, hz = map(int, open(f"{out}/{model}_{protocol}_c{c}_r{r}.cpu").read().split())
         cpu.append((t1 - t0) / hz * 1e6 / max(1, n1 - n0))
+        # `times`: the shell's user and system time, then its children's ("0m1.234s 0m0.567s").
+        seconds = sum(int(t.split("m")[0]) * 60 + float(t.split("m")[1].rstrip("s"))
+                      for t in open(f"{out}/{model}_{protocol}_c{c}_r{r}.client").read().split()[2:])
+        client.append(seconds * 1e6 / max(1, n1 - n0))
     return (statistics.median(s["requests_per_s"] for s in steps),
             statistics.median(s["latency_us"]["p50"] for s in steps) / 1e3, errors,
-            statistics.median(cpu))
+            statistics.median(cpu), statistics.median(client))
 
 print(f"\nmedian of {runs} runs per cell; protocols alternated within each round; one server "
       f"per model.\nThe client (load generator) shares the machine's {cores} cores with the "
       f"server: absolute figures are lower than a separate client would measure.\n")
 print(f"{'model':10} {'conc':>4} {'protocol':9} {'req/s':>9} {'p50 ms':>8} {'errors':>6} "
-      f"{'CPU us/req':>10} {'req/s vs attention':>18} {'p50 vs attention':>16} "
-      f"{'CPU vs attention':>16}")
+      f"{'CPU us/req':>10} {'client us/req':>13} {'req/s vs attention':>18} "
+      f"{'p50 vs attention':>16} {'CPU vs attention':>16}")
 for model in (m for m in ("toy", "bert_base") if m in models):
     for c in levels[model]:
         base = cell(model, "attention", c)
         for protocol in protocols:
-            rps, p50, errors, cpu = cell(model, protocol, c)
+            rps, p50, errors, cpu, client = cell(model, protocol, c)
             ratio = "" if protocol == "attention" else (
                 f"{rps / base[0]:18.2f} {p50 / base[1]:16.2f} {cpu / base[3]:16.2f}")
             print(f"{model:10} {c:4d} {protocol:9} {rps:9.0f} {p50:8.3f} {errors:6d} {cpu:10.0f} "
-                  f"{ratio}")
+                  f"{client:13.0f} {ratio}")
 print("\nrequests: " + "; ".join(f"{m}: {r}" for m, r in requests.items()) +
       ".\nattention: attention.v1 Attend; kserve: inference ModelInfer with raw FP32 "
       "bytes; http: POST /v2/models/{model}/infer with binary tensor data, one keep-alive "
       "connection per concurrency slot.\nRatios are protocol / attention: req/s below 1 "
       "and p50 above 1 are the protocol's overhead. CPU us/req: the server's utime + stime "
-      "over the requests its /metrics counted (warm-up included), median of the runs.")
+      "over the requests its /metrics counted (warm-up included), median of the runs; client "
+      "us/req: the load client's, over the same requests.")
 EOF

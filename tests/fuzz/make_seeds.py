@@ -258,6 +258,23 @@ def http_framing_seeds():
     }
 
 
+def http_response_seeds():
+    # http_response_fuzzer.cc: byte 0 picks the piece size, bit 7 of byte 1 a HEAD
+    # request, the rest is what a server sends before it closes.
+    infer = (b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
+             b"Inference-Header-Content-Length: 2\r\nContent-Length: 6\r\n\r\n{}\x00\x00\x80?")
+    return {
+        "length": b"\x00\x00" + infer,
+        "bytewise_head": b"\x00\x80" + infer,
+        "chunked": b"\x06\x00" + b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                   b"4;x=1\r\nabcd\r\n0\r\nTrailer: t\r\n\r\n",
+        "to_close": b"\x02\x00" + b"HTTP/1.0 404 Not Found\r\nConnection: keep-alive\r\n\r\nno",
+        "interim": b"\x03\x00" + b"HTTP/1.1 100 Continue\n\nHTTP/1.1 204 No Content\n\n",
+        "lengths": b"\x01\x00" + b"HTTP/1.1 200 OK\r\nContent-Length: 3, 3\r\n"
+                   b"Content-Length: 4\r\n\r\nabcd",
+    }
+
+
 def infer_input(name, datatype, shape, contents=b""):
     # ModelInferRequest.InferInputTensor: name 1, datatype 2, shape 3 (packed), contents 5
     body = field(1, 2, name) + field(2, 2, datatype)
@@ -415,6 +432,7 @@ def main():
     for target, seeds in (("request", request_seeds()), ("safetensors", safetensors_seeds()),
                           ("config", config_seeds()), ("http_body", http_body_seeds()),
                           ("http_framing", http_framing_seeds()),
+                          ("http_response", http_response_seeds()),
                           ("inference_request", inference_request_seeds()),
                           ("session_request", session_request_seeds()),
                           ("shared_memory", shared_memory_seeds())):

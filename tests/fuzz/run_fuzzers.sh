@@ -17,11 +17,11 @@ export OMP_NUM_THREADS=1
 # Our code checks its own invariants with abort(); UBSan must stop too.
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 
-declare -A max_len=([request]=4096 [safetensors]=4096 [config]=2048 [http_body]=8192 [http_framing]=4096
+declare -A max_len=([request]=4096 [safetensors]=4096 [config]=2048 [http_body]=8192 [http_framing]=4096 [http_response]=4096
   [inference_request]=4096 [session_request]=4096 [shared_memory]=1024)
 status=0
 printf '%-12s %8s %10s %8s %8s %8s  %s\n' target seconds execs exec/s cov ft result
-targets="${MHA_FUZZ_TARGETS:-request safetensors config http_body http_framing inference_request session_request shared_memory}"
+targets="${MHA_FUZZ_TARGETS:-request safetensors config http_body http_framing http_response inference_request session_request shared_memory}"
 for target in $targets; do
   binary="$build/tests/fuzz/${target}_fuzzer"
   if [[ ! -x "$binary" ]]; then

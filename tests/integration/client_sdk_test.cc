@@ -4,20 +4,28 @@
 // (attention.v1 gRPC, KServe v2 gRPC, KServe v2 HTTP), the same request sent over
 // each: the answers have the request's shape, agree between protocols, and their
 // attention weights are softmax rows that respect the mask.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "client/sdk/call_group.h"
 #include "client/sdk/channel.h"
 #include "client/sdk/connection.h"
+#include "client/sdk/http.h"
 #include "client/sdk/request.h"
 #include "client/sdk/status.h"
 #include "gtest/gtest.h"
@@ -208,6 +216,106 @@ TEST_F(ClientSdkTest, ACancelledCallGroupEndsItsConnectionsCalls) {
   }
   EXPECT_EQ(Connection::OverChannel(Protocol::kHttp, nullptr, absl::Seconds(1)).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// The plain HTTP transport (client/sdk/http.h) against a real server that closes an
+// idle kept-alive connection: the next call goes out on a new connection and succeeds.
+TEST(HttpTransportTest, AConnectionTheServerClosedWhileIdleIsReplaced) {
+  auto server = ServerProcess::Start({"--port=0", "--http_port=0", "--http_idle_timeout=200ms"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  absl::StatusOr<client::HttpEndpoint> endpoint =
+      client::ParseHttpTarget((*server)->http_target());
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  client::HttpConnection http(*endpoint, absl::Seconds(10));
+  for (int call = 0; call < 3; ++call) {
+    const absl::Status ready = http.Ready();
+    EXPECT_TRUE(ready.ok()) << call << ": " << ready;
+    absl::StatusOr<std::vector<std::string>> names = http.ReadyModels();
+    ASSERT_TRUE(names.ok()) << call << ": " << names.status();
+    EXPECT_EQ(*names, std::vector<std::string>{"default"});
+    absl::SleepFor(absl::Milliseconds(600));  // past the server's idle timeout
+  }
+}
+
+// A one-connection TCP listener on 127.0.0.1 that answers whatever arrives first
+// with `reply` and then closes (never, if `reply` is empty: it does not even accept).
+class RawServer {
+ public:
+  explicit RawServer(std::string reply) {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t size = sizeof(address);
+    EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&address), size), 0);
+    EXPECT_EQ(listen(fd_, 4), 0);
+    EXPECT_EQ(getsockname(fd_, reinterpret_cast<sockaddr*>(&address), &size), 0);
+    port_ = ntohs(address.sin_port);
+    if (reply.empty()) return;
+    thread_ = std::thread([fd = fd_, reply = std::move(reply)] {
+      const int peer = accept(fd, nullptr, nullptr);
+      if (peer < 0) return;
+      char request[65536];
+      if (recv(peer, request, sizeof(request), 0) > 0) {
+        send(peer, reply.data(), reply.size(), MSG_NOSIGNAL);
+      }
+      close(peer);
+    });
+  }
+  ~RawServer() {
+    shutdown(fd_, SHUT_RDWR);
+    if (thread_.joinable()) thread_.join();
+    close(fd_);
+  }
+  client::HttpEndpoint endpoint() const { return {.host = "127.0.0.1", .port = port_}; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+  std::thread thread_;
+};
+
+// What the plain transport makes of servers that fail: each a canonical code and a
+// message naming the call and the target.
+TEST(HttpTransportTest, BrokenServersGetCanonicalCodesNamingTheCallAndTarget) {
+  {  // nothing listens (a port just freed)
+    client::HttpEndpoint endpoint = RawServer("").endpoint();
+    client::HttpConnection http(endpoint, absl::Seconds(5));
+    const absl::Status status = http.Ready();
+    EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+    EXPECT_TRUE(absl::StartsWith(status.message(), "GET /v2/health/ready: HTTP connection error"))
+        << status;
+  }
+  {  // a listener that never answers: the read timeout
+    RawServer silent("");
+    client::HttpConnection http(silent.endpoint(), absl::Milliseconds(300));
+    const absl::Time start = absl::Now();
+    const absl::Status status = http.Ready();
+    EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  }
+  const struct {
+    std::string reply;
+    absl::StatusCode code;
+    std::string says;
+  } cases[] = {
+      {"SSH-2.0-OpenSSH_9.2\r\n\r\n", absl::StatusCode::kInternal, "bad status line"},
+      {"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort", absl::StatusCode::kUnavailable,
+       "before the body's end"},
+      {"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 21\r\n\r\n{\"error\": \"draining\"}",
+       absl::StatusCode::kUnavailable, "draining"},
+      {"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n", absl::StatusCode::kOk, ""},
+  };
+  for (const auto& c : cases) {
+    RawServer raw(c.reply);
+    client::HttpConnection http(raw.endpoint(), absl::Seconds(5));
+    const absl::Status status = http.Ready();
+    EXPECT_EQ(status.code(), c.code) << c.reply << ": " << status;
+    EXPECT_NE(status.message().find(c.says), std::string::npos) << status;
+    if (!status.ok()) {
+      EXPECT_TRUE(absl::StartsWith(status.message(), "GET /v2/health/ready: ")) << status;
+    }
+  }
 }
 
 }  // namespace
