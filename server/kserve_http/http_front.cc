@@ -306,6 +306,7 @@ void HttpFront::Infer(HttpRequest& req, std::string model, std::string version,
             .version = version,
             .cancelled = [res] { return res.ClientGone(); },
             .peer = [peer = req.peer] { return peer; },
+            .run_inline = false,  // an event loop never computes (docs/service.md)
             .cancel_after_compute = true};
   absl::StatusOr<inference::ModelInferRequest> request;
   if (absl::StatusOr<std::optional<int64_t>> header_length = HeaderLength(req);
