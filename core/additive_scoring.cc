@@ -28,13 +28,13 @@ Matmul MultiHeadAttention::Impl::ScoringPrimitive(int64_t m, int64_t n) const {
 }
 
 // Only the keys a row sees are scored: padded and masked keys cost nothing.
-void MultiHeadAttention::Impl::AdditiveScoreBlock(const Task& task, int64_t j0, int64_t nk,
+void MultiHeadAttention::Impl::AdditiveScoreBlock(const Task& task, const Block& blk,
                                                   TaskScratch& scratch) const {
   const int64_t pa = c_.additive_hidden;
   for (int64_t i = 0; i < task.mq; ++i) {
-    const int64_t n = std::clamp<int64_t>(task.limit(i) - j0, 0, nk);
-    kernels::AdditiveScores(task.qa + i * pa, task.kt + j0, task.kv_rows, task.score_v, pa,
-                            scratch.s.data() + i * nk, n);
+    const int64_t n = std::clamp<int64_t>(task.limit(i) - blk.j0, 0, blk.nk);
+    kernels::AdditiveScores(task.qa + i * pa, task.kt + blk.j0, task.kv_rows, task.score_v, pa,
+                            scratch.s.data() + i * blk.ld, n);
   }
 }
 
@@ -44,6 +44,7 @@ absl::Status MultiHeadAttention::Impl::ProjectScoring(const AttentionInputs& in,
                                                       Workspace& ws,
                                                       ScoringProjections& out) const {
   const int64_t Q = in.num_queries, H = c_.num_heads, kv = heads.kv_rows;
+  const int64_t kv_stride = heads.kv_stride;
   const int64_t p = c_.head_size(), pa = c_.additive_hidden;
   const size_t asz = SizeOf(act_);
   if (ws.qa.size() < static_cast<size_t>(in.batch * H * Q * pa))
@@ -64,7 +65,7 @@ absl::Status MultiHeadAttention::Impl::ProjectScoring(const AttentionInputs& in,
         if (kv == 0) return;
         args.Bind(DNNL_ARG_SRC, pa, p, p, false, act_, a_k);
         args.Bind(DNNL_ARG_WEIGHTS, p, kv, p, /*transposed=*/true, act_,
-                  heads.k + t * kv * p * asz);
+                  heads.k + t * kv_stride * p * asz);
         args.Bind(DNNL_ARG_DST, pa, kv, kv, false, Dt::f32, ws.kt.data() + t * pa * kv);
         args.Execute(ScoringPrimitive(pa, kv), stream);
       });

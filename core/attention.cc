@@ -203,6 +203,10 @@ absl::Status MultiHeadAttention::CheckInputs(const AttentionInputs& in) const {
   return CheckHeadMask(in.head_mask, config_.num_heads);
 }
 
+int MultiHeadAttention::Prepare(int64_t max_rows, int64_t max_keys) const {
+  return impl_->Prepare(max_rows, max_keys);
+}
+
 int MultiHeadAttention::Threads(const AttentionInputs& inputs) const {
   return impl_->ThreadsFor(inputs);
 }

@@ -154,6 +154,15 @@ class MultiHeadAttention {
   // INVALID_ARGUMENT names the step and field; the caches are unchanged on error.
   absl::Status ForwardPaged(std::span<const PagedStep> steps, int max_threads = 0) const;
 
+  // Builds the oneDNN primitives that Forward calls of up to `max_rows` query (or
+  // key) rows in all and `max_keys` keys per batch row use, whatever their shape
+  // (docs/service.md, "Warm-up"): the projections' row chunks (multiples of 16 up to
+  // 128, of 128 up to 1024; remainders below 16 rows are built when met) on one
+  // thread and on Options::num_threads, and the attention blocks' padded sizes.
+  // Returns how many it built (0 the second time). Thread-safe; the server runs it
+  // before a model's warm-up passes. Optional: Forward builds what it needs.
+  int Prepare(int64_t max_rows, int64_t max_keys) const;
+
   // The OpenMP threads a call on `inputs` uses: one per 16 MFLOP of work, at least
   // one, at most Options::num_threads (or the caller's omp_get_max_threads()).
   int Threads(const AttentionInputs& inputs) const;

@@ -48,6 +48,8 @@ class MultiHeadAttention::Impl {
   absl::Status Forward(const AttentionInputs& in, float* output, float* attention, int max_threads,
                        float* lse) const;
   absl::Status ForwardPaged(std::span<const PagedStep> steps, int max_threads) const;
+  // MultiHeadAttention::Prepare (dense_pass.cc).
+  int Prepare(int64_t max_rows, int64_t max_keys) const;
   // The threads a dense call on `in` gets (internal::ThreadsForFlops).
   int ThreadsFor(const AttentionInputs& in, int max_threads = 0) const;
   void ShareWorkspaces(const Impl& other) { workspaces_ = other.workspaces_; }
@@ -71,9 +73,10 @@ class MultiHeadAttention::Impl {
   // matrix: (B, h / s, Q, s, p); s = 1 (multi-head) is (B, h, Q, p).
   struct HeadMajor {
     const char* q;    // (B, h / s, Q, s, p)
-    const char* k;    // (B, G, kv_rows, p)
-    const char* v;    // (B, G, kv_rows, p)
-    int64_t kv_rows;  // key rows projected per batch row (the largest key limit)
+    const char* k;      // (B, G, kv_stride, p)
+    const char* v;      // (B, G, kv_stride, p)
+    int64_t kv_rows;    // key rows projected per batch row (the largest key limit)
+    int64_t kv_stride;  // rows per head: kv_rows rounded up to kKeyPad, the pad rows 0
   };
   // Additive scoring's projections of every head's queries and keys, f32; both null
   // for dot-product scoring.
@@ -101,8 +104,9 @@ class MultiHeadAttention::Impl {
     const int32_t* limits;  // (mq / heads): the keys each query sees
     int64_t max_limit;      // the largest of them
     const char* q;          // (mq, p)
-    const char* k;          // (kv_rows, p)
-    const char* v;          // (kv_rows, p)
+    const char* k;          // (kv_stride, p)
+    const char* v;          // (kv_stride, p)
+    int64_t kv_stride;      // rows of k and v: the head's keys, then rows of zeros
     float* ctx;             // the first head's columns of the first query, row stride p_o
     float* attention;       // (heads, Q, K) at the first head's first query, or nullptr
     float* lse;             // (heads, Q) at the first head's first query, or nullptr
@@ -153,11 +157,22 @@ class MultiHeadAttention::Impl {
   // One task, block by block of nk keys from key j0: scores, online softmax,
   // context; then the normalised, head-masked context into the task's columns.
   void AttendTask(const Task& task, dnnl::stream& stream, TaskScratch& scratch) const;
-  void ScoreBlock(const Task& task, int64_t j0, int64_t nk, dnnl::stream& stream,
+  // A block of keys j0 .. j0 + nk. oneDNN runs it padded to `rows` (the task's mq
+  // rounded up to kQueryPad) by `ld` keys (nk rounded up to kKeyPad, within the
+  // head's kv_stride), so that its primitives come from a few sizes built at warm-up:
+  // the pad keys are rows of zeros, their scores set to 0 before the context, and
+  // the pad rows' results are never read. Plain loops (`loops`) run it unpadded.
+  static constexpr int64_t kQueryPad = 16, kKeyPad = 32;
+  struct Block {
+    int64_t j0, nk, ld, rows;
+    bool loops;
+  };
+  Block BlockAt(const Task& task, int64_t j0, int64_t nk) const;
+  void ScoreBlock(const Task& task, const Block& blk, dnnl::stream& stream,
                   TaskScratch& scratch) const;
-  void SoftmaxBlock(const Task& task, int64_t j0, int64_t nk, RowStats& stats,
+  void SoftmaxBlock(const Task& task, const Block& blk, RowStats& stats,
                     TaskScratch& scratch) const;
-  void ContextBlock(const Task& task, int64_t j0, int64_t nk, dnnl::stream& stream,
+  void ContextBlock(const Task& task, const Block& blk, dnnl::stream& stream,
                     TaskScratch& scratch) const;
   // (mq, nk) f32 = q (mq, p) k^T / sqrt(p); all operands dense.
   Matmul ScorePrimitive(int64_t mq, int64_t nk) const;
@@ -169,7 +184,7 @@ class MultiHeadAttention::Impl {
   absl::Status ProjectScoring(const AttentionInputs& in, const HeadMajor& heads, int threads,
                               Workspace& ws, ScoringProjections& out) const;
   // A task's scores of keys j0 .. j0 + nk into scratch.s (only the keys a row sees).
-  void AdditiveScoreBlock(const Task& task, int64_t j0, int64_t nk, TaskScratch& scratch) const;
+  void AdditiveScoreBlock(const Task& task, const Block& blk, TaskScratch& scratch) const;
   // (m, n) f32 = a (m, p) b^T for b (n, p), both dense in act_: A_q q is (Q, p_a) =
   // q A_q^T, (A_k k)^T is (p_a, kv_rows) = A_k k^T.
   Matmul ScoringPrimitive(int64_t m, int64_t n) const;

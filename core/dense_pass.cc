@@ -1,7 +1,11 @@
+#include <omp.h>
+
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "base/status_macros.h"
 #include "core/attention_impl.h"
@@ -32,6 +36,8 @@ constexpr int64_t kParallelBytes = 256 << 10;
 // p) runs in plain loops (kernels::SmallScores/SmallContext): below it a oneDNN
 // primitive's look-up, binding and dispatch cost more than the arithmetic.
 constexpr int64_t kSmallBlockMacs = 8192;
+
+int64_t RoundUp(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
 }  // namespace
 
@@ -89,8 +95,9 @@ MultiHeadAttention::Impl::Task MultiHeadAttention::Impl::TaskAt(const TaskInputs
       .limits = lim,
       .max_limit = *std::max_element(lim, lim + nq),
       .q = hm.q + ((b * tasks_per_row + hs) * Q + i0) * s * p * asz,
-      .k = hm.k + (b * c_.kv_heads() + g) * hm.kv_rows * p * asz,
-      .v = hm.v + (b * c_.kv_heads() + g) * hm.kv_rows * p * asz,
+      .k = hm.k + (b * c_.kv_heads() + g) * hm.kv_stride * p * asz,
+      .v = hm.v + (b * c_.kv_heads() + g) * hm.kv_stride * p * asz,
+      .kv_stride = hm.kv_stride,
       .ctx = inputs.ctx + (b * Q + i0) * E + h * p,
       .attention =
           inputs.attention == nullptr ? nullptr : inputs.attention + ((b * H + h) * Q + i0) * K,
@@ -127,17 +134,18 @@ void MultiHeadAttention::Impl::AttendTask(const Task& task, dnnl::stream& stream
   // attention weights asked for, a row's keys are all in one block.
   const int64_t bk =
       task.attention != nullptr ? task.max_limit : std::min(o_.key_block, task.max_limit);
-  scratch.s.resize(std::max<size_t>(scratch.s.size(), mq * bk));
-  scratch.o.resize(std::max<size_t>(scratch.o.size(), mq * p));
-  if (act_ == Dt::bf16) scratch.p.resize(std::max<size_t>(scratch.p.size(), mq * bk));
+  const size_t tile = RoundUp(mq, kQueryPad) * RoundUp(bk, kKeyPad);
+  scratch.s.resize(std::max(scratch.s.size(), tile));
+  scratch.o.resize(std::max<size_t>(scratch.o.size(), RoundUp(mq, kQueryPad) * p));
+  if (act_ == Dt::bf16) scratch.p.resize(std::max(scratch.p.size(), tile));
   RowStats stats;
   stats.Reset(mq);
 
   for (int64_t j0 = 0; j0 < task.max_limit; j0 += bk) {
-    const int64_t nk = std::min(bk, task.max_limit - j0);
-    ScoreBlock(task, j0, nk, stream, scratch);
-    SoftmaxBlock(task, j0, nk, stats, scratch);
-    ContextBlock(task, j0, nk, stream, scratch);
+    const Block blk = BlockAt(task, j0, std::min(bk, task.max_limit - j0));
+    ScoreBlock(task, blk, stream, scratch);
+    SoftmaxBlock(task, blk, stats, scratch);
+    ContextBlock(task, blk, stream, scratch);
   }
   // The final normalisation and head_mask, into each head's columns.
   for (int64_t r = 0; r < mq; ++r) {
@@ -148,37 +156,51 @@ void MultiHeadAttention::Impl::AttendTask(const Task& task, dnnl::stream& stream
   }
 }
 
-// scratch.s (mq, nk) = the block's scores.
-void MultiHeadAttention::Impl::ScoreBlock(const Task& task, int64_t j0, int64_t nk,
+MultiHeadAttention::Impl::Block MultiHeadAttention::Impl::BlockAt(const Task& task, int64_t j0,
+                                                                  int64_t nk) const {
+  if (act_ == Dt::f32 && task.mq * nk * c_.head_size() <= kSmallBlockMacs) {
+    return {.j0 = j0, .nk = nk, .ld = nk, .rows = task.mq, .loops = true};
+  }
+  return {.j0 = j0,
+          .nk = nk,
+          .ld = std::min(RoundUp(nk, kKeyPad), task.kv_stride - j0),
+          .rows = RoundUp(task.mq, kQueryPad),
+          .loops = false};
+}
+
+// scratch.s (rows, ld) = the block's scores.
+void MultiHeadAttention::Impl::ScoreBlock(const Task& task, const Block& blk,
                                           dnnl::stream& stream, TaskScratch& scratch) const {
-  if (task.qa != nullptr) return AdditiveScoreBlock(task, j0, nk, scratch);
+  if (task.qa != nullptr) return AdditiveScoreBlock(task, blk, scratch);
   const int64_t p = c_.head_size();
-  if (act_ == Dt::f32 && task.mq * nk * p <= kSmallBlockMacs) {
+  if (blk.loops) {
     return kernels::SmallScores(reinterpret_cast<const float*>(task.q),
-                                reinterpret_cast<const float*>(task.k) + j0 * p, p, task.mq, nk,
-                                1.0f / std::sqrt(static_cast<float>(p)), scratch.s.data());
+                                reinterpret_cast<const float*>(task.k) + blk.j0 * p, p, task.mq,
+                                blk.nk, 1.0f / std::sqrt(static_cast<float>(p)), scratch.s.data());
   }
   Bindings& args = scratch.bindings;
-  args.Bind(DNNL_ARG_SRC, task.mq, p, p, false, act_, task.q);
-  args.Bind(DNNL_ARG_WEIGHTS, p, nk, p, /*transposed=*/true, act_, task.k + j0 * p * SizeOf(act_));
-  args.Bind(DNNL_ARG_DST, task.mq, nk, nk, false, Dt::f32, scratch.s.data());
-  args.Execute(ScorePrimitive(task.mq, nk), stream);
+  args.Bind(DNNL_ARG_SRC, blk.rows, p, p, false, act_, task.q);
+  args.Bind(DNNL_ARG_WEIGHTS, p, blk.ld, p, /*transposed=*/true, act_,
+            task.k + blk.j0 * p * SizeOf(act_));
+  args.Bind(DNNL_ARG_DST, blk.rows, blk.ld, blk.ld, false, Dt::f32, scratch.s.data());
+  args.Execute(ScorePrimitive(blk.rows, blk.ld), stream);
 }
 
 // Scores become unnormalised probabilities (in scratch.s, and scratch.p for bf16),
 // masked keys 0; the running max and sum move on, and the context accumulated so
 // far is rescaled to the new max.
-void MultiHeadAttention::Impl::SoftmaxBlock(const Task& task, int64_t j0, int64_t nk,
-                                            RowStats& stats, TaskScratch& scratch) const {
+void MultiHeadAttention::Impl::SoftmaxBlock(const Task& task, const Block& blk, RowStats& stats,
+                                            TaskScratch& scratch) const {
+  const int64_t j0 = blk.j0, ld = blk.ld;  // the pad keys' scores are set to 0 as masked ones
   const int64_t p = c_.head_size();
   const bool bf16 = act_ == Dt::bf16;
   float* s = scratch.s.data();
   float* o = scratch.o.data();
   uint16_t* probs16 = bf16 ? scratch.p.data() : nullptr;
   for (int64_t i = 0; i < task.mq; ++i) {
-    float* srow = s + i * nk;
-    uint16_t* prow = bf16 ? probs16 + i * nk : nullptr;
-    const int64_t n = std::clamp<int64_t>(task.limit(i) - j0, 0, nk);
+    float* srow = s + i * ld;
+    uint16_t* prow = bf16 ? probs16 + i * ld : nullptr;
+    const int64_t n = std::clamp<int64_t>(task.limit(i) - j0, 0, blk.nk);
     if (n > 0 && task.attention != nullptr) {
       // The whole row is in this one block: normalise now, hand out the weights.
       const float m = kernels::RowMax(srow, n);
@@ -195,26 +217,27 @@ void MultiHeadAttention::Impl::SoftmaxBlock(const Task& task, int64_t j0, int64_
                     : kernels::ExpSubSum(srow, m, srow, n);
       });
     }
-    std::fill(srow + n, srow + nk, 0.0f);
-    if (bf16) std::fill(prow + n, prow + nk, uint16_t{0});
+    std::fill(srow + n, srow + ld, 0.0f);
+    if (bf16) std::fill(prow + n, prow + ld, uint16_t{0});
   }
 }
 
-// scratch.o (mq, p) (+)= the block's probabilities times its values.
-void MultiHeadAttention::Impl::ContextBlock(const Task& task, int64_t j0, int64_t nk,
+// scratch.o (rows, p) (+)= the block's probabilities times its values.
+void MultiHeadAttention::Impl::ContextBlock(const Task& task, const Block& blk,
                                             dnnl::stream& stream, TaskScratch& scratch) const {
   const int64_t p = c_.head_size();
-  if (act_ == Dt::f32 && task.mq * nk * p <= kSmallBlockMacs) {
-    return kernels::SmallContext(scratch.s.data(), reinterpret_cast<const float*>(task.v) + j0 * p,
-                                 p, task.mq, nk, /*accumulate=*/j0 > 0, scratch.o.data());
+  if (blk.loops) {
+    return kernels::SmallContext(scratch.s.data(),
+                                 reinterpret_cast<const float*>(task.v) + blk.j0 * p, p, task.mq,
+                                 blk.nk, /*accumulate=*/blk.j0 > 0, scratch.o.data());
   }
   const void* probs =
       act_ == Dt::bf16 ? static_cast<const void*>(scratch.p.data()) : scratch.s.data();
   Bindings& args = scratch.bindings;
-  args.Bind(DNNL_ARG_SRC, task.mq, nk, nk, false, act_, probs);
-  args.Bind(DNNL_ARG_WEIGHTS, nk, p, p, false, act_, task.v + j0 * p * SizeOf(act_));
-  args.Bind(DNNL_ARG_DST, task.mq, p, p, false, Dt::f32, scratch.o.data());
-  args.Execute(ContextPrimitive(task.mq, nk, /*accumulate=*/j0 > 0), stream);
+  args.Bind(DNNL_ARG_SRC, blk.rows, blk.ld, blk.ld, false, act_, probs);
+  args.Bind(DNNL_ARG_WEIGHTS, blk.ld, p, p, false, act_, task.v + blk.j0 * p * SizeOf(act_));
+  args.Bind(DNNL_ARG_DST, blk.rows, p, p, false, Dt::f32, scratch.o.data());
+  args.Execute(ContextPrimitive(blk.rows, blk.ld, /*accumulate=*/blk.j0 > 0), stream);
 }
 
 MultiHeadAttention::Impl::KeyLimits MultiHeadAttention::Impl::ComputeKeyLimits(
@@ -317,10 +340,14 @@ MultiHeadAttention::Impl::HeadMajor MultiHeadAttention::Impl::RepackHeadMajor(
   const int64_t G = c_.kv_heads(), Ekv = c_.kv_hiddens(), p = c_.head_size();
   const int64_t s = heads_per_task_;  // query heads interleaved per task (HeadMajor)
   const size_t asz = SizeOf(act_);
-  Grow(ws.heads, (B * Q * E + 2 * B * kv_rows * Ekv) * asz);
+  // Padded blocks read up to kQueryPad - 1 rows past a task's queries (slack after
+  // the last) and kKeyPad - 1 past a head's keys (zero rows, up to kv_stride).
+  const int64_t kv_stride = RoundUp(kv_rows, kKeyPad);
+  const int64_t q_elems = B * Q * E + kQueryPad * p;
+  Grow(ws.heads, (q_elems + 2 * B * kv_stride * Ekv) * asz);
   char* qh = ws.heads.data();
-  char* kh = qh + B * Q * E * asz;
-  char* vh = kh + B * kv_rows * Ekv * asz;
+  char* kh = qh + q_elems * asz;
+  char* vh = kh + B * kv_stride * Ekv * asz;
   const int64_t pb = p * asz;
   const int64_t rows_per_batch = std::max(Q, kv_rows);
   const std::shared_ptr<const internal::RotaryTable> table =
@@ -362,13 +389,13 @@ MultiHeadAttention::Impl::HeadMajor MultiHeadAttention::Impl::RepackHeadMajor(
       const char* ksrc = row(proj.k, b, i);
       const char* vsrc = row(proj.v, b, i);
       for (int64_t g = 0; g < G; ++g) {
-        char* kdst = kh + ((b * G + g) * kv_rows + i) * pb;
+        char* kdst = kh + ((b * G + g) * kv_stride + i) * pb;
         if (table == nullptr) {
           std::memcpy(kdst, ksrc + g * pb, pb);
         } else {
           copy(ksrc + g * pb, kdst, i);
         }
-        std::memcpy(vh + ((b * G + g) * kv_rows + i) * pb, vsrc + g * pb, pb);
+        std::memcpy(vh + ((b * G + g) * kv_stride + i) * pb, vsrc + g * pb, pb);
       }
     }
   };
@@ -381,7 +408,11 @@ MultiHeadAttention::Impl::HeadMajor MultiHeadAttention::Impl::RepackHeadMajor(
   } else {
     for (int64_t r = 0; r < B * rows_per_batch; ++r) repack(r);
   }
-  return {qh, kh, vh, kv_rows};
+  for (int64_t bg = 0; bg < B * G && kv_stride > kv_rows; ++bg) {
+    std::memset(kh + (bg * kv_stride + kv_rows) * pb, 0, (kv_stride - kv_rows) * pb);
+    std::memset(vh + (bg * kv_stride + kv_rows) * pb, 0, (kv_stride - kv_rows) * pb);
+  }
+  return {qh, kh, vh, kv_rows, kv_stride};
 }
 
 // One task per (batch row, head, query block), key blocks inside.
@@ -437,6 +468,71 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
   ProjectOutput(in, output, ws);
   ws.stream->wait();
   return absl::OkStatus();
+}
+
+}  // namespace mha::core
+
+namespace mha::core {
+
+int MultiHeadAttention::Impl::Prepare(int64_t max_rows, int64_t max_keys) const {
+  int built = 0;
+  if (!c_.attention_only()) {
+    const int64_t E = c_.num_hiddens, Ekv = c_.kv_hiddens(), ld_self = E + 2 * Ekv;
+    const int64_t dq = c_.query_size, dk = c_.key_size, dv = c_.value_size;
+    const int most = o_.num_threads > 0 ? o_.num_threads : omp_get_max_threads();
+    // Small calls run on one thread, large ones on all: a call's thread count is part
+    // of its primitives' keys (internal::PlanThreads).
+    for (const int threads : most > 1 ? std::vector<int>{1, most} : std::vector<int>{1}) {
+      const internal::ThreadScope scope(threads);
+      auto prepare = [&](const std::unique_ptr<internal::Linear>& w, int64_t src_ld,
+                         int64_t dst_ld, Dt dst_dt) {
+        if (w != nullptr) built += w->Prepare(max_rows, src_ld, dst_ld, dst_dt);
+      };
+      if (c_.SupportsSelfAttention()) {  // ProjectSelf
+        prepare(qkv_, dq, ld_self, act_);
+        prepare(q_, dq, ld_self, act_);
+        prepare(kv_, dq, ld_self, act_);
+      }
+      prepare(q_, dq, E, act_);  // ProjectCross
+      prepare(kv_, dk, 2 * Ekv, act_);
+      prepare(k_, dk, Ekv, act_);
+      prepare(v_, dv, Ekv, act_);
+      prepare(o_lin_, E, E, Dt::f32);  // ProjectOutput
+    }
+  }
+  // The attention blocks, on the threads that run tasks (a task's primitives are
+  // planned for one thread, internal::PlanThreads inside a parallel region).
+  const int64_t p = c_.head_size();
+  const int64_t row_top = RoundUp(o_.query_block, kQueryPad);
+  const int64_t key_top = RoundUp(std::min(o_.key_block, max_keys), kKeyPad);
+  const bool accumulate = max_keys > o_.key_block;
+  std::vector<std::array<int64_t, 3>> blocks;  // kind (0 score, 1 context, 2 context +=)
+  for (int64_t rows = kQueryPad; rows <= row_top; rows += kQueryPad) {
+    for (int64_t ld = kKeyPad; ld <= key_top; ld += kKeyPad) {
+      if (act_ == Dt::f32 && rows * ld * p <= kSmallBlockMacs) continue;  // plain loops
+      if (c_.scoring == Scoring::kDotProduct) blocks.push_back({0, rows, ld});
+      blocks.push_back({1, rows, ld});
+      if (accumulate) blocks.push_back({2, rows, ld});
+    }
+  }
+  const int64_t before = internal::MatmulsMade();
+  auto make = [&](const std::array<int64_t, 3>& b) {
+    if (b[0] == 0) {
+      ScorePrimitive(b[1], b[2]);
+    } else {
+      ContextPrimitive(b[1], b[2], b[0] == 2);
+    }
+  };
+  const int most = o_.num_threads > 0 ? o_.num_threads : omp_get_max_threads();
+  if (most > 1) {
+    const internal::ThreadScope scope(most);
+#pragma omp parallel for num_threads(most) schedule(dynamic)
+    for (size_t i = 0; i < blocks.size(); ++i) make(blocks[i]);
+  } else {
+    const internal::ThreadScope scope(1);
+    for (const auto& b : blocks) make(b);
+  }
+  return built + static_cast<int>(internal::MatmulsMade() - before);
 }
 
 }  // namespace mha::core

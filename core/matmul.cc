@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "core/kernels.h"
@@ -16,7 +17,11 @@ using dnnl::memory;
 // repeat in serving (the batcher pads to few sizes), so this almost never fires.
 constexpr size_t kMaxCachedPrimitives = 1024;
 
+std::atomic<int64_t> matmuls_made{0};
+
 }  // namespace
+
+int64_t MatmulsMade() { return matmuls_made.load(std::memory_order_relaxed); }
 
 dnnl::engine& CpuEngine() {
   static dnnl::engine* engine = new dnnl::engine(dnnl::engine::kind::cpu, 0);
@@ -27,6 +32,7 @@ int64_t PlanThreads() { return omp_in_parallel() ? 1 : omp_get_max_threads(); }
 
 Matmul Matmul::Make(const dnnl::matmul::desc& desc, dnnl::primitive_attr attr) {
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  matmuls_made.fetch_add(1, std::memory_order_relaxed);
   dnnl::matmul::primitive_desc pd(desc, attr, CpuEngine());
   return {dnnl::matmul(pd), pd.weights_desc(), pd.scratchpad_desc()};
 }
@@ -121,57 +127,66 @@ void Linear::RunRows(const float* x, int64_t ldx, int64_t m, float* y, int64_t l
 
 void Linear::Run(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
                  StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt) const {
-  const Key key{batch,
-                rows,
-                src.row_stride,
-                src.batch_stride,
-                dst.row_stride,
-                dst.batch_stride,
-                static_cast<int64_t>(dst_dt),
-                PlanThreads()};
-  const std::shared_ptr<const Entry> entry = Lookup(key);
-  const Entry& e = *entry;
-  args.Bind(DNNL_ARG_SRC, e.src_md, src.data);
-  args.Bind(DNNL_ARG_DST, e.dst_md, dst.data);
-  args.Set(DNNL_ARG_WEIGHTS, e.weights);
-  if (bias_.empty()) {
-    args.Erase(DNNL_ARG_BIAS);
-  } else {
-    args.Set(DNNL_ARG_BIAS, e.bias);
+  const int64_t threads = PlanThreads();
+  const size_t src_size = SizeOf(dt_), dst_size = SizeOf(dst_dt);
+  for (int64_t bi = 0; bi < batch; ++bi) {
+    for (int64_t r0 = 0; r0 < rows;) {
+      const int64_t m = RowChunk(rows - r0);
+      const std::shared_ptr<const Entry> entry = Lookup(
+          {m, src.row_stride, dst.row_stride, static_cast<int64_t>(dst_dt), threads});
+      const Entry& e = *entry;
+      const auto* s = static_cast<const char*>(src.data) +
+                      (bi * src.batch_stride + r0 * src.row_stride) * src_size;
+      auto* d = static_cast<char*>(dst.data) +
+                (bi * dst.batch_stride + r0 * dst.row_stride) * dst_size;
+      args.Bind(DNNL_ARG_SRC, e.src_md, s);
+      args.Bind(DNNL_ARG_DST, e.dst_md, d);
+      args.Set(DNNL_ARG_WEIGHTS, e.weights);
+      if (bias_.empty()) {
+        args.Erase(DNNL_ARG_BIAS);
+      } else {
+        args.Set(DNNL_ARG_BIAS, e.bias);
+      }
+      args.Execute(e.matmul, stream);
+      r0 += m;
+    }
   }
-  args.Execute(e.matmul, stream);
   // The workspace (and its bindings) may outlive this layer: a pool shared by the
   // versions of a model. It must not keep the layer's weights alive.
   args.Erase(DNNL_ARG_WEIGHTS);
   args.Erase(DNNL_ARG_BIAS);
 }
 
-std::shared_ptr<const Linear::Entry> Linear::Lookup(const Key& key) const {
+int Linear::Prepare(int64_t max_rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt) const {
+  const int64_t threads = PlanThreads();
+  int built = 0;
+  for (int64_t m = 16; m <= std::min(max_rows, kRowChunkMax); m += m < 128 ? 16 : 128) {
+    bool made = false;
+    Lookup({m, src_ld, dst_ld, static_cast<int64_t>(dst_dt), threads}, &made);
+    built += made;
+  }
+  return built;
+}
+
+std::shared_ptr<const Linear::Entry> Linear::Lookup(const Key& key, bool* built) const {
   absl::MutexLock lock(&mu_);
   auto it = cache_.find(key);
   if (it != cache_.end()) return it->second;
   if (cache_.size() >= kMaxCachedPrimitives) cache_.clear();
-  const auto [batch, rows, src_ld, src_bs, dst_ld, dst_bs, dst_dt, threads] = key;
+  const auto [rows, src_ld, dst_ld, dst_dt, threads] = key;
   auto e = std::make_shared<Entry>();
-  const bool batched = batch > 1;
-  const memory::dims w_dims = batched ? memory::dims{1, k_, n_} : memory::dims{k_, n_};
-  const memory::dims w_strides = batched ? memory::dims{n_ * k_, 1, k_} : memory::dims{1, k_};
-  if (batched) {
-    e->src_md = memory::desc({batch, rows, k_}, dt_, {src_bs, src_ld, 1});
-    e->dst_md = memory::desc({batch, rows, n_}, static_cast<Dt>(dst_dt), {dst_bs, dst_ld, 1});
-    if (!bias_.empty()) e->bias_md = memory::desc({1, 1, n_}, Dt::f32, {n_, n_, 1});
-  } else {
-    e->src_md = memory::desc({rows, k_}, dt_, {src_ld, 1});
-    e->dst_md = memory::desc({rows, n_}, static_cast<Dt>(dst_dt), {dst_ld, 1});
-    if (!bias_.empty()) e->bias_md = memory::desc({1, n_}, Dt::f32, {n_, 1});
-  }
+  const memory::dims w_dims{k_, n_};
+  e->src_md = memory::desc({rows, k_}, dt_, {src_ld, 1});
+  e->dst_md = memory::desc({rows, n_}, static_cast<Dt>(dst_dt), {dst_ld, 1});
+  if (!bias_.empty()) e->bias_md = memory::desc({1, n_}, Dt::f32, {n_, 1});
   const memory::desc w_any(w_dims, dt_, memory::format_tag::any);
   e->matmul = Matmul::Make(dnnl::matmul::desc(e->src_md, w_any, e->bias_md, e->dst_md), {});
-  e->weights = PackedWeights(e->matmul.weights, memory::desc(w_dims, dt_, w_strides));
+  e->weights = PackedWeights(e->matmul.weights, memory::desc(w_dims, dt_, {1, k_}));
   if (!bias_.empty()) {
     e->bias = memory(e->bias_md, CpuEngine(), const_cast<float*>(bias_.data()));
   }
   cache_.emplace(key, e);
+  if (built != nullptr) *built = true;
   return e;
 }
 

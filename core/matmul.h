@@ -60,6 +60,10 @@ struct Matmul {
   static Matmul Make(const dnnl::matmul::desc& desc, dnnl::primitive_attr attr);
 };
 
+// Matmul primitives made by this process so far (Matmul::Make calls): what tests
+// read to show that a warmed model builds none for a new request shape.
+int64_t MatmulsMade();
+
 // Matmuls keyed by the caller's description of the shape. Bounded: when full it
 // starts over. Thread-safe.
 class MatmulCache {
@@ -120,9 +124,21 @@ struct StridedOperand {
   int64_t batch_stride = 0;  // elements from one matrix to the next
 };
 
+// The row counts a projection's primitives are built for (docs/warm_start.md): a call
+// of `rows` rows runs as chunks of these, largest first: 1024-row chunks, then a
+// multiple of 128, then a multiple of 16, then the remainder (1..15 rows) as itself.
+// So no row count past warm-up builds a primitive, except remainders below 16.
+constexpr int64_t kRowChunkMax = 1024;
+inline int64_t RowChunk(int64_t rows) {
+  if (rows >= kRowChunkMax) return kRowChunkMax;
+  if (rows >= 128) return rows / 128 * 128;
+  if (rows >= 16) return rows / 16 * 16;
+  return rows;
+}
+
 // A weight matrix W (n, k) applied as dst = src W^T (+ b) with a oneDNN matmul.
-// Primitives are built once per (rows, strides, dtype, threads) and cached; the
-// weights are reordered once into each blocked layout a primitive asks for.
+// Primitives are built once per (row chunk, row strides, dtype, threads) and cached;
+// the weights are reordered once into each blocked layout a primitive asks for.
 // An f32 Linear made with `row_path` also keeps W packed in panels (kernels::PanelRows,
 // another n * k floats) for RunRows: a few rows, hand-written, on the calling thread's
 // OpenMP team, for decode steps, where oneDNN's GEMM takes longer than streaming the
@@ -135,10 +151,16 @@ class Linear {
   Linear(const float* w, const float* b, int64_t n, int64_t k, Dt dt, bool row_path = false);
 
   // dst[bi, r, :] = src[bi, r, :] W^T + b for bi < batch, r < rows. src is in the
-  // constructor's dt, dst in dst_dt. With batch == 1 the batch strides are unused
-  // but still part of the cache key.
+  // constructor's dt, dst in dst_dt. Each batch matrix runs as 2-D GEMMs over its
+  // rows in RowChunk pieces, so the primitives depend on neither batch nor rows.
   void Run(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
            StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt) const;
+
+  // Builds the primitives Run would use for every chunk of 16..max_rows rows (every
+  // multiple of 16 up to 128, of 128 up to kRowChunkMax) at these row strides and the
+  // calling thread's PlanThreads(), and packs the weights for them. Returns how many
+  // it built.
+  int Prepare(int64_t max_rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt) const;
 
   // y (m, n) = x (m, k) W^T + b for f32 rows at strides ldx and ldy, split by panels
   // over omp_get_max_threads() threads. Only when has_row_path(m): made with
@@ -150,7 +172,7 @@ class Linear {
   void RunRows(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy) const;
 
  private:
-  using Key = std::array<int64_t, 8>;
+  using Key = std::array<int64_t, 5>;  // rows, src_ld, dst_ld, dst dtype, threads
   struct Entry {
     Matmul matmul;
     dnnl::memory::desc src_md, dst_md, bias_md;
@@ -158,7 +180,8 @@ class Linear {
   };
 
   // Entries are shared so that a cache reset never frees one a caller still runs.
-  std::shared_ptr<const Entry> Lookup(const Key& key) const;
+  // `built` (if given) is set when this call made the entry.
+  std::shared_ptr<const Entry> Lookup(const Key& key, bool* built = nullptr) const;
   // The weights reordered into `want`, made once per distinct layout.
   dnnl::memory PackedWeights(const dnnl::memory::desc& want, const dnnl::memory::desc& plain) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -235,13 +235,15 @@ std::vector<WarmupShape> DefaultWarmup(const core::ModelConfig& config, const Mo
   for (int64_t b = 0; b < small_rows; ++b) {
     small_lens.push_back(static_cast<int32_t>(std::min<int64_t>(3 - b, small_keys)));
   }
+  // The client's default request runs last, so that its code and data are the ones a
+  // fresh server has in cache (docs/service.md, Warm-up).
   return {{.batch = 1, .num_queries = first, .num_keys = self ? 0 : first},
           {.batch = 1, .num_queries = std::max<int64_t>(1, first / 2), .num_keys = first},
+          {.batch = rows, .num_queries = length, .num_keys = self ? 0 : length},
           {.batch = small_rows,
            .num_queries = std::min<int64_t>(4, seq),
            .num_keys = small_keys,
-           .valid_lens = std::move(small_lens)},
-          {.batch = rows, .num_queries = length, .num_keys = self ? 0 : length}};
+           .valid_lens = std::move(small_lens)}};
 }
 
 bool IsModelFolderName(absl::string_view name) {

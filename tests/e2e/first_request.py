@@ -59,15 +59,26 @@ def encode(mha, shape):
                               False, shape["model"])
 
 
-def measure(server, args, shape, following):
+def measure(server, args, shape, following, connect_attend):
+    import grpc
     import mha_serve.client as mha
     from mha_serve._proto import attention_pb2 as pb2
     request = encode(mha, shape)
+    absent = encode(mha, dict(shape, model="no_such_model"))
     proc, target = start_server(server, args, timeout=300)
     ready = time.perf_counter()
     try:
         with mha.Client(target) as client:
             client.models()  # connects the channel; touches no model
+            if connect_attend:
+                # The connection's first Attend stream (HTTP/2 header tables, the method's
+                # first call on the channel, both ends), on a model the server does not
+                # have: a new connection costs this on a warm server too.
+                try:
+                    client.call_bytes(absent)
+                except mha.Error as e:
+                    if e.code != grpc.StatusCode.NOT_FOUND:
+                        raise
             times, computes = [], []
 
             def timed():
@@ -99,6 +110,9 @@ def main():
     parser.add_argument("--bound", type=float, default=2.0)
     parser.add_argument("--kinds", default="tour,bert_self,bert_cross")
     parser.add_argument("--server_args", default="", help="extra server flags, space-separated")
+    parser.add_argument("--connect", choices=["models", "attend"], default="attend",
+                        help="what opens the connection before the timed request: ListModels, "
+                             "or ListModels then an Attend on an absent model (NOT_FOUND)")
     opts = parser.parse_args()
     if os.environ.get("MHA_SLOW_TESTS") != "1":
         print("first_request: skipped (set MHA_SLOW_TESTS=1)")
@@ -121,7 +135,7 @@ def main():
             args, shape = table[name]
             for r in range(opts.rounds):
                 times, computes = measure(opts.server, args + opts.server_args.split(), shape,
-                                          opts.next)
+                                          opts.next, opts.connect == "attend")
                 med = statistics.median(times[1:-1])
                 ratio = times[0] / med
                 print(f"{name:<11} {r + 1:>5} {times[0]:>9.3f} {med:>9.3f} {ratio:>6.2f} "

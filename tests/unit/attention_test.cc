@@ -7,6 +7,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/matmul.h"
 #include "core/reference.h"
 #include "gtest/gtest.h"
 #include "tests/unit/test_util.h"
@@ -537,6 +538,85 @@ TEST(AttentionTest, AdditiveZeroValidLenGivesZeroContext) {
   for (int64_t i = 0; i < 4 * 12; ++i) EXPECT_EQ(out[i], 0.0f) << i;  // no bias: W_o 0 = 0
   for (int64_t i = 0; i < 3 * 4 * 4; ++i) EXPECT_EQ(attn[i], 0.0f) << i;
   EXPECT_NE(out[4 * 12], 0.0f);
+}
+
+// Prepare builds every primitive that calls of new shapes use (the projections' row
+// chunks, the padded attention blocks): after it, calls whose row counts are multiples
+// of 16 but whose Q, K, valid lengths and masks no call had before build none, and
+// still match the reference. Remainders below 16 rows are built when met (not here).
+TEST(AttentionTest, PreparedModelBuildsNoPrimitivesForNewShapes) {
+  for (const Precision precision : {Precision::kF32, Precision::kBf16}) {
+    Case base;
+    base.config = ModelConfig{.num_hiddens = 256,
+                              .num_heads = 4,
+                              .query_size = 256,
+                              .key_size = 256,
+                              .value_size = 256,
+                              .bias = true,
+                              .precision = precision};
+    base.options.num_threads = 2;
+    SCOPED_TRACE(PrecisionName(precision));
+    const Weights weights = SeededWeights(base.config, 5);
+    auto mha = MultiHeadAttention::Create(base.config, weights, base.options).value();
+    EXPECT_GT(mha->Prepare(1024, 512), 0);
+    EXPECT_EQ(mha->Prepare(1024, 512), 0);  // all there
+    const int64_t made = internal::MatmulsMade();
+    struct Shape {
+      int64_t batch, queries, keys;  // keys 0: self-attention
+      std::vector<int32_t> lens;
+      bool causal = false, head_mask = false;
+    };
+    const std::vector<Shape> shapes = {
+        {1, 96, 0, {}},                  // bert_self's kind
+        {2, 24, 40, {}},                 // bert_cross's: K != Q, blocks padded to 32 x 64
+        {3, 80, 0, {64, 33, 7}},         // self, valid_lens below K: per-row key prefixes
+        {2, 48, 208, {150, 208}, true},  // cross, causal (top-left: 48 key rows)
+        {1, 112, 496, {}, false, true},  // head_mask, keys past one block
+        {4, 20, 0, {}, true},            // self, causal
+    };
+    std::mt19937_64 rng(17);
+    for (const Shape& shape : shapes) {
+      Case c = base;
+      c.batch = shape.batch;
+      c.num_queries = shape.queries;
+      c.num_keys = shape.keys == 0 ? shape.queries : shape.keys;
+      c.self_attention = shape.keys == 0;
+      c.causal = shape.causal;
+      c.head_mask = shape.head_mask;
+      SCOPED_TRACE(c.Describe());
+      Data d = MakeData(c, rng);
+      d.valid_lens = shape.lens;
+      std::vector<float> out(c.batch * c.num_queries * c.config.num_hiddens);
+      ASSERT_TRUE(mha->Forward(d.Inputs(c), out.data()).ok());
+      EXPECT_LE(MaxAbsDiff(out, ReferenceForward(c.config, weights, d.Inputs(c)).output),
+                precision == Precision::kF32 ? kF32Tolerance : kBf16Tolerance);
+    }
+    EXPECT_EQ(internal::MatmulsMade(), made) << "primitives built after Prepare";
+  }
+}
+
+// Row counts past one chunk, and remainders, projected in pieces (internal::RowChunk):
+// self and cross, per-row key prefixes (one projection per batch row).
+TEST(AttentionTest, MatchesReferenceAcrossRowChunks) {
+  for (const int64_t rows : {17, 100, 1100}) {
+    for (const bool self_attention : {true, false}) {
+      Case c;
+      c.config = ModelConfig{.num_hiddens = 32,
+                             .num_heads = 2,
+                             .query_size = 16,
+                             .key_size = 16,
+                             .value_size = 16,
+                             .bias = true};
+      if (self_attention) c.config.key_size = c.config.value_size = c.config.query_size;
+      c.options.num_threads = 2;
+      c.batch = 1;
+      c.num_queries = rows;
+      c.num_keys = self_attention ? rows : rows + 3;
+      c.self_attention = self_attention;
+      c.mask_kind = 1;
+      CheckAgainstReference(c, 23, kF32Tolerance);
+    }
+  }
 }
 
 }  // namespace

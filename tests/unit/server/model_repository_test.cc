@@ -280,8 +280,8 @@ TEST(ModelRepositoryTest, AttentionOnlyModelsResolveTheirSizesFromTheHeads) {
 }
 
 // A config without `warmup` gets the default passes, inside its limits: B 1 x Q 128
-// (or max_sequence_length), cross-attention with K != Q, the client's default request
-// (B 2, Q 4, K 6), then the largest batch the batcher may form; a model that cannot
+// (or max_sequence_length), cross-attention with K != Q, the largest batch the batcher
+// may form, then the client's default request (B 2, Q 4, K 6); a model that cannot
 // self-attend warms with keys. Listed passes replace them; default_warmup = false
 // leaves such a model cold.
 TEST(ModelRepositoryTest, ModelsWithoutWarmupGetTheDefaultPasses) {
@@ -295,10 +295,10 @@ TEST(ModelRepositoryTest, ModelsWithoutWarmupGetTheDefaultPasses) {
   ASSERT_EQ(bert.size(), 4u);
   EXPECT_EQ(bert[0], (WarmupShape{.batch = 1, .num_queries = 128, .num_keys = 0}));
   EXPECT_EQ(bert[1], (WarmupShape{.batch = 1, .num_queries = 64, .num_keys = 128}));
-  EXPECT_EQ(bert[2],
-            (WarmupShape{.batch = 2, .num_queries = 4, .num_keys = 6, .valid_lens = {3, 2}}));
   // 8192 tokens over 32 rows
-  EXPECT_EQ(bert[3], (WarmupShape{.batch = 32, .num_queries = 256, .num_keys = 0}));
+  EXPECT_EQ(bert[2], (WarmupShape{.batch = 32, .num_queries = 256, .num_keys = 0}));
+  EXPECT_EQ(bert[3],
+            (WarmupShape{.batch = 2, .num_queries = 4, .num_keys = 6, .valid_lens = {3, 2}}));
 
   const std::vector<WarmupShape> small = shapes(
       "num_hiddens: 16 num_heads: 2 query_size: 8 limits { max_batch_size: 1 "
@@ -307,10 +307,10 @@ TEST(ModelRepositoryTest, ModelsWithoutWarmupGetTheDefaultPasses) {
   // d_q != d_k: cross-attention throughout
   EXPECT_EQ(small[0], (WarmupShape{.batch = 1, .num_queries = 5, .num_keys = 5}));
   EXPECT_EQ(small[1], (WarmupShape{.batch = 1, .num_queries = 2, .num_keys = 5}));
-  EXPECT_EQ(small[2],  // clamped
-            (WarmupShape{.batch = 1, .num_queries = 4, .num_keys = 5, .valid_lens = {3}}));
   // the batcher's rows clamped to the model's limit
-  EXPECT_EQ(small[3], (WarmupShape{.batch = 1, .num_queries = 5, .num_keys = 5}));
+  EXPECT_EQ(small[2], (WarmupShape{.batch = 1, .num_queries = 5, .num_keys = 5}));
+  EXPECT_EQ(small[3],  // clamped
+            (WarmupShape{.batch = 1, .num_queries = 4, .num_keys = 5, .valid_lens = {3}}));
 
   const std::vector<WarmupShape> listed =
       shapes("num_hiddens: 16 num_heads: 2 warmup { batch: 3 num_queries: 5 }");
