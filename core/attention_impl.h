@@ -136,7 +136,8 @@ class MultiHeadAttention::Impl {
 
   // Forward's phases, in order.
   static KeyLimits ComputeKeyLimits(const AttentionInputs& in, bool positions);
-  // Q, K, V projections; key/value rows that no query can see are never projected.
+  // Q, K, V projections; key/value rows that no query can see are not projected
+  // (unless they are few: WholeKeyRows, dense_pass.cc).
   // An attention-only model's "projections" are its inputs (in act_).
   Projections Project(const AttentionInputs& in, int64_t kv_rows, Workspace& ws) const;
   Projections ProjectSelf(const AttentionInputs& in, int64_t kv_rows, const void* xq,

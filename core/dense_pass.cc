@@ -39,6 +39,25 @@ constexpr int64_t kSmallBlockMacs = 8192;
 
 int64_t RoundUp(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
+// Key rows no query sees are skipped by projecting a prefix of kv_rows per batch row,
+// a GEMM each (Linear::Run). When those prefixes are a few rows each (merged small
+// requests with valid_lens), the calls would cost more than their rows: the prefixes
+// are copied together first and projected as one GEMM (GatherPrefix).
+bool GathersPrefixes(int64_t batch, int64_t kv_rows) { return batch > 1 && kv_rows < 16; }
+
+// The first `rows` rows of each of `batch` dense matrices of `width` elements a row,
+// `batch_stride` apart, packed one after the other into `buf`.
+const void* GatherPrefix(const void* x, int64_t batch, int64_t rows, int64_t width,
+                         int64_t batch_stride, size_t elem, std::vector<char>& buf) {
+  const size_t bytes = rows * width * elem;
+  Grow(buf, batch * bytes);
+  for (int64_t b = 0; b < batch; ++b) {
+    std::memcpy(buf.data() + b * bytes, static_cast<const char*>(x) + b * batch_stride * elem,
+                bytes);
+  }
+  return buf.data();
+}
+
 }  // namespace
 
 Matmul MultiHeadAttention::Impl::ScorePrimitive(int64_t mq, int64_t nk) const {
@@ -286,18 +305,24 @@ MultiHeadAttention::Impl::Projections MultiHeadAttention::Impl::ProjectSelf(
   const int64_t ld = E + 2 * Ekv, d = c_.query_size;
   Grow(ws.proj, B * Q * ld * asz);
   char* base = ws.proj.data();
+  int64_t kv_batch_stride = Q * ld;
   if (kv_rows == in.num_keys) {
     qkv_->Run(*ws.stream, ws.bindings, 1, B * Q, {xq, d}, {base, ld}, act_);
   } else {
     q_->Run(*ws.stream, ws.bindings, 1, B * Q, {xq, d}, {base, ld}, act_);
-    if (kv_rows > 0) {
+    if (kv_rows > 0 && GathersPrefixes(B, kv_rows)) {
+      // Batch row b's keys and values in rows b * kv_rows.. (kv_rows <= Q: beside the queries)
+      const void* xp = GatherPrefix(xq, B, kv_rows, d, Q * d, asz, ws.prefix_k);
+      kv_->Run(*ws.stream, ws.bindings, 1, B * kv_rows, {xp, d}, {base + E * asz, ld}, act_);
+      kv_batch_stride = kv_rows * ld;
+    } else if (kv_rows > 0) {
       kv_->Run(*ws.stream, ws.bindings, B, kv_rows, {xq, d, Q * d}, {base + E * asz, ld, Q * ld},
                act_);
     }
   }
   return {.q = {base, ld, Q * ld},
-          .k = {base + E * asz, ld, Q * ld},
-          .v = {base + (E + Ekv) * asz, ld, Q * ld}};
+          .k = {base + E * asz, ld, kv_batch_stride},
+          .v = {base + (E + Ekv) * asz, ld, kv_batch_stride}};
 }
 
 // Q in a (B*Q, p_o) buffer; K and V side by side in each row of a (B*K, 2 p_kv) one
@@ -314,21 +339,29 @@ MultiHeadAttention::Impl::Projections MultiHeadAttention::Impl::ProjectCross(
   Grow(ws.kv, B * K * 2 * Ekv * asz);
   char* kbase = ws.kv.data();
   char* vbase = fuse_kv ? kbase + Ekv * asz : kbase + B * K * Ekv * asz;
-  // Contiguous rows run as one 2-D GEMM; a per-batch prefix as a 3-D one.
-  const int64_t batch = kv_rows == K ? 1 : B;
-  const int64_t rows = kv_rows == K ? B * K : kv_rows;
+  // Contiguous rows run as one 2-D GEMM, and so do gathered prefixes; other per-batch
+  // prefixes as one per batch row.
+  const bool gather = kv_rows < K && GathersPrefixes(B, kv_rows);
+  const int64_t batch = kv_rows == K || gather ? 1 : B;
+  const int64_t rows = kv_rows == K ? B * K : gather ? B * kv_rows : kv_rows;
   const int64_t dk = c_.key_size, dv = c_.value_size;
+  const int64_t kbs = gather ? kv_rows * dk : K * dk, vbs = gather ? kv_rows * dv : K * dv;
   if (kv_rows > 0) {
     const void* xk = AsActivation(in.keys, B * K * dk, ws.xk);
+    if (gather) xk = GatherPrefix(xk, B, kv_rows, dk, K * dk, asz, ws.prefix_k);
     if (fuse_kv) {
-      kv_->Run(*ws.stream, ws.bindings, batch, rows, {xk, dk, K * dk}, {kbase, ld, K * ld}, act_);
+      kv_->Run(*ws.stream, ws.bindings, batch, rows, {xk, dk, kbs}, {kbase, ld, K * ld}, act_);
     } else {
       const void* xv = AsActivation(in.values, B * K * dv, ws.xv);
-      k_->Run(*ws.stream, ws.bindings, batch, rows, {xk, dk, K * dk}, {kbase, ld, K * ld}, act_);
-      v_->Run(*ws.stream, ws.bindings, batch, rows, {xv, dv, K * dv}, {vbase, ld, K * ld}, act_);
+      if (gather) xv = GatherPrefix(xv, B, kv_rows, dv, K * dv, asz, ws.prefix_v);
+      k_->Run(*ws.stream, ws.bindings, batch, rows, {xk, dk, kbs}, {kbase, ld, K * ld}, act_);
+      v_->Run(*ws.stream, ws.bindings, batch, rows, {xv, dv, vbs}, {vbase, ld, K * ld}, act_);
     }
   }
-  return {.q = {ws.proj.data(), E, Q * E}, .k = {kbase, ld, K * ld}, .v = {vbase, ld, K * ld}};
+  const int64_t out_bs = gather ? kv_rows * ld : K * ld;
+  return {.q = {ws.proj.data(), E, Q * E},
+          .k = {kbase, ld, out_bs},
+          .v = {vbase, ld, out_bs}};
 }
 
 // Head-major, so that every block GEMM has dense operands; a rotary model's queries
@@ -341,8 +374,11 @@ MultiHeadAttention::Impl::HeadMajor MultiHeadAttention::Impl::RepackHeadMajor(
   const int64_t s = heads_per_task_;  // query heads interleaved per task (HeadMajor)
   const size_t asz = SizeOf(act_);
   // Padded blocks read up to kQueryPad - 1 rows past a task's queries (slack after
-  // the last) and kKeyPad - 1 past a head's keys (zero rows, up to kv_stride).
-  const int64_t kv_stride = RoundUp(kv_rows, kKeyPad);
+  // the last) and kKeyPad - 1 past a head's keys (zero rows, up to kv_stride). When
+  // every block is small enough for plain loops (BlockAt), nothing is padded.
+  const bool loops_only =
+      act_ == Dt::f32 && std::min(o_.query_block, Q * s) * kv_rows * p <= kSmallBlockMacs;
+  const int64_t kv_stride = loops_only ? kv_rows : RoundUp(kv_rows, kKeyPad);
   const int64_t q_elems = B * Q * E + kQueryPad * p;
   Grow(ws.heads, (q_elems + 2 * B * kv_stride * Ekv) * asz);
   char* qh = ws.heads.data();

@@ -77,6 +77,7 @@ struct TaskScratch {
 // pool holds one workspace per concurrent call.
 struct Workspace {
   std::vector<char> xq, xk, xv;      // bf16 copies of the inputs
+  std::vector<char> prefix_k, prefix_v;  // key/value rows some query sees, gathered
   std::vector<char> proj, kv;        // projections, row-major
   std::vector<char> heads;           // Q, K, V head-major
   std::vector<char> ctx;             // concatenated heads, f32 (B*Q, p_o)

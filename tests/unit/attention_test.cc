@@ -573,6 +573,8 @@ TEST(AttentionTest, PreparedModelBuildsNoPrimitivesForNewShapes) {
         {2, 48, 208, {150, 208}, true},  // cross, causal (top-left: 48 key rows)
         {1, 112, 496, {}, false, true},  // head_mask, keys past one block
         {4, 20, 0, {}, true},            // self, causal
+        {4, 8, 0, {4, 3, 4, 1}},         // self, short prefixes gathered into one GEMM
+        {2, 16, 12, {4, 8}},             // cross, the same
     };
     std::mt19937_64 rng(17);
     for (const Shape& shape : shapes) {
