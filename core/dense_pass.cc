@@ -516,8 +516,10 @@ int MultiHeadAttention::Impl::Prepare(int64_t max_rows, int64_t max_keys) const 
     const int64_t E = c_.num_hiddens, Ekv = c_.kv_hiddens(), ld_self = E + 2 * Ekv;
     const int64_t dq = c_.query_size, dk = c_.key_size, dv = c_.value_size;
     const int most = o_.num_threads > 0 ? o_.num_threads : omp_get_max_threads();
-    // Small calls run on one thread, large ones on all: a call's thread count is part
-    // of its primitives' keys (internal::PlanThreads).
+    // A call's thread count is part of its primitives' keys (internal::PlanThreads):
+    // calls run on one thread per kFlopsPerThread of work, up to `most`, and a merged
+    // call on no more than its largest request would use alone, so a chunk of any
+    // size may run on one thread as on all.
     for (const int threads : most > 1 ? std::vector<int>{1, most} : std::vector<int>{1}) {
       const internal::ThreadScope scope(threads);
       auto prepare = [&](const std::unique_ptr<internal::Linear>& w, int64_t src_ld,

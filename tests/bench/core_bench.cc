@@ -172,6 +172,8 @@ BENCHMARK(BM_ToyRequests)
     ->Arg(1)
     ->Arg(8)
     ->Arg(32)
+    ->Arg(13)  // merges of other sizes: row counts off the projections' chunk sizes
+    ->Arg(27)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
