@@ -72,7 +72,7 @@ class MultiHeadAttention::Impl {
   // one task attends with are interleaved row by row, so that its rows are one dense
   // matrix: (B, h / s, Q, s, p); s = 1 (multi-head) is (B, h, Q, p).
   struct HeadMajor {
-    const char* q;    // (B, h / s, Q, s, p)
+    const char* q;      // (B, h / s, Q, s, p)
     const char* k;      // (B, G, kv_stride, p)
     const char* v;      // (B, G, kv_stride, p)
     int64_t kv_rows;    // key rows projected per batch row (the largest key limit)

@@ -188,8 +188,8 @@ MultiHeadAttention::Impl::Block MultiHeadAttention::Impl::BlockAt(const Task& ta
 }
 
 // scratch.s (rows, ld) = the block's scores.
-void MultiHeadAttention::Impl::ScoreBlock(const Task& task, const Block& blk,
-                                          dnnl::stream& stream, TaskScratch& scratch) const {
+void MultiHeadAttention::Impl::ScoreBlock(const Task& task, const Block& blk, dnnl::stream& stream,
+                                          TaskScratch& scratch) const {
   if (task.qa != nullptr) return AdditiveScoreBlock(task, blk, scratch);
   const int64_t p = c_.head_size();
   if (blk.loops) {
@@ -359,9 +359,7 @@ MultiHeadAttention::Impl::Projections MultiHeadAttention::Impl::ProjectCross(
     }
   }
   const int64_t out_bs = gather ? kv_rows * ld : K * ld;
-  return {.q = {ws.proj.data(), E, Q * E},
-          .k = {kbase, ld, out_bs},
-          .v = {vbase, ld, out_bs}};
+  return {.q = {ws.proj.data(), E, Q * E}, .k = {kbase, ld, out_bs}, .v = {vbase, ld, out_bs}};
 }
 
 // Head-major, so that every block GEMM has dense operands; a rotary model's queries
@@ -512,18 +510,20 @@ namespace mha::core {
 
 int MultiHeadAttention::Impl::Prepare(int64_t max_rows, int64_t max_keys) const {
   int built = 0;
+  // The most threads a call gets (within OMP_THREAD_LIMIT, as ThreadsFor counts them).
+  const int most =
+      internal::ThreadsForFlops(std::numeric_limits<double>::infinity(), o_.num_threads, 0);
   if (!c_.attention_only()) {
     const int64_t E = c_.num_hiddens, Ekv = c_.kv_hiddens(), ld_self = E + 2 * Ekv;
     const int64_t dq = c_.query_size, dk = c_.key_size, dv = c_.value_size;
-    const int most = o_.num_threads > 0 ? o_.num_threads : omp_get_max_threads();
     // A call's thread count is part of its primitives' keys (internal::PlanThreads):
     // calls run on one thread per kFlopsPerThread of work, up to `most`, and a merged
     // call on no more than its largest request would use alone, so a chunk of any
     // size may run on one thread as on all.
     for (const int threads : most > 1 ? std::vector<int>{1, most} : std::vector<int>{1}) {
       const internal::ThreadScope scope(threads);
-      auto prepare = [&](const std::unique_ptr<internal::Linear>& w, int64_t src_ld,
-                         int64_t dst_ld, Dt dst_dt) {
+      auto prepare = [&](const std::unique_ptr<internal::Linear>& w, int64_t src_ld, int64_t dst_ld,
+                         Dt dst_dt) {
         if (w != nullptr) built += w->Prepare(max_rows, src_ld, dst_ld, dst_dt);
       };
       if (c_.SupportsSelfAttention()) {  // ProjectSelf
@@ -561,7 +561,6 @@ int MultiHeadAttention::Impl::Prepare(int64_t max_rows, int64_t max_keys) const 
       ContextPrimitive(b[1], b[2], b[0] == 2);
     }
   };
-  const int most = o_.num_threads > 0 ? o_.num_threads : omp_get_max_threads();
   if (most > 1) {
     const internal::ThreadScope scope(most);
 #pragma omp parallel for num_threads(most) schedule(dynamic)

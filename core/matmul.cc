@@ -132,13 +132,13 @@ void Linear::Run(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t ro
   for (int64_t bi = 0; bi < batch; ++bi) {
     for (int64_t r0 = 0; r0 < rows;) {
       const int64_t m = RowChunk(rows - r0);
-      const std::shared_ptr<const Entry> entry = Lookup(
-          {m, src.row_stride, dst.row_stride, static_cast<int64_t>(dst_dt), threads});
+      const std::shared_ptr<const Entry> entry =
+          Lookup({m, src.row_stride, dst.row_stride, static_cast<int64_t>(dst_dt), threads});
       const Entry& e = *entry;
       const auto* s = static_cast<const char*>(src.data) +
                       (bi * src.batch_stride + r0 * src.row_stride) * src_size;
-      auto* d = static_cast<char*>(dst.data) +
-                (bi * dst.batch_stride + r0 * dst.row_stride) * dst_size;
+      auto* d =
+          static_cast<char*>(dst.data) + (bi * dst.batch_stride + r0 * dst.row_stride) * dst_size;
       args.Bind(DNNL_ARG_SRC, e.src_md, s);
       args.Bind(DNNL_ARG_DST, e.dst_md, d);
       args.Set(DNNL_ARG_WEIGHTS, e.weights);

@@ -76,13 +76,13 @@ struct TaskScratch {
 // (and on some VMs very expensive), so a call reuses the memory of an earlier one. A
 // pool holds one workspace per concurrent call.
 struct Workspace {
-  std::vector<char> xq, xk, xv;      // bf16 copies of the inputs
+  std::vector<char> xq, xk, xv;          // bf16 copies of the inputs
   std::vector<char> prefix_k, prefix_v;  // key/value rows some query sees, gathered
-  std::vector<char> proj, kv;        // projections, row-major
-  std::vector<char> heads;           // Q, K, V head-major
-  std::vector<char> ctx;             // concatenated heads, f32 (B*Q, p_o)
-  std::vector<float> qa, kt;         // additive scoring's projections
-  std::vector<TaskScratch> scratch;  // one per OpenMP thread
+  std::vector<char> proj, kv;            // projections, row-major
+  std::vector<char> heads;               // Q, K, V head-major
+  std::vector<char> ctx;                 // concatenated heads, f32 (B*Q, p_o)
+  std::vector<float> qa, kt;             // additive scoring's projections
+  std::vector<TaskScratch> scratch;      // one per OpenMP thread
   // ForwardPaged: the steps' gathered inputs, their projections, the gathered
   // output, f32.
   std::vector<float> paged_in, paged_proj, paged_out;

@@ -127,13 +127,13 @@ absl::StatusOr<Reply> ExchangeTls(httplib::Client& client, const Call& call,
   httplib::Headers headers;
   if (call.header_length) headers.emplace(kHeaderLength, absl::StrCat(*call.header_length));
   const httplib::Result result =
-      call.method == "GET"
-          ? client.Get(std::string(call.path), headers)
-          : client.Post(std::string(call.path), headers, call.body.data(), call.body.size(),
-                        std::string(call.content_type));
+      call.method == "GET" ? client.Get(std::string(call.path), headers)
+                           : client.Post(std::string(call.path), headers, call.body.data(),
+                                         call.body.size(), std::string(call.content_type));
   if (!result) return TransportError(result.error(), absl::Now() - start, timeout, endpoint);
   Reply reply{.status = result->status, .body = std::move(result->body)};
-  if (result->has_header(kHeaderLength)) reply.header_length = result->get_header_value(kHeaderLength);
+  if (result->has_header(kHeaderLength))
+    reply.header_length = result->get_header_value(kHeaderLength);
   return reply;
 }
 
@@ -163,7 +163,8 @@ class PlainHttpTransport {
       absl::StrAppend(&head, "Content-Type: ", call.content_type,
                       "\r\nContent-Length: ", call.body.size(), "\r\n");
     }
-    if (call.header_length) absl::StrAppend(&head, kHeaderLength, ": ", *call.header_length, "\r\n");
+    if (call.header_length)
+      absl::StrAppend(&head, kHeaderLength, ": ", *call.header_length, "\r\n");
     head += "\r\n";
     while (true) {
       const bool reused = fd_ >= 0;
@@ -172,15 +173,15 @@ class PlainHttpTransport {
         if (!connected.ok()) return connected;
       }
       bool answered = false;
-      absl::StatusOr<Reply> reply = Send(head, call.body, start);
-      if (reply.ok()) reply = Receive(call.method == "HEAD", start, &answered);
+      const absl::Status sent = Send(head, call.body, start);
+      absl::StatusOr<Reply> reply = sent.ok() ? Receive(call.method == "HEAD", start, &answered)
+                                              : absl::StatusOr<Reply>(sent);
       if (reply.ok() && keep_alive_) return reply;
       Close();
       // A kept-alive connection the server closed meanwhile: once more on a new one.
-      if (!reply.ok() && reused && !answered && reply.status().code() == absl::StatusCode::kUnavailable) {
-        continue;
-      }
-      return reply;
+      const bool stale = reused && !answered && !reply.ok() &&
+                         reply.status().code() == absl::StatusCode::kUnavailable;
+      if (!stale) return reply;
     }
   }
 
@@ -200,13 +201,14 @@ class PlainHttpTransport {
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
     addrinfo* found = nullptr;
-    const int resolved = getaddrinfo(endpoint_.host.c_str(), absl::StrCat(endpoint_.port).c_str(),
-                                     &hints, &found);
+    const int resolved =
+        getaddrinfo(endpoint_.host.c_str(), absl::StrCat(endpoint_.port).c_str(), &hints, &found);
     if (resolved != 0) {
-      return absl::UnavailableError(absl::StrFormat("HTTP connection error with %s: %s", host_,
-                                                    gai_strerror(resolved)));
+      return absl::UnavailableError(
+          absl::StrFormat("HTTP connection error with %s: %s", host_, gai_strerror(resolved)));
     }
-    absl::Status status = absl::UnavailableError(absl::StrCat("HTTP connection error with ", host_));
+    absl::Status status =
+        absl::UnavailableError(absl::StrCat("HTTP connection error with ", host_));
     for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
       status = ConnectTo(a, start);
       if (status.ok()) break;
@@ -254,7 +256,7 @@ class PlainHttpTransport {
     fd_ = -1;
   }
 
-  absl::StatusOr<Reply> Send(absl::string_view head, absl::string_view body, absl::Time start) {
+  absl::Status Send(absl::string_view head, absl::string_view body, absl::Time start) {
     iovec parts[2] = {{const_cast<char*>(head.data()), head.size()},
                       {const_cast<char*>(body.data()), body.size()}};
     iovec* next = parts;
@@ -280,7 +282,7 @@ class PlainHttpTransport {
         next->iov_len -= left;
       }
     }
-    return Reply{};
+    return absl::OkStatus();
   }
 
   absl::StatusOr<Reply> Receive(bool head_request, absl::Time start, bool* answered) {
@@ -297,10 +299,10 @@ class PlainHttpTransport {
         event = parser_.Finish();
         // Closed early: the connection broke, the response was not malformed.
         if (event == http1::ResponseParser::Event::kError) {
-          return absl::UnavailableError(absl::StrFormat(
-              "HTTP read error with %s after %.1f ms: %s", host_,
-              absl::ToDoubleMilliseconds(absl::Now() - start),
-              absl::StripPrefix(parser_.error().message(), "HTTP response: ")));
+          return absl::UnavailableError(
+              absl::StrFormat("HTTP read error with %s after %.1f ms: %s", host_,
+                              absl::ToDoubleMilliseconds(absl::Now() - start),
+                              absl::StripPrefix(parser_.error().message(), "HTTP response: ")));
         }
         break;
       }
@@ -354,12 +356,12 @@ HttpConnection::~HttpConnection() = default;
 
 absl::StatusOr<inference::ModelInferResponse> HttpConnection::Infer(const HttpRequest& request) {
   MHA_ASSIGN_OR_RETURN(Reply reply, Exchange(client_.get(), plain_.get(),
-                                         {.method = "POST",
-                                          .path = request.path,
-                                          .content_type = "application/octet-stream",
-                                          .body = request.body,
-                                          .header_length = request.header_length},
-                                         endpoint_, timeout_));
+                                             {.method = "POST",
+                                              .path = request.path,
+                                              .content_type = "application/octet-stream",
+                                              .body = request.body,
+                                              .header_length = request.header_length},
+                                             endpoint_, timeout_));
   std::optional<int64_t> header_length;
   if (reply.header_length) {
     int64_t length = 0;
@@ -379,7 +381,7 @@ absl::StatusOr<inference::ModelMetadataResponse> HttpConnection::ModelMetadata(
     const std::string& model) {
   const std::string path = ModelPath(model, "");
   MHA_ASSIGN_OR_RETURN(Reply reply, Exchange(client_.get(), plain_.get(),
-                                         {.method = "GET", .path = path}, endpoint_, timeout_));
+                                             {.method = "GET", .path = path}, endpoint_, timeout_));
   if (reply.status != 200) return Prefixed("GET", path, HttpError(reply.status, reply.body));
   auto metadata = ParseHttpModelMetadata(reply.body);
   if (!metadata.ok()) return Prefixed("GET", path, metadata.status());
@@ -389,11 +391,11 @@ absl::StatusOr<inference::ModelMetadataResponse> HttpConnection::ModelMetadata(
 absl::StatusOr<std::vector<std::string>> HttpConnection::ReadyModels() {
   constexpr char kPath[] = "/v2/repository/index";
   MHA_ASSIGN_OR_RETURN(Reply reply, Exchange(client_.get(), plain_.get(),
-                                         {.method = "POST",
-                                          .path = kPath,
-                                          .content_type = "application/json",
-                                          .body = R"({"ready": true})"},
-                                         endpoint_, timeout_));
+                                             {.method = "POST",
+                                              .path = kPath,
+                                              .content_type = "application/json",
+                                              .body = R"({"ready": true})"},
+                                             endpoint_, timeout_));
   if (reply.status != 200) return Prefixed("POST", kPath, HttpError(reply.status, reply.body));
   auto names = ParseHttpIndexNames(reply.body);
   if (!names.ok()) return Prefixed("POST", kPath, names.status());
@@ -402,8 +404,9 @@ absl::StatusOr<std::vector<std::string>> HttpConnection::ReadyModels() {
 
 absl::Status HttpConnection::Ready() {
   constexpr char kPath[] = "/v2/health/ready";
-  MHA_ASSIGN_OR_RETURN(Reply reply, Exchange(client_.get(), plain_.get(),
-                                         {.method = "GET", .path = kPath}, endpoint_, timeout_));
+  MHA_ASSIGN_OR_RETURN(
+      Reply reply,
+      Exchange(client_.get(), plain_.get(), {.method = "GET", .path = kPath}, endpoint_, timeout_));
   if (reply.status != 200) return Prefixed("GET", kPath, HttpError(reply.status, reply.body));
   return absl::OkStatus();
 }

@@ -131,8 +131,9 @@ absl::StatusOr<absl::Duration> WarmUp(Batcher& batcher, const std::shared_ptr<co
     // first request of a shape no pass makes computes like the next ones.
     const int built = model->attention->Prepare(model->batching.max_batch_tokens,
                                                 model->limits.max_sequence_length);
-    Log(absl::StrCat("model ", model->name, ": ", built, " oneDNN primitives built in ",
-                     absl::FormatDuration(absl::Trunc(absl::Now() - start, absl::Milliseconds(1)))));
+    Log(absl::StrCat(
+        "model ", model->name, ": ", built, " oneDNN primitives built in ",
+        absl::FormatDuration(absl::Trunc(absl::Now() - start, absl::Milliseconds(1)))));
   }
   // Session steps first: the passes' last is what the first requests find in cache.
   if (absl::Status s = WarmSessionSteps(batcher, model); !s.ok()) {
