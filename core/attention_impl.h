@@ -169,6 +169,8 @@ class MultiHeadAttention::Impl {
     bool loops;
   };
   Block BlockAt(const Task& task, int64_t j0, int64_t nk) const;
+  // Whether a block of `rows` x `keys` runs in plain loops (f32, small) rather than oneDNN.
+  bool InLoops(int64_t rows, int64_t keys) const;
   void ScoreBlock(const Task& task, const Block& blk, dnnl::stream& stream,
                   TaskScratch& scratch) const;
   void SoftmaxBlock(const Task& task, const Block& blk, RowStats& stats,

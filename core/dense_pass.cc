@@ -175,9 +175,13 @@ void MultiHeadAttention::Impl::AttendTask(const Task& task, dnnl::stream& stream
   }
 }
 
+bool MultiHeadAttention::Impl::InLoops(int64_t rows, int64_t keys) const {
+  return act_ == Dt::f32 && rows * keys * c_.head_size() <= kSmallBlockMacs;
+}
+
 MultiHeadAttention::Impl::Block MultiHeadAttention::Impl::BlockAt(const Task& task, int64_t j0,
                                                                   int64_t nk) const {
-  if (act_ == Dt::f32 && task.mq * nk * c_.head_size() <= kSmallBlockMacs) {
+  if (InLoops(task.mq, nk)) {
     return {.j0 = j0, .nk = nk, .ld = nk, .rows = task.mq, .loops = true};
   }
   return {.j0 = j0,
@@ -342,24 +346,25 @@ MultiHeadAttention::Impl::Projections MultiHeadAttention::Impl::ProjectCross(
   // Contiguous rows run as one 2-D GEMM, and so do gathered prefixes; other per-batch
   // prefixes as one per batch row.
   const bool gather = kv_rows < K && GathersPrefixes(B, kv_rows);
-  const int64_t batch = kv_rows == K || gather ? 1 : B;
-  const int64_t rows = kv_rows == K ? B * K : gather ? B * kv_rows : kv_rows;
+  const bool contiguous = kv_rows == K || gather;
+  const int64_t batch = contiguous ? 1 : B, rows = contiguous ? B * kv_rows : kv_rows;
+  const int64_t span = gather ? kv_rows : K;  // rows from one batch row's keys to the next
   const int64_t dk = c_.key_size, dv = c_.value_size;
-  const int64_t kbs = gather ? kv_rows * dk : K * dk, vbs = gather ? kv_rows * dv : K * dv;
   if (kv_rows > 0) {
     const void* xk = AsActivation(in.keys, B * K * dk, ws.xk);
     if (gather) xk = GatherPrefix(xk, B, kv_rows, dk, K * dk, asz, ws.prefix_k);
     if (fuse_kv) {
-      kv_->Run(*ws.stream, ws.bindings, batch, rows, {xk, dk, kbs}, {kbase, ld, K * ld}, act_);
+      kv_->Run(*ws.stream, ws.bindings, batch, rows, {xk, dk, span * dk}, {kbase, ld, K * ld},
+               act_);
     } else {
       const void* xv = AsActivation(in.values, B * K * dv, ws.xv);
       if (gather) xv = GatherPrefix(xv, B, kv_rows, dv, K * dv, asz, ws.prefix_v);
-      k_->Run(*ws.stream, ws.bindings, batch, rows, {xk, dk, kbs}, {kbase, ld, K * ld}, act_);
-      v_->Run(*ws.stream, ws.bindings, batch, rows, {xv, dv, vbs}, {vbase, ld, K * ld}, act_);
+      k_->Run(*ws.stream, ws.bindings, batch, rows, {xk, dk, span * dk}, {kbase, ld, K * ld}, act_);
+      v_->Run(*ws.stream, ws.bindings, batch, rows, {xv, dv, span * dv}, {vbase, ld, K * ld}, act_);
     }
   }
-  const int64_t out_bs = gather ? kv_rows * ld : K * ld;
-  return {.q = {ws.proj.data(), E, Q * E}, .k = {kbase, ld, out_bs}, .v = {vbase, ld, out_bs}};
+  return {
+      .q = {ws.proj.data(), E, Q * E}, .k = {kbase, ld, span * ld}, .v = {vbase, ld, span * ld}};
 }
 
 // Head-major, so that every block GEMM has dense operands; a rotary model's queries
@@ -374,8 +379,7 @@ MultiHeadAttention::Impl::HeadMajor MultiHeadAttention::Impl::RepackHeadMajor(
   // Padded blocks read up to kQueryPad - 1 rows past a task's queries (slack after
   // the last) and kKeyPad - 1 past a head's keys (zero rows, up to kv_stride). When
   // every block is small enough for plain loops (BlockAt), nothing is padded.
-  const bool loops_only =
-      act_ == Dt::f32 && std::min(o_.query_block, Q * s) * kv_rows * p <= kSmallBlockMacs;
+  const bool loops_only = InLoops(std::min(o_.query_block, Q * s), kv_rows);
   const int64_t kv_stride = loops_only ? kv_rows : RoundUp(kv_rows, kKeyPad);
   const int64_t q_elems = B * Q * E + kQueryPad * p;
   Grow(ws.heads, (q_elems + 2 * B * kv_stride * Ekv) * asz);
@@ -504,10 +508,6 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
   return absl::OkStatus();
 }
 
-}  // namespace mha::core
-
-namespace mha::core {
-
 int MultiHeadAttention::Impl::Prepare(int64_t max_rows, int64_t max_keys) const {
   int built = 0;
   // The most threads a call gets (within OMP_THREAD_LIMIT, as ThreadsFor counts them).
@@ -540,14 +540,13 @@ int MultiHeadAttention::Impl::Prepare(int64_t max_rows, int64_t max_keys) const 
   }
   // The attention blocks, on the threads that run tasks (a task's primitives are
   // planned for one thread, internal::PlanThreads inside a parallel region).
-  const int64_t p = c_.head_size();
   const int64_t row_top = RoundUp(o_.query_block, kQueryPad);
   const int64_t key_top = RoundUp(std::min(o_.key_block, max_keys), kKeyPad);
   const bool accumulate = max_keys > o_.key_block;
   std::vector<std::array<int64_t, 3>> blocks;  // kind (0 score, 1 context, 2 context +=)
   for (int64_t rows = kQueryPad; rows <= row_top; rows += kQueryPad) {
     for (int64_t ld = kKeyPad; ld <= key_top; ld += kKeyPad) {
-      if (act_ == Dt::f32 && rows * ld * p <= kSmallBlockMacs) continue;  // plain loops
+      if (InLoops(rows, ld)) continue;  // every block of this size or less
       if (c_.scoring == Scoring::kDotProduct) blocks.push_back({0, rows, ld});
       blocks.push_back({1, rows, ld});
       if (accumulate) blocks.push_back({2, rows, ld});
