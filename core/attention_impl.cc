@@ -25,30 +25,33 @@ int64_t LargestDivisorAtMost(int64_t n, int64_t most) {
 }  // namespace
 
 MultiHeadAttention::Impl::Impl(const ModelConfig& c, const Weights& w, const Options& o)
-    : c_(c), o_(o), act_(c.precision == Precision::kBf16 ? Dt::bf16 : Dt::f32) {
+    : c_(c),
+      o_(o),
+      act_(c.precision == Precision::kF32 ? Dt::f32 : Dt::bf16),
+      weights_(c.precision == Precision::kInt8 ? Dt::s8 : act_) {
   const int64_t group = c.num_heads / c.kv_heads();
   heads_per_task_ = LargestDivisorAtMost(group, o.query_block);
   heads_per_paged_task_ = LargestDivisorAtMost(group, kPagedQueryRows);
   if (c.attention_only()) return;  // no weights, no rope, dot-product scoring
   const int64_t e = c.num_hiddens, ekv = c.kv_hiddens();
   auto bias = [&](const std::vector<float>& b) { return b.empty() ? nullptr : b.data(); };
-  q_ = std::make_unique<Linear>(w.w_q.data(), bias(w.b_q), e, c.query_size, act_);
-  k_ = std::make_unique<Linear>(w.w_k.data(), bias(w.b_k), ekv, c.key_size, act_);
-  v_ = std::make_unique<Linear>(w.w_v.data(), bias(w.b_v), ekv, c.value_size, act_);
+  q_ = std::make_unique<Linear>(w.w_q.data(), bias(w.b_q), e, c.query_size, weights_);
+  k_ = std::make_unique<Linear>(w.w_k.data(), bias(w.b_k), ekv, c.key_size, weights_);
+  v_ = std::make_unique<Linear>(w.w_v.data(), bias(w.b_v), ekv, c.value_size, weights_);
   // A decode step's W_o and stacked Q/K/V projections of a few rows run by hand
   // (ForwardPaged); f32 models keep a panel copy of those weights for it (Linear).
-  o_lin_ = std::make_unique<Linear>(w.w_o.data(), bias(w.b_o), e, e, act_, /*row_path=*/true);
+  o_lin_ = std::make_unique<Linear>(w.w_o.data(), bias(w.b_o), e, e, weights_, /*row_path=*/true);
   if (c.key_size == c.value_size) {
     const auto kv_w = Stack({&w.w_k, &w.w_v});
     const auto kv_b = Stack({&w.b_k, &w.b_v});
     kv_ = std::make_unique<Linear>(kv_w.data(), c.bias ? kv_b.data() : nullptr, 2 * ekv, c.key_size,
-                                   act_);
+                                   weights_);
   }
   if (c.SupportsSelfAttention()) {
     const auto qkv_w = Stack({&w.w_q, &w.w_k, &w.w_v});
     const auto qkv_b = Stack({&w.b_q, &w.b_k, &w.b_v});
     qkv_ = std::make_unique<Linear>(qkv_w.data(), c.bias ? qkv_b.data() : nullptr, e + 2 * ekv,
-                                    c.query_size, act_, /*row_path=*/true);
+                                    c.query_size, weights_, /*row_path=*/true);
   }
   if (c.rope) rope_.emplace(c);
   if (c.scoring == Scoring::kAdditive) {

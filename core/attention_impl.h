@@ -248,6 +248,8 @@ class MultiHeadAttention::Impl {
   std::shared_ptr<internal::WorkspacePool> workspaces_ =
       std::make_shared<internal::WorkspacePool>();
   const Dt act_;
+  // The projections' weights: act_, or s8 in an int8 model (whose act_ is bf16).
+  const Dt weights_;
   std::unique_ptr<Linear> q_, k_, v_, kv_, qkv_, o_lin_;
   // Additive scoring: A_q, A_k (h, p_a, p) in act_; w_v (h, p_a) f32.
   std::vector<char> score_q_, score_k_;

@@ -13,6 +13,8 @@ absl::string_view PrecisionName(Precision precision) {
       return "f32";
     case Precision::kBf16:
       return "bf16";
+    case Precision::kInt8:
+      return "int8";
   }
   return "unknown";
 }
@@ -30,8 +32,9 @@ absl::string_view ScoringName(Scoring scoring) {
 absl::StatusOr<Precision> ParsePrecision(absl::string_view name) {
   if (name == "f32" || name == "fp32" || name == "float32") return Precision::kF32;
   if (name == "bf16" || name == "bfloat16") return Precision::kBf16;
+  if (name == "int8" || name == "i8") return Precision::kInt8;
   return absl::InvalidArgumentError(
-      absl::StrCat("precision: expected \"f32\" or \"bf16\", got \"", name, "\""));
+      absl::StrCat("precision: expected \"f32\", \"bf16\" or \"int8\", got \"", name, "\""));
 }
 
 absl::Status ModelConfig::Validate() const {
@@ -96,6 +99,15 @@ absl::Status ModelConfig::Validate() const {
   if (kv_cache_precision == Precision::kF32 && precision == Precision::kBf16) {
     return absl::InvalidArgumentError(
         "kv_cache_precision: a bf16 model's cache is bf16; f32 is for f32 models");
+  }
+  if (precision == Precision::kInt8 && scoring != Scoring::kDotProduct) {
+    return absl::InvalidArgumentError(
+        "precision: int8 quantizes the projections of dot-product scoring only; additive "
+        "scoring needs f32 or bf16");
+  }
+  if (precision == Precision::kInt8 && attention_only()) {
+    return absl::InvalidArgumentError(
+        "precision: int8 quantizes weights, and projections: NONE has none; use f32 or bf16");
   }
   if (attention_only()) {
     auto none = [](const std::string& what) {

@@ -15,11 +15,16 @@ namespace mha::core {
 
 // Precision of the GEMMs. Inputs and outputs are always float32; kBf16 converts
 // activations and weights to bfloat16 for the matrix products and accumulates in
-// float32 (softmax statistics stay float32).
-enum class Precision { kF32, kBf16 };
+// float32 (softmax statistics stay float32). kInt8 (docs/core.md, "int8 models")
+// quantizes the four projections' weights to int8 at load, symmetric, one scale per
+// output feature, and their inputs at every call, symmetric, one scale per row; the
+// projections accumulate in int32 and add their biases in float32. Attention itself
+// (scores, softmax, context) runs as in a bf16 model. Dot-product scoring with
+// projections only; sessions' caches stay f32 unless kv_cache_precision says bf16.
+enum class Precision { kF32, kBf16, kInt8 };
 
 absl::string_view PrecisionName(Precision precision);
-absl::StatusOr<Precision> ParsePrecision(absl::string_view name);  // "f32" | "bf16"
+absl::StatusOr<Precision> ParsePrecision(absl::string_view name);  // "f32" | "bf16" | "int8"
 
 // The attention pooling of every head, for its projected query q (p), keys k_j and
 // values v_j (p = p_o / h each):
@@ -75,7 +80,8 @@ struct ModelConfig {
   int64_t num_kv_heads = 0;
   std::optional<RotaryConfig> rope;  // absent: no rotary embedding
   // The element type of sessions' K/V caches (ForwardPaged); absent: the model's
-  // precision. kBf16 halves an f32 model's cache; a bf16 model's is always bf16.
+  // precision (f32 for kInt8). kBf16 halves an f32 or int8 model's cache; a bf16
+  // model's is always bf16.
   std::optional<Precision> kv_cache_precision;
   Projections projections = Projections::kFull;
 

@@ -6,6 +6,10 @@
 #include <cstring>
 #include <limits>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 // Function multiversioning: one body, compiled for AVX-512, AVX2 and baseline x86-64;
 // the dynamic loader picks the best for the CPU. No -march flag leaks into the build.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
@@ -423,14 +427,30 @@ MHA_INLINE void GroupScoresImpl(const float* q, const T* kt, int64_t ld, int64_t
     const float* qr = q + r0 * p;
     float* sr = s + r0 * nk;
     switch (rows) {
-      case 1: ScoresRows<1>(qr, kt, ld, p, nk, scale, sr, pf); break;
-      case 2: ScoresRows<2>(qr, kt, ld, p, nk, scale, sr, pf); break;
-      case 3: ScoresRows<3>(qr, kt, ld, p, nk, scale, sr, pf); break;
-      case 4: ScoresRows<4>(qr, kt, ld, p, nk, scale, sr, pf); break;
-      case 5: ScoresRows<5>(qr, kt, ld, p, nk, scale, sr, pf); break;
-      case 6: ScoresRows<6>(qr, kt, ld, p, nk, scale, sr, pf); break;
-      case 7: ScoresRows<7>(qr, kt, ld, p, nk, scale, sr, pf); break;
-      default: ScoresRows<8>(qr, kt, ld, p, nk, scale, sr, pf); break;
+      case 1:
+        ScoresRows<1>(qr, kt, ld, p, nk, scale, sr, pf);
+        break;
+      case 2:
+        ScoresRows<2>(qr, kt, ld, p, nk, scale, sr, pf);
+        break;
+      case 3:
+        ScoresRows<3>(qr, kt, ld, p, nk, scale, sr, pf);
+        break;
+      case 4:
+        ScoresRows<4>(qr, kt, ld, p, nk, scale, sr, pf);
+        break;
+      case 5:
+        ScoresRows<5>(qr, kt, ld, p, nk, scale, sr, pf);
+        break;
+      case 6:
+        ScoresRows<6>(qr, kt, ld, p, nk, scale, sr, pf);
+        break;
+      case 7:
+        ScoresRows<7>(qr, kt, ld, p, nk, scale, sr, pf);
+        break;
+      default:
+        ScoresRows<8>(qr, kt, ld, p, nk, scale, sr, pf);
+        break;
     }
     r0 += rows;
   }
@@ -444,14 +464,30 @@ MHA_INLINE void GroupContextImpl(const float* w, const T* v, int64_t p, int64_t 
     const float* wr = w + r0 * nk;
     float* orow = o + r0 * p;
     switch (rows) {
-      case 1: ContextRows<1>(wr, v, p, nk, orow, pf); break;
-      case 2: ContextRows<2>(wr, v, p, nk, orow, pf); break;
-      case 3: ContextRows<3>(wr, v, p, nk, orow, pf); break;
-      case 4: ContextRows<4>(wr, v, p, nk, orow, pf); break;
-      case 5: ContextRows<5>(wr, v, p, nk, orow, pf); break;
-      case 6: ContextRows<6>(wr, v, p, nk, orow, pf); break;
-      case 7: ContextRows<7>(wr, v, p, nk, orow, pf); break;
-      default: ContextRows<8>(wr, v, p, nk, orow, pf); break;
+      case 1:
+        ContextRows<1>(wr, v, p, nk, orow, pf);
+        break;
+      case 2:
+        ContextRows<2>(wr, v, p, nk, orow, pf);
+        break;
+      case 3:
+        ContextRows<3>(wr, v, p, nk, orow, pf);
+        break;
+      case 4:
+        ContextRows<4>(wr, v, p, nk, orow, pf);
+        break;
+      case 5:
+        ContextRows<5>(wr, v, p, nk, orow, pf);
+        break;
+      case 6:
+        ContextRows<6>(wr, v, p, nk, orow, pf);
+        break;
+      case 7:
+        ContextRows<7>(wr, v, p, nk, orow, pf);
+        break;
+      default:
+        ContextRows<8>(wr, v, p, nk, orow, pf);
+        break;
     }
     r0 += rows;
   }
@@ -631,5 +667,158 @@ MHA_MULTIVERSION void ToBf16(const float* x, uint16_t* y, int64_t n) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) y[j] = Bf16Bits(x[j]);
 }
+
+MHA_MULTIVERSION void QuantizeRows(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, int8_t* q,
+                                   float* scales) {
+  for (int64_t r = 0; r < m; ++r, x += ldx, q += k) {
+    float most = 0.0f;
+#pragma omp simd reduction(max : most)
+    for (int64_t j = 0; j < k; ++j) most = std::max(most, std::fabs(FromBf16(x[j])));
+    scales[r] = most / 127.0f;
+    const float inv = most > 0.0f ? 127.0f / most : 0.0f;
+    // |x * inv| <= 127 (up to rounding), so the conversion cannot overflow; adding
+    // half away from zero and truncating rounds to nearest.
+#pragma omp simd
+    for (int64_t j = 0; j < k; ++j) {
+      const float v = FromBf16(x[j]) * inv;
+      const float rounded = v + (v < 0.0f ? -0.5f : 0.5f);
+      q[j] = static_cast<int8_t>(std::clamp(static_cast<int32_t>(rounded), -127, 127));
+    }
+  }
+}
+
+MHA_MULTIVERSION void QuantizeRows(const float* x, int64_t ldx, int64_t m, int64_t k, int8_t* q,
+                                   float* scales) {
+  for (int64_t r = 0; r < m; ++r, x += ldx, q += k) {
+    float most = 0.0f;
+#pragma omp simd reduction(max : most)
+    for (int64_t j = 0; j < k; ++j) most = std::max(most, std::fabs(x[j]));
+    scales[r] = most / 127.0f;
+    const float inv = most > 0.0f ? 127.0f / most : 0.0f;
+#pragma omp simd
+    for (int64_t j = 0; j < k; ++j) {
+      const float v = x[j] * inv;
+      const float rounded = v + (v < 0.0f ? -0.5f : 0.5f);
+      q[j] = static_cast<int8_t>(std::clamp(static_cast<int32_t>(rounded), -127, 127));
+    }
+  }
+}
+
+MHA_MULTIVERSION void DequantizeRows(const int32_t* acc, int64_t m, int64_t n,
+                                     const float* row_scales, const float* col_scales,
+                                     const float* b, void* y, int64_t ldy, bool bf16) {
+  for (int64_t r = 0; r < m; ++r, acc += n) {
+    const float s = row_scales[r];
+    if (bf16) {
+      uint16_t* out = static_cast<uint16_t*>(y) + r * ldy;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        out[j] = Bf16Bits(static_cast<float>(acc[j]) * s * col_scales[j] + (b ? b[j] : 0.0f));
+      }
+    } else {
+      float* out = static_cast<float*>(y) + r * ldy;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        out[j] = static_cast<float>(acc[j]) * s * col_scales[j] + (b ? b[j] : 0.0f);
+      }
+    }
+  }
+}
+
+int64_t Int8PanelDepth(int64_t k) { return (k + 3) / 4 * 4; }
+int64_t Int8PanelCount(int64_t n) { return (n + kInt8PanelColumns - 1) / kInt8PanelColumns; }
+
+void PackInt8Panels(const int8_t* w, int64_t n, int64_t k, int8_t* panels, int32_t* column_sums) {
+  const int64_t depth = Int8PanelDepth(k);
+  std::fill_n(panels, Int8PanelCount(n) * depth * kInt8PanelColumns, int8_t{0});
+  for (int64_t col = 0; col < n; ++col) {
+    // Panel, then the group of 4 inputs, then the column's 4 bytes within it.
+    int8_t* out =
+        panels + col / kInt8PanelColumns * depth * kInt8PanelColumns + col % kInt8PanelColumns * 4;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < k; ++i) {
+      out[i / 4 * kInt8PanelColumns * 4 + i % 4] = w[col * k + i];
+      sum += w[col * k + i];
+    }
+    column_sums[col] = 128 * sum;
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// GCC 12's AVX-512 intrinsics start some results from _mm512_undefined_*, which
+// -Wmaybe-uninitialized reports at -O3 (GCC bug 105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#define MHA_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+bool Int8RowPathSupported() { return __builtin_cpu_supports("avx512vnni"); }
+
+namespace {
+
+// R rows through one panel: R x 4 vectors of 16 column sums, in registers over k,
+// then rescaled into y.
+template <int R>
+MHA_VNNI inline void Int8PanelGroup(const uint8_t* x, int64_t ldx, const int8_t* w, int64_t depth,
+                                    const Int8Epilogue& e, int64_t col0, int64_t cols) {
+  __m512i a[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < 4; ++v) a[r][v] = _mm512_setzero_si512();
+  }
+  for (int64_t i = 0; i < depth; i += 4, w += 4 * kInt8PanelColumns) {
+    const __m512i w0 = _mm512_loadu_si512(w);
+    const __m512i w1 = _mm512_loadu_si512(w + 64);
+    const __m512i w2 = _mm512_loadu_si512(w + 128);
+    const __m512i w3 = _mm512_loadu_si512(w + 192);
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, x + r * ldx + i, 4);
+      const __m512i xb = _mm512_set1_epi32(four);
+      a[r][0] = _mm512_dpbusd_epi32(a[r][0], xb, w0);
+      a[r][1] = _mm512_dpbusd_epi32(a[r][1], xb, w1);
+      a[r][2] = _mm512_dpbusd_epi32(a[r][2], xb, w2);
+      a[r][3] = _mm512_dpbusd_epi32(a[r][3], xb, w3);
+    }
+  }
+  // The u8 rows are the s8 ones + 128: take 128 * column sum back off, then
+  // y = sum * row scale * column scale + b.
+  for (int v = 0; v < 4; ++v) {
+    const int64_t c0 = col0 + 16 * v, n = std::min<int64_t>(16, cols - 16 * v);
+    if (n <= 0) break;
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+    const __m512i shift = _mm512_maskz_loadu_epi32(keep, e.column_sums + c0);
+    const __m512 scale = _mm512_maskz_loadu_ps(keep, e.col_scales + c0);
+    const __m512 bias =
+        e.bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(keep, e.bias + c0);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(a[r][v], shift));
+      const __m512 out =
+          _mm512_fmadd_ps(_mm512_mul_ps(sum, _mm512_set1_ps(e.row_scales[r])), scale, bias);
+      _mm512_mask_storeu_ps(e.y + r * e.ldy + c0, keep, out);
+    }
+  }
+}
+
+}  // namespace
+
+MHA_VNNI void Int8PanelRows(const uint8_t* x, int64_t ldx, int64_t m, const int8_t* panels,
+                            int64_t n, int64_t k, const Int8Epilogue& e, int64_t first,
+                            int64_t last) {
+  const int64_t depth = Int8PanelDepth(k);
+  for (int64_t panel = first; panel < last; ++panel) {
+    const int64_t col0 = panel * kInt8PanelColumns;
+    const int64_t cols = std::min(kInt8PanelColumns, n - col0);
+    const int8_t* w = panels + panel * depth * kInt8PanelColumns;
+    if (m == 3) Int8PanelGroup<3>(x, ldx, w, depth, e, col0, cols);
+    if (m == 2) Int8PanelGroup<2>(x, ldx, w, depth, e, col0, cols);
+    if (m == 1) Int8PanelGroup<1>(x, ldx, w, depth, e, col0, cols);
+  }
+}
+#pragma GCC diagnostic pop
+#else
+bool Int8RowPathSupported() { return false; }
+void Int8PanelRows(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int64_t,
+                   const Int8Epilogue&, int64_t, int64_t) {}
+#endif
 
 }  // namespace mha::core::kernels

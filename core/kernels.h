@@ -91,6 +91,44 @@ void PanelRows(const float* x, int64_t ldx, int64_t m, const float* panels, int6
 void Scale(float* x, float factor, int64_t n);  // x *= factor
 void ToBf16(const float* x, uint16_t* y, int64_t n);
 
+// int8 projections (Linear over s8 weights). QuantizeRows: m rows of k bf16 values
+// (row stride ldx) to symmetric int8, one scale per row: scales[r] = max |x[r, :]| /
+// 127 (0 for a zero row) and q[r, j] = round(x[r, j] / scales[r]), rows of q dense.
+// DequantizeRows: y[r, j] = acc[r, j] * row_scales[r] * col_scales[j] + b[j] (b may be
+// null) for m rows of n int32 sums (dense), into f32 or bf16 rows (`bf16`) of stride ldy.
+void QuantizeRows(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, int8_t* q, float* scales);
+// The same from f32 rows.
+void QuantizeRows(const float* x, int64_t ldx, int64_t m, int64_t k, int8_t* q, float* scales);
+void DequantizeRows(const int32_t* acc, int64_t m, int64_t n, const float* row_scales,
+                    const float* col_scales, const float* b, void* y, int64_t ldy, bool bf16);
+
+// An int8 Linear's decode rows (Linear::RunRows of an s8 Linear), on AVX-512 VNNI:
+// W (n, k) s8 packed once (PackInt8Panels) into panels of kInt8PanelColumns output
+// columns: for each group of 4 inputs, 4 vectors of 16 columns x 4 bytes, the
+// operand layout of vpdpbusd (u8 x s8 -> s32). Rows come quantized to s8 and are
+// shifted to u8 (+128), so each column's sum is corrected by 128 * (its weights' sum).
+// Int8PanelRows computes the exact s32 sums of m <= 3 rows (row stride ldx bytes, k
+// padded to Int8PanelDepth(k) with zeros) for the columns of panels [first, last)
+// and writes them rescaled as DequantizeRows does, into f32 rows of y.
+// Int8RowPathSupported: whether this CPU has VNNI.
+constexpr int64_t kInt8PanelColumns = 64;
+bool Int8RowPathSupported();
+int64_t Int8PanelDepth(int64_t k);  // k rounded up to a multiple of 4
+int64_t Int8PanelCount(int64_t n);
+// panels: Int8PanelCount(n) * Int8PanelDepth(k) * 64 bytes; column_sums: n, each
+// 128 times the column's sum of weights (the correction of the u8 shift).
+void PackInt8Panels(const int8_t* w, int64_t n, int64_t k, int8_t* panels, int32_t* column_sums);
+struct Int8Epilogue {
+  const int32_t* column_sums;  // PackInt8Panels'
+  const float* row_scales;     // m
+  const float* col_scales;     // n
+  const float* bias;           // n, or null
+  float* y;
+  int64_t ldy;
+};
+void Int8PanelRows(const uint8_t* x, int64_t ldx, int64_t m, const int8_t* panels, int64_t n,
+                   int64_t k, const Int8Epilogue& epilogue, int64_t first, int64_t last);
+
 }  // namespace mha::core::kernels
 
 #endif  // MHA_CORE_KERNELS_H_

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 
 #include "core/kernels.h"
@@ -100,7 +101,20 @@ Linear::Linear(const float* w, const float* b, int64_t n, int64_t k, Dt dt, bool
     : n_(n), k_(k), dt_(dt) {
   const size_t count = static_cast<size_t>(n * k);
   plain_.resize(count * SizeOf(dt));
-  if (dt == Dt::bf16) {
+  if (dt == Dt::s8) {
+    col_scales_.resize(n);
+    auto* q = reinterpret_cast<int8_t*>(plain_.data());
+    for (int64_t i = 0; i < n; ++i) {
+      float most = 0.0f;
+      for (int64_t j = 0; j < k; ++j) most = std::max(most, std::fabs(w[i * k + j]));
+      col_scales_[i] = most / 127.0f;
+      const float inv = most > 0.0f ? 127.0f / most : 0.0f;
+      for (int64_t j = 0; j < k; ++j) {
+        q[i * k + j] =
+            static_cast<int8_t>(std::clamp(std::lround(w[i * k + j] * inv), -127L, 127L));
+      }
+    }
+  } else if (dt == Dt::bf16) {
     kernels::ToBf16(w, reinterpret_cast<uint16_t*>(plain_.data()), static_cast<int64_t>(count));
   } else {
     std::memcpy(plain_.data(), w, count * sizeof(float));
@@ -110,11 +124,44 @@ Linear::Linear(const float* w, const float* b, int64_t n, int64_t k, Dt dt, bool
     panels_.resize(kernels::PanelCount(n) * k * kernels::kPanelColumns);
     kernels::PackPanels(w, n, k, panels_.data());
   }
+  if (row_path && dt == Dt::s8 && kernels::Int8RowPathSupported()) {
+    int8_panels_.resize(kernels::Int8PanelCount(n) * kernels::Int8PanelDepth(k) *
+                        kernels::kInt8PanelColumns);
+    column_sums_.resize(n);
+    kernels::PackInt8Panels(reinterpret_cast<const int8_t*>(plain_.data()), n, k,
+                            int8_panels_.data(), column_sums_.data());
+  }
 }
 
 void Linear::RunRows(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy) const {
-  const int64_t panels = kernels::PanelCount(n_);
   const float* b = bias_.empty() ? nullptr : bias_.data();
+  if (!int8_panels_.empty()) {
+    // Rows quantized as RunInt8 does, then shifted to u8 for vpdpbusd; a few KB.
+    const int64_t depth = kernels::Int8PanelDepth(k_);
+    std::vector<int8_t> rows(m * depth, 0);
+    float scales[kRowPathRows];
+    for (int64_t r = 0; r < m; ++r) {
+      kernels::QuantizeRows(x + r * ldx, ldx, 1, k_, rows.data() + r * depth, scales + r);
+    }
+    for (int8_t& v : rows) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80u);
+    const int64_t panels = kernels::Int8PanelCount(n_);
+    const int threads = static_cast<int>(std::min<int64_t>(panels, PlanThreads()));
+    const kernels::Int8Epilogue epilogue{.column_sums = column_sums_.data(),
+                                         .row_scales = scales,
+                                         .col_scales = col_scales_.data(),
+                                         .bias = b,
+                                         .y = y,
+                                         .ldy = ldy};
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+      const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+      kernels::Int8PanelRows(reinterpret_cast<const uint8_t*>(rows.data()), depth, m,
+                             int8_panels_.data(), n_, k_, epilogue, panels * t / count,
+                             panels * (t + 1) / count);
+    }
+    return;
+  }
+  const int64_t panels = kernels::PanelCount(n_);
   const int threads = static_cast<int>(std::min<int64_t>(panels, PlanThreads()));
   // Contiguous runs of panels per thread: each streams one range of the weights.
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -125,15 +172,68 @@ void Linear::RunRows(const float* x, int64_t ldx, int64_t m, float* y, int64_t l
   }
 }
 
+Linear::Key Linear::KeyOf(int64_t rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt) const {
+  if (dt_ == Dt::s8) return {rows, k_, n_, static_cast<int64_t>(Dt::s32), PlanThreads()};
+  return {rows, src_ld, dst_ld, static_cast<int64_t>(dst_dt), PlanThreads()};
+}
+
+void Linear::RunInt8(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
+                     StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt) const {
+  const int threads = static_cast<int>(PlanThreads());
+  const size_t dst_size = SizeOf(dst_dt);
+  Bindings::Int8Chunk& chunk = args.int8_chunk();
+  for (int64_t bi = 0; bi < batch; ++bi) {
+    for (int64_t r0 = 0; r0 < rows;) {
+      const int64_t m = RowChunk(rows - r0, kInt8RowChunkMax);
+      const std::shared_ptr<const Entry> entry = Lookup(KeyOf(m, 0, 0, dst_dt));
+      const Entry& e = *entry;
+      if (chunk.rows.size() < static_cast<size_t>(m * k_)) chunk.rows.resize(m * k_);
+      if (chunk.scales.size() < static_cast<size_t>(m)) chunk.scales.resize(m);
+      if (chunk.sums.size() < static_cast<size_t>(m * n_)) chunk.sums.resize(m * n_);
+      const auto* s =
+          static_cast<const uint16_t*>(src.data) + bi * src.batch_stride + r0 * src.row_stride;
+      auto* d =
+          static_cast<char*>(dst.data) + (bi * dst.batch_stride + r0 * dst.row_stride) * dst_size;
+      // Rows split over the call's threads; one thread for a few rows.
+      const int64_t parts = std::min<int64_t>(threads, (m * std::max(k_, n_) + 8191) / 8192);
+#pragma omp parallel for num_threads(parts) if (parts > 1)
+      for (int64_t t = 0; t < parts; ++t) {
+        const int64_t a = m * t / parts, b = m * (t + 1) / parts;
+        kernels::QuantizeRows(s + a * src.row_stride, src.row_stride, b - a, k_,
+                              chunk.rows.data() + a * k_, chunk.scales.data() + a);
+      }
+      args.Bind(DNNL_ARG_SRC, e.src_md, chunk.rows.data());
+      args.Bind(DNNL_ARG_DST, e.dst_md, chunk.sums.data());
+      args.Set(DNNL_ARG_WEIGHTS, e.weights);
+      args.Erase(DNNL_ARG_BIAS);
+      args.Execute(e.matmul, stream);
+      stream.wait();
+      const float* bias = bias_.empty() ? nullptr : bias_.data();
+#pragma omp parallel for num_threads(parts) if (parts > 1)
+      for (int64_t t = 0; t < parts; ++t) {
+        const int64_t a = m * t / parts, b = m * (t + 1) / parts;
+        kernels::DequantizeRows(chunk.sums.data() + a * n_, b - a, n_, chunk.scales.data() + a,
+                                col_scales_.data(), bias, d + a * dst.row_stride * dst_size,
+                                dst.row_stride, dst_dt == Dt::bf16);
+      }
+      r0 += m;
+    }
+  }
+  args.Erase(DNNL_ARG_WEIGHTS);
+}
+
 void Linear::Run(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
                  StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt) const {
-  const int64_t threads = PlanThreads();
+  if (dt_ == Dt::s8) {
+    RunInt8(stream, args, batch, rows, src, dst, dst_dt);
+    return;
+  }
   const size_t src_size = SizeOf(dt_), dst_size = SizeOf(dst_dt);
   for (int64_t bi = 0; bi < batch; ++bi) {
     for (int64_t r0 = 0; r0 < rows;) {
       const int64_t m = RowChunk(rows - r0);
       const std::shared_ptr<const Entry> entry =
-          Lookup({m, src.row_stride, dst.row_stride, static_cast<int64_t>(dst_dt), threads});
+          Lookup(KeyOf(m, src.row_stride, dst.row_stride, dst_dt));
       const Entry& e = *entry;
       const auto* s = static_cast<const char*>(src.data) +
                       (bi * src.batch_stride + r0 * src.row_stride) * src_size;
@@ -158,11 +258,11 @@ void Linear::Run(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t ro
 }
 
 int Linear::Prepare(int64_t max_rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt) const {
-  const int64_t threads = PlanThreads();
+  const int64_t most = dt_ == Dt::s8 ? kInt8RowChunkMax : kRowChunkMax;
   int built = 0;
-  for (int64_t m = 16; m <= std::min(max_rows, kRowChunkMax); m += m < 128 ? 16 : 128) {
+  for (int64_t m = 16; m <= std::min(max_rows, most); m += m < 128 ? 16 : 128) {
     bool made = false;
-    Lookup({m, src_ld, dst_ld, static_cast<int64_t>(dst_dt), threads}, &made);
+    Lookup(KeyOf(m, src_ld, dst_ld, dst_dt), &made);
     built += made;
   }
   return built;
@@ -178,11 +278,11 @@ std::shared_ptr<const Linear::Entry> Linear::Lookup(const Key& key, bool* built)
   const memory::dims w_dims{k_, n_};
   e->src_md = memory::desc({rows, k_}, dt_, {src_ld, 1});
   e->dst_md = memory::desc({rows, n_}, static_cast<Dt>(dst_dt), {dst_ld, 1});
-  if (!bias_.empty()) e->bias_md = memory::desc({1, n_}, Dt::f32, {n_, 1});
+  if (!bias_.empty() && dt_ != Dt::s8) e->bias_md = memory::desc({1, n_}, Dt::f32, {n_, 1});
   const memory::desc w_any(w_dims, dt_, memory::format_tag::any);
   e->matmul = Matmul::Make(dnnl::matmul::desc(e->src_md, w_any, e->bias_md, e->dst_md), {});
   e->weights = PackedWeights(e->matmul.weights, memory::desc(w_dims, dt_, {1, k_}));
-  if (!bias_.empty()) {
+  if (!bias_.empty() && dt_ != Dt::s8) {
     e->bias = memory(e->bias_md, CpuEngine(), const_cast<float*>(bias_.data()));
   }
   cache_.emplace(key, e);

@@ -39,8 +39,8 @@ using Dt = dnnl::memory::data_type;
 // The process-wide CPU engine; created on first use, never destroyed.
 dnnl::engine& CpuEngine();
 
-// Bytes per element of the activation types used here: bf16 or f32.
-inline size_t SizeOf(Dt dt) { return dt == Dt::bf16 ? 2 : 4; }
+// Bytes per element of the types used here: s8, bf16, or f32 and s32.
+inline size_t SizeOf(Dt dt) { return dt == Dt::s8 ? 1 : dt == Dt::bf16 ? 2 : 4; }
 
 // The threads a primitive created here and now is planned for: oneDNN runs inline
 // inside a parallel region, else on this thread's omp_get_max_threads(). Part of every
@@ -101,6 +101,16 @@ class Bindings {
   // Runs `m` on the bound arguments and this binder's scratchpad.
   void Execute(const Matmul& m, dnnl::stream& stream);
 
+  // An int8 Linear's per-call buffers: a chunk's quantized rows, their scales and
+  // its int32 sums. Kept here, with the thread's other GEMM state, so that they are
+  // touched once and reused.
+  struct Int8Chunk {
+    std::vector<int8_t> rows;
+    std::vector<float> scales;
+    std::vector<int32_t> sums;
+  };
+  Int8Chunk& int8_chunk() { return int8_chunk_; }
+
  private:
   struct Described {
     int arg;
@@ -112,6 +122,7 @@ class Bindings {
   std::vector<Described> described_;
   std::unordered_map<int, dnnl::memory> args_;
   std::vector<char> scratchpad_;
+  Int8Chunk int8_chunk_;
 };
 
 // One operand of a batched projection: `batch` row-major matrices, where row r of
@@ -128,9 +139,12 @@ struct StridedOperand {
 // of `rows` rows runs as chunks of these, largest first: 1024-row chunks, then a
 // multiple of 128, then a multiple of 16, then the remainder (1..15 rows) as itself.
 // So no row count past warm-up builds a primitive, except remainders below 16.
+// An int8 Linear's chunks stop at kInt8RowChunkMax rows: each chunk's int32 sums
+// are rescaled after its GEMM, while they are still in cache.
 constexpr int64_t kRowChunkMax = 1024;
-inline int64_t RowChunk(int64_t rows) {
-  if (rows >= kRowChunkMax) return kRowChunkMax;
+constexpr int64_t kInt8RowChunkMax = 128;
+inline int64_t RowChunk(int64_t rows, int64_t most = kRowChunkMax) {
+  if (rows >= most) return most;
   if (rows >= 128) return rows / 128 * 128;
   if (rows >= 16) return rows / 16 * 16;
   return rows;
@@ -139,6 +153,12 @@ inline int64_t RowChunk(int64_t rows) {
 // A weight matrix W (n, k) applied as dst = src W^T (+ b) with a oneDNN matmul.
 // Primitives are built once per (row chunk, row strides, dtype, threads) and cached;
 // the weights are reordered once into each blocked layout a primitive asks for.
+// An s8 Linear (int8 models) holds W quantized, symmetric, one scale per output
+// feature (row of W). Each call quantizes its bf16 src rows the same way, one scale
+// per row, runs an s8 x s8 -> s32 GEMM, and rescales the sums by both scales and adds
+// the f32 bias (kernels::DequantizeRows): oneDNN 2.6's brgemm takes neither per-row
+// scales nor runtime scales (either falls back to a reference or a slower kernel;
+// docs/core.md, "int8 models").
 // An f32 Linear made with `row_path` also keeps W packed in panels (kernels::PanelRows,
 // another n * k floats) for RunRows: a few rows, hand-written, on the calling thread's
 // OpenMP team, for decode steps, where oneDNN's GEMM takes longer than streaming the
@@ -147,7 +167,7 @@ inline int64_t RowChunk(int64_t rows) {
 class Linear {
  public:
   // w: (n, k) row-major f32, b: (n) or nullptr; both copied. dt: the type the
-  // matmul reads src and W in (W is converted once).
+  // matmul reads src and W in (W is converted once), or s8: W quantized, src bf16.
   Linear(const float* w, const float* b, int64_t n, int64_t k, Dt dt, bool row_path = false);
 
   // dst[bi, r, :] = src[bi, r, :] W^T + b for bi < batch, r < rows. src is in the
@@ -167,8 +187,12 @@ class Linear {
   // `row_path`, and 1 <= m <= kRowPathRows. Up to three rows take the time of one
   // (reading the weights); from four on oneDNN's GEMM, which computes closer to the
   // cores' peak, is faster (docs/performance.md, "Sessions").
+  // An s8 Linear made with `row_path` on a CPU with AVX-512 VNNI keeps W in int8
+  // panels instead (kernels::Int8PanelRows, n * k bytes) and runs the rows quantized.
   static constexpr int64_t kRowPathRows = 3;
-  bool has_row_path(int64_t m) const { return !panels_.empty() && m >= 1 && m <= kRowPathRows; }
+  bool has_row_path(int64_t m) const {
+    return (!panels_.empty() || !int8_panels_.empty()) && m >= 1 && m <= kRowPathRows;
+  }
   void RunRows(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy) const;
 
  private:
@@ -182,6 +206,12 @@ class Linear {
   // Entries are shared so that a cache reset never frees one a caller still runs.
   // `built` (if given) is set when this call made the entry.
   std::shared_ptr<const Entry> Lookup(const Key& key, bool* built = nullptr) const;
+  // Run of an s8 Linear.
+  void RunInt8(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
+               StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt) const;
+  // The primitive key of a chunk of `rows` rows: an s8 Linear's GEMM reads and
+  // writes dense buffers of its own whatever the caller's strides.
+  Key KeyOf(int64_t rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt) const;
   // The weights reordered into `want`, made once per distinct layout.
   dnnl::memory PackedWeights(const dnnl::memory::desc& want, const dnnl::memory::desc& plain) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -190,7 +220,10 @@ class Linear {
   const Dt dt_;
   std::vector<char> plain_;  // W (n, k) row-major in dt_
   std::vector<float> bias_;
-  std::vector<float> panels_;  // W in RunRows' panels, or empty
+  std::vector<float> col_scales_;     // s8: W[i, :] = plain_[i, :] * col_scales_[i]
+  std::vector<float> panels_;         // W in RunRows' panels, or empty
+  std::vector<int8_t> int8_panels_;   // s8: W in Int8PanelRows' panels, or empty
+  std::vector<int32_t> column_sums_;  // s8: each panel column's sum of weights
   mutable absl::Mutex mu_;
   mutable absl::flat_hash_map<Key, std::shared_ptr<const Entry>> cache_ ABSL_GUARDED_BY(mu_);
   mutable std::vector<std::pair<dnnl::memory::desc, dnnl::memory>> packed_ ABSL_GUARDED_BY(mu_);

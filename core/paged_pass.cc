@@ -189,12 +189,16 @@ double MultiHeadAttention::Impl::PagedWork(std::span<const PagedStep> steps) con
   double flops = 0;
   // A decode step does ~1 FLOP per byte it reads, of the weights and of the cached
   // keys and values: memory bound, so it gets threads for its bytes
-  // (kPagedBytesPerThread) where its FLOPs alone would keep it on one.
+  // (kPagedBytesPerThread) where its FLOPs alone would keep it on one. An int8
+  // weight counts as 4 bytes: its row path does 4 multiply-adds per 4 bytes read and
+  // rescales every sum, and one thread took 51 us where two take 31 (decoder, context
+  // 64; docs/core.md, "int8 models").
+  const size_t weight_bytes = weights_ == Dt::s8 ? sizeof(float) : SizeOf(weights_);
   double bytes =
       c_.attention_only()
           ? 0.0
           : static_cast<double>(((c_.query_size + E) * E + (c_.key_size + c_.value_size) * Ekv) *
-                                SizeOf(act_));
+                                weight_bytes);
   for (const PagedStep& step : steps) {
     tq += step.num_queries;
     tk += step.new_keys();

@@ -186,14 +186,16 @@ BENCHMARK(BM_ToyRequests)
 // (prefill 128, 128 steps: contexts 128-256), so 16 / 1 sessions' tokens/s there is
 // what the core alone, without RPC, gives that bench's 16 / 1 ratio.
 //   build/release/tests/bench/mha_core_bench --benchmark_filter=Decode/
-void BM_DecodeStep(benchmark::State& state) {
+// Decode/step_int8: the same model made int8 (its cache stays f32).
+void BM_DecodeStep(benchmark::State& state, Precision precision) {
   const int64_t sessions = state.range(0), context = state.range(1);
   const ModelConfig config{.num_hiddens = 768,
                            .num_heads = 12,
                            .query_size = 768,
                            .key_size = 768,
                            .value_size = 768,
-                           .bias = true};
+                           .bias = true,
+                           .precision = precision};
   auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 5)).value();
   const int64_t steps = 64;
   KvCachePool pool(sessions * (context + steps + KvCachePool::kBlockTokens) * 2 * 768 * 4);
@@ -230,12 +232,21 @@ void BM_DecodeStep(benchmark::State& state) {
   state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(sessions),
                                                   benchmark::Counter::kIsIterationInvariantRate);
 }
-BENCHMARK(BM_DecodeStep)
+BENCHMARK_CAPTURE(BM_DecodeStep, f32, Precision::kF32)
     ->Name("Decode/step")
     ->ArgNames({"sessions", "context"})
     ->ArgsProduct({{1, 12}, {64, 512, 2048}})
     ->Args({1, 160})
     ->Args({16, 160})
+    ->Iterations(64)
+    ->Repetitions(5)
+    ->ReportAggregatesOnly()
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_DecodeStep, int8, Precision::kInt8)
+    ->Name("Decode/step_int8")
+    ->ArgNames({"sessions", "context"})
+    ->ArgsProduct({{1, 12}, {64, 2048}})
     ->Iterations(64)
     ->Repetitions(5)
     ->ReportAggregatesOnly()
@@ -276,10 +287,8 @@ void BM_AttentionOnlyDecode(benchmark::State& state) {
   for (int64_t s = 0; s < kSessions; ++s) {
     caches.push_back(std::make_unique<KvSequence>(&pool, kv_heads, kDh, bf16));
     if (!caches.back()->Reserve(kContext).ok()) return state.SkipWithError("pool");
-    const PagedStep fill{.num_keys = kContext,
-                         .keys = kv.data(),
-                         .values = kv.data(),
-                         .cache = caches.back().get()};
+    const PagedStep fill{
+        .num_keys = kContext, .keys = kv.data(), .values = kv.data(), .cache = caches.back().get()};
     if (!mha->ForwardPaged({&fill, 1}).ok()) return state.SkipWithError("fill");
   }
   std::vector<PagedStep> batch(kSessions);
@@ -398,9 +407,17 @@ BENCHMARK_CAPTURE(BM_GemmPeak, bf16, dnnl::memory::data_type::bf16)
     ->MinTime(1.0)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
+// s8 x s8 (VNNI), the int8 models' projections; "GFLOPS" counts multiply-adds as 2.
+BENCHMARK_CAPTURE(BM_GemmPeak, int8, dnnl::memory::data_type::s8)
+    ->Name("GemmPeak/int8")
+    ->Arg(2048)
+    ->MinTime(1.0)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
-void Register(const char* group, const Shape& shape) {
-  for (Precision p : {Precision::kF32, Precision::kBf16}) {
+void Register(const char* group, const Shape& shape, bool int8) {
+  for (Precision p : {Precision::kF32, Precision::kBf16, Precision::kInt8}) {
+    if (p == Precision::kInt8 && !int8) continue;
     auto* b = benchmark::RegisterBenchmark(
         (std::string(group) + "/" + shape.name + "/" + std::string(PrecisionName(p))).c_str(),
         BM_Forward, shape, p);
@@ -414,8 +431,8 @@ void Register(const char* group, const Shape& shape) {
 }
 
 [[maybe_unused]] const bool kRegistered = [] {
-  for (const Shape& shape : kShapes) Register("Forward", shape);
-  for (const Shape& shape : kAdditiveShapes) Register("Additive", shape);
+  for (const Shape& shape : kShapes) Register("Forward", shape, /*int8=*/true);
+  for (const Shape& shape : kAdditiveShapes) Register("Additive", shape, /*int8=*/false);
   return true;
 }();
 

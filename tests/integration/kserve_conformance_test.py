@@ -336,6 +336,11 @@ class GroupedRotaryParametersTest(ServerCase):
                          {"num_kv_heads": "2", "rope_theta": "1234567.5", "rotary_dim": "8",
                           "rope_interleaved": "false", "projections": "full",
                           "kv_cache_precision": "f32"}),
+        # Issue 37: an int8 model reports its precision; its cache stays f32.
+        "plain_int8": ('num_hiddens: 16 num_heads: 2 precision: "int8"',
+                       {"num_kv_heads": "2", "rope_theta": "0", "rotary_dim": "0",
+                        "rope_interleaved": "false", "projections": "full",
+                        "kv_cache_precision": "f32", "precision": "int8"}),
     }
 
     @classmethod
@@ -357,10 +362,13 @@ class GroupedRotaryParametersTest(ServerCase):
         for name, (_, expected) in self.MODELS.items():
             config = self.inf.ModelConfig(API.inf.ModelConfigRequest(name=name),
                                           timeout=TIMEOUT).config
+            expected = dict(expected)
+            expected.setdefault("precision", "f32")
             grpc_params = {k: config.parameters[k].string_value for k in expected}
             self.assertEqual(grpc_params, expected, name)
             info = self.att.GetModel(API.a.GetModelRequest(model=name), timeout=TIMEOUT)
-            from_info = {"num_kv_heads": str(info.num_kv_heads),
+            from_info = {"precision": info.precision,
+                         "num_kv_heads": str(info.num_kv_heads),
                          "rope_theta": repr(info.rope_theta).removesuffix(".0"),
                          "rotary_dim": str(info.rotary_dim),
                          "rope_interleaved": "true" if info.rope_interleaved else "false",
@@ -371,6 +379,20 @@ class GroupedRotaryParametersTest(ServerCase):
             self.assertEqual(status, 200, content[:300])
             http = json.loads(content)["parameters"]
             self.assertEqual({k: http[k]["string_value"] for k in expected}, expected, name)
+
+    def test_int8_model_serves_within_its_bound_of_the_f32_one(self):
+        # The same seeded weights as "plain": relative Frobenius error <= 2e-2 (the
+        # core's bound, issue 37), and not equal (the projections are quantized).
+        queries = kg.uniform(21, 2, 5, 16)
+        outputs = {}
+        for name in ("plain", "plain_int8"):
+            request = kg.attend_request(queries)
+            request.model = name
+            outputs[name] = kg.from_tensor(self.att.Attend(request, timeout=TIMEOUT).output)
+        want, got = outputs["plain"], outputs["plain_int8"]
+        err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        self.assertLessEqual(err, 2e-2)
+        self.assertGreater(err, 1e-5)
 
     def test_rotary_model_serves_over_both_transports(self):
         # Q < K, causal: the same request through KServe gRPC, HTTP and attention.v1

@@ -215,3 +215,28 @@ def test_export_prefix_errors_list_the_prefixes(whole_model, tmp_path):
                       "--num-heads", "4", "--output", str(tmp_path))
     assert done.returncode == 2 and "--prefix applies to --state-dict only" in done.stderr
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_int8_export_serves_within_its_bound(serve, tmp_path):
+    """precision="int8" (issue 37): the server quantizes the exported f32 weights at
+    load, reports int8, and answers within a relative Frobenius error of 2e-2 of
+    PyTorch; additive layers are refused naming the precision."""
+    torch.manual_seed(5)
+    module = trained_looking(torch.nn.MultiheadAttention(32, 4, batch_first=True), 5)
+    folder = mha_serve.export(module, str(tmp_path), name="m8", sample_inputs=(2, 6, 0),
+                              precision="int8")
+    assert 'precision: "int8"' in (tmp_path / "m8" / "config.pbtxt").read_text()
+    io = read_safetensors(f"{folder}/io.safetensors")
+    expected = local_forward(module, io).numpy()
+    with mha_serve.Client(serve(f"--model_repository={tmp_path}"), timeout=TIMEOUT) as client:
+        (info,) = client.models()
+        got = client.attend(io["queries"], valid_lens=io["valid_lens"], model="m8")
+    assert info.precision == "int8" and info.kv_cache_precision == "f32"
+    err = np.linalg.norm(got - expected) / np.linalg.norm(expected)
+    assert 1e-5 < err <= 2e-2, err
+    d2l = D2LMultiHeadAttention(16, 2, additive_hidden=4)
+    with pytest.raises(ValueError, match="precision 'int8'"):
+        mha_serve.export(d2l, str(tmp_path), name="bad", input_sizes=(16, 16, 16),
+                         precision="int8")
+    with pytest.raises(ValueError, match="precision 'fp8'"):
+        mha_serve.export(module, str(tmp_path), name="bad", precision="fp8")

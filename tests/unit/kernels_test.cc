@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -147,8 +148,14 @@ TEST(KernelsTest, Bf16CacheKernelsEqualTheF32OnesOnTheSameValues) {
 // f32 and bfloat16 caches (the double loops read the bfloat16 values widened); the
 // context accumulates onto what o held, and a prefetched block changes nothing.
 TEST(KernelsTest, GroupKernelsMatchDoubleLoops) {
-  for (const auto [p, nk] : {std::array<int64_t, 2>{128, 32}, {128, 17}, {64, 48}, {67, 70},
-                             {48, 5}, {16, 1}, {80, 33}, {5, 32}}) {
+  for (const auto [p, nk] : {std::array<int64_t, 2>{128, 32},
+                             {128, 17},
+                             {64, 48},
+                             {67, 70},
+                             {48, 5},
+                             {16, 1},
+                             {80, 33},
+                             {5, 32}}) {
     for (int64_t mq = 1; mq <= 9; ++mq) {
       SCOPED_TRACE(testing::Message() << "p " << p << " mq " << mq << " nk " << nk);
       const int64_t ld = nk + 3;
@@ -161,7 +168,8 @@ TEST(KernelsTest, GroupKernelsMatchDoubleLoops) {
       ToBf16(kt.data(), kt16.data(), static_cast<int64_t>(kt.size()));
       ToBf16(v.data(), v16.data(), static_cast<int64_t>(v.size()));
       std::vector<float> kt_w(kt.size()), v_w(v.size());
-      for (size_t i = 0; i < kt16.size(); ++i) kt_w[i] = std::bit_cast<float>(uint32_t{kt16[i]} << 16);
+      for (size_t i = 0; i < kt16.size(); ++i)
+        kt_w[i] = std::bit_cast<float>(uint32_t{kt16[i]} << 16);
       for (size_t i = 0; i < v16.size(); ++i) v_w[i] = std::bit_cast<float>(uint32_t{v16[i]} << 16);
       const float scale = 0.125f;
       const std::vector<float> next(4096, 1.0f);  // a block to prefetch
@@ -181,7 +189,8 @@ TEST(KernelsTest, GroupKernelsMatchDoubleLoops) {
         }
       }
       std::vector<float> o(mq * p), o16(mq * p);
-      for (size_t i = 0; i < o.size(); ++i) o[i] = o16[i] = 0.5f - 0.01f * static_cast<float>(i % 50);
+      for (size_t i = 0; i < o.size(); ++i)
+        o[i] = o16[i] = 0.5f - 0.01f * static_cast<float>(i % 50);
       const std::vector<float> before = o;
       GroupContext(probs.data(), v.data(), p, mq, nk, o.data(), next.data(),
                    static_cast<int64_t>(next.size() * sizeof(float)));
@@ -257,6 +266,55 @@ TEST(KernelsTest, AdditiveScoresMatchStdTanh) {
       expected += double{w[a]} * std::tanh(double{qa[a]} + double{kt[a * ld + j]});
     }
     EXPECT_NEAR(s[j], expected, 5e-7) << "key " << j;
+  }
+}
+
+// The int8 row path's sums are exact integers: against int64 loops over the same
+// quantized values, for column counts off the 64-column panels and depths off 4.
+TEST(KernelsTest, Int8PanelRowsEqualIntegerLoops) {
+  if (!Int8RowPathSupported()) GTEST_SKIP() << "no AVX-512 VNNI on this CPU";
+  uint64_t state = 7;
+  auto next = [&] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<int>(state >> 33);
+  };
+  for (const auto& [n, k] : {std::pair<int64_t, int64_t>{64, 4}, {100, 37}, {130, 768}, {1, 3}}) {
+    std::vector<int8_t> w(n * k);
+    for (int8_t& v : w) v = static_cast<int8_t>(next() % 255 - 127);
+    std::vector<int8_t> panels(Int8PanelCount(n) * Int8PanelDepth(k) * kInt8PanelColumns);
+    std::vector<int32_t> sums(n);
+    PackInt8Panels(w.data(), n, k, panels.data(), sums.data());
+    for (int64_t m = 1; m <= 3; ++m) {
+      const int64_t depth = Int8PanelDepth(k);
+      std::vector<int8_t> q(m * depth, 0);
+      for (int64_t r = 0; r < m; ++r) {
+        for (int64_t i = 0; i < k; ++i) q[r * depth + i] = static_cast<int8_t>(next() % 255 - 127);
+      }
+      std::vector<uint8_t> u(q.size());
+      for (size_t i = 0; i < q.size(); ++i) u[i] = static_cast<uint8_t>(q[i] + 128);
+      std::vector<float> col_scales(n), bias(n), y(m * n, -1.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        col_scales[j] = 0.5f + static_cast<float>(j % 7);
+        bias[j] = static_cast<float>(j % 5) - 2.0f;
+      }
+      const float row_scales[3] = {1.0f, 0.25f, 2.0f};
+      const Int8Epilogue e{.column_sums = sums.data(),
+                           .row_scales = row_scales,
+                           .col_scales = col_scales.data(),
+                           .bias = bias.data(),
+                           .y = y.data(),
+                           .ldy = n};
+      Int8PanelRows(u.data(), depth, m, panels.data(), n, k, e, 0, Int8PanelCount(n));
+      for (int64_t r = 0; r < m; ++r) {
+        for (int64_t j = 0; j < n; ++j) {
+          int64_t acc = 0;
+          for (int64_t i = 0; i < k; ++i) acc += int64_t{q[r * depth + i]} * w[j * k + i];
+          const double want = static_cast<double>(acc) * row_scales[r] * col_scales[j] + bias[j];
+          ASSERT_NEAR(y[r * n + j], want, 1e-6 * std::abs(want) + 1e-6)
+              << "n " << n << " k " << k << " m " << m << " row " << r << " col " << j;
+        }
+      }
+    }
   }
 }
 

@@ -2,6 +2,7 @@
 #ifndef MHA_TESTS_UNIT_TEST_UTIL_H_
 #define MHA_TESTS_UNIT_TEST_UTIL_H_
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -25,6 +26,21 @@ double MaxAbsDiff(const std::vector<A>& a, const std::vector<B>& b) {
     worst = std::max(worst, std::abs(static_cast<double>(a[i]) - static_cast<double>(b[i])));
   }
   return worst;
+}
+
+// ||got - want||_F / ||want||_F over the first min(sizes) elements, skipping
+// elements where `want` is NaN; 0 when want is all zero and got matches it.
+template <typename A, typename B>
+double RelativeFrobenius(const std::vector<A>& got, const std::vector<B>& want) {
+  double err = 0, norm = 0;
+  for (size_t i = 0; i < got.size() && i < want.size(); ++i) {
+    const double w = static_cast<double>(want[i]);
+    if (std::isnan(w)) continue;
+    const double d = static_cast<double>(got[i]) - w;
+    err += d * d;
+    norm += w * w;
+  }
+  return norm == 0 ? std::sqrt(err) : std::sqrt(err / norm);
 }
 
 }  // namespace mha::testing

@@ -229,15 +229,24 @@ def describe(module, input_sizes=None):
                     "Face-style attention layer (q_proj, k_proj, v_proj, o_proj, num_heads)")
 
 
-def config_text(config, source):
+PRECISIONS = ("f32", "bf16", "int8")
+
+
+def config_text(config, source, precision="f32"):
     """The config.pbtxt of a layer. It names no model: the server names a model after
-    its folder, so a renamed folder serves under its new name."""
+    its folder, so a renamed folder serves under its new name. precision: "f32",
+    "bf16" or "int8" (the server quantizes the f32 weights at load)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+    if precision == "int8" and config.get("scoring"):
+        raise ValueError("precision 'int8' quantizes dot-product layers only; this layer has "
+                         f"{config['scoring']} scoring (use 'f32' or 'bf16')")
     lines = [f"# Exported from {source} by mha_serve.export; the model's name is its "
              "folder's"]
     for field in ("num_hiddens", "num_heads", "query_size", "key_size", "value_size"):
         lines.append(f"{field}: {int(config[field])}")
     lines.append(f"bias: {'true' if config['bias'] else 'false'}")
-    lines.append('precision: "f32"')
+    lines.append(f'precision: "{precision}"')
     if config.get("scoring"):
         lines.append(f"scoring: {config['scoring']}")
         lines.append(f"additive_hidden: {int(config['additive_hidden'])}")
@@ -283,13 +292,16 @@ def sample_io(layer, sample_inputs, seed=0):
     return io
 
 
-def export(module, directory, name="default", sample_inputs=None, seed=0, input_sizes=None):
+def export(module, directory, name="default", sample_inputs=None, seed=0, input_sizes=None,
+           precision="f32"):
     """Writes `module` as the model folder `directory/name` of a model repository
     (name "default" is the model requests reach with model ""). Returns the folder.
 
     module: torch.nn.MultiheadAttention, a d2l-style MultiHeadAttention or a Hugging
     Face-style attention layer (see the module docstring). sample_inputs: None or (B, Q, K) for io.safetensors, inputs
     drawn with `seed`. input_sizes: (d_q, d_k, d_v) to materialise LazyLinear layers.
+    precision: the config's `precision`, "f32" (default), "bf16" or "int8"; the weights
+    are written in float32 either way (io.safetensors keeps PyTorch's f32 output).
     """
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name or ""):
         raise ValueError(f"name {name!r}: expected letters, digits, '_', '.', '-' "
@@ -298,13 +310,14 @@ def export(module, directory, name="default", sample_inputs=None, seed=0, input_
     module.eval()
     try:
         layer = describe(module, input_sizes)
+        text = config_text(layer.config, layer.kind, precision)
         folder = os.path.join(directory, name)
         os.makedirs(folder, exist_ok=True)
         write_safetensors(os.path.join(folder, "weights.safetensors"),
                           {n: t.detach().float() for n, t in layer.tensors.items()},
                           metadata={"format": "pt", "source": "mha_serve.export"})
         with open(os.path.join(folder, "config.pbtxt"), "w") as f:
-            f.write(config_text(layer.config, layer.kind))
+            f.write(text)
         if sample_inputs is not None:
             write_safetensors(os.path.join(folder, "io.safetensors"),
                               sample_io(layer, sample_inputs, seed))

@@ -60,6 +60,8 @@ def parse_args(argv):
     parser.add_argument("--sample", type=_sample, metavar="B,Q,K",
                         help="also write io.safetensors with inputs of these sizes")
     parser.add_argument("--seed", type=int, default=0, help="random weights and sample inputs")
+    parser.add_argument("--precision", choices=("f32", "bf16", "int8"), default="f32",
+                        help="config.pbtxt's precision (int8: quantized by the server at load)")
     parser.add_argument("--version", action="version",
                         version=f"mha_serve.export {__version__} (python)",
                         help="print the version and exit")
@@ -179,7 +181,7 @@ def main(argv=None):
     try:
         module = build_module(args)
         folder = export(module, args.output, name=args.name, sample_inputs=args.sample,
-                        seed=args.seed)
+                        seed=args.seed, precision=args.precision)
         c = describe(module).config
     except (ValueError, TypeError, RuntimeError, OSError, KeyError) as error:
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
