@@ -163,6 +163,12 @@ def config_seeds():
         "bad_theta": b"num_hiddens: 8 num_heads: 2 rope { theta: -inf } seeded { seed: 0 }\n",
         "bad_cache": b'num_hiddens: 8 num_heads: 2 precision: "bf16" kv_cache_precision: "f32"\n',
         "projections_none": b"num_hiddens: 8 num_heads: 2 projections: NONE\n",
+        # Issue 37: int8 models, and the two layers int8 refuses.
+        "int8_gqa": b'num_hiddens: 8 num_heads: 4 num_kv_heads: 2 bias: true precision: "int8" '
+                    b"seeded { seed: 5 }\n",
+        "bad_int8_additive": b'num_hiddens: 8 num_heads: 2 precision: "int8" scoring: ADDITIVE '
+                             b"additive_hidden: 4\n",
+        "bad_int8_none": b'num_hiddens: 8 num_heads: 2 precision: "int8" projections: NONE\n',
         "warmup": b"num_hiddens: 8 num_heads: 2 seeded { seed: 0 } "
                   b"limits { max_sequence_length: 16 }\n"
                   b"warmup { batch: 2 num_queries: 16 } warmup { batch: 1 num_queries: 3 "
