@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include "core/kernels.h"
 
@@ -177,49 +178,83 @@ Linear::Key Linear::KeyOf(int64_t rows, int64_t src_ld, int64_t dst_ld, Dt dst_d
   return {rows, src_ld, dst_ld, static_cast<int64_t>(dst_dt), PlanThreads()};
 }
 
+void Linear::RunInt8Chunk(dnnl::stream& stream, Bindings& args, int parts, int64_t m,
+                          const uint16_t* src, int64_t src_ld, char* dst, int64_t dst_ld,
+                          Dt dst_dt) const {
+  const std::shared_ptr<const Entry> entry = Lookup(KeyOf(m, 0, 0, dst_dt));
+  const Entry& e = *entry;
+  Bindings::Int8Chunk& chunk = args.int8_chunk();
+  if (chunk.rows.size() < static_cast<size_t>(m * k_)) chunk.rows.resize(m * k_);
+  if (chunk.scales.size() < static_cast<size_t>(m)) chunk.scales.resize(m);
+  if (chunk.sums.size() < static_cast<size_t>(m * n_)) chunk.sums.resize(m * n_);
+  const size_t dst_size = SizeOf(dst_dt);
+#pragma omp parallel for num_threads(parts) if (parts > 1)
+  for (int64_t t = 0; t < parts; ++t) {
+    const int64_t a = m * t / parts, b = m * (t + 1) / parts;
+    kernels::QuantizeRows(src + a * src_ld, src_ld, b - a, k_, chunk.rows.data() + a * k_,
+                          chunk.scales.data() + a);
+  }
+  args.Bind(DNNL_ARG_SRC, e.src_md, chunk.rows.data());
+  args.Bind(DNNL_ARG_DST, e.dst_md, chunk.sums.data());
+  args.Set(DNNL_ARG_WEIGHTS, e.weights);
+  args.Erase(DNNL_ARG_BIAS);
+  args.Execute(e.matmul, stream);
+  stream.wait();
+  args.Erase(DNNL_ARG_WEIGHTS);
+  const float* bias = bias_.empty() ? nullptr : bias_.data();
+#pragma omp parallel for num_threads(parts) if (parts > 1)
+  for (int64_t t = 0; t < parts; ++t) {
+    const int64_t a = m * t / parts, b = m * (t + 1) / parts;
+    kernels::DequantizeRows(chunk.sums.data() + a * n_, b - a, n_, chunk.scales.data() + a,
+                            col_scales_.data(), bias, dst + a * dst_ld * dst_size, dst_ld,
+                            dst_dt == Dt::bf16);
+  }
+}
+
 void Linear::RunInt8(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
                      StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt) const {
   const int threads = static_cast<int>(PlanThreads());
   const size_t dst_size = SizeOf(dst_dt);
-  Bindings::Int8Chunk& chunk = args.int8_chunk();
+  struct Chunk {
+    int64_t rows;
+    const uint16_t* src;
+    char* dst;
+  };
+  std::vector<Chunk> chunks;
   for (int64_t bi = 0; bi < batch; ++bi) {
     for (int64_t r0 = 0; r0 < rows;) {
       const int64_t m = RowChunk(rows - r0, kInt8RowChunkMax);
-      const std::shared_ptr<const Entry> entry = Lookup(KeyOf(m, 0, 0, dst_dt));
-      const Entry& e = *entry;
-      if (chunk.rows.size() < static_cast<size_t>(m * k_)) chunk.rows.resize(m * k_);
-      if (chunk.scales.size() < static_cast<size_t>(m)) chunk.scales.resize(m);
-      if (chunk.sums.size() < static_cast<size_t>(m * n_)) chunk.sums.resize(m * n_);
-      const auto* s =
-          static_cast<const uint16_t*>(src.data) + bi * src.batch_stride + r0 * src.row_stride;
-      auto* d =
-          static_cast<char*>(dst.data) + (bi * dst.batch_stride + r0 * dst.row_stride) * dst_size;
-      // Rows split over the call's threads; one thread for a few rows.
-      const int64_t parts = std::min<int64_t>(threads, (m * std::max(k_, n_) + 8191) / 8192);
-#pragma omp parallel for num_threads(parts) if (parts > 1)
-      for (int64_t t = 0; t < parts; ++t) {
-        const int64_t a = m * t / parts, b = m * (t + 1) / parts;
-        kernels::QuantizeRows(s + a * src.row_stride, src.row_stride, b - a, k_,
-                              chunk.rows.data() + a * k_, chunk.scales.data() + a);
-      }
-      args.Bind(DNNL_ARG_SRC, e.src_md, chunk.rows.data());
-      args.Bind(DNNL_ARG_DST, e.dst_md, chunk.sums.data());
-      args.Set(DNNL_ARG_WEIGHTS, e.weights);
-      args.Erase(DNNL_ARG_BIAS);
-      args.Execute(e.matmul, stream);
-      stream.wait();
-      const float* bias = bias_.empty() ? nullptr : bias_.data();
-#pragma omp parallel for num_threads(parts) if (parts > 1)
-      for (int64_t t = 0; t < parts; ++t) {
-        const int64_t a = m * t / parts, b = m * (t + 1) / parts;
-        kernels::DequantizeRows(chunk.sums.data() + a * n_, b - a, n_, chunk.scales.data() + a,
-                                col_scales_.data(), bias, d + a * dst.row_stride * dst_size,
-                                dst.row_stride, dst_dt == Dt::bf16);
-      }
+      chunks.push_back(
+          {m, static_cast<const uint16_t*>(src.data) + bi * src.batch_stride + r0 * src.row_stride,
+           static_cast<char*>(dst.data) +
+               (bi * dst.batch_stride + r0 * dst.row_stride) * dst_size});
       r0 += m;
     }
   }
-  args.Erase(DNNL_ARG_WEIGHTS);
+  const int64_t count = static_cast<int64_t>(chunks.size());
+  if (threads > 1 && count >= threads) {
+    // A chunk per thread at a time, each quantized, multiplied and rescaled by its
+    // thread alone (one-thread primitives): no barrier between the three steps, and
+    // each chunk's rows and sums stay in that core's cache (docs/core.md).
+#pragma omp parallel num_threads(threads)
+    {
+      thread_local Bindings local;
+      thread_local std::optional<dnnl::stream> local_stream;
+      if (!local_stream) local_stream.emplace(CpuEngine());
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t c = 0; c < count; ++c) {
+        RunInt8Chunk(*local_stream, local, 1, chunks[c].rows, chunks[c].src, src.row_stride,
+                     chunks[c].dst, dst.row_stride, dst_dt);
+      }
+    }
+    return;
+  }
+  for (const Chunk& c : chunks) {
+    // Rows split over the call's threads; one thread for a few rows.
+    const int64_t parts = std::min<int64_t>(threads, (c.rows * std::max(k_, n_) + 8191) / 8192);
+    RunInt8Chunk(stream, args, static_cast<int>(parts), c.rows, c.src, src.row_stride, c.dst,
+                 dst.row_stride, dst_dt);
+  }
 }
 
 void Linear::Run(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,

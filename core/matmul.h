@@ -206,7 +206,10 @@ class Linear {
   // Entries are shared so that a cache reset never frees one a caller still runs.
   // `built` (if given) is set when this call made the entry.
   std::shared_ptr<const Entry> Lookup(const Key& key, bool* built = nullptr) const;
-  // Run of an s8 Linear.
+  // Run of an s8 Linear, and one chunk of it (m rows of bf16 src into dst) with its
+  // quantization and rescaling split over `parts` threads.
+  void RunInt8Chunk(dnnl::stream& stream, Bindings& args, int parts, int64_t m, const uint16_t* src,
+                    int64_t src_ld, char* dst, int64_t dst_ld, Dt dst_dt) const;
   void RunInt8(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
                StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt) const;
   // The primitive key of a chunk of `rows` rows: an s8 Linear's GEMM reads and
