@@ -545,7 +545,7 @@ TEST(AttentionTest, AdditiveZeroValidLenGivesZeroContext) {
 // of 16 but whose Q, K, valid lengths and masks no call had before build none, and
 // still match the reference. Remainders below 16 rows are built when met (not here).
 TEST(AttentionTest, PreparedModelBuildsNoPrimitivesForNewShapes) {
-  for (const Precision precision : {Precision::kF32, Precision::kBf16}) {
+  for (const Precision precision : {Precision::kF32, Precision::kBf16, Precision::kInt8}) {
     Case base;
     base.config = ModelConfig{.num_hiddens = 256,
                               .num_heads = 4,
@@ -590,8 +590,13 @@ TEST(AttentionTest, PreparedModelBuildsNoPrimitivesForNewShapes) {
       d.valid_lens = shape.lens;
       std::vector<float> out(c.batch * c.num_queries * c.config.num_hiddens);
       ASSERT_TRUE(mha->Forward(d.Inputs(c), out.data()).ok());
-      EXPECT_LE(MaxAbsDiff(out, ReferenceForward(c.config, weights, d.Inputs(c)).output),
-                precision == Precision::kF32 ? kF32Tolerance : kBf16Tolerance);
+      const ReferenceResult ref = ReferenceForward(c.config, weights, d.Inputs(c));
+      if (precision == Precision::kInt8) {
+        EXPECT_LE(::mha::testing::RelativeFrobenius(out, ref.output), 2e-2);  // int8_test.cc
+      } else {
+        EXPECT_LE(MaxAbsDiff(out, ref.output),
+                  precision == Precision::kF32 ? kF32Tolerance : kBf16Tolerance);
+      }
     }
     EXPECT_EQ(internal::MatmulsMade(), made) << "primitives built after Prepare";
   }
