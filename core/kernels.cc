@@ -747,9 +747,11 @@ void PackInt8Panels(const int8_t* w, int64_t n, int64_t k, int8_t* panels, int32
 #if defined(__x86_64__) && defined(__GNUC__)
 // GCC 12's AVX-512 intrinsics start some results from _mm512_undefined_*, which
 // -Wmaybe-uninitialized reports at -O3 (GCC bug 105593).
+#if !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #define MHA_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
 bool Int8RowPathSupported() { return __builtin_cpu_supports("avx512vnni"); }
@@ -814,7 +816,9 @@ MHA_VNNI void Int8PanelRows(const uint8_t* x, int64_t ldx, int64_t m, const int8
     if (m == 1) Int8PanelGroup<1>(x, ldx, w, depth, e, col0, cols);
   }
 }
+#if !defined(__clang__)
 #pragma GCC diagnostic pop
+#endif
 #else
 bool Int8RowPathSupported() { return false; }
 void Int8PanelRows(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int64_t,
