@@ -186,18 +186,20 @@ def graph_attention(B, L, E, h, w, padded):
     return nodes, inits, graph_inputs
 
 
-def graph_mha(B, L, E, h, w, padded):
+def graph_mha(B, L, E, h, w, padded, linear=_linear):
+    """Three projections, com.microsoft.MultiHeadAttention, W_o; `linear` makes each
+    projection (_quantized_linear: ONNX Runtime's int8 form)."""
     nodes, inits = [], []
     graph_inputs = [helper.make_tensor_value_info("input", TensorProto.FLOAT, [B, L, E])]
     for m in ("q", "k", "v"):
-        _linear(nodes, inits, w, m, "input", m)
+        linear(nodes, inits, w, m, "input", m)
     ins = ["q", "k", "v"]
     if padded:
         ins += ["", "mask_index"]
         graph_inputs.append(helper.make_tensor_value_info("mask_index", TensorProto.INT32, [B]))
     nodes.append(helper.make_node("MultiHeadAttention", ins, ["ctx"], domain="com.microsoft",
                                   num_heads=h))
-    _output_projection(nodes, inits, w, "ctx")
+    linear(nodes, inits, w, "o", "ctx", "output")
     return nodes, inits, graph_inputs
 
 
@@ -215,18 +217,7 @@ def _quantized_linear(nodes, inits, w, m, src, dst):
 
 
 def graph_mha_int8(B, L, E, h, w, padded):
-    nodes, inits = [], []
-    graph_inputs = [helper.make_tensor_value_info("input", TensorProto.FLOAT, [B, L, E])]
-    for m in ("q", "k", "v"):
-        _quantized_linear(nodes, inits, w, m, "input", m)
-    ins = ["q", "k", "v"]
-    if padded:
-        ins += ["", "mask_index"]
-        graph_inputs.append(helper.make_tensor_value_info("mask_index", TensorProto.INT32, [B]))
-    nodes.append(helper.make_node("MultiHeadAttention", ins, ["ctx"], domain="com.microsoft",
-                                  num_heads=h))
-    _quantized_linear(nodes, inits, w, "o", "ctx", "output")
-    return nodes, inits, graph_inputs
+    return graph_mha(B, L, E, h, w, padded, linear=_quantized_linear)
 
 
 def graph_unfused(B, L, E, h, w, padded):
