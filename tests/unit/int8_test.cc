@@ -25,8 +25,8 @@ using ::mha::testing::RandomVector;
 using ::mha::testing::RelativeFrobenius;
 
 // issue 37's bound: ||int8 - reference||_F <= 2e-2 ||reference||_F. Symmetric int8
-// keeps a row's largest value to 1/254 of itself; the measured errors are about a
-// third of the bound (docs/core.md, "int8 models").
+// keeps a row's largest value to 1/254 of itself; the measured errors are about
+// half of the bound (docs/core.md, "int8 models").
 constexpr double kInt8Bound = 2e-2;
 
 ModelConfig Int8(int64_t e, int64_t h, int64_t dq, int64_t dk, int64_t dv, bool bias) {
