@@ -21,7 +21,8 @@ export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 
 declare -A max_len=([request]=4096 [safetensors]=4096 [config]=2048 [http_body]=8192 [http_framing]=4096 [http_response]=4096
   [inference_request]=4096 [session_request]=4096 [shared_memory]=1024)
-parallel="${MHA_FUZZ_JOBS:-$(nproc)}"
+# getconf, not nproc: nproc follows the OMP_NUM_THREADS=1 set above.
+parallel="${MHA_FUZZ_JOBS:-$(getconf _NPROCESSORS_ONLN)}"
 targets="${MHA_FUZZ_TARGETS:-request safetensors config http_body http_framing http_response inference_request session_request shared_memory}"
 for target in $targets; do
   if [[ ! -x "$build/tests/fuzz/${target}_fuzzer" ]]; then
