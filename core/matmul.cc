@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstring>
 #include <optional>
 
@@ -103,18 +102,9 @@ Linear::Linear(const float* w, const float* b, int64_t n, int64_t k, Dt dt, bool
   const size_t count = static_cast<size_t>(n * k);
   plain_.resize(count * SizeOf(dt));
   if (dt == Dt::s8) {
+    // Each row of W is an output feature: quantized as a call's input rows are.
     col_scales_.resize(n);
-    auto* q = reinterpret_cast<int8_t*>(plain_.data());
-    for (int64_t i = 0; i < n; ++i) {
-      float most = 0.0f;
-      for (int64_t j = 0; j < k; ++j) most = std::max(most, std::fabs(w[i * k + j]));
-      col_scales_[i] = most / 127.0f;
-      const float inv = most > 0.0f ? 127.0f / most : 0.0f;
-      for (int64_t j = 0; j < k; ++j) {
-        q[i * k + j] =
-            static_cast<int8_t>(std::clamp(std::lround(w[i * k + j] * inv), -127L, 127L));
-      }
-    }
+    kernels::QuantizeRows(w, k, n, k, reinterpret_cast<int8_t*>(plain_.data()), col_scales_.data());
   } else if (dt == Dt::bf16) {
     kernels::ToBf16(w, reinterpret_cast<uint16_t*>(plain_.data()), static_cast<int64_t>(count));
   } else {

@@ -561,14 +561,10 @@ TEST(PagedGqaRopeBf16Test, Bf16CacheOfAnF32Model) {
   KvCachePool pool(kBudget);
   for (const std::vector<int64_t>& chunks :
        {std::vector<int64_t>(n, 1), std::vector<int64_t>{30, 40}}) {
-    const std::vector<float> got = SelfSession(layer, pool, x, chunks);
-    double err = 0, norm = 0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      err += (got[i] - ref.output[i]) * (got[i] - ref.output[i]);
-      norm += ref.output[i] * ref.output[i];
-    }
-    EXPECT_LE(std::sqrt(err / norm), 1e-2) << chunks.size() << " chunks";
-    EXPECT_GT(std::sqrt(err / norm), 1e-6) << "the cache did not round to bf16";
+    const double err =
+        ::mha::testing::RelativeFrobenius(SelfSession(layer, pool, x, chunks), ref.output);
+    EXPECT_LE(err, 1e-2) << chunks.size() << " chunks";
+    EXPECT_GT(err, 1e-6) << "the cache did not round to bf16";
   }
   KvSequence f32(&pool, 2, 16);  // an f32 cache is not this model's
   ASSERT_TRUE(f32.Reserve(1).ok());
