@@ -2,6 +2,8 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace mha::core {
@@ -38,7 +40,7 @@ float* KvCachePool::Allocate(size_t bytes) {
       return block;
     }
   }
-  // A mapping of its own, so that a released block beyond retain_ goes straight
+  // A mapping of its own, so that a released chunk beyond retain_ goes straight
   // back to the system instead of fragmenting the heap.
   void* block = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (block == MAP_FAILED) {
@@ -65,27 +67,40 @@ void KvCachePool::Release(float* block, size_t bytes) {
 KvSequence::KvSequence(KvCachePool* pool, int64_t num_heads, int64_t head_size, bool bf16)
     : pool_(pool), num_heads_(num_heads), head_size_(head_size), bf16_(bf16) {}
 
-KvSequence::~KvSequence() {
-  for (float* block : blocks_) pool_->Release(block, block_bytes());
+KvSequence::~KvSequence() { ReleaseFrom(0); }
+
+void KvSequence::ReleaseFrom(size_t first) {
+  for (size_t b = first; b < blocks_.size(); b += static_cast<size_t>(blocks_[b].count)) {
+    pool_->Release(blocks_[b].chunk, static_cast<size_t>(blocks_[b].count) * block_bytes());
+  }
+  blocks_.resize(first);
 }
 
 absl::Status KvSequence::Reserve(int64_t tokens) {
+  constexpr int64_t kBt = KvCachePool::kBlockTokens;
   const int64_t want = size_ + tokens;
   const size_t first_new = blocks_.size();
   while (capacity() < want) {
-    float* block = pool_->Allocate(block_bytes());
-    if (block == nullptr) {
-      const int64_t needed = static_cast<int64_t>((blocks_.size() - first_new + 1) * block_bytes());
-      while (blocks_.size() > first_new) {
-        pool_->Release(blocks_.back(), block_bytes());
-        blocks_.pop_back();
-      }
+    const int64_t held = static_cast<int64_t>(blocks_.size());
+    const int64_t needed = (want - capacity() + kBt - 1) / kBt;
+    int64_t count = std::clamp<int64_t>(held, 1, KvCachePool::kChunkBlocks);
+    float* chunk = pool_->Allocate(static_cast<size_t>(count) * block_bytes());
+    if (chunk == nullptr && needed < count) {  // the blocks needed alone may fit
+      count = needed;
+      chunk = pool_->Allocate(static_cast<size_t>(count) * block_bytes());
+    }
+    if (chunk == nullptr) {
+      const int64_t more = static_cast<int64_t>((blocks_.size() - first_new) + needed) *
+                           static_cast<int64_t>(block_bytes());
+      ReleaseFrom(first_new);
       return absl::ResourceExhaustedError(
-          absl::StrCat("K/V cache budget: ", tokens, " more tokens need ", needed,
+          absl::StrCat("K/V cache budget: ", tokens, " more tokens need ", more,
                        " more bytes, and the cache's ", pool_->budget_bytes(), "-byte budget has ",
                        pool_->budget_bytes() - pool_->used_bytes(), " left"));
     }
-    blocks_.push_back(block);
+    for (int64_t i = 0; i < count; ++i) {
+      blocks_.push_back({chunk, static_cast<int32_t>(i), static_cast<int32_t>(count)});
+    }
   }
   return absl::OkStatus();
 }

@@ -2,19 +2,27 @@
 // head in fixed-size blocks, handed out by one pool under one byte budget.
 //
 // A block holds kBlockTokens tokens of one sequence, f32 (bf16 for a bf16 model's
-// sequence: half the bytes), head-major so that each
-// head's keys (and values) of the block are one dense matrix; keys transposed, so
-// that a query's scores against a block vectorise across its keys:
-//   keys   (h, p, kBlockTokens)   at block + 0; token r of the block in column r
-//   values (h, kBlockTokens, p)   at block + h * kBlockTokens * p; token r in row r
+// sequence: half the bytes): for each head, its keys transposed, (p, kBlockTokens),
+// token r of the block in column r, so that a query's scores against a block
+// vectorise across its keys; and its values, (kBlockTokens, p), token r in row r.
 // A sequence is a list of blocks; token t is column (row) t % kBlockTokens of block
 // t / kBlockTokens. Nothing is padded to the longest sequence, and a sequence's
-// last block is its only partly used one (at most kBlockTokens - 1 tokens of
-// slack per sequence).
+// last block is its only partly used one.
 //
-// The pool keeps released blocks for reuse, up to `retain_bytes` of them, because
+// Blocks come in chunks: a sequence's next chunk holds as many blocks as it already
+// has, at least 1 and at most kChunkBlocks (1, 1, 2, 4, 8, 8, ... blocks; one block
+// alone when the budget has room for no more). A chunk of n blocks is laid out head
+// by head: head h's keys of its first block, that block's values, the keys of its
+// second block, ..., then head h + 1. A decode step reads one head of every block in
+// order (paged_pass.cc), so that each chunk gives it n x 2 x kBlockTokens x p
+// elements in one run where blocks of their own gave it runs of kBlockTokens x p
+// (docs/performance.md, "Attention-only worker": 1.2x the read rate). A sequence holds
+// at most kChunkBlocks - 1 blocks more than it needs, and at most twice what it needs
+// when short.
+//
+// The pool keeps released chunks for reuse, up to `retain_bytes` of them, because
 // first-touching fresh pages costs far more than the arithmetic of a decode step;
-// beyond that it returns them to the system (blocks are their own mappings), so
+// beyond that it returns them to the system (chunks are their own mappings), so
 // memory goes back once sessions end.
 //
 //   KvCachePool pool(/*budget_bytes=*/1 << 30);
@@ -44,6 +52,9 @@ class KvCachePool {
   // 12 heads of 64) and a decode step's per-block overhead small next to its
   // 32 x p multiply-adds per head.
   static constexpr int64_t kBlockTokens = 32;
+  // Blocks in a sequence's largest chunk (see above): 8 of a Llama-3-8B layer's
+  // heads (G 8, d_h 128, f32) are 2 MiB.
+  static constexpr int64_t kChunkBlocks = 8;
 
   explicit KvCachePool(int64_t budget_bytes, int64_t retain_bytes = int64_t{16} << 20);
   ~KvCachePool();
@@ -56,7 +67,7 @@ class KvCachePool {
 
  private:
   friend class KvSequence;
-  // A zero-filled-or-reused block of `bytes`; nullptr when the budget would be
+  // A zero-filled-or-reused chunk of `bytes`; nullptr when the budget would be
   // exceeded (or the system refuses memory).
   float* Allocate(size_t bytes);
   void Release(float* block, size_t bytes);
@@ -66,10 +77,10 @@ class KvCachePool {
   mutable absl::Mutex mu_;
   int64_t used_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t retained_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<size_t, std::vector<float*>> free_ ABSL_GUARDED_BY(mu_);  // by block size
+  std::map<size_t, std::vector<float*>> free_ ABSL_GUARDED_BY(mu_);  // by chunk size
 };
 
-// One sequence's cached keys and values. Releases its blocks when destroyed.
+// One sequence's cached keys and values. Releases its chunks when destroyed.
 class KvSequence {
  public:
   // `bf16`: elements are bfloat16 (uint16_t), else float.
@@ -79,7 +90,8 @@ class KvSequence {
   KvSequence& operator=(const KvSequence&) = delete;
 
   // Makes room for `tokens` more tokens after size(). RESOURCE_EXHAUSTED naming the
-  // pool's budget when its blocks would exceed it; the sequence is then unchanged.
+  // pool's budget when the blocks they need would exceed it (a chunk the budget
+  // cannot hold whole shrinks to those blocks first); the sequence is then unchanged.
   absl::Status Reserve(int64_t tokens);
   // Tokens written (ForwardPaged writes rows size().. and then appends them).
   int64_t size() const { return size_; }
@@ -93,27 +105,35 @@ class KvSequence {
   int64_t head_size() const { return head_size_; }
   bool bf16() const { return bf16_; }
   // Block b's keys of head h, (p, kBlockTokens) transposed; its values,
-  // (kBlockTokens, p). T is float, or uint16_t for a bf16 sequence.
+  // (kBlockTokens, p), right after them. T is float, or uint16_t for a bf16 sequence.
   template <typename T>
   T* keys(int64_t b, int64_t h) const {
-    return reinterpret_cast<T*>(blocks_[b]) + h * KvCachePool::kBlockTokens * head_size_;
+    const Block& block = blocks_[b];
+    return reinterpret_cast<T*>(block.chunk) +
+           (h * block.count + block.index) * 2 * KvCachePool::kBlockTokens * head_size_;
   }
   template <typename T>
   T* values(int64_t b, int64_t h) const {
-    return reinterpret_cast<T*>(blocks_[b]) +
-           (num_heads_ + h) * KvCachePool::kBlockTokens * head_size_;
+    return keys<T>(b, h) + KvCachePool::kBlockTokens * head_size_;
   }
 
  private:
+  // Block `index` of a chunk of `count` blocks at `chunk`.
+  struct Block {
+    float* chunk;
+    int32_t index, count;
+  };
   size_t block_bytes() const {
     return static_cast<size_t>(2 * num_heads_ * KvCachePool::kBlockTokens * head_size_) *
            (bf16_ ? 2 : 4);
   }
+  // Gives back the chunks of blocks_[first..]; blocks_ keeps those before.
+  void ReleaseFrom(size_t first);
 
   KvCachePool* const pool_;
   const int64_t num_heads_, head_size_;
   const bool bf16_;
-  std::vector<float*> blocks_;
+  std::vector<Block> blocks_;  // chunks start at blocks with index 0
   int64_t size_ = 0;
 };
 

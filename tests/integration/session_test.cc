@@ -277,21 +277,22 @@ TEST_F(SessionTest, InterleavedSessionsStayApart) {
 // Each limit ends only the stream that meets it, naming the limit.
 TEST_F(SessionTest, LimitsEndOnlyTheirOwnSession) {
   // Toy blocks are 2 x 5 heads x 32 tokens x 20 floats = 25,600 bytes: 5 blocks.
+  // Sessions take them in chunks of 1, 1, 2, ... blocks (core/kv_cache.h).
   Start({"--session_cache_bytes=128000", "--session_idle_timeout=1s"});
   const std::vector<float> x = Random(200, 100, 5);
   Session a(*stub_, "toy", true);
-  ASSERT_TRUE(a.SelfStep(x, 100, 0, 96).has_value());  // 3 blocks
-  EXPECT_EQ(Metric("mha_session_cache_bytes"), 3 * 25600);
+  ASSERT_TRUE(a.SelfStep(x, 100, 0, 64).has_value());  // 2 blocks
+  EXPECT_EQ(Metric("mha_session_cache_bytes"), 2 * 25600);
 
   Session b(*stub_, "toy", true);
-  ASSERT_TRUE(b.SelfStep(x, 100, 0, 40).has_value());    // blocks 4 and 5
-  EXPECT_FALSE(b.SelfStep(x, 100, 40, 30).has_value());  // needs a 6th
+  ASSERT_TRUE(b.SelfStep(x, 100, 0, 40).has_value());    // blocks 3 and 4
+  EXPECT_FALSE(b.SelfStep(x, 100, 40, 60).has_value());  // needs a 5th and a 6th
   grpc::Status status = b.status();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_TRUE(absl::StrContains(status.error_message(), "--session_cache_bytes"))
       << status.error_message();
   EXPECT_TRUE(absl::StartsWith(status.error_message(), "step 1: ")) << status.error_message();
-  EXPECT_EQ(Metric("mha_session_cache_bytes"), 3 * 25600);  // b's went back
+  EXPECT_EQ(Metric("mha_session_cache_bytes"), 2 * 25600);  // b's went back
 
   Session c(*stub_, "short", true);  // max_session_tokens 40
   ASSERT_TRUE(c.SelfStep(x, 100, 0, 32).has_value());
@@ -304,7 +305,7 @@ TEST_F(SessionTest, LimitsEndOnlyTheirOwnSession) {
   // a, still stepping every 200 ms, outlives d, which goes idle past 1 s.
   Session d(*stub_, "toy", true);
   ASSERT_TRUE(d.SelfStep(x, 100, 0, 1).has_value());
-  for (int64_t t = 96; t < 104; ++t) {
+  for (int64_t t = 64; t < 72; ++t) {  // a's third block: a chunk of 2
     ASSERT_TRUE(a.SelfStep(x, 100, t, 1).has_value()) << a.status().error_message();
     absl::SleepFor(absl::Milliseconds(200));
   }

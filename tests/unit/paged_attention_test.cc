@@ -345,5 +345,68 @@ TEST(KvCachePoolTest, BudgetRefusesWithoutPartialBlocksAndReusesReleasedOnes) {
   EXPECT_EQ(pool.retained_bytes(), kBlock);  // the rest went back to the system
 }
 
+TEST(KvCachePoolTest, ChunksGrowAndKeepEachHeadsBlocksInOneRun) {
+  constexpr int64_t kBt = KvCachePool::kBlockTokens, kHeads = 3, kP = 16;
+  constexpr int64_t kBlock = 2 * kHeads * kBt * kP * 4, kTile = kBt * kP;
+  KvCachePool pool(int64_t{1} << 30);
+  KvSequence seq(&pool, kHeads, kP);
+  // One block at a time, as decode steps grow a sequence: chunks of 1, 1, 2, 4, 8, 8.
+  std::vector<int64_t> held;
+  for (int64_t blocks = 1; blocks <= 24; ++blocks) {
+    ASSERT_TRUE(seq.Reserve(blocks * kBt - seq.size()).ok());
+    seq.Append(blocks * kBt - seq.size());
+    held.push_back(seq.capacity() / kBt);
+  }
+  const std::vector<int64_t> want = {1, 2, 4, 4, 8, 8, 8, 8, 16, 16, 16, 16, 16, 16, 16, 16,
+                                     24, 24, 24, 24, 24, 24, 24, 24};
+  EXPECT_EQ(held, want);
+  EXPECT_EQ(pool.used_bytes(), 24 * kBlock);
+  // Within a chunk, a head's blocks follow one another, keys then values; the chunk
+  // is one head after another.
+  for (int64_t b = 0; b < 24; ++b) {
+    for (int64_t h = 0; h < kHeads; ++h) {
+      EXPECT_EQ(seq.values<float>(b, h), seq.keys<float>(b, h) + kTile);
+    }
+  }
+  for (int64_t first : {int64_t{4}, int64_t{8}, int64_t{16}}) {  // the 4- and 8-block chunks
+    const int64_t count = first == 4 ? 4 : 8;
+    for (int64_t i = 1; i < count; ++i) {
+      EXPECT_EQ(seq.keys<float>(first + i, 0), seq.keys<float>(first + i - 1, 0) + 2 * kTile);
+    }
+    EXPECT_EQ(seq.keys<float>(first, 1), seq.keys<float>(first + count - 1, 0) + 2 * kTile);
+  }
+  // Every element of every block is its own: writing each block's keys and values
+  // with its index leaves each one intact.
+  for (int64_t b = 0; b < 24; ++b) {
+    for (int64_t h = 0; h < kHeads; ++h) {
+      std::fill_n(seq.keys<float>(b, h), 2 * kTile, static_cast<float>(b * kHeads + h));
+    }
+  }
+  for (int64_t b = 0; b < 24; ++b) {
+    for (int64_t h = 0; h < kHeads; ++h) {
+      const float* x = seq.keys<float>(b, h);
+      EXPECT_TRUE(std::all_of(x, x + 2 * kTile, [&](float v) { return v == b * kHeads + h; }))
+          << "block " << b << ", head " << h;
+    }
+  }
+}
+
+TEST(KvCachePoolTest, AChunkTheBudgetCannotHoldShrinksToTheBlocksNeeded) {
+  constexpr int64_t kBt = KvCachePool::kBlockTokens;
+  constexpr int64_t kBlock = 2 * 2 * kBt * 8 * 4;
+  KvCachePool pool(5 * kBlock);
+  KvSequence seq(&pool, 2, 8);
+  ASSERT_TRUE(seq.Reserve(4 * kBt).ok());  // chunks of 1, 1 and 2 blocks
+  EXPECT_EQ(seq.capacity(), 4 * kBt);
+  // The next chunk would be 4 blocks; the budget has 1 left, which is all one more
+  // token needs.
+  ASSERT_TRUE(seq.Reserve(4 * kBt + 1).ok());
+  EXPECT_EQ(seq.capacity(), 5 * kBt);
+  EXPECT_EQ(pool.used_bytes(), 5 * kBlock);
+  const absl::Status s = seq.Reserve(5 * kBt + 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_EQ(seq.capacity(), 5 * kBt);
+}
+
 }  // namespace
 }  // namespace mha::core
