@@ -1,0 +1,183 @@
+// How fast the paged pass's kernels read a cache from memory, against a plain read
+// loop over the same bytes, in one process with the cases alternated round by round
+// (this VM's memory bandwidth moves by 20-30% between runs, so separate runs cannot be
+// compared). Issue 35's figure is the attention-only worker's step through the server
+// (attention_only_bench.py); this isolates its two kernels, kernels::GroupScores and
+// GroupContext, from everything else a step does.
+//
+// The cache: 16 sequences of 4,096 tokens of a grouped-query layer (G 8 key/value heads
+// of d_h 128, f32: 512 MiB), in blocks of KvCachePool::kBlockTokens tokens. A task is
+// one sequence's key/value head, its h/G = 4 query rows through every block (scores,
+// then context), as AttendPagedTask runs them; two threads share the 128 tasks. Cases:
+//   read           two threads summing the buffer as uint64 words (memory_read's loop)
+//   chunks:N       the cache's layout (core/kv_cache.h) with chunks of N blocks: each
+//                  head's blocks of a chunk together, so a task reads N x 32 KiB in one
+//                  run; the cache's sequences grow to chunks of 8; with and without the
+//                  paged pass's software prefetch of the next block
+//   own blocks     the layout before chunks (2026-11-27): each block holding every
+//                  head's keys, then every head's values, so a task read 16 KiB runs
+//                  128 KiB apart (here in one mapping; a mapping per block, as the
+//                  cache had them, measured the same)
+//   in_cache       every task over the first sequence's first 2 blocks (chunks:8),
+//                  again and again (512 KiB, in the cores' caches): the kernels'
+//                  arithmetic rate
+// Prints each case's median GB/s over the rounds (cache bytes read / wall time), its
+// spread, and its ratio to the read loop's median.
+//
+//   paged_read [--rounds=15]
+#include <omp.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/kernels.h"
+#include "core/kv_cache.h"
+
+namespace {
+
+using mha::core::KvCachePool;
+namespace kernels = mha::core::kernels;
+
+constexpr int64_t kP = 128, kG = 8, kRows = 4, kSequences = 16, kTokens = 4096;
+constexpr int64_t kBt = KvCachePool::kBlockTokens;
+constexpr int64_t kBlocks = kTokens / kBt;
+constexpr int64_t kTile = kP * kBt;               // floats: one head's keys (or values)
+constexpr int64_t kBlockFloats = 2 * kG * kTile;  // every head's keys and values
+constexpr int64_t kFloats = kSequences * kBlocks * kBlockFloats;
+
+struct Layout {
+  const float* cache;
+  int64_t chunk;  // N: chunks of N blocks; 0: blocks of their own (every head together)
+  const float* keys(int64_t s, int64_t g, int64_t b) const {
+    const float* seq = cache + s * kBlocks * kBlockFloats;
+    if (chunk == 0) return seq + b * kBlockFloats + g * kTile;
+    return seq + (b / chunk) * chunk * kBlockFloats + (g * chunk + b % chunk) * 2 * kTile;
+  }
+  const float* values(int64_t s, int64_t g, int64_t b) const {
+    if (chunk == 0) return keys(s, g, b) + kG * kTile;
+    return keys(s, g, b) + kTile;
+  }
+};
+
+// Every task through `blocks` blocks of its sequence (of the first one: `first_only`);
+// returns the bytes read / second.
+double Attend(const Layout& layout, bool prefetch, int64_t blocks, int64_t repeat,
+              bool first_only) {
+  const auto start = std::chrono::steady_clock::now();
+  float sink = 0;
+#pragma omp parallel num_threads(2) reduction(+ : sink)
+  {
+    std::vector<float> q(kRows * kP, 0.01f), s(kRows * kBt), o(kRows * kP, 0.0f);
+    for (int64_t r = 0; r < repeat; ++r) {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < kSequences * kG; ++task) {
+        const int64_t seq = first_only ? 0 : task / kG, g = task % kG;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const bool more = prefetch && b + 1 < blocks;
+          kernels::GroupScores(q.data(), layout.keys(seq, g, b), kBt, kP, kRows, kBt, 0.1f,
+                               s.data(), more ? layout.keys(seq, g, b + 1) : nullptr,
+                               kTile * sizeof(float));
+          for (float& x : s) x *= 1e-3f;  // stands in for the softmax's weights
+          kernels::GroupContext(s.data(), layout.values(seq, g, b), kP, kRows, kBt, o.data(),
+                                more ? layout.values(seq, g, b + 1) : nullptr,
+                                kTile * sizeof(float));
+        }
+      }
+    }
+    sink += o[0];
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (sink == 12345.0f) std::puts("");
+  return static_cast<double>(repeat * kSequences * blocks * 2 * kG * kTile) * sizeof(float) /
+         seconds / 1e9;
+}
+
+double Read(const float* cache) {
+  const auto* x = reinterpret_cast<const uint64_t*>(cache);
+  const int64_t words = kFloats / 2;
+  const auto start = std::chrono::steady_clock::now();
+  uint64_t total = 0;
+#pragma omp parallel num_threads(2) reduction(+ : total)
+  {
+    const int64_t t = omp_get_thread_num(), begin = words * t / 2, end = words * (t + 1) / 2;
+    uint64_t a = 0, b = 0, c = 0, d = 0;
+    for (int64_t i = begin; i + 4 <= end; i += 4) {
+      a += x[i];
+      b += x[i + 1];
+      c += x[i + 2];
+      d += x[i + 3];
+    }
+    total += a + b + c + d;
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (total == 12345) std::puts("");
+  return static_cast<double>(kFloats) * sizeof(float) / seconds / 1e9;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int rounds = 15;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--rounds=", 9) == 0) rounds = std::max(1, std::atoi(argv[i] + 9));
+  }
+  void* mapped = mmap(nullptr, kFloats * sizeof(float), PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mapped == MAP_FAILED) {
+    std::perror("mmap");
+    return 1;
+  }
+  auto* cache = static_cast<float*>(mapped);
+  for (int64_t i = 0; i < kFloats; ++i) cache[i] = 0.5f;  // mapped before any timing
+
+  struct Case {
+    std::string name;
+    int64_t chunk;  // -1: the read loop
+    bool prefetch;
+    int64_t blocks, repeat;
+  };
+  const std::vector<Case> cases = {
+      {"read", -1, false, 0, 0},
+      {"chunks:8, prefetch", 8, true, kBlocks, 1},
+      {"chunks:8, no prefetch", 8, false, kBlocks, 1},
+      {"chunks:2, prefetch", 2, true, kBlocks, 1},
+      {"chunks:128, prefetch", 128, true, kBlocks, 1},
+      {"own blocks, prefetch", 0, true, kBlocks, 1},
+      {"own blocks, no prefetch", 0, false, kBlocks, 1},
+      {"in_cache", 8, false, 2, kBlocks / 2},
+  };
+  std::vector<std::vector<double>> figures(cases.size());
+  for (int r = 0; r < rounds; ++r) {
+    for (size_t c = 0; c < cases.size(); ++c) {
+      const Case& k = cases[c];
+      figures[c].push_back(k.chunk < 0 ? Read(cache)
+                                       : Attend({cache, k.chunk}, k.prefetch, k.blocks, k.repeat,
+                                                k.blocks < kBlocks));
+    }
+  }
+  std::printf("cache of %lld MiB (%lld sequences x %lld tokens, G %lld, d_h %lld, f32), "
+              "%d alternated rounds, 2 threads\n",
+              static_cast<long long>(kFloats * sizeof(float) >> 20),
+              static_cast<long long>(kSequences), static_cast<long long>(kTokens),
+              static_cast<long long>(kG), static_cast<long long>(kP), rounds);
+  double read = 0;
+  for (size_t c = 0; c < cases.size(); ++c) {
+    std::vector<double> v = figures[c];
+    std::sort(v.begin(), v.end());
+    const double median = v[v.size() / 2];
+    if (c == 0) read = median;
+    std::printf("%-30s median %6.2f GB/s (%.2f-%.2f)  %.2fx the read loop\n",
+                cases[c].name.c_str(), median, v.front(), v.back(), median / read);
+  }
+  munmap(mapped, kFloats * sizeof(float));
+  return 0;
+}
