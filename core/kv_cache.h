@@ -16,7 +16,7 @@
 // second block, ..., then head h + 1. A decode step reads one head of every block in
 // order (paged_pass.cc), so that each chunk gives it n x 2 x kBlockTokens x p
 // elements in one run where blocks of their own gave it runs of kBlockTokens x p
-// (docs/performance.md, "Attention-only worker": 1.2x the read rate). A sequence holds
+// (measured in docs/performance.md, "Attention-only worker"). A sequence holds
 // at most kChunkBlocks - 1 blocks more than it needs, and at most twice what it needs
 // when short.
 //

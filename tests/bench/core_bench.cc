@@ -177,6 +177,10 @@ BENCHMARK(BM_ToyRequests)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
+// The decode benches' pools hold each session's tokens and the rest of its last
+// chunk (core/kv_cache.h).
+constexpr int64_t kChunkSlackTokens = KvCachePool::kChunkBlocks * KvCachePool::kBlockTokens;
+
 // One decode step per session (ForwardPaged): `sessions` self-attention sessions
 // of the decoder model's size (768, 12 heads, bias), each prefilled to `context`
 // tokens, then each iteration adds one token to every session in one call, as the
@@ -198,9 +202,7 @@ void BM_DecodeStep(benchmark::State& state, Precision precision) {
                            .precision = precision};
   auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 5)).value();
   const int64_t steps = 64;
-  // Room for each session's blocks and the rest of its last chunk (core/kv_cache.h).
-  constexpr int64_t kSlack = KvCachePool::kChunkBlocks * KvCachePool::kBlockTokens;
-  KvCachePool pool(sessions * (context + steps + kSlack) * 2 * 768 * 4);
+  KvCachePool pool(sessions * (context + steps + kChunkSlackTokens) * 2 * 768 * 4);
   std::mt19937_64 rng(7);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   std::vector<float> prefill((context + steps) * 768), token(sessions * 768);
@@ -286,8 +288,7 @@ void BM_AttentionOnlyDecode(benchmark::State& state) {
   if (bf16) config.kv_cache_precision = Precision::kBf16;
   auto mha = MultiHeadAttention::Create(config, Weights{}).value();
   const int64_t E = kHeads * kDh, Ekv = kv_heads * kDh, elem = bf16 ? 2 : 4;
-  constexpr int64_t kSlack = KvCachePool::kChunkBlocks * KvCachePool::kBlockTokens;
-  KvCachePool pool(kSessions * (kContext + kSteps + kSlack) * 2 * Ekv * elem);
+  KvCachePool pool(kSessions * (kContext + kSteps + kChunkSlackTokens) * 2 * Ekv * elem);
   std::mt19937_64 rng(7);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   std::vector<float> kv(kContext * Ekv), q(kSessions * E), k(kSessions * Ekv), v(kSessions * Ekv);

@@ -15,6 +15,8 @@
 #include <thread>
 #include <vector>
 
+#include "tests/bench/read_loop.h"
+
 namespace {
 
 int64_t Flag(int argc, char** argv, const char* name, int64_t fallback) {
@@ -44,17 +46,7 @@ int main(int argc, char** argv) {
     for (int64_t t = 0; t < threads; ++t) {
       pool.emplace_back([&, t] {
         const int64_t begin = words * t / threads, end = words * (t + 1) / threads;
-        uint64_t a = 0, b = 0, c = 0, d = 0;
-        const uint64_t* x = buffer.data();
-        int64_t i = begin;
-        for (; i + 4 <= end; i += 4) {
-          a += x[i];
-          b += x[i + 1];
-          c += x[i + 2];
-          d += x[i + 3];
-        }
-        for (; i < end; ++i) a += x[i];
-        sums[static_cast<size_t>(t)] = a + b + c + d;
+        sums[static_cast<size_t>(t)] = mha::bench::SumWords(buffer.data(), begin, end);
       });
     }
     for (std::thread& th : pool) th.join();

@@ -39,6 +39,7 @@
 
 #include "core/kernels.h"
 #include "core/kv_cache.h"
+#include "tests/bench/read_loop.h"
 
 namespace {
 
@@ -107,15 +108,8 @@ double Read(const float* cache) {
   uint64_t total = 0;
 #pragma omp parallel num_threads(2) reduction(+ : total)
   {
-    const int64_t t = omp_get_thread_num(), begin = words * t / 2, end = words * (t + 1) / 2;
-    uint64_t a = 0, b = 0, c = 0, d = 0;
-    for (int64_t i = begin; i + 4 <= end; i += 4) {
-      a += x[i];
-      b += x[i + 1];
-      c += x[i + 2];
-      d += x[i + 3];
-    }
-    total += a + b + c + d;
+    const int64_t t = omp_get_thread_num();
+    total += mha::bench::SumWords(x, words * t / 2, words * (t + 1) / 2);
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
