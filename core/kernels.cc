@@ -323,6 +323,15 @@ MHA_INLINE void ScoresRows(const float* q, const T* kt, int64_t ld, int64_t p, i
     ScoresRowsGroup<R, R <= 2 ? 4 : 2, 1>(q, kt, ld, p, j0, scale, s, nk, pf);
   }
   if (j0 == nk) return;
+  if (j0 + 16 <= ld) {
+    // The rows of kt hold a whole vector past j0 (a cache block's last keys): one more
+    // group, whose sums past nk are dropped, in place of the plain loop below, where
+    // each key's sum is a chain of p multiply-adds through memory.
+    float last[R * 16];
+    ScoresRowsGroup<R, R <= 2 ? 4 : 2, 1>(q, kt + j0, ld, p, 0, scale, last, 16, pf);
+    for (int r = 0; r < R; ++r) std::copy_n(last + r * 16, nk - j0, s + r * nk + j0);
+    return;
+  }
   for (int r = 0; r < R; ++r) {
     float* sr = s + r * nk;
     std::fill(sr + j0, sr + nk, 0.0f);

@@ -156,54 +156,63 @@ TEST(KernelsTest, GroupKernelsMatchDoubleLoops) {
                              {16, 1},
                              {80, 33},
                              {5, 32}}) {
-    for (int64_t mq = 1; mq <= 9; ++mq) {
-      SCOPED_TRACE(testing::Message() << "p " << p << " mq " << mq << " nk " << nk);
-      const int64_t ld = nk + 3;
-      std::vector<float> q(mq * p), kt(p * ld), v(nk * p), probs(mq * nk);
-      for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.7f * static_cast<float>(i));
-      for (size_t i = 0; i < kt.size(); ++i) kt[i] = std::cos(0.3f * static_cast<float>(i));
-      for (size_t i = 0; i < v.size(); ++i) v[i] = std::sin(0.11f * static_cast<float>(i) + 1);
-      for (size_t i = 0; i < probs.size(); ++i) probs[i] = 0.01f * static_cast<float>(i % 17);
-      std::vector<uint16_t> kt16(kt.size()), v16(v.size());
-      ToBf16(kt.data(), kt16.data(), static_cast<int64_t>(kt.size()));
-      ToBf16(v.data(), v16.data(), static_cast<int64_t>(v.size()));
-      std::vector<float> kt_w(kt.size()), v_w(v.size());
-      for (size_t i = 0; i < kt16.size(); ++i)
-        kt_w[i] = std::bit_cast<float>(uint32_t{kt16[i]} << 16);
-      for (size_t i = 0; i < v16.size(); ++i) v_w[i] = std::bit_cast<float>(uint32_t{v16[i]} << 16);
-      const float scale = 0.125f;
-      const std::vector<float> next(4096, 1.0f);  // a block to prefetch
-      std::vector<float> s(mq * nk, kInf), s16(mq * nk, kInf);
-      GroupScores(q.data(), kt.data(), ld, p, mq, nk, scale, s.data(), next.data(),
-                  static_cast<int64_t>(next.size() * sizeof(float)));
-      GroupScoresBf16(q.data(), kt16.data(), ld, p, mq, nk, scale, s16.data());
-      for (int64_t i = 0; i < mq; ++i) {
-        for (int64_t j = 0; j < nk; ++j) {
-          double dot = 0, dot16 = 0;
-          for (int64_t c = 0; c < p; ++c) {
-            dot += double{q[i * p + c]} * kt[c * ld + j];
-            dot16 += double{q[i * p + c]} * kt_w[c * ld + j];
-          }
-          EXPECT_NEAR(s[i * nk + j], scale * dot, 2e-5) << i << "," << j;
-          EXPECT_NEAR(s16[i * nk + j], scale * dot16, 2e-5) << i << "," << j;
+    // Key rows 3 wider than nk, or as wide as the next multiple of 16 (a cache block's
+    // last keys: the kernels then read whole vectors past nk). The columns past nk hold
+    // NaN, which must not reach a score.
+    for (const int64_t ld : {nk + 3, (nk + 15) / 16 * 16}) {
+      for (int64_t mq = 1; mq <= 9; ++mq) {
+        SCOPED_TRACE(testing::Message()
+                     << "p " << p << " mq " << mq << " nk " << nk << " ld " << ld);
+        std::vector<float> q(mq * p), kt(p * ld), v(nk * p), probs(mq * nk);
+        for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.7f * static_cast<float>(i));
+        for (size_t i = 0; i < kt.size(); ++i) {
+          kt[i] = static_cast<int64_t>(i) % ld < nk ? std::cos(0.3f * static_cast<float>(i))
+                                                    : std::numeric_limits<float>::quiet_NaN();
         }
-      }
-      std::vector<float> o(mq * p), o16(mq * p);
-      for (size_t i = 0; i < o.size(); ++i)
-        o[i] = o16[i] = 0.5f - 0.01f * static_cast<float>(i % 50);
-      const std::vector<float> before = o;
-      GroupContext(probs.data(), v.data(), p, mq, nk, o.data(), next.data(),
-                   static_cast<int64_t>(next.size() * sizeof(float)));
-      GroupContextBf16(probs.data(), v16.data(), p, mq, nk, o16.data());
-      for (int64_t i = 0; i < mq; ++i) {
-        for (int64_t c = 0; c < p; ++c) {
-          double sum = before[i * p + c], sum16 = before[i * p + c];
+        for (size_t i = 0; i < v.size(); ++i) v[i] = std::sin(0.11f * static_cast<float>(i) + 1);
+        for (size_t i = 0; i < probs.size(); ++i) probs[i] = 0.01f * static_cast<float>(i % 17);
+        std::vector<uint16_t> kt16(kt.size()), v16(v.size());
+        ToBf16(kt.data(), kt16.data(), static_cast<int64_t>(kt.size()));
+        ToBf16(v.data(), v16.data(), static_cast<int64_t>(v.size()));
+        std::vector<float> kt_w(kt.size()), v_w(v.size());
+        for (size_t i = 0; i < kt16.size(); ++i)
+          kt_w[i] = std::bit_cast<float>(uint32_t{kt16[i]} << 16);
+        for (size_t i = 0; i < v16.size(); ++i)
+          v_w[i] = std::bit_cast<float>(uint32_t{v16[i]} << 16);
+        const float scale = 0.125f;
+        const std::vector<float> next(4096, 1.0f);  // a block to prefetch
+        std::vector<float> s(mq * nk, kInf), s16(mq * nk, kInf);
+        GroupScores(q.data(), kt.data(), ld, p, mq, nk, scale, s.data(), next.data(),
+                    static_cast<int64_t>(next.size() * sizeof(float)));
+        GroupScoresBf16(q.data(), kt16.data(), ld, p, mq, nk, scale, s16.data());
+        for (int64_t i = 0; i < mq; ++i) {
           for (int64_t j = 0; j < nk; ++j) {
-            sum += double{probs[i * nk + j]} * v[j * p + c];
-            sum16 += double{probs[i * nk + j]} * v_w[j * p + c];
+            double dot = 0, dot16 = 0;
+            for (int64_t c = 0; c < p; ++c) {
+              dot += double{q[i * p + c]} * kt[c * ld + j];
+              dot16 += double{q[i * p + c]} * kt_w[c * ld + j];
+            }
+            EXPECT_NEAR(s[i * nk + j], scale * dot, 2e-5) << i << "," << j;
+            EXPECT_NEAR(s16[i * nk + j], scale * dot16, 2e-5) << i << "," << j;
           }
-          EXPECT_NEAR(o[i * p + c], sum, 2e-5) << i << "," << c;
-          EXPECT_NEAR(o16[i * p + c], sum16, 2e-5) << i << "," << c;
+        }
+        std::vector<float> o(mq * p), o16(mq * p);
+        for (size_t i = 0; i < o.size(); ++i)
+          o[i] = o16[i] = 0.5f - 0.01f * static_cast<float>(i % 50);
+        const std::vector<float> before = o;
+        GroupContext(probs.data(), v.data(), p, mq, nk, o.data(), next.data(),
+                     static_cast<int64_t>(next.size() * sizeof(float)));
+        GroupContextBf16(probs.data(), v16.data(), p, mq, nk, o16.data());
+        for (int64_t i = 0; i < mq; ++i) {
+          for (int64_t c = 0; c < p; ++c) {
+            double sum = before[i * p + c], sum16 = before[i * p + c];
+            for (int64_t j = 0; j < nk; ++j) {
+              sum += double{probs[i * nk + j]} * v[j * p + c];
+              sum16 += double{probs[i * nk + j]} * v_w[j * p + c];
+            }
+            EXPECT_NEAR(o[i * p + c], sum, 2e-5) << i << "," << c;
+            EXPECT_NEAR(o16[i * p + c], sum16, 2e-5) << i << "," << c;
+          }
         }
       }
     }
