@@ -206,6 +206,13 @@ class MultiHeadAttention::Impl {
     int64_t ldq;
     float* ctx;                         // the step's row 0 of the concatenated heads, (T, p_o)
     const internal::RotaryTable* rope;  // the call's table, or nullptr
+    // The step's new keys and values (row 0, row stride ldkv), which the task stores
+    // into its key/value head's blocks before it attends (TasksStorePaged), or
+    // nullptr when StorePaged has stored them.
+    const float* new_k = nullptr;
+    const float* new_v = nullptr;
+    int64_t ldkv = 0;
+    bool prefetch = true;  // each next block while this one is worked on
   };
   // The steps' new rows through the projections: row r of Q at q + r * ld; of the
   // new keys and values at k + r * ldkv, v + r * ldkv.
@@ -227,9 +234,15 @@ class MultiHeadAttention::Impl {
   // the keys rotated to their positions when `rope` is given.
   void StorePaged(std::span<const PagedStep> steps, const float* k, const float* v, int64_t ld,
                   const internal::RotaryTable* rope) const;
+  // Whether each key/value head of every step has one task (a few query rows of all
+  // its query heads), which then stores that head's new rows itself: the rows a core
+  // writes are those it reads, and no thread waits for a serial StorePaged.
+  bool TasksStorePaged(std::span<const PagedStep> steps) const;
+  // With tasks_store, tasks go to threads as contiguous ranges of equal cost
+  // (RunTasks), so that a session's heads stay with one core from step to step.
   absl::Status AttendPaged(std::span<const PagedStep> steps, const PagedProjections& proj,
-                           const internal::RotaryTable* rope, int threads, Workspace& ws,
-                           float* ctx) const;
+                           const internal::RotaryTable* rope, int threads, bool tasks_store,
+                           Workspace& ws, float* ctx) const;
   // One task over a cache of element type T (float, or uint16_t for bf16).
   template <typename T>
   void AttendPagedTask(const PagedTask& task, TaskScratch& scratch) const;

@@ -18,6 +18,10 @@ using internal::Dt;
 using internal::Grow;
 using internal::SizeOf;
 
+// The paged kernels prefetch the next block above this many bytes of cache read
+// by a call.
+constexpr double kPrefetchAboveBytes = 32 << 20;
+
 // ForwardPaged: one thread per this many bytes of weights and cached keys and
 // values read (bert_base's weights are 9 MiB), when that is more than its FLOPs get.
 constexpr double kPagedBytesPerThread = 4 << 20;
@@ -55,17 +59,18 @@ inline void BlockContext(const float* probs, const uint16_t* v, int64_t p, int64
 inline void ToCache(const float* x, float* y, int64_t n) { std::copy_n(x, n, y); }
 inline void ToCache(const float* x, uint16_t* y, int64_t n) { kernels::ToBf16(x, y, n); }
 
-// n new keys and values (rows at k and v, row stride ld; G heads of p) into the cache
-// after its last token: keys transposed within their block, values as rows. With
-// `rope`, each key is rotated to its token's position first.
+// n new keys and values of heads [h0, h1) (rows at k and v, row stride ld; heads of
+// p) into the cache after its last token: keys transposed within their block, values
+// as rows. With `rope`, each key is rotated to its token's position first (rotated:
+// p floats of scratch).
 template <typename T>
-void StoreRows(KvSequence& cache, int64_t n, const float* k, const float* v, int64_t ld,
-               int64_t num_heads, int64_t p, const internal::Rotary* rotary,
+void StoreRows(KvSequence& cache, int64_t n, const float* k, const float* v, int64_t ld, int64_t h0,
+               int64_t h1, int64_t p, const internal::Rotary* rotary,
                const internal::RotaryTable* rope, float* rotated) {
   constexpr int64_t kBt = KvCachePool::kBlockTokens;
   for (int64_t r = 0; r < n; ++r) {
     const int64_t t = cache.size() + r, b = t / kBt, col = t % kBt;
-    for (int64_t h = 0; h < num_heads; ++h) {
+    for (int64_t h = h0; h < h1; ++h) {
       const float* key = k + r * ld + h * p;
       if (rope != nullptr) {
         rotary->Apply(key, rotated, p, *rope, t);
@@ -113,10 +118,14 @@ void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratc
     return;
   }
   scratch.s.resize(std::max<size_t>(scratch.s.size(), mq * kBt));
-  scratch.o.resize(std::max<size_t>(scratch.o.size(), 2 * mq * p));
+  scratch.o.resize(std::max<size_t>(scratch.o.size(), 2 * mq * p + p));
   float* s = scratch.s.data();
   float* o = scratch.o.data();
   float* q = o + mq * p;  // the task's query rows, dense, rotated in a rotary model
+  if (task.new_k != nullptr) {
+    StoreRows<T>(*step.cache, step.new_keys(), task.new_k, task.new_v, task.ldkv, g, g + 1, p,
+                 rope_ ? &*rope_ : nullptr, task.rope, q + mq * p);
+  }
   for (int64_t r = 0; r < mq; ++r) {
     const int64_t i = task.i0 + r / hs;
     const float* src = task.q + i * task.ldq + (task.head + r % hs) * p;
@@ -131,15 +140,15 @@ void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratc
   stats.Reset(mq);
   const float scale = 1.0f / std::sqrt(static_cast<float>(p));
   const KvSequence& cache = *step.cache;
-  // The next block's keys and values for this head are fetched while this one is
-  // worked on: each block is a mapping of its own, so the hardware prefetchers, which
-  // stop at page boundaries, never run ahead into it. The kernels spread those
-  // prefetches over their loops (the keys' over the scores, the values' over the
+  // With task.prefetch (caches read from memory), the next block's keys and values for
+  // this head are fetched while this one is worked on: the hardware prefetchers stop
+  // at page boundaries and do not run ahead into the next chunk. The kernels spread
+  // those prefetches over their loops (the keys' over the scores, the values' over the
   // context), so that the reads overlap the arithmetic instead of stalling before it.
   const int64_t head_bytes = kBt * p * sizeof(T);
   for (int64_t j0 = 0; j0 < max_limit; j0 += kBt) {
     const int64_t b = j0 / kBt, nk = std::min(kBt, max_limit - j0);
-    const bool more = j0 + kBt < max_limit;
+    const bool more = task.prefetch && j0 + kBt < max_limit;
     const T* next_keys = more ? cache.keys<T>(b + 1, g) : nullptr;
     const T* next_values = more ? cache.values<T>(b + 1, g) : nullptr;
     BlockScores(q, cache.keys<T>(b, g), kBt, p, mq, nk, scale, s, next_keys, head_bytes);
@@ -173,10 +182,10 @@ void MultiHeadAttention::Impl::StorePaged(std::span<const PagedStep> steps, cons
   for (const PagedStep& step : steps) {
     const int64_t n = step.new_keys();
     if (step.cache->bf16()) {
-      StoreRows<uint16_t>(*step.cache, n, k + row * ld, v + row * ld, ld, G, p, rotary, rope,
+      StoreRows<uint16_t>(*step.cache, n, k + row * ld, v + row * ld, ld, 0, G, p, rotary, rope,
                           rotated.data());
     } else {
-      StoreRows<float>(*step.cache, n, k + row * ld, v + row * ld, ld, G, p, rotary, rope,
+      StoreRows<float>(*step.cache, n, k + row * ld, v + row * ld, ld, 0, G, p, rotary, rope,
                        rotated.data());
     }
     row += n;
@@ -311,16 +320,36 @@ MultiHeadAttention::Impl::PagedProjections MultiHeadAttention::Impl::GatherPaged
   return proj;
 }
 
+bool MultiHeadAttention::Impl::TasksStorePaged(std::span<const PagedStep> steps) const {
+  const int64_t per_task = kPagedQueryRows / heads_per_paged_task_;
+  if (heads_per_paged_task_ != c_.num_heads / c_.kv_heads()) return false;
+  return std::all_of(steps.begin(), steps.end(), [&](const PagedStep& step) {
+    return step.num_queries > 0 && step.num_queries <= per_task;
+  });
+}
+
 absl::Status MultiHeadAttention::Impl::AttendPaged(std::span<const PagedStep> steps,
                                                    const PagedProjections& proj,
                                                    const internal::RotaryTable* rope, int threads,
-                                                   Workspace& ws, float* ctx) const {
+                                                   bool tasks_store, Workspace& ws,
+                                                   float* ctx) const {
   const int64_t E = c_.num_hiddens, hs = heads_per_paged_task_;
   const int64_t per_task = kPagedQueryRows / hs;  // queries per task
   std::fill(ctx + proj.rows * E, ctx + proj.padded_rows * E, 0.0f);
   std::vector<PagedTask> tasks;
-  int64_t qi = 0;
+  std::vector<double> costs;  // rows x keys seen, for decode steps' ranges (tasks_store)
+  // The kernels prefetch each next block when the steps' caches are larger than this
+  // machine's L3 could hold (read from memory); on smaller ones the prefetches only
+  // take load slots (docs/performance.md, "Decode steps").
+  double cache_bytes = 0;
   for (const PagedStep& step : steps) {
+    cache_bytes += static_cast<double>(step.cache->size() * 2 * c_.kv_hiddens()) *
+                   (step.cache->bf16() ? 2.0 : 4.0);
+  }
+  const bool prefetch = cache_bytes > kPrefetchAboveBytes;
+  int64_t qi = 0, ki = 0;
+  for (const PagedStep& step : steps) {
+    const int64_t seen = step.cache->size() + step.new_keys();
     for (int64_t h = 0; h < c_.num_heads; h += hs) {
       for (int64_t i0 = 0; i0 < step.num_queries; i0 += per_task) {
         tasks.push_back({.step = &step,
@@ -332,19 +361,27 @@ absl::Status MultiHeadAttention::Impl::AttendPaged(std::span<const PagedStep> st
                          .q = proj.q + qi * proj.ld,
                          .ldq = proj.ld,
                          .ctx = ctx + qi * E,
-                         .rope = rope});
+                         .rope = rope,
+                         .new_k = tasks_store ? proj.k + ki * proj.ldkv : nullptr,
+                         .new_v = tasks_store ? proj.v + ki * proj.ldkv : nullptr,
+                         .ldkv = proj.ldkv,
+                         .prefetch = prefetch});
+        costs.push_back(static_cast<double>(tasks.back().mq * hs * seen));
       }
     }
     qi += step.num_queries;
+    ki += step.new_keys();
   }
-  return internal::RunTasks(static_cast<int64_t>(tasks.size()), threads, ws,
-                            [&](int64_t t, dnnl::stream&, TaskScratch& scratch) {
-                              if (tasks[t].step->cache->bf16()) {
-                                AttendPagedTask<uint16_t>(tasks[t], scratch);
-                              } else {
-                                AttendPagedTask<float>(tasks[t], scratch);
-                              }
-                            });
+  return internal::RunTasks(
+      static_cast<int64_t>(tasks.size()), threads, ws,
+      [&](int64_t t, dnnl::stream&, TaskScratch& scratch) {
+        if (tasks[t].step->cache->bf16()) {
+          AttendPagedTask<uint16_t>(tasks[t], scratch);
+        } else {
+          AttendPagedTask<float>(tasks[t], scratch);
+        }
+      },
+      tasks_store ? std::span<const double>(costs) : std::span<const double>());
 }
 
 // out ((padded_rows, p_o)) = ctx W_o^T (+ b_o).
@@ -380,12 +417,15 @@ absl::Status MultiHeadAttention::Impl::ForwardPaged(std::span<const PagedStep> s
     }
     rope = rope_->Table(positions);
   }
-  StorePaged(steps, proj.k, proj.v, proj.ldkv, rope.get());
+  // Each key/value head's new rows are stored by the one task that attends over its
+  // blocks, when there is one task per head (decode steps), else all here first.
+  const bool tasks_store = TasksStorePaged(steps);
+  if (!tasks_store) StorePaged(steps, proj.k, proj.v, proj.ldkv, rope.get());
   const int64_t pq = proj.padded_rows;
   Grow(ws.paged_out, 2 * pq * E);
   float* ctx = ws.paged_out.data();
   float* out = ctx + pq * E;
-  MHA_RETURN_IF_ERROR(AttendPaged(steps, proj, rope.get(), threads, ws, ctx));
+  MHA_RETURN_IF_ERROR(AttendPaged(steps, proj, rope.get(), threads, tasks_store, ws, ctx));
   // An attention-only model's output is the concatenated heads themselves.
   if (!c_.attention_only()) ProjectPagedOutput(proj, ctx, out, ws);
   const float* result = c_.attention_only() ? ctx : out;

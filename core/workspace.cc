@@ -79,7 +79,8 @@ void WorkspacePool::Release(std::unique_ptr<Workspace> ws) {
 }
 
 absl::Status RunTasks(int64_t tasks, int threads, Workspace& ws,
-                      absl::FunctionRef<void(int64_t, dnnl::stream&, TaskScratch&)> task) {
+                      absl::FunctionRef<void(int64_t, dnnl::stream&, TaskScratch&)> task,
+                      std::span<const double> costs) {
   // One thread runs every task itself. A team shares them out: run serially beside
   // multi-threaded primitives, each tiny block GEMM would fork a team of its own.
   const int team = static_cast<int>(std::min<int64_t>(threads, tasks));
@@ -95,11 +96,31 @@ absl::Status RunTasks(int64_t tasks, int threads, Workspace& ws,
     }
   };
   if (team > 1) {
+    // With costs, thread i of n runs the tasks from the first whose costs before it
+    // reach i / n of the total, up to thread i + 1's first.
+    std::vector<double> before;  // the costs of tasks [0, t), for each t
+    double total = 0;
+    for (int64_t t = 0; t < static_cast<int64_t>(costs.size()); ++t) {
+      before.push_back(total);
+      total += costs[t];
+    }
+    if (!(total > 0)) before.clear();  // no costs: as they come
+    auto first = [&](int i, int n) {
+      if (i >= n) return tasks;
+      return static_cast<int64_t>(std::lower_bound(before.begin(), before.end(), total * i / n) -
+                                  before.begin());
+    };
 #pragma omp parallel num_threads(team)
     {
-      TaskScratch& scratch = ws.scratch[omp_get_thread_num()];
+      const int me = omp_get_thread_num();
+      TaskScratch& scratch = ws.scratch[me];
+      if (!before.empty()) {
+        const int n = omp_get_num_threads();
+        for (int64_t t = first(me, n); t < first(me + 1, n); ++t) run_task(scratch, t);
+      } else {
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t t = 0; t < tasks; ++t) run_task(scratch, t);
+        for (int64_t t = 0; t < tasks; ++t) run_task(scratch, t);
+      }
     }
   } else {
     // Block GEMMs run inline here, as they do inside a team (one task on many threads).

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -124,9 +125,13 @@ class WorkspaceLease {
 // Runs task(t, stream, scratch) for t < tasks, shared out over a team of up to
 // `threads`, each thread with its own stream and scratch (ws.scratch); returns the
 // first failure. Exceptions may not cross an OpenMP region, so each task's are caught
-// and reported.
+// and reported. Threads take tasks as they come, or, given `costs` (one per task),
+// each runs one contiguous range of tasks of about equal total cost: the same ranges
+// for the same costs, so that calls in a row (a session's decode steps) give each
+// task's data to the core that had it in the call before.
 absl::Status RunTasks(int64_t tasks, int threads, Workspace& ws,
-                      absl::FunctionRef<void(int64_t, dnnl::stream&, TaskScratch&)> task);
+                      absl::FunctionRef<void(int64_t, dnnl::stream&, TaskScratch&)> task,
+                      std::span<const double> costs = {});
 
 }  // namespace mha::core::internal
 
