@@ -35,6 +35,7 @@
 #ifndef MHA_CORE_KV_CACHE_H_
 #define MHA_CORE_KV_CACHE_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -100,6 +101,10 @@ class KvSequence {
   }
   int64_t bytes() const { return static_cast<int64_t>(blocks_.size() * block_bytes()); }
   void Append(int64_t tokens) { size_ += tokens; }
+  // Forgets the tokens from `tokens` on (at most size()); their blocks stay reserved
+  // and the next steps write over them: steps undone (the decode benches hold a
+  // session at one context this way).
+  void Truncate(int64_t tokens) { size_ = std::clamp<int64_t>(tokens, 0, size_); }
 
   int64_t num_heads() const { return num_heads_; }
   int64_t head_size() const { return head_size_; }

@@ -267,6 +267,65 @@ BENCHMARK_CAPTURE(BM_DecodeStep, int8, Precision::kInt8)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 
+// Decode/held and Decode/held_int8: one session's decode step at exactly `context`
+// cached tokens, call after call: each step is undone (KvSequence::Truncate) and
+// run again, so every timed step attends over the same context and reads the same
+// blocks, as a session's next steps would. Steps at a context that drifts (Decode/step
+// covers 64 of them) mix contexts; these are what issue 37's "a decode step at
+// context 64" compares, int8 against f32.
+void BM_DecodeHeld(benchmark::State& state, Precision precision) {
+  const int64_t context = state.range(0);
+  const ModelConfig config{.num_hiddens = 768,
+                           .num_heads = 12,
+                           .query_size = 768,
+                           .key_size = 768,
+                           .value_size = 768,
+                           .bias = true,
+                           .precision = precision};
+  auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 5)).value();
+  KvCachePool pool((context + kChunkSlackTokens) * 2 * 768 * 4);
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> prefill(context * 768), token(768);
+  for (float& v : prefill) v = dist(rng);
+  for (float& v : token) v = dist(rng);
+  std::vector<float> prefill_out(prefill.size()), out(768);
+  KvSequence cache(&pool, 12, 64);
+  if (!cache.Reserve(context + 1).ok()) return state.SkipWithError("pool");
+  const PagedStep first{.num_queries = context,
+                        .queries = prefill.data(),
+                        .causal = true,
+                        .cache = &cache,
+                        .output = prefill_out.data()};
+  if (!mha->ForwardPaged({&first, 1}).ok()) return state.SkipWithError("prefill");
+  const PagedStep step{.num_queries = 1,
+                       .queries = token.data(),
+                       .causal = true,
+                       .cache = &cache,
+                       .output = out.data()};
+  for (auto _ : state) {
+    if (!mha->ForwardPaged({&step, 1}).ok()) return state.SkipWithError("ForwardPaged");
+    cache.Truncate(context);
+    benchmark::DoNotOptimize(out.data());
+  }
+}
+BENCHMARK_CAPTURE(BM_DecodeHeld, f32, Precision::kF32)
+    ->Name("Decode/held")
+    ->ArgName("context")
+    ->Arg(64)
+    ->Repetitions(5)
+    ->ReportAggregatesOnly()
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_DecodeHeld, int8, Precision::kInt8)
+    ->Name("Decode/held_int8")
+    ->ArgName("context")
+    ->Arg(64)
+    ->Repetitions(5)
+    ->ReportAggregatesOnly()
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+
 // The attention-only worker's decode step in the core alone (issue 35; the serving
 // figure is tests/bench/attention_only_bench.py): 16 sessions of
 // deploy/models_llm/llama_attention_only's heads (h 32, G 8 or 32, d_h 128, no

@@ -112,6 +112,38 @@ TEST_P(PagedSelfTest, AnyChunkingEqualsOneCausalForward) {
 INSTANTIATE_TEST_SUITE_P(ToyAndBertBase, PagedSelfTest,
                          ::testing::Combine(::testing::Bool(), ::testing::Bool()));
 
+// Truncate undoes steps: the same step again gives the same output, and another token
+// in its place gives what a session that never saw the first one gives.
+TEST(PagedTruncateTest, UndoneStepsLeaveNoTrace) {
+  const Layer layer = Make(BertBase(true));  // two threads on a decode step
+  const int64_t d = layer.config.query_size, E = layer.config.num_hiddens;
+  std::mt19937_64 rng(5);
+  const std::vector<float> x = RandomVector(rng, 42 * d);  // rows 0-39, then 40 or 41
+  KvCachePool pool(kBudget);
+  KvSequence seq(&pool, layer.config.num_heads, layer.config.head_size());
+  auto step = [&](const float* q, int64_t n) {
+    EXPECT_TRUE(seq.Reserve(n).ok());
+    std::vector<float> y(n * E);
+    const PagedStep s{
+        .num_queries = n, .queries = q, .causal = true, .cache = &seq, .output = y.data()};
+    EXPECT_TRUE(layer.mha->ForwardPaged({&s, 1}).ok());
+    return y;
+  };
+  step(x.data(), 40);
+  const std::vector<float> first = step(x.data() + 40 * d, 1);
+  for (int again = 0; again < 3; ++again) {
+    seq.Truncate(40);
+    EXPECT_EQ(step(x.data() + 40 * d, 1), first) << again;
+  }
+  seq.Truncate(40);
+  const std::vector<float> other = step(x.data() + 41 * d, 1);
+  EXPECT_EQ(seq.size(), 41);
+  std::vector<float> rows(x.begin(), x.begin() + 40 * d);
+  rows.insert(rows.end(), x.begin() + 41 * d, x.end());
+  const std::vector<float> full = StatelessCausal(layer, rows, 41);
+  EXPECT_LE(MaxAbsDiff(other, std::vector<float>(full.end() - E, full.end())), kSameLayerTolerance);
+}
+
 // Cross-attention: keys and values appended in chunks, queries at several points,
 // each against a stateless Forward on every key appended so far.
 TEST(PagedCrossTest, QueriesSeeEveryKeyAppendedSoFar) {
@@ -357,8 +389,8 @@ TEST(KvCachePoolTest, ChunksGrowAndKeepEachHeadsBlocksInOneRun) {
     seq.Append(blocks * kBt - seq.size());
     held.push_back(seq.capacity() / kBt);
   }
-  const std::vector<int64_t> want = {1, 2, 4, 4, 8, 8, 8, 8, 16, 16, 16, 16, 16, 16, 16, 16,
-                                     24, 24, 24, 24, 24, 24, 24, 24};
+  const std::vector<int64_t> want = {1,  2,  4,  4,  8,  8,  8,  8,  16, 16, 16, 16,
+                                     16, 16, 16, 16, 24, 24, 24, 24, 24, 24, 24, 24};
   EXPECT_EQ(held, want);
   EXPECT_EQ(pool.used_bytes(), 24 * kBlock);
   // Within a chunk, a head's blocks follow one another, keys then values; the chunk
