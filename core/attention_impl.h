@@ -227,7 +227,9 @@ class MultiHeadAttention::Impl {
   // their threads. AttendPaged: every (step, head, block of query rows) into ctx
   // ((padded_rows, p_o)).
   double PagedWork(std::span<const PagedStep> steps) const;
-  PagedProjections ProjectPaged(std::span<const PagedStep> steps, Workspace& ws) const;
+  // Gathers the steps' rows and lays out their projections; `run`: projects them.
+  PagedProjections ProjectPaged(std::span<const PagedStep> steps, Workspace& ws,
+                                bool run = true) const;
   PagedProjections GatherPaged(std::span<const PagedStep> steps, int64_t tq, int64_t tk,
                                Workspace& ws) const;
   // Steps' new keys and values (rows at k and v, row stride ld) into their caches,
@@ -243,6 +245,19 @@ class MultiHeadAttention::Impl {
   absl::Status AttendPaged(std::span<const PagedStep> steps, const PagedProjections& proj,
                            const internal::RotaryTable* rope, int threads, bool tasks_store,
                            Workspace& ws, float* ctx) const;
+  // Every (step, head group, block of query rows) as a task, and each task's cost
+  // (rows x keys seen) for RunTasks' ranges.
+  std::vector<PagedTask> PagedTasks(std::span<const PagedStep> steps, const PagedProjections& proj,
+                                    const internal::RotaryTable* rope, bool tasks_store, float* ctx,
+                                    std::vector<double>& costs) const;
+  void RunPagedTask(const PagedTask& task, TaskScratch& scratch) const;
+  // A decode step of a few self-attention rows (Linear's row path) on a team of
+  // `threads`, in one region (internal::RunPhases): the Q, K and V panels shared out,
+  // then the tasks in RunTasks' ranges, each storing its head's rows, then W_o's panels.
+  bool DecodeInOneRegion(std::span<const PagedStep> steps, int threads) const;
+  absl::Status DecodeRegion(std::span<const PagedStep> steps, const PagedProjections& proj,
+                            const internal::RotaryTable* rope, int threads, Workspace& ws,
+                            float* ctx, float* out) const;
   // One task over a cache of element type T (float, or uint16_t for bf16).
   template <typename T>
   void AttendPagedTask(const PagedTask& task, TaskScratch& scratch) const;

@@ -125,42 +125,44 @@ Linear::Linear(const float* w, const float* b, int64_t n, int64_t k, Dt dt, bool
 }
 
 void Linear::RunRows(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy) const {
+  const int64_t panels =
+      int8_panels_.empty() ? kernels::PanelCount(n_) : kernels::Int8PanelCount(n_);
+  const int threads = static_cast<int>(std::min<int64_t>(panels, PlanThreads()));
+  // Contiguous runs of panels per thread: each streams one range of the weights.
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  RunRowsPart(x, ldx, m, y, ldy, omp_get_thread_num(), omp_get_num_threads());
+}
+
+void Linear::RunRowsPart(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, int part,
+                         int parts) const {
   const float* b = bias_.empty() ? nullptr : bias_.data();
   if (!int8_panels_.empty()) {
-    // Rows quantized as RunInt8 does, then shifted to u8 for vpdpbusd; a few KB.
+    const int64_t panels = kernels::Int8PanelCount(n_);
+    const int64_t first = panels * part / parts, last = panels * (part + 1) / parts;
+    if (first == last) return;
+    // Rows quantized as RunInt8 does, then shifted to u8 for vpdpbusd; a few KB, by
+    // each part for itself.
     const int64_t depth = kernels::Int8PanelDepth(k_);
-    std::vector<int8_t> rows(m * depth, 0);
+    thread_local std::vector<int8_t> rows;
+    rows.assign(m * depth, 0);
     float scales[kRowPathRows];
     for (int64_t r = 0; r < m; ++r) {
       kernels::QuantizeRows(x + r * ldx, ldx, 1, k_, rows.data() + r * depth, scales + r);
     }
     for (int8_t& v : rows) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80u);
-    const int64_t panels = kernels::Int8PanelCount(n_);
-    const int threads = static_cast<int>(std::min<int64_t>(panels, PlanThreads()));
     const kernels::Int8Epilogue epilogue{.column_sums = column_sums_.data(),
                                          .row_scales = scales,
                                          .col_scales = col_scales_.data(),
                                          .bias = b,
                                          .y = y,
                                          .ldy = ldy};
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-      const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-      kernels::Int8PanelRows(reinterpret_cast<const uint8_t*>(rows.data()), depth, m,
-                             int8_panels_.data(), n_, k_, epilogue, panels * t / count,
-                             panels * (t + 1) / count);
-    }
+    kernels::Int8PanelRows(reinterpret_cast<const uint8_t*>(rows.data()), depth, m,
+                           int8_panels_.data(), n_, k_, epilogue, first, last);
     return;
   }
   const int64_t panels = kernels::PanelCount(n_);
-  const int threads = static_cast<int>(std::min<int64_t>(panels, PlanThreads()));
-  // Contiguous runs of panels per thread: each streams one range of the weights.
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-    const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-    kernels::PanelRows(x, ldx, m, panels_.data(), n_, k_, b, y, ldy, panels * t / count,
-                       panels * (t + 1) / count);
-  }
+  const int64_t first = panels * part / parts, last = panels * (part + 1) / parts;
+  if (first < last) kernels::PanelRows(x, ldx, m, panels_.data(), n_, k_, b, y, ldy, first, last);
 }
 
 Linear::Key Linear::KeyOf(int64_t rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt) const {

@@ -194,6 +194,10 @@ class Linear {
     return (!panels_.empty() || !int8_panels_.empty()) && m >= 1 && m <= kRowPathRows;
   }
   void RunRows(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy) const;
+  // RunRows' part `part` of `parts` (that share of the panels) on the calling thread,
+  // for a caller already on a team (a decode step's one region: RunPhases).
+  void RunRowsPart(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, int part,
+                   int parts) const;
 
  private:
   using Key = std::array<int64_t, 5>;  // rows, src_ld, dst_ld, dst dtype, threads

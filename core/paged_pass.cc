@@ -227,7 +227,7 @@ double MultiHeadAttention::Impl::PagedWork(std::span<const PagedStep> steps) con
 }
 
 MultiHeadAttention::Impl::PagedProjections MultiHeadAttention::Impl::ProjectPaged(
-    std::span<const PagedStep> steps, Workspace& ws) const {
+    std::span<const PagedStep> steps, Workspace& ws, bool run) const {
   const int64_t E = c_.num_hiddens;
   const int64_t dq = c_.query_size, dk = c_.key_size, dv = c_.value_size;
   int64_t tq = 0, tk = 0;
@@ -276,6 +276,7 @@ MultiHeadAttention::Impl::PagedProjections MultiHeadAttention::Impl::ProjectPage
   proj.q = ws.paged_proj.data();
   proj.k = all_self ? proj.q + E : proj.q + pq * E;
   proj.v = all_self ? proj.q + E + Ekv : proj.k + pk * Ekv;
+  if (!run) return proj;
   if (all_self && qkv_->has_row_path(tq)) {
     qkv_->RunRows(xq, dq, tq, proj.q, proj.ld);
     return proj;
@@ -328,16 +329,12 @@ bool MultiHeadAttention::Impl::TasksStorePaged(std::span<const PagedStep> steps)
   });
 }
 
-absl::Status MultiHeadAttention::Impl::AttendPaged(std::span<const PagedStep> steps,
-                                                   const PagedProjections& proj,
-                                                   const internal::RotaryTable* rope, int threads,
-                                                   bool tasks_store, Workspace& ws,
-                                                   float* ctx) const {
+std::vector<MultiHeadAttention::Impl::PagedTask> MultiHeadAttention::Impl::PagedTasks(
+    std::span<const PagedStep> steps, const PagedProjections& proj,
+    const internal::RotaryTable* rope, bool tasks_store, float* ctx,
+    std::vector<double>& costs) const {
   const int64_t E = c_.num_hiddens, hs = heads_per_paged_task_;
   const int64_t per_task = kPagedQueryRows / hs;  // queries per task
-  std::fill(ctx + proj.rows * E, ctx + proj.padded_rows * E, 0.0f);
-  std::vector<PagedTask> tasks;
-  std::vector<double> costs;  // rows x keys seen, for decode steps' ranges (tasks_store)
   // The kernels prefetch each next block when the steps' caches are larger than this
   // machine's L3 could hold (read from memory); on smaller ones the prefetches only
   // take load slots (docs/performance.md, "Decode steps").
@@ -347,6 +344,8 @@ absl::Status MultiHeadAttention::Impl::AttendPaged(std::span<const PagedStep> st
                    (step.cache->bf16() ? 2.0 : 4.0);
   }
   const bool prefetch = cache_bytes > kPrefetchAboveBytes;
+  std::vector<PagedTask> tasks;
+  costs.clear();
   int64_t qi = 0, ki = 0;
   for (const PagedStep& step : steps) {
     const int64_t seen = step.cache->size() + step.new_keys();
@@ -372,16 +371,65 @@ absl::Status MultiHeadAttention::Impl::AttendPaged(std::span<const PagedStep> st
     qi += step.num_queries;
     ki += step.new_keys();
   }
+  return tasks;
+}
+
+void MultiHeadAttention::Impl::RunPagedTask(const PagedTask& task, TaskScratch& scratch) const {
+  if (task.step->cache->bf16()) {
+    AttendPagedTask<uint16_t>(task, scratch);
+  } else {
+    AttendPagedTask<float>(task, scratch);
+  }
+}
+
+absl::Status MultiHeadAttention::Impl::AttendPaged(std::span<const PagedStep> steps,
+                                                   const PagedProjections& proj,
+                                                   const internal::RotaryTable* rope, int threads,
+                                                   bool tasks_store, Workspace& ws,
+                                                   float* ctx) const {
+  const int64_t E = c_.num_hiddens;
+  std::fill(ctx + proj.rows * E, ctx + proj.padded_rows * E, 0.0f);
+  std::vector<double> costs;  // rows x keys seen, for decode steps' ranges (tasks_store)
+  const std::vector<PagedTask> tasks = PagedTasks(steps, proj, rope, tasks_store, ctx, costs);
   return internal::RunTasks(
       static_cast<int64_t>(tasks.size()), threads, ws,
-      [&](int64_t t, dnnl::stream&, TaskScratch& scratch) {
-        if (tasks[t].step->cache->bf16()) {
-          AttendPagedTask<uint16_t>(tasks[t], scratch);
-        } else {
-          AttendPagedTask<float>(tasks[t], scratch);
-        }
-      },
+      [&](int64_t t, dnnl::stream&, TaskScratch& scratch) { RunPagedTask(tasks[t], scratch); },
       tasks_store ? std::span<const double>(costs) : std::span<const double>());
+}
+
+bool MultiHeadAttention::Impl::DecodeInOneRegion(std::span<const PagedStep> steps,
+                                                 int threads) const {
+  if (threads < 2 || c_.attention_only() || !TasksStorePaged(steps)) return false;
+  int64_t tq = 0;
+  for (const PagedStep& step : steps) {
+    if (step.keys != nullptr) return false;
+    tq += step.num_queries;
+  }
+  return qkv_ != nullptr && qkv_->has_row_path(tq) && o_lin_->has_row_path(tq);
+}
+
+absl::Status MultiHeadAttention::Impl::DecodeRegion(std::span<const PagedStep> steps,
+                                                    const PagedProjections& proj,
+                                                    const internal::RotaryTable* rope, int threads,
+                                                    Workspace& ws, float* ctx, float* out) const {
+  const int64_t E = c_.num_hiddens;
+  std::vector<double> costs;
+  const std::vector<PagedTask> tasks = PagedTasks(steps, proj, rope, true, ctx, costs);
+  const float* xq = ws.paged_in.data();  // the steps' rows, gathered by ProjectPaged
+  return internal::RunPhases(threads, ws,
+                             {[&](int me, int n, TaskScratch&) {
+                                qkv_->RunRowsPart(xq, c_.query_size, proj.rows, proj.q, proj.ld, me,
+                                                  n);
+                              },
+                              [&](int me, int n, TaskScratch& scratch) {
+                                const auto [first, last] = internal::CostRange(costs, me, n);
+                                for (int64_t t = first; t < last; ++t) {
+                                  RunPagedTask(tasks[t], scratch);
+                                }
+                              },
+                              [&](int me, int n, TaskScratch&) {
+                                o_lin_->RunRowsPart(ctx, E, proj.rows, out, E, me, n);
+                              }});
 }
 
 // out ((padded_rows, p_o)) = ctx W_o^T (+ b_o).
@@ -406,7 +454,11 @@ absl::Status MultiHeadAttention::Impl::ForwardPaged(std::span<const PagedStep> s
   internal::WorkspaceLease lease(*workspaces_);
   Workspace& ws = *lease;
   if (!ws.stream) ws.stream.emplace(internal::CpuEngine());
-  const PagedProjections proj = ProjectPaged(steps, ws);
+  // A decode step of a few rows runs its projections, attention and W_o on one team
+  // (DecodeRegion), with a barrier between them where it would otherwise fork and
+  // join three times.
+  const bool one_region = DecodeInOneRegion(steps, threads);
+  const PagedProjections proj = ProjectPaged(steps, ws, /*run=*/!one_region);
   // A rotary model's tokens sit at their positions in the sequence: the table covers
   // every step's last.
   std::shared_ptr<const internal::RotaryTable> rope;
@@ -420,14 +472,18 @@ absl::Status MultiHeadAttention::Impl::ForwardPaged(std::span<const PagedStep> s
   // Each key/value head's new rows are stored by the one task that attends over its
   // blocks, when there is one task per head (decode steps), else all here first.
   const bool tasks_store = TasksStorePaged(steps);
-  if (!tasks_store) StorePaged(steps, proj.k, proj.v, proj.ldkv, rope.get());
   const int64_t pq = proj.padded_rows;
   Grow(ws.paged_out, 2 * pq * E);
   float* ctx = ws.paged_out.data();
   float* out = ctx + pq * E;
-  MHA_RETURN_IF_ERROR(AttendPaged(steps, proj, rope.get(), threads, tasks_store, ws, ctx));
-  // An attention-only model's output is the concatenated heads themselves.
-  if (!c_.attention_only()) ProjectPagedOutput(proj, ctx, out, ws);
+  if (one_region) {
+    MHA_RETURN_IF_ERROR(DecodeRegion(steps, proj, rope.get(), threads, ws, ctx, out));
+  } else {
+    if (!tasks_store) StorePaged(steps, proj.k, proj.v, proj.ldkv, rope.get());
+    MHA_RETURN_IF_ERROR(AttendPaged(steps, proj, rope.get(), threads, tasks_store, ws, ctx));
+    // An attention-only model's output is the concatenated heads themselves.
+    if (!c_.attention_only()) ProjectPagedOutput(proj, ctx, out, ws);
+  }
   const float* result = c_.attention_only() ? ctx : out;
   int64_t qi = 0;
   for (const PagedStep& step : steps) {

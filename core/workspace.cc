@@ -78,6 +78,51 @@ void WorkspacePool::Release(std::unique_ptr<Workspace> ws) {
   free_.push_back(std::move(ws));
 }
 
+std::pair<int64_t, int64_t> CostRange(std::span<const double> costs, int me, int n) {
+  // Thread i runs the tasks from the first whose costs before it reach i / n of the
+  // total, up to thread i + 1's first.
+  double total = 0;
+  for (const double c : costs) total += c;
+  const auto tasks = static_cast<int64_t>(costs.size());
+  auto first = [&](int i) {
+    if (i <= 0) return int64_t{0};
+    if (i >= n) return tasks;
+    const double at = total * i / n;
+    double before = 0;
+    for (int64_t t = 0; t < tasks; ++t) {
+      if (before >= at) return t;
+      before += costs[t];
+    }
+    return tasks;
+  };
+  return {first(me), first(me + 1)};
+}
+
+absl::Status RunPhases(
+    int threads, Workspace& ws,
+    std::initializer_list<absl::FunctionRef<void(int, int, TaskScratch&)>> phases) {
+  if (ws.scratch.size() < static_cast<size_t>(threads)) ws.scratch.resize(threads);
+  FirstError error;
+#pragma omp parallel num_threads(threads)
+  {
+    const int me = omp_get_thread_num(), n = omp_get_num_threads();
+    bool first = true;
+    for (const auto& phase : phases) {
+      if (!first) {
+#pragma omp barrier
+      }
+      first = false;
+      if (error.failed()) continue;
+      try {
+        phase(me, n, ws.scratch[me]);
+      } catch (...) {
+        error.Set(StatusOfCurrentException("a phase of a call"));
+      }
+    }
+  }
+  return error.status();
+}
+
 absl::Status RunTasks(int64_t tasks, int threads, Workspace& ws,
                       absl::FunctionRef<void(int64_t, dnnl::stream&, TaskScratch&)> task,
                       std::span<const double> costs) {
@@ -96,27 +141,16 @@ absl::Status RunTasks(int64_t tasks, int threads, Workspace& ws,
     }
   };
   if (team > 1) {
-    // With costs, thread i of n runs the tasks from the first whose costs before it
-    // reach i / n of the total, up to thread i + 1's first.
-    std::vector<double> before;  // the costs of tasks [0, t), for each t
     double total = 0;
-    for (int64_t t = 0; t < static_cast<int64_t>(costs.size()); ++t) {
-      before.push_back(total);
-      total += costs[t];
-    }
-    if (!(total > 0)) before.clear();  // no costs: as they come
-    auto first = [&](int i, int n) {
-      if (i >= n) return tasks;
-      return static_cast<int64_t>(std::lower_bound(before.begin(), before.end(), total * i / n) -
-                                  before.begin());
-    };
+    for (const double c : costs) total += c;
+    const bool ranges = total > 0;  // else (no costs, or all 0) as they come
 #pragma omp parallel num_threads(team)
     {
       const int me = omp_get_thread_num();
       TaskScratch& scratch = ws.scratch[me];
-      if (!before.empty()) {
-        const int n = omp_get_num_threads();
-        for (int64_t t = first(me, n); t < first(me + 1, n); ++t) run_task(scratch, t);
+      if (ranges) {
+        const auto [first, last] = CostRange(costs, me, omp_get_num_threads());
+        for (int64_t t = first; t < last; ++t) run_task(scratch, t);
       } else {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; ++t) run_task(scratch, t);

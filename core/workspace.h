@@ -10,9 +10,11 @@
 #include <omp.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -132,6 +134,17 @@ class WorkspaceLease {
 absl::Status RunTasks(int64_t tasks, int threads, Workspace& ws,
                       absl::FunctionRef<void(int64_t, dnnl::stream&, TaskScratch&)> task,
                       std::span<const double> costs = {});
+// The tasks [first, last) that thread `me` of a team of n runs by RunTasks' rule for
+// costs (all > 0 in total).
+std::pair<int64_t, int64_t> CostRange(std::span<const double> costs, int me, int n);
+
+// Runs every phase on each thread of one team of up to `threads`, as phase(me, n,
+// ws.scratch[me]) with me < n the team's size, and a barrier between phases: one fork
+// and join for a call of several dependent parallel steps (a decode step). Returns
+// the first failure; the phases after it are skipped, the barriers still met.
+absl::Status RunPhases(
+    int threads, Workspace& ws,
+    std::initializer_list<absl::FunctionRef<void(int, int, TaskScratch&)>> phases);
 
 }  // namespace mha::core::internal
 

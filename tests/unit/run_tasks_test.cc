@@ -1,10 +1,13 @@
-// internal::RunTasks: every task runs exactly once, on a team shared as tasks come or,
-// given costs, as one contiguous range of about equal cost per thread, the same
+// internal::RunTasks and RunPhases. RunTasks: every task runs exactly once, on a team shared as
+// tasks come or, given costs, as one contiguous range of about equal cost per thread, the same
 // ranges call after call (the paged pass's decode steps keep a head on one core).
 #include <omp.h>
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <stdexcept>
+#include <string_view>
 #include <vector>
 
 #include "core/workspace.h"
@@ -65,6 +68,51 @@ TEST(RunTasksTest, EveryTaskRunsOnceWithoutCostsOrWithZeroCosts) {
   Owners(13, 2, ws, std::vector<double>(13, 0.0));
   Owners(1, 2, ws, {2.0});
   Owners(5, 1, ws, std::vector<double>(5, 1.0));
+}
+
+// RunPhases: every phase on every thread of the team, each after the phase before it
+// has finished on all of them.
+TEST(RunPhasesTest, EachPhaseRunsOnEveryThreadAfterThePreviousOne) {
+  Workspace ws;
+  constexpr int kMost = 8;
+  std::vector<std::atomic<int>> first(kMost), second(kMost);
+  std::atomic<int> team{0}, saw_all{0};
+  const absl::Status s = RunPhases(2, ws,
+                                   {[&](int me, int n, TaskScratch&) {
+                                      team.store(n);
+                                      first[me].fetch_add(1);
+                                    },
+                                    [&](int me, int n, TaskScratch&) {
+                                      int done = 0;
+                                      for (int i = 0; i < n; ++i) done += first[i].load();
+                                      if (done == n) saw_all.fetch_add(1);
+                                      second[me].fetch_add(1);
+                                    }});
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_GE(team.load(), 1);
+  if (std::getenv("OMP_THREAD_LIMIT") == nullptr) {
+    EXPECT_EQ(team.load(), 2);
+  }
+  EXPECT_EQ(saw_all.load(), team.load());  // no thread began phase 2 early
+  for (int i = 0; i < team.load(); ++i) {
+    EXPECT_EQ(first[i].load(), 1) << i;
+    EXPECT_EQ(second[i].load(), 1) << i;
+  }
+}
+
+TEST(RunPhasesTest, AFailedPhaseIsReturnedAndTheLaterOnesSkipped) {
+  Workspace ws;
+  std::atomic<int> later{0};
+  const absl::Status s = RunPhases(2, ws,
+                                   {[&](int me, int, TaskScratch&) {
+                                      if (me == 0) throw std::runtime_error("phase one broke");
+                                    },
+                                    [&](int, int, TaskScratch&) { later.fetch_add(1); }});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+  EXPECT_NE(s.message().find("phase one broke"), std::string_view::npos) << s;
+  EXPECT_EQ(later.load(), 0);
+  // The team is whole again for the next call.
+  EXPECT_TRUE(RunPhases(2, ws, {[&](int, int, TaskScratch&) {}}).ok());
 }
 
 }  // namespace
