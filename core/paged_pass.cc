@@ -337,7 +337,7 @@ std::vector<MultiHeadAttention::Impl::PagedTask> MultiHeadAttention::Impl::Paged
   const int64_t per_task = kPagedQueryRows / hs;  // queries per task
   // The kernels prefetch each next block when the steps' caches are larger than this
   // machine's L3 could hold (read from memory); on smaller ones the prefetches only
-  // take load slots (docs/performance.md, "Decode steps").
+  // take load slots (docs/performance.md, "Decode steps: one region").
   double cache_bytes = 0;
   for (const PagedStep& step : steps) {
     cache_bytes += static_cast<double>(step.cache->size() * 2 * c_.kv_hiddens()) *

@@ -14,6 +14,7 @@
 // tests/bench/compare_torch.py --ours FILE (FILE from --benchmark_out=FILE
 // --benchmark_out_format=json).
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <random>
 #include <string>
@@ -181,6 +182,26 @@ BENCHMARK(BM_ToyRequests)
 // chunk (core/kv_cache.h).
 constexpr int64_t kChunkSlackTokens = KvCachePool::kChunkBlocks * KvCachePool::kBlockTokens;
 
+// The decoder model's sizes (deploy/models/decoder): 768, 12 heads, biases.
+ModelConfig DecoderConfig(Precision precision) {
+  return {.num_hiddens = 768,
+          .num_heads = 12,
+          .query_size = 768,
+          .key_size = 768,
+          .value_size = 768,
+          .bias = true,
+          .precision = precision};
+}
+
+// Uniform values in [-1, 1) from one fixed seed, into each vector in turn.
+void FillUniform(std::initializer_list<std::vector<float>*> vectors) {
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (std::vector<float>* v : vectors) {
+    for (float& x : *v) x = dist(rng);
+  }
+}
+
 // One decode step per session (ForwardPaged): `sessions` self-attention sessions
 // of the decoder model's size (768, 12 heads, bias), each prefilled to `context`
 // tokens, then each iteration adds one token to every session in one call, as the
@@ -193,21 +214,12 @@ constexpr int64_t kChunkSlackTokens = KvCachePool::kChunkBlocks * KvCachePool::k
 // Decode/step_int8: the same model made int8 (its cache stays f32).
 void BM_DecodeStep(benchmark::State& state, Precision precision) {
   const int64_t sessions = state.range(0), context = state.range(1);
-  const ModelConfig config{.num_hiddens = 768,
-                           .num_heads = 12,
-                           .query_size = 768,
-                           .key_size = 768,
-                           .value_size = 768,
-                           .bias = true,
-                           .precision = precision};
+  const ModelConfig config = DecoderConfig(precision);
   auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 5)).value();
   const int64_t steps = 64;
   KvCachePool pool(sessions * (context + steps + kChunkSlackTokens) * 2 * 768 * 4);
-  std::mt19937_64 rng(7);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   std::vector<float> prefill((context + steps) * 768), token(sessions * 768);
-  for (float& v : prefill) v = dist(rng);
-  for (float& v : token) v = dist(rng);
+  FillUniform({&prefill, &token});
   std::vector<float> prefill_out(prefill.size()), out(token.size());
   std::vector<std::unique_ptr<KvSequence>> caches;
   // Sessions of `tokens` prefilled tokens each, into `caches`.
@@ -275,20 +287,11 @@ BENCHMARK_CAPTURE(BM_DecodeStep, int8, Precision::kInt8)
 // context 64" compares, int8 against f32.
 void BM_DecodeHeld(benchmark::State& state, Precision precision) {
   const int64_t context = state.range(0);
-  const ModelConfig config{.num_hiddens = 768,
-                           .num_heads = 12,
-                           .query_size = 768,
-                           .key_size = 768,
-                           .value_size = 768,
-                           .bias = true,
-                           .precision = precision};
+  const ModelConfig config = DecoderConfig(precision);
   auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 5)).value();
   KvCachePool pool((context + kChunkSlackTokens) * 2 * 768 * 4);
-  std::mt19937_64 rng(7);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   std::vector<float> prefill(context * 768), token(768);
-  for (float& v : prefill) v = dist(rng);
-  for (float& v : token) v = dist(rng);
+  FillUniform({&prefill, &token});
   std::vector<float> prefill_out(prefill.size()), out(768);
   KvSequence cache(&pool, 12, 64);
   if (!cache.Reserve(context + 1).ok()) return state.SkipWithError("pool");
