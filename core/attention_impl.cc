@@ -1,5 +1,7 @@
 #include "core/attention_impl.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstring>
 #include <initializer_list>
@@ -7,6 +9,9 @@
 
 namespace mha::core {
 namespace {
+
+// From this many floats AsActivation converts on the call's threads (a 256 KB input).
+constexpr int64_t kParallelConvertFloats = 64 << 10;
 
 std::vector<float> Stack(std::initializer_list<const std::vector<float>*> parts) {
   std::vector<float> out;
@@ -28,7 +33,8 @@ MultiHeadAttention::Impl::Impl(const ModelConfig& c, const Weights& w, const Opt
     : c_(c),
       o_(o),
       act_(c.precision == Precision::kF32 ? Dt::f32 : Dt::bf16),
-      weights_(c.precision == Precision::kInt8 ? Dt::s8 : act_) {
+      weights_(c.precision == Precision::kInt8 ? Dt::s8 : act_),
+      in_(c.precision == Precision::kBf16 ? Dt::bf16 : Dt::f32) {
   const int64_t group = c.num_heads / c.kv_heads();
   heads_per_task_ = LargestDivisorAtMost(group, o.query_block);
   heads_per_paged_task_ = LargestDivisorAtMost(group, kPagedQueryRows);
@@ -83,7 +89,20 @@ const void* MultiHeadAttention::Impl::AsActivation(const float* x, int64_t n,
   // bf16: activations are converted once, then every GEMM runs in bf16.
   if (act_ == Dt::f32) return x;
   internal::Grow(tmp, n * 2);
-  kernels::ToBf16(x, reinterpret_cast<uint16_t*>(tmp.data()), n);
+  auto* y = reinterpret_cast<uint16_t*>(tmp.data());
+  // A large input is converted on the call's threads (a BERT batch's queries took
+  // 0.45 ms on one: docs/performance.md, "int8 models").
+  const int threads = n >= kParallelConvertFloats ? omp_get_max_threads() : 1;
+  if (threads > 1) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < threads; ++t) {
+      const int64_t a = n * t / threads / 16 * 16;
+      const int64_t b = t + 1 == threads ? n : n * (t + 1) / threads / 16 * 16;
+      kernels::ToBf16(x + a, y + a, b - a);
+    }
+  } else {
+    kernels::ToBf16(x, y, n);
+  }
   return tmp.data();
 }
 

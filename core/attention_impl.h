@@ -269,6 +269,10 @@ class MultiHeadAttention::Impl {
   std::vector<char> ToActivation(const std::vector<float>& w) const;
   // x (n floats) in act_: x itself for f32, else a bf16 copy in `tmp`.
   const void* AsActivation(const float* x, int64_t n, std::vector<char>& tmp) const;
+  // x as the projections read it (in_): x itself, or AsActivation's copy.
+  const void* AsProjectionInput(const float* x, int64_t n, std::vector<char>& tmp) const {
+    return in_ == Dt::f32 ? x : AsActivation(x, n, tmp);
+  }
 
   const ModelConfig c_;
   const Options o_;
@@ -278,6 +282,9 @@ class MultiHeadAttention::Impl {
   const Dt act_;
   // The projections' weights: act_, or s8 in an int8 model (whose act_ is bf16).
   const Dt weights_;
+  // What the projections read: bf16 in a bf16 model, else f32 (an int8 model's
+  // Linears quantize f32 rows themselves; a bf16 copy first would only cost time).
+  const Dt in_;
   std::unique_ptr<Linear> q_, k_, v_, kv_, qkv_, o_lin_;
   // Additive scoring: A_q, A_k (h, p_a, p) in act_; w_v (h, p_a) f32.
   std::vector<char> score_q_, score_k_;

@@ -285,8 +285,9 @@ MultiHeadAttention::Impl::KeyLimits MultiHeadAttention::Impl::ComputeKeyLimits(
 MultiHeadAttention::Impl::Projections MultiHeadAttention::Impl::Project(const AttentionInputs& in,
                                                                         int64_t kv_rows,
                                                                         Workspace& ws) const {
-  const void* xq = AsActivation(in.queries, in.batch * in.num_queries * c_.query_size, ws.xq);
+  const int64_t nq = in.batch * in.num_queries * c_.query_size;
   if (c_.attention_only()) {
+    const void* xq = AsActivation(in.queries, nq, ws.xq);
     const int64_t Q = in.num_queries, K = in.num_keys, E = c_.num_hiddens, Ekv = c_.kv_hiddens();
     const char* xk = nullptr;
     const char* xv = nullptr;
@@ -298,6 +299,7 @@ MultiHeadAttention::Impl::Projections MultiHeadAttention::Impl::Project(const At
             .k = {xk, Ekv, K * Ekv},
             .v = {xv, Ekv, K * Ekv}};
   }
+  const void* xq = AsProjectionInput(in.queries, nq, ws.xq);
   return in.self_attention() ? ProjectSelf(in, kv_rows, xq, ws) : ProjectCross(in, kv_rows, xq, ws);
 }
 
@@ -316,7 +318,7 @@ MultiHeadAttention::Impl::Projections MultiHeadAttention::Impl::ProjectSelf(
     q_->Run(*ws.stream, ws.bindings, 1, B * Q, {xq, d}, {base, ld}, act_);
     if (kv_rows > 0 && GathersPrefixes(B, kv_rows)) {
       // Batch row b's keys and values in rows b * kv_rows.. (kv_rows <= Q: beside the queries)
-      const void* xp = GatherPrefix(xq, B, kv_rows, d, Q * d, asz, ws.prefix_k);
+      const void* xp = GatherPrefix(xq, B, kv_rows, d, Q * d, SizeOf(in_), ws.prefix_k);
       kv_->Run(*ws.stream, ws.bindings, 1, B * kv_rows, {xp, d}, {base + E * asz, ld}, act_);
       kv_batch_stride = kv_rows * ld;
     } else if (kv_rows > 0) {
@@ -351,14 +353,15 @@ MultiHeadAttention::Impl::Projections MultiHeadAttention::Impl::ProjectCross(
   const int64_t span = gather ? kv_rows : K;  // rows from one batch row's keys to the next
   const int64_t dk = c_.key_size, dv = c_.value_size;
   if (kv_rows > 0) {
-    const void* xk = AsActivation(in.keys, B * K * dk, ws.xk);
-    if (gather) xk = GatherPrefix(xk, B, kv_rows, dk, K * dk, asz, ws.prefix_k);
+    const size_t isz = SizeOf(in_);
+    const void* xk = AsProjectionInput(in.keys, B * K * dk, ws.xk);
+    if (gather) xk = GatherPrefix(xk, B, kv_rows, dk, K * dk, isz, ws.prefix_k);
     if (fuse_kv) {
       kv_->Run(*ws.stream, ws.bindings, batch, rows, {xk, dk, span * dk}, {kbase, ld, K * ld},
                act_);
     } else {
-      const void* xv = AsActivation(in.values, B * K * dv, ws.xv);
-      if (gather) xv = GatherPrefix(xv, B, kv_rows, dv, K * dv, asz, ws.prefix_v);
+      const void* xv = AsProjectionInput(in.values, B * K * dv, ws.xv);
+      if (gather) xv = GatherPrefix(xv, B, kv_rows, dv, K * dv, isz, ws.prefix_v);
       k_->Run(*ws.stream, ws.bindings, batch, rows, {xk, dk, span * dk}, {kbase, ld, K * ld}, act_);
       v_->Run(*ws.stream, ws.bindings, batch, rows, {xv, dv, span * dv}, {vbase, ld, K * ld}, act_);
     }
@@ -482,8 +485,8 @@ void MultiHeadAttention::Impl::ProjectOutput(const AttentionInputs& in, float* o
     std::copy_n(ctx, rows * E, output);
     return;
   }
-  const void* ctx_act = AsActivation(ctx, rows * E, ws.xq);  // the queries' copy is spent
-  o_lin_->Run(*ws.stream, ws.bindings, 1, rows, {ctx_act, E}, {output, E}, Dt::f32);
+  const void* ctx_in = AsProjectionInput(ctx, rows * E, ws.xq);  // the queries' copy is spent
+  o_lin_->Run(*ws.stream, ws.bindings, 1, rows, {ctx_in, E}, {output, E}, Dt::f32);
 }
 
 absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float* output,

@@ -72,7 +72,7 @@ MHA_MULTIVERSION float RowMax(const float* s, int64_t n) {
   return m;
 }
 
-MHA_MULTIVERSION float ExpSubSum(const float* s, float m, float* p, int64_t n) {
+MHA_MULTIVERSION float ExpSubSumPortable(const float* s, float m, float* p, int64_t n) {
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < n; ++j) {
@@ -83,13 +83,141 @@ MHA_MULTIVERSION float ExpSubSum(const float* s, float m, float* p, int64_t n) {
   return sum;
 }
 
-float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n) {
+float ExpSubSumBf16Portable(const float* s, float m, uint16_t* p, int64_t n, float* tmp) {
   // Two vectorised passes: GCC does not vectorise the exp, the float reduction and a
   // 16-bit store in one loop.
-  const float sum = ExpSubSum(s, m, s, n);
-  ToBf16(s, p, n);
+  const float sum = ExpSubSumPortable(s, m, tmp, n);
+  ToBf16(tmp, p, n);
   return sum;
 }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#if !defined(__clang__)  // GCC bug 105593, as for the VNNI kernels below
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#define MHA_AVX512 __attribute__((target("avx512f")))
+#define MHA_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+namespace {
+
+// ExpNonPositive on 16 lanes, in fewer instructions than the compiler's version of
+// the loop: the rounding of n in one instruction, and 2^n applied by vscalefps, which
+// also needs no clamp of n. The same reduction and polynomial, so the same values.
+// max(-87, x) keeps a NaN x (vmaxps returns its second operand when either is NaN).
+MHA_AVX512 inline __m512 ExpNonPositive16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 q = _mm512_set1_ps(1.0f / 5040);
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 720));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 120));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 24));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 6));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.5f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(q, n);
+}
+
+// Bf16Bits on 16 lanes, narrowed to 16 bits in the store.
+MHA_AVX512 inline __m512i Bf16Bits16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))),
+                           16);
+}
+
+MHA_AVX512 inline void PutExp16(float* p, uint16_t* p16, int64_t at, __m512 e, __mmask16 keep) {
+  if (p16 != nullptr) {
+    _mm512_mask_cvtepi32_storeu_epi16(p16 + at, keep, Bf16Bits16(e));
+  } else {
+    _mm512_mask_storeu_ps(p + at, keep, e);
+  }
+}
+
+// ToBf16 by vcvtneps2bf16 (AVX512-BF16): the same rounding, to nearest even, for
+// normal values and NaN; it flushes denormals to zero, which the exponentials of
+// ExpNonPositive16 never are (their least is exp(-87) > 2^-126).
+MHA_AVX512_BF16 void NormalToBf16(const float* x, uint16_t* y, int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + j));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + j), reinterpret_cast<const __m256i&>(h));
+  }
+  if (j < n) {
+    const auto keep = static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(keep, x + j));
+    _mm256_mask_storeu_epi16(y + j, keep, reinterpret_cast<const __m256i&>(h));
+  }
+}
+
+// exp(s - m) over n scores, 16 at a time and a masked tail; two sums, so that the
+// additions of consecutive vectors do not wait on each other. Writes f32 to p or
+// bfloat16 to p16 (whichever is not null).
+MHA_AVX512 float ExpSubSumAvx512(const float* s, float m, float* p, uint16_t* p16, int64_t n) {
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m512 e0 = ExpNonPositive16(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm));
+    const __m512 e1 = ExpNonPositive16(_mm512_sub_ps(_mm512_loadu_ps(s + j + 16), vm));
+    PutExp16(p, p16, j, e0, 0xffff);
+    PutExp16(p, p16, j + 16, e1, 0xffff);
+    sum0 = _mm512_add_ps(sum0, e0);
+    sum1 = _mm512_add_ps(sum1, e1);
+  }
+  for (; j < n; j += 16) {
+    const __mmask16 keep =
+        n - j >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 e = ExpNonPositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + j), vm));
+    PutExp16(p, p16, j, e, keep);
+    sum0 = _mm512_mask_add_ps(sum0, keep, sum0, e);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+}
+
+// 0: neither, 1: AVX-512F, 2: also AVX512-BF16 (with BW and VL).
+const int kAvx512Level = [] {
+  __builtin_cpu_init();  // may run before libgcc's own constructor
+  if (!__builtin_cpu_supports("avx512f")) return 0;
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl")
+             ? 2
+             : 1;
+}();
+
+}  // namespace
+
+float ExpSubSum(const float* s, float m, float* p, int64_t n) {
+  return kAvx512Level > 0 ? ExpSubSumAvx512(s, m, p, nullptr, n) : ExpSubSumPortable(s, m, p, n);
+}
+
+float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n) {
+  if (kAvx512Level == 2) {
+    // Two passes, the second one instruction a vector: faster than one pass narrowing
+    // in integer instructions (which is what AVX-512F alone has).
+    const float sum = ExpSubSumAvx512(s, m, s, nullptr, n);
+    NormalToBf16(s, p, n);
+    return sum;
+  }
+  if (kAvx512Level == 1) return ExpSubSumAvx512(s, m, nullptr, p, n);
+  return ExpSubSumBf16Portable(s, m, p, n, s);
+}
+#if !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#else
+float ExpSubSum(const float* s, float m, float* p, int64_t n) {
+  return ExpSubSumPortable(s, m, p, n);
+}
+
+float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n) {
+  return ExpSubSumBf16Portable(s, m, p, n, s);
+}
+#endif
 
 // Key by key across the row, one scoring feature a at a time: the loop over keys is
 // contiguous in kt and in s, so it vectorises without horizontal sums.

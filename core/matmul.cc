@@ -171,7 +171,7 @@ Linear::Key Linear::KeyOf(int64_t rows, int64_t src_ld, int64_t dst_ld, Dt dst_d
 }
 
 void Linear::RunInt8Chunk(dnnl::stream& stream, Bindings& args, int parts, int64_t m,
-                          const uint16_t* src, int64_t src_ld, char* dst, int64_t dst_ld,
+                          const float* src, int64_t src_ld, char* dst, int64_t dst_ld,
                           Dt dst_dt) const {
   const std::shared_ptr<const Entry> entry = Lookup(KeyOf(m, 0, 0, dst_dt));
   const Entry& e = *entry;
@@ -209,7 +209,7 @@ void Linear::RunInt8(dnnl::stream& stream, Bindings& args, int64_t batch, int64_
   const size_t dst_size = SizeOf(dst_dt);
   struct Chunk {
     int64_t rows;
-    const uint16_t* src;
+    const float* src;
     char* dst;
   };
   std::vector<Chunk> chunks;
@@ -217,7 +217,7 @@ void Linear::RunInt8(dnnl::stream& stream, Bindings& args, int64_t batch, int64_
     for (int64_t r0 = 0; r0 < rows;) {
       const int64_t m = RowChunk(rows - r0, kInt8RowChunkMax);
       chunks.push_back(
-          {m, static_cast<const uint16_t*>(src.data) + bi * src.batch_stride + r0 * src.row_stride,
+          {m, static_cast<const float*>(src.data) + bi * src.batch_stride + r0 * src.row_stride,
            static_cast<char*>(dst.data) +
                (bi * dst.batch_stride + r0 * dst.row_stride) * dst_size});
       r0 += m;

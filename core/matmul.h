@@ -154,7 +154,7 @@ inline int64_t RowChunk(int64_t rows, int64_t most = kRowChunkMax) {
 // Primitives are built once per (row chunk, row strides, dtype, threads) and cached;
 // the weights are reordered once into each blocked layout a primitive asks for.
 // An s8 Linear (int8 models) holds W quantized, symmetric, one scale per output
-// feature (row of W). Each call quantizes its bf16 src rows the same way, one scale
+// feature (row of W). Each call quantizes its f32 src rows the same way, one scale
 // per row, runs an s8 x s8 -> s32 GEMM, and rescales the sums by both scales and adds
 // the f32 bias (kernels::DequantizeRows): oneDNN 2.6's brgemm takes neither per-row
 // scales nor runtime scales (either falls back to a reference or a slower kernel;
@@ -167,11 +167,12 @@ inline int64_t RowChunk(int64_t rows, int64_t most = kRowChunkMax) {
 class Linear {
  public:
   // w: (n, k) row-major f32, b: (n) or nullptr; both copied. dt: the type the
-  // matmul reads src and W in (W is converted once), or s8: W quantized, src bf16.
+  // matmul reads src and W in (W is converted once), or s8: W quantized, src f32
+  // (quantized per row at each call).
   Linear(const float* w, const float* b, int64_t n, int64_t k, Dt dt, bool row_path = false);
 
   // dst[bi, r, :] = src[bi, r, :] W^T + b for bi < batch, r < rows. src is in the
-  // constructor's dt, dst in dst_dt. Each batch matrix runs as 2-D GEMMs over its
+  // constructor's dt (f32 for s8), dst in dst_dt. Each batch matrix runs as 2-D GEMMs over its
   // rows in RowChunk pieces, so the primitives depend on neither batch nor rows.
   void Run(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
            StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt) const;
@@ -210,9 +211,9 @@ class Linear {
   // Entries are shared so that a cache reset never frees one a caller still runs.
   // `built` (if given) is set when this call made the entry.
   std::shared_ptr<const Entry> Lookup(const Key& key, bool* built = nullptr) const;
-  // Run of an s8 Linear, and one chunk of it (m rows of bf16 src into dst) with its
+  // Run of an s8 Linear, and one chunk of it (m rows of f32 src into dst) with its
   // quantization and rescaling split over `parts` threads.
-  void RunInt8Chunk(dnnl::stream& stream, Bindings& args, int parts, int64_t m, const uint16_t* src,
+  void RunInt8Chunk(dnnl::stream& stream, Bindings& args, int parts, int64_t m, const float* src,
                     int64_t src_ld, char* dst, int64_t dst_ld, Dt dst_dt) const;
   void RunInt8(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
                StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt) const;

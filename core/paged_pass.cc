@@ -282,18 +282,18 @@ MultiHeadAttention::Impl::PagedProjections MultiHeadAttention::Impl::ProjectPage
     return proj;
   }
   if (all_self) {
-    qkv_->Run(*ws.stream, ws.bindings, 1, pq, {AsActivation(xq, pq * dq, ws.xq), dq},
+    qkv_->Run(*ws.stream, ws.bindings, 1, pq, {AsProjectionInput(xq, pq * dq, ws.xq), dq},
               {proj.q, proj.ld}, Dt::f32);
   } else {
     if (tq > 0) {
-      q_->Run(*ws.stream, ws.bindings, 1, pq, {AsActivation(xq, pq * dq, ws.xq), dq}, {proj.q, E},
-              Dt::f32);
+      q_->Run(*ws.stream, ws.bindings, 1, pq, {AsProjectionInput(xq, pq * dq, ws.xq), dq},
+              {proj.q, E}, Dt::f32);
     }
     if (tk > 0) {
-      k_->Run(*ws.stream, ws.bindings, 1, pk, {AsActivation(xk, pk * dk, ws.xk), dk}, {proj.k, Ekv},
-              Dt::f32);
-      v_->Run(*ws.stream, ws.bindings, 1, pk, {AsActivation(xv, pk * dv, ws.xv), dv}, {proj.v, Ekv},
-              Dt::f32);
+      k_->Run(*ws.stream, ws.bindings, 1, pk, {AsProjectionInput(xk, pk * dk, ws.xk), dk},
+              {proj.k, Ekv}, Dt::f32);
+      v_->Run(*ws.stream, ws.bindings, 1, pk, {AsProjectionInput(xv, pk * dv, ws.xv), dv},
+              {proj.v, Ekv}, Dt::f32);
     }
   }
   ws.stream->wait();
@@ -439,8 +439,8 @@ void MultiHeadAttention::Impl::ProjectPagedOutput(const PagedProjections& proj, 
   if (o_lin_->has_row_path(proj.rows)) {
     o_lin_->RunRows(ctx, E, proj.rows, out, E);
   } else if (proj.rows > 0) {
-    o_lin_->Run(*ws.stream, ws.bindings, 1, pq, {AsActivation(ctx, pq * E, ws.xq), E}, {out, E},
-                Dt::f32);
+    o_lin_->Run(*ws.stream, ws.bindings, 1, pq, {AsProjectionInput(ctx, pq * E, ws.xq), E},
+                {out, E}, Dt::f32);
     ws.stream->wait();
   }
 }

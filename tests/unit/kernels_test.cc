@@ -27,6 +27,38 @@ TEST(KernelsTest, ExpSubSumMatchesStdExp) {
   EXPECT_FLOAT_EQ(sum, expected);
 }
 
+// The exp rows at every length from 0 to 70 (whole pairs of vectors, one vector, masked
+// tails), with scores from 0 down past the flush point: the dispatched kernels (AVX-512
+// intrinsics on this CPU) against std::exp in double to 1e-6 relative, against the
+// portable loops to 2 ulp, and the bfloat16 row equal to ToBf16 of the f32 one.
+TEST(KernelsTest, ExpRowsMatchStdExpAndThePortableLoops) {
+  for (int64_t n = 0; n <= 70; ++n) {
+    std::vector<float> s(n + 1, 12345.0f);  // s[n] is past the row: never read into p
+    for (int64_t j = 0; j < n; ++j) s[j] = 3.0f - 95.0f * static_cast<float>((j * 37) % n) / n;
+    const float m = 3.0f;
+    std::vector<float> p(n + 1, -1.0f), portable(n + 1, -1.0f);
+    std::vector<uint16_t> p16(n + 1, 0xdead), want16(n + 1, 0xdead);
+    const float sum = ExpSubSum(s.data(), m, p.data(), n);
+    const float portable_sum = ExpSubSumPortable(s.data(), m, portable.data(), n);
+    std::vector<float> s_copy = s;
+    const float sum16 = ExpSubSumBf16(s_copy.data(), m, p16.data(), n);
+    double want_sum = 0.0;
+    for (int64_t j = 0; j < n; ++j) {
+      const double want = std::exp(static_cast<double>(s[j]) - m);
+      want_sum += want;
+      EXPECT_NEAR(p[j], want, 1e-6 * want + 1e-37) << "n " << n << " j " << j;
+      EXPECT_NEAR(p[j], portable[j], 2 * std::numeric_limits<float>::epsilon() * portable[j])
+          << "n " << n << " j " << j;
+    }
+    ToBf16(p.data(), want16.data(), n);
+    for (int64_t j = 0; j <= n; ++j) EXPECT_EQ(p16[j], want16[j]) << "n " << n << " j " << j;
+    EXPECT_EQ(p[n], -1.0f) << n;
+    EXPECT_NEAR(sum, want_sum, 1e-6 * want_sum) << n;
+    EXPECT_NEAR(portable_sum, want_sum, 1e-6 * want_sum) << n;
+    EXPECT_FLOAT_EQ(sum16, sum) << n;
+  }
+}
+
 // Scores that overflowed float32 (huge but finite inputs) reach the softmax as inf;
 // inf - inf is NaN, which must come out as NaN (as in PyTorch), never through an
 // undefined float -> int conversion (UBSan found it with the request fuzzer).
@@ -41,6 +73,17 @@ TEST(KernelsTest, OverflowedScoresGiveNan) {
   EXPECT_TRUE(std::isnan(p[2]));
   EXPECT_TRUE(std::isnan(p[3]));
   EXPECT_TRUE(std::isnan(sum));
+  // The same through the portable loop and the bfloat16 row.
+  std::vector<float> q(s.size()), tmp(s.size());
+  std::vector<uint16_t> q16(s.size());
+  EXPECT_TRUE(std::isnan(ExpSubSumPortable(s.data(), m, q.data(), 4)));
+  EXPECT_TRUE(std::isnan(ExpSubSumBf16Portable(s.data(), m, q16.data(), 4, tmp.data())));
+  std::vector<float> s_copy = s;
+  EXPECT_TRUE(std::isnan(ExpSubSumBf16(s_copy.data(), m, q16.data(), 4)));
+  auto is_nan16 = [](uint16_t b) { return (b & 0x7f80u) == 0x7f80u && (b & 0x7fu) != 0; };
+  EXPECT_TRUE(std::isnan(q[0]) && std::isnan(q[2]) && std::isnan(q[3]) && q[1] < 1e-37f);
+  EXPECT_TRUE(is_nan16(q16[0]) && is_nan16(q16[2]) && is_nan16(q16[3]));
+  EXPECT_EQ(q16[1] & 0x7f80u, 0x0080u);  // ~2^-126: the smallest normal exponent
 }
 
 // s[j] = sum_a w[a] tanh(qa[a] + kt[a * ld + j]), against std::tanh in double, over
