@@ -144,8 +144,13 @@ class MultiHeadAttention::Impl {
                           Workspace& ws) const;
   Projections ProjectCross(const AttentionInputs& in, int64_t kv_rows, const void* xq,
                            Workspace& ws) const;
-  HeadMajor RepackHeadMajor(const AttentionInputs& in, const Projections& proj, int64_t kv_rows,
-                            int threads, Workspace& ws) const;
+  // The head-major buffers of a call (ws.heads), then either its projections
+  // repacked into them, or, where ProjectsIntoHeads, projected straight in.
+  HeadMajor LayOutHeads(const AttentionInputs& in, int64_t kv_rows, Workspace& ws) const;
+  void RepackHeadMajor(const AttentionInputs& in, const Projections& proj, const HeadMajor& heads,
+                       int threads) const;
+  bool ProjectsIntoHeads(const AttentionInputs& in, int64_t kv_rows) const;
+  void ProjectIntoHeads(const AttentionInputs& in, const HeadMajor& heads, Workspace& ws) const;
   // Fills ws.ctx (and `attention`) with every head's context.
   absl::Status RunAttentionTasks(const AttentionInputs& in, const HeadMajor& heads,
                                  const ScoringProjections& scoring, const KeyLimits& limits,

@@ -370,12 +370,12 @@ MultiHeadAttention::Impl::Projections MultiHeadAttention::Impl::ProjectCross(
       .q = {ws.proj.data(), E, Q * E}, .k = {kbase, ld, span * ld}, .v = {vbase, ld, span * ld}};
 }
 
-// Head-major, so that every block GEMM has dense operands; a rotary model's queries
-// and keys are rotated to their positions on the way (key j at j, query i at K - Q + i).
-MultiHeadAttention::Impl::HeadMajor MultiHeadAttention::Impl::RepackHeadMajor(
-    const AttentionInputs& in, const Projections& proj, int64_t kv_rows, int threads,
-    Workspace& ws) const {
-  const int64_t B = in.batch, Q = in.num_queries, E = c_.num_hiddens, H = c_.num_heads;
+// Head-major, so that every block GEMM has dense operands: the buffers, with the pad
+// key rows zeroed.
+MultiHeadAttention::Impl::HeadMajor MultiHeadAttention::Impl::LayOutHeads(const AttentionInputs& in,
+                                                                          int64_t kv_rows,
+                                                                          Workspace& ws) const {
+  const int64_t B = in.batch, Q = in.num_queries, E = c_.num_hiddens;
   const int64_t G = c_.kv_heads(), Ekv = c_.kv_hiddens(), p = c_.head_size();
   const int64_t s = heads_per_task_;  // query heads interleaved per task (HeadMajor)
   const size_t asz = SizeOf(act_);
@@ -389,6 +389,60 @@ MultiHeadAttention::Impl::HeadMajor MultiHeadAttention::Impl::RepackHeadMajor(
   char* qh = ws.heads.data();
   char* kh = qh + q_elems * asz;
   char* vh = kh + B * kv_stride * Ekv * asz;
+  const int64_t pb = p * asz;
+  for (int64_t bg = 0; bg < B * G && kv_stride > kv_rows; ++bg) {
+    std::memset(kh + (bg * kv_stride + kv_rows) * pb, 0, (kv_stride - kv_rows) * pb);
+    std::memset(vh + (bg * kv_stride + kv_rows) * pb, 0, (kv_stride - kv_rows) * pb);
+  }
+  return {qh, kh, vh, kv_rows, kv_stride};
+}
+
+// An int8 model's self-attention without rotary positions: the Q/K/V sums are
+// rescaled straight into their heads' places (Linear::RunSegments), with no
+// row-major projections to copy from.
+bool MultiHeadAttention::Impl::ProjectsIntoHeads(const AttentionInputs& in, int64_t kv_rows) const {
+  return weights_ == Dt::s8 && qkv_ != nullptr && in.self_attention() && kv_rows == in.num_keys &&
+         !rope_.has_value();
+}
+
+void MultiHeadAttention::Impl::ProjectIntoHeads(const AttentionInputs& in, const HeadMajor& heads,
+                                                Workspace& ws) const {
+  const int64_t Q = in.num_queries, H = c_.num_heads;
+  const int64_t G = c_.kv_heads(), p = c_.head_size(), s = heads_per_task_;
+  internal::ColumnSegments segments{.width = p, .rows_per_batch = Q};
+  auto* q = const_cast<char*>(heads.q);
+  auto* k = const_cast<char*>(heads.k);
+  auto* v = const_cast<char*>(heads.v);
+  const int64_t asz = static_cast<int64_t>(SizeOf(act_));
+  // Query head h = hs * s + u: row i * s + u of task group hs (HeadMajor).
+  for (int64_t h = 0; h < H; ++h) {
+    segments.segments.push_back({.data = q + ((h / s) * Q * s + h % s) * p * asz,
+                                 .row_stride = s * p,
+                                 .batch_stride = H * Q * p});
+  }
+  for (char* base : {k, v}) {
+    for (int64_t g = 0; g < G; ++g) {
+      segments.segments.push_back({.data = base + g * heads.kv_stride * p * asz,
+                                   .row_stride = p,
+                                   .batch_stride = G * heads.kv_stride * p});
+    }
+  }
+  qkv_->RunSegments(*ws.stream, ws.bindings, in.batch * Q, in.queries, c_.query_size, segments,
+                    act_);
+}
+
+// Fills `heads` from the row-major projections; a rotary model's queries and keys are
+// rotated to their positions on the way (key j at j, query i at K - Q + i).
+void MultiHeadAttention::Impl::RepackHeadMajor(const AttentionInputs& in, const Projections& proj,
+                                               const HeadMajor& heads, int threads) const {
+  const int64_t B = in.batch, Q = in.num_queries, E = c_.num_hiddens, H = c_.num_heads;
+  const int64_t G = c_.kv_heads(), Ekv = c_.kv_hiddens(), p = c_.head_size();
+  const int64_t s = heads_per_task_;  // query heads interleaved per task (HeadMajor)
+  const size_t asz = SizeOf(act_);
+  const int64_t kv_rows = heads.kv_rows, kv_stride = heads.kv_stride;
+  char* qh = const_cast<char*>(heads.q);
+  char* kh = const_cast<char*>(heads.k);
+  char* vh = const_cast<char*>(heads.v);
   const int64_t pb = p * asz;
   const int64_t rows_per_batch = std::max(Q, kv_rows);
   const std::shared_ptr<const internal::RotaryTable> table =
@@ -449,11 +503,6 @@ MultiHeadAttention::Impl::HeadMajor MultiHeadAttention::Impl::RepackHeadMajor(
   } else {
     for (int64_t r = 0; r < B * rows_per_batch; ++r) repack(r);
   }
-  for (int64_t bg = 0; bg < B * G && kv_stride > kv_rows; ++bg) {
-    std::memset(kh + (bg * kv_stride + kv_rows) * pb, 0, (kv_stride - kv_rows) * pb);
-    std::memset(vh + (bg * kv_stride + kv_rows) * pb, 0, (kv_stride - kv_rows) * pb);
-  }
-  return {qh, kh, vh, kv_rows, kv_stride};
 }
 
 // One task per (batch row, head, query block), key blocks inside.
@@ -499,8 +548,12 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
   internal::WorkspaceLease lease(*workspaces_);
   Workspace& ws = *lease;
   if (!ws.stream) ws.stream.emplace(internal::CpuEngine());
-  const Projections proj = Project(in, limits.kv_rows, ws);
-  const HeadMajor heads = RepackHeadMajor(in, proj, limits.kv_rows, threads, ws);
+  const HeadMajor heads = LayOutHeads(in, limits.kv_rows, ws);
+  if (ProjectsIntoHeads(in, limits.kv_rows)) {
+    ProjectIntoHeads(in, heads, ws);
+  } else {
+    RepackHeadMajor(in, Project(in, limits.kv_rows, ws), heads, threads);
+  }
   ScoringProjections scoring;
   if (c_.scoring == Scoring::kAdditive) {
     MHA_RETURN_IF_ERROR(ProjectScoring(in, heads, threads, ws, scoring));

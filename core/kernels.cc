@@ -841,24 +841,43 @@ MHA_MULTIVERSION void QuantizeRows(const float* x, int64_t ldx, int64_t m, int64
   }
 }
 
+namespace {
+
+// n sums of one row rescaled into f32 or bf16 y (DequantizeRows).
+MHA_INLINE void DequantizeSpan(const int32_t* acc, int64_t n, float row_scale,
+                               const float* col_scales, const float* b, void* y, bool bf16) {
+  if (bf16) {
+    auto* out = static_cast<uint16_t*>(y);
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      out[j] = Bf16Bits(static_cast<float>(acc[j]) * row_scale * col_scales[j] + (b ? b[j] : 0.0f));
+    }
+  } else {
+    auto* out = static_cast<float*>(y);
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      out[j] = static_cast<float>(acc[j]) * row_scale * col_scales[j] + (b ? b[j] : 0.0f);
+    }
+  }
+}
+
+}  // namespace
+
 MHA_MULTIVERSION void DequantizeRows(const int32_t* acc, int64_t m, int64_t n,
                                      const float* row_scales, const float* col_scales,
                                      const float* b, void* y, int64_t ldy, bool bf16) {
+  const int64_t row_bytes = ldy * (bf16 ? 2 : 4);
   for (int64_t r = 0; r < m; ++r, acc += n) {
-    const float s = row_scales[r];
-    if (bf16) {
-      uint16_t* out = static_cast<uint16_t*>(y) + r * ldy;
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) {
-        out[j] = Bf16Bits(static_cast<float>(acc[j]) * s * col_scales[j] + (b ? b[j] : 0.0f));
-      }
-    } else {
-      float* out = static_cast<float*>(y) + r * ldy;
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) {
-        out[j] = static_cast<float>(acc[j]) * s * col_scales[j] + (b ? b[j] : 0.0f);
-      }
-    }
+    DequantizeSpan(acc, n, row_scales[r], col_scales, b, static_cast<char*>(y) + r * row_bytes,
+                   bf16);
+  }
+}
+
+MHA_MULTIVERSION void DequantizeRowSegments(const int32_t* acc, int64_t n, float row_scale,
+                                            const float* col_scales, const float* b, int64_t width,
+                                            void* const* dst, bool bf16) {
+  for (int64_t c0 = 0, s = 0; c0 < n; c0 += width, ++s) {
+    DequantizeSpan(acc + c0, width, row_scale, col_scales + c0, b ? b + c0 : nullptr, dst[s], bf16);
   }
 }
 

@@ -107,6 +107,10 @@ void QuantizeRows(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, int8_t* 
 void QuantizeRows(const float* x, int64_t ldx, int64_t m, int64_t k, int8_t* q, float* scales);
 void DequantizeRows(const int32_t* acc, int64_t m, int64_t n, const float* row_scales,
                     const float* col_scales, const float* b, void* y, int64_t ldy, bool bf16);
+// The same for one row whose n columns go in segments of `width` (dividing n) to
+// n / width places: columns [s * width, (s + 1) * width) to dst[s].
+void DequantizeRowSegments(const int32_t* acc, int64_t n, float row_scale, const float* col_scales,
+                           const float* b, int64_t width, void* const* dst, bool bf16);
 
 // An int8 Linear's decode rows (Linear::RunRows of an s8 Linear), on AVX-512 VNNI:
 // W (n, k) s8 packed once (PackInt8Panels) into panels of kInt8PanelColumns output

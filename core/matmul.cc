@@ -170,9 +170,9 @@ Linear::Key Linear::KeyOf(int64_t rows, int64_t src_ld, int64_t dst_ld, Dt dst_d
   return {rows, src_ld, dst_ld, static_cast<int64_t>(dst_dt), PlanThreads()};
 }
 
-void Linear::RunInt8Chunk(dnnl::stream& stream, Bindings& args, int parts, int64_t m,
-                          const float* src, int64_t src_ld, char* dst, int64_t dst_ld,
-                          Dt dst_dt) const {
+void Linear::RunInt8Chunk(dnnl::stream& stream, Bindings& args, int parts, const Int8Rows& c,
+                          int64_t src_ld, Dt dst_dt) const {
+  const int64_t m = c.rows;
   const std::shared_ptr<const Entry> entry = Lookup(KeyOf(m, 0, 0, dst_dt));
   const Entry& e = *entry;
   Bindings::Int8Chunk& chunk = args.int8_chunk();
@@ -183,7 +183,7 @@ void Linear::RunInt8Chunk(dnnl::stream& stream, Bindings& args, int parts, int64
 #pragma omp parallel for num_threads(parts) if (parts > 1)
   for (int64_t t = 0; t < parts; ++t) {
     const int64_t a = m * t / parts, b = m * (t + 1) / parts;
-    kernels::QuantizeRows(src + a * src_ld, src_ld, b - a, k_, chunk.rows.data() + a * k_,
+    kernels::QuantizeRows(c.src + a * src_ld, src_ld, b - a, k_, chunk.rows.data() + a * k_,
                           chunk.scales.data() + a);
   }
   args.Bind(DNNL_ARG_SRC, e.src_md, chunk.rows.data());
@@ -194,35 +194,36 @@ void Linear::RunInt8Chunk(dnnl::stream& stream, Bindings& args, int parts, int64
   stream.wait();
   args.Erase(DNNL_ARG_WEIGHTS);
   const float* bias = bias_.empty() ? nullptr : bias_.data();
+  const bool bf16 = dst_dt == Dt::bf16;
 #pragma omp parallel for num_threads(parts) if (parts > 1)
   for (int64_t t = 0; t < parts; ++t) {
     const int64_t a = m * t / parts, b = m * (t + 1) / parts;
-    kernels::DequantizeRows(chunk.sums.data() + a * n_, b - a, n_, chunk.scales.data() + a,
-                            col_scales_.data(), bias, dst + a * dst_ld * dst_size, dst_ld,
-                            dst_dt == Dt::bf16);
+    if (c.segments == nullptr) {
+      kernels::DequantizeRows(chunk.sums.data() + a * n_, b - a, n_, chunk.scales.data() + a,
+                              col_scales_.data(), bias, c.dst + a * c.dst_ld * dst_size, c.dst_ld,
+                              bf16);
+      continue;
+    }
+    const ColumnSegments& cs = *c.segments;
+    thread_local std::vector<void*> places;
+    places.resize(cs.segments.size());
+    for (int64_t r = a; r < b; ++r) {
+      const int64_t row = c.row0 + r;
+      const int64_t bi = row / cs.rows_per_batch, i = row % cs.rows_per_batch;
+      for (size_t s = 0; s < places.size(); ++s) {
+        const ColumnSegments::Segment& seg = cs.segments[s];
+        places[s] = static_cast<char*>(seg.data) +
+                    (bi * seg.batch_stride + i * seg.row_stride) * static_cast<int64_t>(dst_size);
+      }
+      kernels::DequantizeRowSegments(chunk.sums.data() + r * n_, n_, chunk.scales[r],
+                                     col_scales_.data(), bias, cs.width, places.data(), bf16);
+    }
   }
 }
 
-void Linear::RunInt8(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
-                     StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt) const {
+void Linear::RunInt8(dnnl::stream& stream, Bindings& args, const std::vector<Int8Rows>& chunks,
+                     int64_t src_ld, Dt dst_dt) const {
   const int threads = static_cast<int>(PlanThreads());
-  const size_t dst_size = SizeOf(dst_dt);
-  struct Chunk {
-    int64_t rows;
-    const float* src;
-    char* dst;
-  };
-  std::vector<Chunk> chunks;
-  for (int64_t bi = 0; bi < batch; ++bi) {
-    for (int64_t r0 = 0; r0 < rows;) {
-      const int64_t m = RowChunk(rows - r0, kInt8RowChunkMax);
-      chunks.push_back(
-          {m, static_cast<const float*>(src.data) + bi * src.batch_stride + r0 * src.row_stride,
-           static_cast<char*>(dst.data) +
-               (bi * dst.batch_stride + r0 * dst.row_stride) * dst_size});
-      r0 += m;
-    }
-  }
   const int64_t count = static_cast<int64_t>(chunks.size());
   if (threads > 1 && count >= threads) {
     // A chunk per thread at a time, each quantized, multiplied and rescaled by its
@@ -235,24 +236,46 @@ void Linear::RunInt8(dnnl::stream& stream, Bindings& args, int64_t batch, int64_
       if (!local_stream) local_stream.emplace(CpuEngine());
 #pragma omp for schedule(dynamic, 1)
       for (int64_t c = 0; c < count; ++c) {
-        RunInt8Chunk(*local_stream, local, 1, chunks[c].rows, chunks[c].src, src.row_stride,
-                     chunks[c].dst, dst.row_stride, dst_dt);
+        RunInt8Chunk(*local_stream, local, 1, chunks[c], src_ld, dst_dt);
       }
     }
     return;
   }
-  for (const Chunk& c : chunks) {
+  for (const Int8Rows& c : chunks) {
     // Rows split over the call's threads; one thread for a few rows.
     const int64_t parts = std::min<int64_t>(threads, (c.rows * std::max(k_, n_) + 8191) / 8192);
-    RunInt8Chunk(stream, args, static_cast<int>(parts), c.rows, c.src, src.row_stride, c.dst,
-                 dst.row_stride, dst_dt);
+    RunInt8Chunk(stream, args, static_cast<int>(parts), c, src_ld, dst_dt);
   }
+}
+
+void Linear::RunSegments(dnnl::stream& stream, Bindings& args, int64_t rows, const float* src,
+                         int64_t src_ld, const ColumnSegments& dst, Dt dst_dt) const {
+  std::vector<Int8Rows> chunks;
+  for (int64_t r0 = 0; r0 < rows;) {
+    const int64_t m = RowChunk(rows - r0, kInt8RowChunkMax);
+    chunks.push_back({.rows = m, .src = src + r0 * src_ld, .segments = &dst, .row0 = r0});
+    r0 += m;
+  }
+  RunInt8(stream, args, chunks, src_ld, dst_dt);
 }
 
 void Linear::Run(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
                  StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt) const {
   if (dt_ == Dt::s8) {
-    RunInt8(stream, args, batch, rows, src, dst, dst_dt);
+    std::vector<Int8Rows> chunks;
+    for (int64_t bi = 0; bi < batch; ++bi) {
+      for (int64_t r0 = 0; r0 < rows;) {
+        const int64_t m = RowChunk(rows - r0, kInt8RowChunkMax);
+        chunks.push_back({.rows = m,
+                          .src = static_cast<const float*>(src.data) + bi * src.batch_stride +
+                                 r0 * src.row_stride,
+                          .dst = static_cast<char*>(dst.data) +
+                                 (bi * dst.batch_stride + r0 * dst.row_stride) * SizeOf(dst_dt),
+                          .dst_ld = dst.row_stride});
+        r0 += m;
+      }
+    }
+    RunInt8(stream, args, chunks, src.row_stride, dst_dt);
     return;
   }
   const size_t src_size = SizeOf(dt_), dst_size = SizeOf(dst_dt);

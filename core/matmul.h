@@ -135,6 +135,21 @@ struct StridedOperand {
   int64_t batch_stride = 0;  // elements from one matrix to the next
 };
 
+// Where Linear::RunSegments puts its n columns: in segments of `width` columns,
+// segment s of call row r (batch matrix r / rows_per_batch, row r % rows_per_batch in
+// it) starting segments[s].data + (batch matrix * batch_stride + row * row_stride)
+// elements in.
+struct ColumnSegments {
+  struct Segment {
+    void* data = nullptr;
+    int64_t row_stride = 0;
+    int64_t batch_stride = 0;
+  };
+  int64_t width = 0;
+  int64_t rows_per_batch = 1;
+  std::vector<Segment> segments;  // n / width of them
+};
+
 // The row counts a projection's primitives are built for (docs/warm_start.md): a call
 // of `rows` rows runs as chunks of these, largest first: 1024-row chunks, then a
 // multiple of 128, then a multiple of 16, then the remainder (1..15 rows) as itself.
@@ -177,6 +192,12 @@ class Linear {
   void Run(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
            StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt) const;
 
+  // An s8 Linear's Run of `rows` f32 rows (row stride src_ld) into dst's segments
+  // (dst_dt bf16 or f32): each chunk's sums are rescaled straight into a layout that
+  // is not one row-major matrix (an int8 model's head-major Q, K, V: ProjectIntoHeads).
+  void RunSegments(dnnl::stream& stream, Bindings& args, int64_t rows, const float* src,
+                   int64_t src_ld, const ColumnSegments& dst, Dt dst_dt) const;
+
   // Builds the primitives Run would use for every chunk of 16..max_rows rows (every
   // multiple of 16 up to 128, of 128 up to kRowChunkMax) at these row strides and the
   // calling thread's PlanThreads(), and packs the weights for them. Returns how many
@@ -211,12 +232,22 @@ class Linear {
   // Entries are shared so that a cache reset never frees one a caller still runs.
   // `built` (if given) is set when this call made the entry.
   std::shared_ptr<const Entry> Lookup(const Key& key, bool* built = nullptr) const;
-  // Run of an s8 Linear, and one chunk of it (m rows of f32 src into dst) with its
-  // quantization and rescaling split over `parts` threads.
-  void RunInt8Chunk(dnnl::stream& stream, Bindings& args, int parts, int64_t m, const float* src,
-                    int64_t src_ld, char* dst, int64_t dst_ld, Dt dst_dt) const;
-  void RunInt8(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
-               StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt) const;
+  // A chunk of an s8 Linear's call: `rows` f32 rows from src, into dst (row stride
+  // dst_ld), or into `segments` as rows row0.. of the call.
+  struct Int8Rows {
+    int64_t rows = 0;
+    const float* src = nullptr;
+    char* dst = nullptr;
+    int64_t dst_ld = 0;
+    const ColumnSegments* segments = nullptr;
+    int64_t row0 = 0;
+  };
+  // Run of an s8 Linear over its chunks, and one chunk with its quantization and
+  // rescaling split over `parts` threads.
+  void RunInt8(dnnl::stream& stream, Bindings& args, const std::vector<Int8Rows>& chunks,
+               int64_t src_ld, Dt dst_dt) const;
+  void RunInt8Chunk(dnnl::stream& stream, Bindings& args, int parts, const Int8Rows& c,
+                    int64_t src_ld, Dt dst_dt) const;
   // The primitive key of a chunk of `rows` rows: an s8 Linear's GEMM reads and
   // writes dense buffers of its own whatever the caller's strides.
   Key KeyOf(int64_t rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt) const;

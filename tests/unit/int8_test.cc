@@ -117,6 +117,35 @@ TEST(Int8Test, LongInputsRunAsChunksWithinBound) {
   EXPECT_LE(RelativeFrobenius(out, ReferenceForward(c, w, d.in).output), kInt8Bound);
 }
 
+// Self-attention projects Q, K and V straight into their heads' places (the sums
+// rescaled where the attention reads them); cross-attention over a copy of the same
+// tensor projects row-major and repacks. Both are the same integer GEMMs and the same
+// rescaling, so the outputs are equal to the bit: multi-head and grouped-query heads
+// (4 query heads interleaved per task), row chunks across batch rows, every mask kind.
+TEST(Int8Test, SelfAttentionProjectedIntoHeadsEqualsTheRepackedPath) {
+  for (const int64_t kv_heads : {0, 2}) {
+    ModelConfig c = Int8(64, 8, 64, 64, 64, true);
+    c.num_kv_heads = kv_heads;
+    const Weights w = SeededWeights(c, 21);
+    auto mha = MultiHeadAttention::Create(c, w, {.query_block = 32, .key_block = 64}).value();
+    for (const auto& [B, Q] : {std::pair<int64_t, int64_t>{3, 37}, {2, 300}}) {
+      for (int mask_kind = 0; mask_kind < 3; ++mask_kind) {
+        SCOPED_TRACE(absl::StrCat("G=", c.kv_heads(), " B=", B, " Q=", Q, " mask=", mask_kind));
+        const Inputs self = MakeInputs(c, B, Q, Q, true, mask_kind, mask_kind == 2, false, 31);
+        const std::vector<float> copy = self.queries;
+        AttentionInputs cross = self.in;
+        cross.keys = copy.data();
+        cross.values = copy.data();
+        std::vector<float> a(B * Q * c.num_hiddens), b(a.size());
+        ASSERT_TRUE(mha->Forward(self.in, a.data()).ok());
+        ASSERT_TRUE(mha->Forward(cross, b.data()).ok());
+        EXPECT_EQ(MaxAbsDiff(a, b), 0.0);
+        EXPECT_LE(RelativeFrobenius(a, ReferenceForward(c, w, self.in).output), kInt8Bound);
+      }
+    }
+  }
+}
+
 // Activations are scaled per row, so a request's result is the same alone or batched
 // beside rows 100 times larger (a scale per tensor or per chunk would coarsen it).
 TEST(Int8Test, ARowsResultDoesNotDependOnItsBatch) {
