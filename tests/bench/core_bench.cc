@@ -13,6 +13,8 @@
 // Threads: OMP_NUM_THREADS, else every core. Compare with PyTorch on the same shapes:
 // tests/bench/compare_torch.py --ours FILE (FILE from --benchmark_out=FILE
 // --benchmark_out_format=json).
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <initializer_list>
 #include <memory>
@@ -285,32 +287,97 @@ BENCHMARK_CAPTURE(BM_DecodeStep, int8, Precision::kInt8)
 // blocks, as a session's next steps would. Steps at a context that drifts (Decode/step
 // covers 64 of them) mix contexts; these are what issue 37's "a decode step at
 // context 64" compares, int8 against f32.
-void BM_DecodeHeld(benchmark::State& state, Precision precision) {
-  const int64_t context = state.range(0);
-  const ModelConfig config = DecoderConfig(precision);
-  auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 5)).value();
-  KvCachePool pool((context + kChunkSlackTokens) * 2 * 768 * 4);
-  std::vector<float> prefill(context * 768), token(768);
-  FillUniform({&prefill, &token});
-  std::vector<float> prefill_out(prefill.size()), out(768);
-  KvSequence cache(&pool, 12, 64);
-  if (!cache.Reserve(context + 1).ok()) return state.SkipWithError("pool");
-  const PagedStep first{.num_queries = context,
-                        .queries = prefill.data(),
-                        .causal = true,
-                        .cache = &cache,
-                        .output = prefill_out.data()};
-  if (!mha->ForwardPaged({&first, 1}).ok()) return state.SkipWithError("prefill");
-  const PagedStep step{.num_queries = 1,
-                       .queries = token.data(),
-                       .causal = true,
-                       .cache = &cache,
-                       .output = out.data()};
-  for (auto _ : state) {
-    if (!mha->ForwardPaged({&step, 1}).ok()) return state.SkipWithError("ForwardPaged");
-    cache.Truncate(context);
-    benchmark::DoNotOptimize(out.data());
+// One model's session held at `context` cached tokens (BM_DecodeHeld).
+class HeldSession {
+ public:
+  HeldSession(Precision precision, int64_t context)
+      : config_(DecoderConfig(precision)),
+        mha_(MultiHeadAttention::Create(config_, SeededWeights(config_, 5)).value()),
+        pool_((context + kChunkSlackTokens) * 2 * 768 * 4),
+        cache_(&pool_, 12, 64),
+        context_(context),
+        prefill_(context * 768),
+        token_(768),
+        prefill_out_(prefill_.size()),
+        out_(768) {
+    FillUniform({&prefill_, &token_});
   }
+  bool Prefill() {
+    if (!cache_.Reserve(context_ + 1).ok()) return false;
+    const PagedStep first{.num_queries = context_,
+                          .queries = prefill_.data(),
+                          .causal = true,
+                          .cache = &cache_,
+                          .output = prefill_out_.data()};
+    return mha_->ForwardPaged({&first, 1}).ok();
+  }
+  // One step at the context, then undone.
+  bool Step() {
+    const PagedStep step{.num_queries = 1,
+                         .queries = token_.data(),
+                         .causal = true,
+                         .cache = &cache_,
+                         .output = out_.data()};
+    if (!mha_->ForwardPaged({&step, 1}).ok()) return false;
+    cache_.Truncate(context_);
+    benchmark::DoNotOptimize(out_.data());
+    return true;
+  }
+
+ private:
+  const ModelConfig config_;
+  const std::unique_ptr<MultiHeadAttention> mha_;
+  KvCachePool pool_;
+  KvSequence cache_;
+  const int64_t context_;
+  std::vector<float> prefill_, token_, prefill_out_, out_;
+};
+
+// Decode/held and Decode/held_int8: one session's decode step at exactly `context`
+// cached tokens, call after call: each step is undone (KvSequence::Truncate) and
+// run again, so every timed step attends over the same context and reads the same
+// blocks, as a session's next steps would. Steps at a context that drifts (Decode/step
+// covers 64 of them) mix contexts; these are what issue 37's "a decode step at
+// context 64" compares, int8 against f32.
+void BM_DecodeHeld(benchmark::State& state, Precision precision) {
+  HeldSession session(precision, state.range(0));
+  if (!session.Prefill()) return state.SkipWithError("prefill");
+  for (auto _ : state) {
+    if (!session.Step()) return state.SkipWithError("ForwardPaged");
+  }
+}
+// Decode/held_ratio: the same two sessions (f32 and int8) in one process, in turns of
+// 200 steps each, so that both see the same spells of a noisy machine; each
+// iteration is one turn of each. Counters: the median step of each (us) and the
+// median of the turns' int8 / f32 ratios.
+void BM_DecodeHeldRatio(benchmark::State& state) {
+  constexpr int kTurn = 200;
+  HeldSession f32(Precision::kF32, state.range(0)), int8(Precision::kInt8, state.range(0));
+  if (!f32.Prefill() || !int8.Prefill()) return state.SkipWithError("prefill");
+  auto turn = [&](HeldSession& session) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < kTurn; ++i) {
+      if (!session.Step()) return -1.0;
+    }
+    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+               .count() /
+           kTurn;
+  };
+  std::vector<double> f32_us, int8_us, ratios;
+  for (auto _ : state) {
+    const double a = turn(f32), b = turn(int8);
+    if (a < 0 || b < 0) return state.SkipWithError("ForwardPaged");
+    f32_us.push_back(a);
+    int8_us.push_back(b);
+    ratios.push_back(b / a);
+  }
+  auto median = [](std::vector<double> v) {
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  };
+  state.counters["f32_us"] = median(f32_us);
+  state.counters["int8_us"] = median(int8_us);
+  state.counters["int8_per_f32"] = median(ratios);
 }
 BENCHMARK_CAPTURE(BM_DecodeHeld, f32, Precision::kF32)
     ->Name("Decode/held")
@@ -328,6 +395,13 @@ BENCHMARK_CAPTURE(BM_DecodeHeld, int8, Precision::kInt8)
     ->ReportAggregatesOnly()
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DecodeHeldRatio)
+    ->Name("Decode/held_ratio")
+    ->ArgName("context")
+    ->Arg(64)
+    ->Iterations(50)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
 // The attention-only worker's decode step in the core alone (issue 35; the serving
 // figure is tests/bench/attention_only_bench.py): 16 sessions of
