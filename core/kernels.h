@@ -1,6 +1,7 @@
 // Row kernels of the fused attention loop: online-softmax statistics, exp, additive
 // scores, and float <-> bfloat16 conversion. Internal to core/; plain loops written so the
-// compiler vectorises them, with AVX-512 and AVX2 clones picked at load time.
+// compiler vectorises them, with AVX-512 and AVX2 clones picked at load time, and a few
+// in AVX-512 intrinsics (the exponentials, the int8 row path) picked by the CPU's flags.
 #ifndef MHA_CORE_KERNELS_H_
 #define MHA_CORE_KERNELS_H_
 
