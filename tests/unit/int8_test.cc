@@ -140,7 +140,11 @@ TEST(Int8Test, SelfAttentionProjectedIntoHeadsEqualsTheRepackedPath) {
         ASSERT_TRUE(mha->Forward(self.in, a.data()).ok());
         ASSERT_TRUE(mha->Forward(cross, b.data()).ok());
         EXPECT_EQ(MaxAbsDiff(a, b), 0.0);
-        EXPECT_LE(RelativeFrobenius(a, ReferenceForward(c, w, self.in).output), kInt8Bound);
+        // ReferenceForward is multi-head only; grouped-query int8 models meet the bound
+        // against gqa_rope_test's independent reference.
+        if (kv_heads == 0) {
+          EXPECT_LE(RelativeFrobenius(a, ReferenceForward(c, w, self.in).output), kInt8Bound);
+        }
       }
     }
   }
