@@ -149,6 +149,12 @@ class MultiHeadAttention::Impl {
   HeadMajor LayOutHeads(const AttentionInputs& in, int64_t kv_rows, Workspace& ws) const;
   void RepackHeadMajor(const AttentionInputs& in, const Projections& proj, const HeadMajor& heads,
                        int threads) const;
+  // RepackHeadMajor's rows [first, last) of B * max(Q, kv_rows), of the key/value
+  // heads [g0, g1) and their query heads, on this thread; `table` is a rotary model's
+  // table for in.num_keys positions, else null.
+  void RepackRows(const AttentionInputs& in, const Projections& proj, const HeadMajor& heads,
+                  const internal::RotaryTable* table, int64_t first, int64_t last, int64_t g0,
+                  int64_t g1) const;
   bool ProjectsIntoHeads(const AttentionInputs& in, int64_t kv_rows) const;
   void ProjectIntoHeads(const AttentionInputs& in, const HeadMajor& heads, Workspace& ws) const;
   // Fills ws.ctx (and `attention`) with every head's context.
@@ -157,6 +163,17 @@ class MultiHeadAttention::Impl {
                                  float* attention, float* lse, int threads, Workspace& ws) const;
   // output = ws.ctx W_o^T (+ b_o); an attention-only model's output is ws.ctx.
   void ProjectOutput(const AttentionInputs& in, float* output, Workspace& ws) const;
+
+  // A small self-attention call on more than one thread, as one region
+  // (internal::RunPhases): each thread owns a share of the key/value heads (and
+  // their query heads), projects their Q, K, V columns with one-thread primitives,
+  // lays them out and attends them; a barrier; then W_o's output columns shared
+  // out the same way. Only where RunsAsOneRegion: a model with fused Q/K/V weights,
+  // f32 or bf16, dot-product scoring; every key row projected; a call under
+  // internal::kOneRegionMaxFlops.
+  bool RunsAsOneRegion(const AttentionInputs& in, int64_t kv_rows) const;
+  absl::Status ForwardOneRegion(const AttentionInputs& in, const KeyLimits& limits, float* output,
+                                float* attention, float* lse, int threads, Workspace& ws) const;
 
   // Task t of RunAttentionTasks, counted over (batch row, head, query block).
   Task TaskAt(const TaskInputs& inputs, int64_t t) const;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "base/status_macros.h"
@@ -38,6 +39,27 @@ constexpr int64_t kParallelBytes = 256 << 10;
 constexpr int64_t kSmallBlockMacs = 8192;
 
 int64_t RoundUp(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+// Thread `me` of n's share of a one-region call's `cols` output columns: whole
+// blocks of Linear::kColumnBlock, so that it reads them in place.
+std::pair<int64_t, int64_t> OneRegionColumns(int64_t cols, int me, int n) {
+  auto first = [&](int i) {
+    return i >= n ? cols : std::min(cols, RoundUp(cols * i / n, internal::Linear::kColumnBlock));
+  };
+  return {first(me), first(me + 1)};
+}
+
+// The fused projection's Q, K and V columns of thread `me` of n in a one-region call:
+// those of its key/value heads [G me / n, G (me + 1) / n) and of their query heads.
+std::array<std::pair<int64_t, int64_t>, 3> OneRegionQkvColumns(const ModelConfig& c, int me,
+                                                               int n) {
+  const int64_t G = c.kv_heads(), g0 = G * me / n, g1 = G * (me + 1) / n;
+  const int64_t E = c.num_hiddens, Ekv = c.kv_hiddens(), p = c.head_size();
+  const int64_t group = c.num_heads / G;
+  return {{{g0 * group * p, g1 * group * p},
+           {E + g0 * p, E + g1 * p},
+           {E + Ekv + g0 * p, E + Ekv + g1 * p}}};
+}
 
 // Key rows no query sees are skipped by projecting a prefix of kv_rows per batch row,
 // a GEMM each (Linear::Run). When those prefixes are a few rows each (merged small
@@ -435,8 +457,36 @@ void MultiHeadAttention::Impl::ProjectIntoHeads(const AttentionInputs& in, const
 // rotated to their positions on the way (key j at j, query i at K - Q + i).
 void MultiHeadAttention::Impl::RepackHeadMajor(const AttentionInputs& in, const Projections& proj,
                                                const HeadMajor& heads, int threads) const {
-  const int64_t B = in.batch, Q = in.num_queries, E = c_.num_hiddens, H = c_.num_heads;
-  const int64_t G = c_.kv_heads(), Ekv = c_.kv_hiddens(), p = c_.head_size();
+  const int64_t B = in.batch, rows = B * std::max(in.num_queries, heads.kv_rows);
+  const std::shared_ptr<const internal::RotaryTable> table =
+      rope_ ? rope_->Table(in.num_keys) : nullptr;
+  // Tiny problems run our loops on the calling thread: a fork/join costs more than
+  // the work.
+  const bool parallel_repack =
+      B * (in.num_queries * c_.num_hiddens + 2 * heads.kv_rows * c_.kv_hiddens()) *
+          static_cast<int64_t>(SizeOf(act_)) >=
+      kParallelBytes;
+  // Serial work runs outside any OpenMP construct: a one-thread team between the
+  // full teams of oneDNN's regions makes libgomp re-dock its pool, which is slow to
+  // wake again on a busy machine.
+  if (parallel_repack) {
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t me = omp_get_thread_num(), n = omp_get_num_threads();
+      RepackRows(in, proj, heads, table.get(), rows * me / n, rows * (me + 1) / n, 0,
+                 c_.kv_heads());
+    }
+  } else {
+    RepackRows(in, proj, heads, table.get(), 0, rows, 0, c_.kv_heads());
+  }
+}
+
+void MultiHeadAttention::Impl::RepackRows(const AttentionInputs& in, const Projections& proj,
+                                          const HeadMajor& heads,
+                                          const internal::RotaryTable* table, int64_t first,
+                                          int64_t last, int64_t g0, int64_t g1) const {
+  const int64_t Q = in.num_queries, H = c_.num_heads;
+  const int64_t G = c_.kv_heads(), p = c_.head_size();
   const int64_t s = heads_per_task_;  // query heads interleaved per task (HeadMajor)
   const size_t asz = SizeOf(act_);
   const int64_t kv_rows = heads.kv_rows, kv_stride = heads.kv_stride;
@@ -445,12 +495,7 @@ void MultiHeadAttention::Impl::RepackHeadMajor(const AttentionInputs& in, const 
   char* vh = const_cast<char*>(heads.v);
   const int64_t pb = p * asz;
   const int64_t rows_per_batch = std::max(Q, kv_rows);
-  const std::shared_ptr<const internal::RotaryTable> table =
-      rope_ ? rope_->Table(in.num_keys) : nullptr;
   const int64_t q_position = in.num_keys - Q;  // of query 0
-  // Tiny problems run our loops on the calling thread: a fork/join costs more than
-  // the work.
-  const bool parallel_repack = B * (Q * E + 2 * kv_rows * Ekv) * asz >= kParallelBytes;
   auto row = [asz](const StridedOperand<const char>& x, int64_t b, int64_t i) {
     return x.data + (b * x.batch_stride + i * x.row_stride) * asz;
   };
@@ -464,12 +509,12 @@ void MultiHeadAttention::Impl::RepackHeadMajor(const AttentionInputs& in, const 
                    *table, position);
     }
   };
-  auto repack = [&](int64_t r) {
+  for (int64_t r = first; r < last; ++r) {
     const int64_t b = r / rows_per_batch, i = r % rows_per_batch;
     if (i < Q) {
       // Query head h = hs * s + u goes to row i * s + u of task group hs.
       const char* src = row(proj.q, b, i);
-      for (int64_t hs = 0, h = 0; hs < H / s; ++hs) {
+      for (int64_t hs = g0 * (H / G) / s, h = hs * s; hs < g1 * (H / G) / s; ++hs) {
         char* dst = qh + ((b * (H / s) + hs) * Q + i) * s * pb;
         for (int64_t u = 0; u < s; ++u, ++h) {
           if (table == nullptr) {
@@ -483,7 +528,7 @@ void MultiHeadAttention::Impl::RepackHeadMajor(const AttentionInputs& in, const 
     if (i < kv_rows) {
       const char* ksrc = row(proj.k, b, i);
       const char* vsrc = row(proj.v, b, i);
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t g = g0; g < g1; ++g) {
         char* kdst = kh + ((b * G + g) * kv_stride + i) * pb;
         if (table == nullptr) {
           std::memcpy(kdst, ksrc + g * pb, pb);
@@ -493,15 +538,6 @@ void MultiHeadAttention::Impl::RepackHeadMajor(const AttentionInputs& in, const 
         std::memcpy(vh + ((b * G + g) * kv_stride + i) * pb, vsrc + g * pb, pb);
       }
     }
-  };
-  // Serial work runs outside any OpenMP construct: a one-thread team between the
-  // full teams of oneDNN's regions makes libgomp re-dock its pool, which is slow to
-  // wake again on a busy machine.
-  if (parallel_repack) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < B * rows_per_batch; ++r) repack(r);
-  } else {
-    for (int64_t r = 0; r < B * rows_per_batch; ++r) repack(r);
   }
 }
 
@@ -547,6 +583,9 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
 
   internal::WorkspaceLease lease(*workspaces_);
   Workspace& ws = *lease;
+  if (threads > 1 && RunsAsOneRegion(in, limits.kv_rows)) {
+    return ForwardOneRegion(in, limits, output, attention, lse, threads, ws);
+  }
   if (!ws.stream) ws.stream.emplace(internal::CpuEngine());
   const HeadMajor heads = LayOutHeads(in, limits.kv_rows, ws);
   if (ProjectsIntoHeads(in, limits.kv_rows)) {
@@ -562,6 +601,86 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
   ProjectOutput(in, output, ws);
   ws.stream->wait();
   return absl::OkStatus();
+}
+
+bool MultiHeadAttention::Impl::RunsAsOneRegion(const AttentionInputs& in, int64_t kv_rows) const {
+  return qkv_ != nullptr && weights_ != Dt::s8 && c_.scoring == Scoring::kDotProduct &&
+         in.self_attention() && kv_rows == in.num_keys &&
+         MultiHeadAttention::Flops(c_, in.batch, in.num_queries, in.num_keys) <
+             internal::kOneRegionMaxFlops;
+}
+
+absl::Status MultiHeadAttention::Impl::ForwardOneRegion(const AttentionInputs& in,
+                                                        const KeyLimits& limits, float* output,
+                                                        float* attention, float* lse, int threads,
+                                                        Workspace& ws) const {
+  const int64_t B = in.batch, Q = in.num_queries, rows = B * Q, d = c_.query_size;
+  const int64_t E = c_.num_hiddens, Ekv = c_.kv_hiddens(), ld = E + 2 * Ekv;
+  const size_t asz = SizeOf(act_), isz = SizeOf(in_);
+  // Everything a thread writes is sized here, before the region.
+  const void* xq = AsProjectionInput(in.queries, rows * d, ws.xq);
+  Grow(ws.proj, rows * ld * asz);
+  Grow(ws.ctx, rows * E * sizeof(float));
+  if (in_ != Dt::f32) Grow(ws.xv, rows * E * isz);  // W_o's input in in_
+  const HeadMajor heads = LayOutHeads(in, limits.kv_rows, ws);
+  const std::shared_ptr<const internal::RotaryTable> table =
+      rope_ ? rope_->Table(in.num_keys) : nullptr;
+  char* proj = ws.proj.data();
+  const Projections projections{.q = {proj, ld, Q * ld},
+                                .k = {proj + E * asz, ld, Q * ld},
+                                .v = {proj + (E + Ekv) * asz, ld, Q * ld}};
+  const int64_t per_block = o_.query_block / heads_per_task_;  // queries per task
+  const int64_t q_blocks = (Q + per_block - 1) / per_block;
+  auto* ctx = reinterpret_cast<float*>(ws.ctx.data());
+  const ScoringProjections no_scoring;  // dot-product scoring
+  const TaskInputs inputs{.in = in,
+                          .heads = heads,
+                          .scoring = no_scoring,
+                          .limits = limits.per_query,
+                          .ctx = ctx,
+                          .attention = attention,
+                          .lse = lse,
+                          .q_blocks = q_blocks};
+  const int64_t G = c_.kv_heads(), group = c_.num_heads / G;
+  const int64_t s = heads_per_task_, tasks_per_row = c_.num_heads / s;
+  auto stream = [](TaskScratch& scratch) -> dnnl::stream& {
+    if (!scratch.stream) scratch.stream.emplace(internal::CpuEngine());
+    return *scratch.stream;
+  };
+  // Each thread owns the key/value heads [g0, g1) and their query heads: it projects
+  // their columns of Q, K and V for every row, lays them out and attends them, all
+  // in its own core's cache, with no barrier on the way.
+  auto heads_of_thread = [&](int me, int n, TaskScratch& scratch) {
+    const int64_t g0 = G * me / n, g1 = G * (me + 1) / n;
+    if (g1 == g0) return;
+    dnnl::stream& st = stream(scratch);
+    for (const auto& [c0, c1] : OneRegionQkvColumns(c_, me, n)) {
+      qkv_->RunColumns(st, scratch.bindings, rows, {xq, d}, {proj, ld}, act_, c0, c1);
+    }
+    RepackRows(in, projections, heads, table.get(), 0, rows, g0, g1);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t hs = g0 * group / s; hs < g1 * group / s; ++hs) {
+        for (int64_t qb = 0; qb < q_blocks; ++qb) {
+          AttendTask(TaskAt(inputs, (b * tasks_per_row + hs) * q_blocks + qb), st, scratch);
+        }
+      }
+    }
+  };
+  auto convert = [&](int me, int n, TaskScratch&) {  // W_o's input rows, for a bf16 model
+    const int64_t r0 = rows * me / n, r1 = rows * (me + 1) / n;
+    kernels::ToBf16(ctx + r0 * E, reinterpret_cast<uint16_t*>(ws.xv.data()) + r0 * E,
+                    (r1 - r0) * E);
+  };
+  auto output_columns = [&](int me, int n, TaskScratch& scratch) {
+    const auto [c0, c1] = OneRegionColumns(E, me, n);
+    const void* src = in_ == Dt::f32 ? static_cast<const void*>(ctx) : ws.xv.data();
+    if (c1 > c0) {
+      o_lin_->RunColumns(stream(scratch), scratch.bindings, rows, {src, E}, {output, E}, Dt::f32,
+                         c0, c1);
+    }
+  };
+  if (in_ == Dt::f32) return internal::RunPhases(threads, ws, {heads_of_thread, output_columns});
+  return internal::RunPhases(threads, ws, {heads_of_thread, convert, output_columns});
 }
 
 int MultiHeadAttention::Impl::Prepare(int64_t max_rows, int64_t max_keys) const {
@@ -592,6 +711,25 @@ int MultiHeadAttention::Impl::Prepare(int64_t max_rows, int64_t max_keys) const 
       prepare(k_, dk, Ekv, act_);
       prepare(v_, dv, Ekv, act_);
       prepare(o_lin_, E, E, Dt::f32);  // ProjectOutput
+      if (threads == 1 && most > 1 && qkv_ != nullptr && weights_ != Dt::s8 &&
+          c_.scoring == Scoring::kDotProduct) {
+        // ForwardOneRegion's column shares, on teams of 2 to `most`.
+        // A one-region call has fewer rows than kOneRegionMaxFlops over a row's FLOPs.
+        const auto region_rows = static_cast<int64_t>(internal::kOneRegionMaxFlops /
+                                                      MultiHeadAttention::Flops(c_, 1, 1, 1));
+        auto prepare_share = [&](int me, int team) {
+          const auto [o0, o1] = OneRegionColumns(E, me, team);
+          for (int64_t m = 16; m <= std::min(max_rows, region_rows); m += m < 128 ? 16 : 128) {
+            for (const auto& [c0, c1] : OneRegionQkvColumns(c_, me, team)) {
+              if (c1 > c0) built += qkv_->PrepareRows(m, dq, ld_self, act_, c0, c1);
+            }
+            if (o1 > o0) built += o_lin_->PrepareRows(m, E, E, Dt::f32, o0, o1);
+          }
+        };
+        for (int team = 2; team <= most; ++team) {
+          for (int me = 0; me < team; ++me) prepare_share(me, team);
+        }
+      }
     }
   }
   // The attention blocks, on the threads that run tasks (a task's primitives are

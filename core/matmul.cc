@@ -165,9 +165,10 @@ void Linear::RunRowsPart(const float* x, int64_t ldx, int64_t m, float* y, int64
   if (first < last) kernels::PanelRows(x, ldx, m, panels_.data(), n_, k_, b, y, ldy, first, last);
 }
 
-Linear::Key Linear::KeyOf(int64_t rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt) const {
-  if (dt_ == Dt::s8) return {rows, k_, n_, static_cast<int64_t>(Dt::s32), PlanThreads()};
-  return {rows, src_ld, dst_ld, static_cast<int64_t>(dst_dt), PlanThreads()};
+Linear::Key Linear::KeyOf(int64_t rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt, int64_t n0,
+                          int64_t n1) const {
+  if (dt_ == Dt::s8) return {rows, k_, n_, static_cast<int64_t>(Dt::s32), PlanThreads(), 0, n_};
+  return {rows, src_ld, dst_ld, static_cast<int64_t>(dst_dt), PlanThreads(), n0, n1 < 0 ? n_ : n1};
 }
 
 void Linear::RunInt8Chunk(dnnl::stream& stream, Bindings& args, int parts, const Int8Rows& c,
@@ -278,19 +279,38 @@ void Linear::Run(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t ro
     RunInt8(stream, args, chunks, src.row_stride, dst_dt);
     return;
   }
+  RunDense(stream, args, batch, rows, src, dst, dst_dt, 0, n_);
+}
+
+void Linear::RunColumns(dnnl::stream& stream, Bindings& args, int64_t rows,
+                        StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt,
+                        int64_t n0, int64_t n1) const {
+  RunDense(stream, args, 1, rows, src, dst, dst_dt, n0, n1);
+}
+
+void Linear::RunDense(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
+                      StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt,
+                      int64_t n0, int64_t n1) const {
   const size_t src_size = SizeOf(dt_), dst_size = SizeOf(dst_dt);
+  // A share of the columns is computed into a dense buffer and copied out: with a
+  // strided destination oneDNN 2.6 leaves its brgemm kernels for a GEMM that reads
+  // plain weights, which would need a copy of these columns of W.
+  const bool part = n1 - n0 != n_;
+  const size_t row_bytes = (n1 - n0) * dst_size;
+  std::vector<char>& dense = args.columns();
   for (int64_t bi = 0; bi < batch; ++bi) {
     for (int64_t r0 = 0; r0 < rows;) {
       const int64_t m = RowChunk(rows - r0);
       const std::shared_ptr<const Entry> entry =
-          Lookup(KeyOf(m, src.row_stride, dst.row_stride, dst_dt));
+          Lookup(KeyOf(m, src.row_stride, dst.row_stride, dst_dt, n0, n1));
       const Entry& e = *entry;
       const auto* s = static_cast<const char*>(src.data) +
                       (bi * src.batch_stride + r0 * src.row_stride) * src_size;
-      auto* d =
-          static_cast<char*>(dst.data) + (bi * dst.batch_stride + r0 * dst.row_stride) * dst_size;
+      auto* d = static_cast<char*>(dst.data) +
+                (bi * dst.batch_stride + r0 * dst.row_stride + n0) * dst_size;
+      if (part && dense.size() < m * row_bytes) dense.resize(m * row_bytes);
       args.Bind(DNNL_ARG_SRC, e.src_md, s);
-      args.Bind(DNNL_ARG_DST, e.dst_md, d);
+      args.Bind(DNNL_ARG_DST, e.dst_md, part ? dense.data() : d);
       args.Set(DNNL_ARG_WEIGHTS, e.weights);
       if (bias_.empty()) {
         args.Erase(DNNL_ARG_BIAS);
@@ -298,6 +318,9 @@ void Linear::Run(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t ro
         args.Set(DNNL_ARG_BIAS, e.bias);
       }
       args.Execute(e.matmul, stream);
+      for (int64_t r = 0; part && r < m; ++r) {
+        std::memcpy(d + r * dst.row_stride * dst_size, dense.data() + r * row_bytes, row_bytes);
+      }
       r0 += m;
     }
   }
@@ -311,11 +334,16 @@ int Linear::Prepare(int64_t max_rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt)
   const int64_t most = dt_ == Dt::s8 ? kInt8RowChunkMax : kRowChunkMax;
   int built = 0;
   for (int64_t m = 16; m <= std::min(max_rows, most); m += m < 128 ? 16 : 128) {
-    bool made = false;
-    Lookup(KeyOf(m, src_ld, dst_ld, dst_dt), &made);
-    built += made;
+    built += PrepareRows(m, src_ld, dst_ld, dst_dt);
   }
   return built;
+}
+
+int Linear::PrepareRows(int64_t rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt, int64_t n0,
+                        int64_t n1) const {
+  bool made = false;
+  Lookup(KeyOf(rows, src_ld, dst_ld, dst_dt, n0, n1), &made);
+  return made ? 1 : 0;
 }
 
 std::shared_ptr<const Linear::Entry> Linear::Lookup(const Key& key, bool* built) const {
@@ -323,21 +351,60 @@ std::shared_ptr<const Linear::Entry> Linear::Lookup(const Key& key, bool* built)
   auto it = cache_.find(key);
   if (it != cache_.end()) return it->second;
   if (cache_.size() >= kMaxCachedPrimitives) cache_.clear();
-  const auto [rows, src_ld, dst_ld, dst_dt, threads] = key;
+  const auto [rows, src_ld, dst_ld, dst_dt, threads, n0, n1] = key;
+  const int64_t n = n1 - n0;
   auto e = std::make_shared<Entry>();
-  const memory::dims w_dims{k_, n_};
   e->src_md = memory::desc({rows, k_}, dt_, {src_ld, 1});
-  e->dst_md = memory::desc({rows, n_}, static_cast<Dt>(dst_dt), {dst_ld, 1});
-  if (!bias_.empty() && dt_ != Dt::s8) e->bias_md = memory::desc({1, n_}, Dt::f32, {n_, 1});
-  const memory::desc w_any(w_dims, dt_, memory::format_tag::any);
+  // A share of the columns goes to a dense buffer (RunDense).
+  e->dst_md = memory::desc({rows, n}, static_cast<Dt>(dst_dt), {n == n_ ? dst_ld : n, 1});
+  if (!bias_.empty() && dt_ != Dt::s8) e->bias_md = memory::desc({1, n}, Dt::f32, {n, 1});
+  const memory::desc w_any({k_, n}, dt_, memory::format_tag::any);
   e->matmul = Matmul::Make(dnnl::matmul::desc(e->src_md, w_any, e->bias_md, e->dst_md), {});
-  e->weights = PackedWeights(e->matmul.weights, memory::desc(w_dims, dt_, {1, k_}));
+  e->weights = n == n_ ? PackedWeights(e->matmul.weights, memory::desc({k_, n_}, dt_, {1, k_}))
+                       : ColumnWeights(e->matmul.weights, n0, n1);
   if (!bias_.empty() && dt_ != Dt::s8) {
-    e->bias = memory(e->bias_md, CpuEngine(), const_cast<float*>(bias_.data()));
+    e->bias = memory(e->bias_md, CpuEngine(), const_cast<float*>(bias_.data() + n0));
   }
   cache_.emplace(key, e);
   if (built != nullptr) *built = true;
   return e;
+}
+
+memory Linear::ColumnWeights(const memory::desc& want, int64_t n0, int64_t n1) const {
+  // In a blocked layout whose column blocks are outermost, each block of columns is
+  // one contiguous run of every row: the columns from a block's start on are the
+  // same layout over fewer columns, at an offset into the whole matrix's packing.
+  dnnl_memory_desc_t d = want.data;
+  const auto& b = d.format_desc.blocking;
+  int64_t col_block = 1, row_block = 1;
+  bool blocked =
+      d.format_kind == dnnl_blocked && d.ndims == 2 && d.offset0 == 0 && d.extra.flags == 0;
+  for (int i = 0; blocked && i < b.inner_nblks; ++i) {
+    (b.inner_idxs[i] == 1 ? col_block : row_block) *= b.inner_blks[i];
+  }
+  blocked = blocked && b.strides[0] == row_block * col_block &&
+            b.strides[1] == d.padded_dims[0] / row_block * b.strides[0] && n0 % col_block == 0;
+  const dnnl::engine& eng = CpuEngine();
+  if (blocked) {
+    d.dims[1] = n_;
+    d.padded_dims[1] = (n_ + col_block - 1) / col_block * col_block;
+    const memory whole = PackedWeights(memory::desc(d), memory::desc({k_, n_}, dt_, {1, k_}));
+    char* base = static_cast<char*>(whole.get_data_handle());
+    return memory(want, eng, base + n0 / col_block * b.strides[1] * SizeOf(dt_));
+  }
+  // Any other layout: these columns packed on their own (rows n0..n1 of W are
+  // contiguous in plain_), once for every chunk size that asks for this layout.
+  for (const auto& [first, md, mem] : column_packed_) {
+    if (first == n0 && md == want) return mem;
+  }
+  memory src(memory::desc({k_, n1 - n0}, dt_, {1, k_}), eng,
+             const_cast<char*>(plain_.data()) + n0 * k_ * SizeOf(dt_));
+  memory dst(want, eng);
+  dnnl::stream stream(eng);
+  dnnl::reorder(src, dst).execute(stream, src, dst);
+  stream.wait();
+  column_packed_.emplace_back(n0, want, dst);
+  return dst;
 }
 
 memory Linear::PackedWeights(const memory::desc& want, const memory::desc& plain) const {

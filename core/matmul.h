@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -110,6 +111,8 @@ class Bindings {
     std::vector<int32_t> sums;
   };
   Int8Chunk& int8_chunk() { return int8_chunk_; }
+  // A Linear's share of the columns, computed densely before it is copied out.
+  std::vector<char>& columns() { return columns_; }
 
  private:
   struct Described {
@@ -123,6 +126,7 @@ class Bindings {
   std::unordered_map<int, dnnl::memory> args_;
   std::vector<char> scratchpad_;
   Int8Chunk int8_chunk_;
+  std::vector<char> columns_;
 };
 
 // One operand of a batched projection: `batch` row-major matrices, where row r of
@@ -203,6 +207,24 @@ class Linear {
   // calling thread's PlanThreads(), and packs the weights for them. Returns how many
   // it built.
   int Prepare(int64_t max_rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt) const;
+  // The same for one chunk of `rows` rows (1 if it built it), of the output columns
+  // [n0, n1) (RunColumns) or all of them (n1 < 0).
+  int PrepareRows(int64_t rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt, int64_t n0 = 0,
+                  int64_t n1 = -1) const;
+
+  // Run's 2-D case for the output columns [n0, n1) alone: dst[r, n0:n1] =
+  // src[r, :] W[n0:n1, :]^T + b[n0:n1], for one thread of a team that shares out a
+  // small call's columns (ForwardOneRegion). Each thread then reads its share of W
+  // alone, which stays in its core's cache from call to call. Not for s8. The
+  // columns are computed into a dense buffer (Bindings::columns) and copied to dst.
+  // The primitive reads its columns in place in W's packed layout when that layout
+  // keeps each block of columns contiguous and n0 starts a block (oneDNN 2.6's brgemm
+  // layouts for f32 and bf16 do, in blocks of kColumnBlock); otherwise it packs its
+  // own copy of those columns.
+  static constexpr int64_t kColumnBlock = 64;
+  void RunColumns(dnnl::stream& stream, Bindings& args, int64_t rows,
+                  StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt, int64_t n0,
+                  int64_t n1) const;
 
   // y (m, n) = x (m, k) W^T + b for f32 rows at strides ldx and ldy, split by panels
   // over omp_get_max_threads() threads. Only when has_row_path(m): made with
@@ -222,7 +244,7 @@ class Linear {
                    int parts) const;
 
  private:
-  using Key = std::array<int64_t, 5>;  // rows, src_ld, dst_ld, dst dtype, threads
+  using Key = std::array<int64_t, 7>;  // rows, src_ld, dst_ld, dst dtype, threads, n0, n1
   struct Entry {
     Matmul matmul;
     dnnl::memory::desc src_md, dst_md, bias_md;
@@ -250,7 +272,17 @@ class Linear {
                     int64_t src_ld, Dt dst_dt) const;
   // The primitive key of a chunk of `rows` rows: an s8 Linear's GEMM reads and
   // writes dense buffers of its own whatever the caller's strides.
-  Key KeyOf(int64_t rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt) const;
+  Key KeyOf(int64_t rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt, int64_t n0 = 0,
+            int64_t n1 = -1) const;
+  // Run's f32/bf16 path over the output columns [n0, n1).
+  void RunDense(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
+                StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt, int64_t n0,
+                int64_t n1) const;
+  // The weights of a primitive over the columns [n0, n1) whose layout is `want`
+  // (k, n1 - n0): a view into the whole matrix's packing in the same layout, or a
+  // packing of their own.
+  dnnl::memory ColumnWeights(const dnnl::memory::desc& want, int64_t n0, int64_t n1) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The weights reordered into `want`, made once per distinct layout.
   dnnl::memory PackedWeights(const dnnl::memory::desc& want, const dnnl::memory::desc& plain) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -266,6 +298,9 @@ class Linear {
   mutable absl::Mutex mu_;
   mutable absl::flat_hash_map<Key, std::shared_ptr<const Entry>> cache_ ABSL_GUARDED_BY(mu_);
   mutable std::vector<std::pair<dnnl::memory::desc, dnnl::memory>> packed_ ABSL_GUARDED_BY(mu_);
+  // ColumnWeights' own packings, by first column and layout.
+  mutable std::vector<std::tuple<int64_t, dnnl::memory::desc, dnnl::memory>> column_packed_
+      ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace mha::core::internal

@@ -37,7 +37,7 @@ class FirstError {
 
 }  // namespace
 
-int ThreadsForFlops(double flops, int num_threads, int cap) {
+int ThreadsForFlops(double flops, int num_threads, int cap, double per_thread) {
   // oneDNN splits a primitive's work for the threads it asks OpenMP for and assumes
   // it gets them all, so a call never asks for more than OMP_THREAD_LIMIT: the part
   // of the output planned for threads OpenMP refuses would silently be skipped.
@@ -46,8 +46,7 @@ int ThreadsForFlops(double flops, int num_threads, int cap) {
   if (cap > 0) max_threads = std::min(max_threads, cap);
   // Small calls run on fewer threads: a fork/join and a partition of a tiny GEMM cost
   // more than they save, and the cores are left to other callers.
-  return static_cast<int>(
-      std::clamp<double>(std::floor(flops / kFlopsPerThread), 1.0, max_threads));
+  return static_cast<int>(std::clamp<double>(std::floor(flops / per_thread), 1.0, max_threads));
 }
 
 absl::Status StatusOfCurrentException(const char* where) {

@@ -31,10 +31,19 @@ namespace mha::core::internal {
 // partition cost more than the work it takes over.
 inline constexpr double kFlopsPerThread = 16e6;
 
-// The threads a call of `flops` gets: one per kFlopsPerThread, at least one, at most
-// `num_threads` (0: this thread's omp_get_max_threads()), `cap` (when > 0) and
+// A small self-attention call that runs as one OpenMP region (each thread projecting,
+// laying out and attending its own heads, one barrier, then its share of W_o's
+// columns: MultiHeadAttention::Impl::ForwardOneRegion) forks once instead of four
+// times and keeps each thread's data in its own core's cache, so another thread pays
+// off sooner: one per this many FLOPs, for calls under kOneRegionMaxFlops
+// (docs/performance.md, "One region for a small call").
+inline constexpr double kOneRegionFlopsPerThread = 4e6;
+inline constexpr double kOneRegionMaxFlops = 2 * kFlopsPerThread;
+
+// The threads a call of `flops` gets: one per `per_thread` FLOPs, at least one, at
+// most `num_threads` (0: this thread's omp_get_max_threads()), `cap` (when > 0) and
 // OMP_THREAD_LIMIT.
-int ThreadsForFlops(double flops, int num_threads, int cap);
+int ThreadsForFlops(double flops, int num_threads, int cap, double per_thread = kFlopsPerThread);
 
 // Sets this thread's OpenMP thread count (which bounds oneDNN's regions too) for the
 // scope of one call, and gives the caller its own back.

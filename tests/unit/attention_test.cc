@@ -575,6 +575,7 @@ TEST(AttentionTest, PreparedModelBuildsNoPrimitivesForNewShapes) {
         {4, 20, 0, {}, true},            // self, causal
         {4, 8, 0, {4, 3, 4, 1}},         // self, short prefixes gathered into one GEMM
         {2, 16, 12, {4, 8}},             // cross, the same
+        {1, 16, 0, {}},                  // self, small: one region on two threads
     };
     std::mt19937_64 rng(17);
     for (const Shape& shape : shapes) {

@@ -8,12 +8,15 @@
 //     with emb = cat(freqs, freqs); interleaved RoPE in Meta's form, each feature pair
 //     a complex number multiplied by exp(i * angle);
 //   - positions: key j at j, query i at K - Q + i; causal compares positions.
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <complex>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -168,7 +171,8 @@ struct Case {
   ModelConfig config;
   int64_t batch, num_queries, num_keys;
   bool self_attention = false;
-  int lens = 0;  // 0 none, 1 one per row, 2 one per query
+  int lens = 0;                     // 0 none, 1 one per row, 2 one per query
+  std::vector<int32_t> fixed_lens;  // these valid_lens instead, when not empty
   bool causal = false;
   bool head_mask = false;
   bool weights = false;
@@ -200,6 +204,7 @@ void Check(const Case& tc, double tolerance, uint64_t seed = 1, double rel_frobe
   std::vector<int32_t> lens(tc.lens == 0 ? 0 : tc.lens == 1 ? B : B * Q);
   std::uniform_int_distribution<int32_t> len(1, static_cast<int32_t>(K));
   for (int32_t& l : lens) l = len(rng);
+  if (!tc.fixed_lens.empty()) lens = tc.fixed_lens;
   std::vector<float> mask;
   if (tc.head_mask) {
     mask = RandomVector(rng, c.num_heads, 0.0f, 2.0f);
@@ -328,6 +333,109 @@ TEST(GqaRopeDenseTest, Int8WithinBoundOfTheIndependentReference) {
     c.config.precision = Precision::kInt8;
     Check(c, 0, 1, 2e-2);
   }
+}
+
+// Small self-attention calls on two threads run as one OpenMP region, each thread
+// projecting, laying out and attending its own key/value heads, then its share of
+// W_o's columns (ForwardOneRegion). Every mask kind, grouped heads, rotary positions,
+// head counts that leave a thread idle or split the columns off oneDNN's blocks.
+std::vector<Case> OneRegionCases() {
+  const MultiHeadAttention::Options two{.num_threads = 2};
+  std::vector<Case> cases;
+  auto add = [&](Case c) {
+    c.self_attention = true;
+    c.num_keys = c.num_queries;
+    c.options = two;
+    cases.push_back(std::move(c));
+  };
+  add({.name = "B 1, L 16, p_o 256, h 8 (the small shape), bias, weights",
+       .config = Grouped(256, 8, 8, true),
+       .batch = 1,
+       .num_queries = 16,
+       .weights = true});
+  add({.name = "valid_lens per row",
+       .config = Grouped(256, 8, 8, true),
+       .batch = 2,
+       .num_queries = 16,
+       .fixed_lens = {16, 5}});
+  {
+    Case c{.name = "valid_lens per query, head_mask with a 0",
+           .config = Grouped(256, 8, 8, false),
+           .batch = 2,
+           .num_queries = 16,
+           .head_mask = true};
+    for (int32_t i = 0; i < 32; ++i) c.fixed_lens.push_back(i % 3 == 0 ? 16 : 1 + i % 16);
+    add(c);
+  }
+  add({.name = "causal, weights",
+       .config = Grouped(256, 8, 8, true),
+       .batch = 2,
+       .num_queries = 12,
+       .causal = true,
+       .weights = true});
+  {
+    Case c{.name = "GQA G=2 of 8, rotate-half rope, causal, head_mask",
+           .config = Grouped(256, 8, 2, true),
+           .batch = 2,
+           .num_queries = 16,
+           .causal = true,
+           .head_mask = true};
+    c.config.rope = RotaryConfig{};
+    add(c);
+  }
+  add({.name = "MQA G=1 of 4: one thread has no heads",
+       .config = Grouped(256, 4, 1, true),
+       .batch = 2,
+       .num_queries = 16});
+  add({.name = "p_o 100, h 5: column shares off oneDNN's 64-column blocks",
+       .config = Grouped(100, 5, 5, true),
+       .batch = 4,
+       .num_queries = 32,
+       .fixed_lens = {32, 7, 32, 20}});
+  return cases;
+}
+
+TEST(GqaRopeDenseTest, OneRegionCallsMatchTheIndependentReference) {
+  for (const Precision precision : {Precision::kF32, Precision::kBf16}) {
+    for (Case c : OneRegionCases()) {
+      c.config.precision = precision;
+      SCOPED_TRACE(c.name);
+      // The path is taken: two threads (where OpenMP allows them) for a call this size.
+      auto mha = MultiHeadAttention::Create(c.config, SeededWeights(c.config, 1), c.options);
+      ASSERT_TRUE(mha.ok()) << mha.status();
+      const AttentionInputs in{.batch = c.batch,
+                               .num_queries = c.num_queries,
+                               .num_keys = c.num_keys,
+                               .valid_lens = c.fixed_lens};
+      EXPECT_EQ((*mha)->Threads(in), std::min(2, omp_get_thread_limit()));
+      Check(c, precision == Precision::kF32 ? kF32Tolerance : kBf16Tolerance);
+    }
+  }
+}
+
+// Calls on the one-region path from four threads at once share the layer's
+// primitives and workspace pool; each answer equals a lone call's. Under TSan (CI runs
+// it with OMP_THREAD_LIMIT=1) the calls run on one thread each.
+TEST(GqaRopeDenseTest, OneRegionConcurrentCallsAgree) {
+  ModelConfig config = Grouped(256, 8, 2, true);
+  config.rope = RotaryConfig{};
+  auto mha = MultiHeadAttention::Create(config, SeededWeights(config, 2), {.num_threads = 2});
+  ASSERT_TRUE(mha.ok()) << mha.status();
+  std::mt19937_64 rng(6);
+  const std::vector<float> x = RandomVector(rng, 2 * 16 * 256, -1, 1);
+  const AttentionInputs in{
+      .batch = 2, .num_queries = 16, .num_keys = 16, .queries = x.data(), .causal = true};
+  std::vector<float> expected(x.size());
+  ASSERT_TRUE((*mha)->Forward(in, expected.data()).ok());
+  std::vector<std::vector<float>> outs(4, std::vector<float>(expected.size()));
+  std::vector<std::thread> threads;
+  for (auto& out : outs) {
+    threads.emplace_back([&] {
+      for (int rep = 0; rep < 20; ++rep) ASSERT_TRUE((*mha)->Forward(in, out.data()).ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& out : outs) EXPECT_EQ(out, expected);
 }
 
 // The last queries of a long sequence: angles of ~8191 radians, accurate to 1e-4 in
