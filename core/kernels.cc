@@ -4,6 +4,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <limits>
 
 #if defined(__x86_64__)
@@ -24,26 +25,26 @@ namespace {
 
 // exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2/2, exp(r) by its Taylor series
 // to r^7 (truncation error below 6e-9, under half an f32 ulp), 2^n built in the
-// exponent bits. Inputs below -87 flush to ~2^-126 (they vanish in the sum). NaN
-// (scores that overflowed to inf, minus an inf maximum) gives NaN: it is kept out of
-// the float -> int conversion, which is undefined for NaN.
+// exponent bits. Inputs below kExpFloor flush to ~2^-126 (they vanish in the sum).
+// Both versions (ExpNonPositive, ExpNonPositive16) use these constants.
+constexpr float kExpFloor = -87.0f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;  // ln 2 = kLn2Hi + kLn2Lo, kLn2Hi exact in 9 bits
+constexpr float kLn2Lo = -2.12194440e-4f;
+// exp(r) = ((...(c[0] r + c[1]) r + ...) r + c[7]: 1/7!, 1/6!, ..., 1/1!, 1/0!.
+constexpr float kExpTaylor[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24,
+                                1.0f / 6,    0.5f,       1.0f,       1.0f};
+
+// NaN (scores that overflowed to inf, minus an inf maximum) gives NaN: it is kept out
+// of the float -> int conversion, which is undefined for NaN.
 inline float ExpNonPositive(float x) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693359375f;
-  constexpr float kLn2Lo = -2.12194440e-4f;
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to integer
   const bool nan = x != x;
-  x = x > -87.0f ? x : -87.0f;  // NaN compares false: -87
+  x = x > kExpFloor ? x : kExpFloor;  // NaN compares false: the floor
   const float n = (x * kLog2e + kRound) - kRound;
   const float r = (x - n * kLn2Hi) - n * kLn2Lo;
-  float p = 1.0f / 5040;
-  p = p * r + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  float p = kExpTaylor[0];
+  for (size_t i = 1; i < std::size(kExpTaylor); ++i) p = p * r + kExpTaylor[i];
   const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
   return nan ? std::numeric_limits<float>::quiet_NaN() : p * std::bit_cast<float>(e);
 }
@@ -106,19 +107,15 @@ namespace {
 // also needs no clamp of n. The same reduction and polynomial, so the same values.
 // max(-87, x) keeps a NaN x (vmaxps returns its second operand when either is NaN).
 MHA_AVX512 inline __m512 ExpNonPositive16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  x = _mm512_max_ps(_mm512_set1_ps(kExpFloor), x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 q = _mm512_set1_ps(1.0f / 5040);
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 720));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 120));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 24));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 6));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.5f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 q = _mm512_set1_ps(kExpTaylor[0]);
+  for (size_t i = 1; i < std::size(kExpTaylor); ++i) {
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(kExpTaylor[i]));
+  }
   return _mm512_scalef_ps(q, n);
 }
 
