@@ -2,14 +2,19 @@
 
 #include <CivetServer.h>
 #include <dirent.h>
+#include <netdb.h>
 #include <prometheus/collectable.h>
 #include <prometheus/exposer.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <exception>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -110,6 +115,29 @@ const CivetCallbacks& Callbacks() {
   return *callbacks;
 }
 
+// The host a local connection reaches the exposer on: the address's host ("[::1]:9090"
+// -> "::1"), loopback for a wildcard.
+std::string WakeHost(const std::string& address) {
+  std::string host = address.substr(0, address.rfind(':'));
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  if (host.empty() || host == "0.0.0.0") return "127.0.0.1";
+  if (host == "::") return "::1";
+  return host;
+}
+
+// Opens a TCP connection to the first of `addresses` that takes one, and closes it.
+void Knock(const addrinfo* addresses) {
+  for (const addrinfo* a = addresses; a != nullptr; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    const bool connected = connect(fd, a->ai_addr, a->ai_addrlen) == 0;
+    close(fd);
+    if (connected) return;
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MetricsExposer>> MetricsExposer::Start(
@@ -128,6 +156,7 @@ absl::StatusOr<std::unique_ptr<MetricsExposer>> MetricsExposer::Start(
     return absl::UnavailableError(absl::StrCat("metrics_port: cannot listen on ", address));
   }
   exposer->port_ = ports.front();
+  exposer->wake_host_ = WakeHost(address);
   exposer->registry_ = std::move(registry);
   exposer->process_ = std::make_shared<ProcessCollector>();
   exposer->exposer_->RegisterCollectable(exposer->registry_);
@@ -135,6 +164,29 @@ absl::StatusOr<std::unique_ptr<MetricsExposer>> MetricsExposer::Start(
   return exposer;
 }
 
-MetricsExposer::~MetricsExposer() = default;
+MetricsExposer::~MetricsExposer() {
+  if (exposer_ == nullptr) return;
+  // civetweb 1.15 (Debian 12) notices its stop flag only when its accept loop's poll()
+  // returns, which with no connection takes up to its 2 s period: a stopping server
+  // would wait that long. A connection wakes it, so one is made every few milliseconds
+  // until the exposer is gone (docs/service.md, after the ports).
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* addresses = nullptr;
+  if (getaddrinfo(wake_host_.c_str(), std::to_string(port_).c_str(), &hints, &addresses) != 0) {
+    addresses = nullptr;
+  }
+  std::atomic<bool> stopped = false;
+  std::thread waker([addresses, &stopped] {
+    while (!stopped.load(std::memory_order_acquire)) {
+      Knock(addresses);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  });
+  exposer_.reset();
+  stopped.store(true, std::memory_order_release);
+  waker.join();
+  if (addresses != nullptr) freeaddrinfo(addresses);
+}
 
 }  // namespace mha::server

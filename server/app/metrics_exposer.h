@@ -37,6 +37,7 @@ class MetricsExposer {
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<prometheus::Collectable> process_;
   int port_ = 0;
+  std::string wake_host_;  // where the destructor connects to stop civetweb at once
 };
 
 }  // namespace mha::server
