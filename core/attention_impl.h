@@ -94,6 +94,7 @@ class MultiHeadAttention::Impl {
     float* attention;                    // (B, h, Q, K), or nullptr
     float* lse;                          // (B, h, Q), or nullptr
     int64_t q_blocks;                    // query blocks per (batch row, head)
+    int64_t tasks;                       // (batch row, task's heads, query block)s
   };
   // One attention task: a block of queries of `heads` query heads (heads_per_task_,
   // which share one key/value head) of one batch row. Its rows are (query, head)
@@ -157,6 +158,10 @@ class MultiHeadAttention::Impl {
                   int64_t g1) const;
   bool ProjectsIntoHeads(const AttentionInputs& in, int64_t kv_rows) const;
   void ProjectIntoHeads(const AttentionInputs& in, const HeadMajor& heads, Workspace& ws) const;
+  // The attention tasks of a call, writing into ws.ctx (grown here).
+  TaskInputs AttentionTasks(const AttentionInputs& in, const HeadMajor& heads,
+                            const ScoringProjections& scoring, const KeyLimits& limits,
+                            float* attention, float* lse, Workspace& ws) const;
   // Fills ws.ctx (and `attention`) with every head's context.
   absl::Status RunAttentionTasks(const AttentionInputs& in, const HeadMajor& heads,
                                  const ScoringProjections& scoring, const KeyLimits& limits,

@@ -49,16 +49,22 @@ std::pair<int64_t, int64_t> OneRegionColumns(int64_t cols, int me, int n) {
   return {first(me), first(me + 1)};
 }
 
-// The fused projection's Q, K and V columns of thread `me` of n in a one-region call:
-// those of its key/value heads [G me / n, G (me + 1) / n) and of their query heads.
-std::array<std::pair<int64_t, int64_t>, 3> OneRegionQkvColumns(const ModelConfig& c, int me,
-                                                               int n) {
+// Thread `me` of n's share of a one-region call's heads: the key/value heads
+// [G me / n, G (me + 1) / n), and the fused projection's Q, K and V columns of those
+// heads and of their query heads.
+struct OneRegionHeads {
+  int64_t g0, g1;
+  std::array<std::pair<int64_t, int64_t>, 3> qkv_columns;
+};
+OneRegionHeads OneRegionHeadsOf(const ModelConfig& c, int me, int n) {
   const int64_t G = c.kv_heads(), g0 = G * me / n, g1 = G * (me + 1) / n;
   const int64_t E = c.num_hiddens, Ekv = c.kv_hiddens(), p = c.head_size();
   const int64_t group = c.num_heads / G;
-  return {{{g0 * group * p, g1 * group * p},
-           {E + g0 * p, E + g1 * p},
-           {E + Ekv + g0 * p, E + Ekv + g1 * p}}};
+  return {.g0 = g0,
+          .g1 = g1,
+          .qkv_columns = {{{g0 * group * p, g1 * group * p},
+                           {E + g0 * p, E + g1 * p},
+                           {E + Ekv + g0 * p, E + Ekv + g1 * p}}}};
 }
 
 // Key rows no query sees are skipped by projecting a prefix of kv_rows per batch row,
@@ -541,22 +547,29 @@ void MultiHeadAttention::Impl::RepackRows(const AttentionInputs& in, const Proje
   }
 }
 
+MultiHeadAttention::Impl::TaskInputs MultiHeadAttention::Impl::AttentionTasks(
+    const AttentionInputs& in, const HeadMajor& heads, const ScoringProjections& scoring,
+    const KeyLimits& limits, float* attention, float* lse, Workspace& ws) const {
+  Grow(ws.ctx, in.batch * in.num_queries * c_.num_hiddens * sizeof(float));
+  const int64_t per_block = o_.query_block / heads_per_task_;  // queries per task
+  const int64_t q_blocks = (in.num_queries + per_block - 1) / per_block;
+  return {.in = in,
+          .heads = heads,
+          .scoring = scoring,
+          .limits = limits.per_query,
+          .ctx = reinterpret_cast<float*>(ws.ctx.data()),
+          .attention = attention,
+          .lse = lse,
+          .q_blocks = q_blocks,
+          .tasks = in.batch * (c_.num_heads / heads_per_task_) * q_blocks};
+}
+
 // One task per (batch row, head, query block), key blocks inside.
 absl::Status MultiHeadAttention::Impl::RunAttentionTasks(
     const AttentionInputs& in, const HeadMajor& heads, const ScoringProjections& scoring,
     const KeyLimits& limits, float* attention, float* lse, int threads, Workspace& ws) const {
-  Grow(ws.ctx, in.batch * in.num_queries * c_.num_hiddens * sizeof(float));
-  const int64_t per_block = o_.query_block / heads_per_task_;  // queries per task
-  const int64_t q_blocks = (in.num_queries + per_block - 1) / per_block;
-  const TaskInputs inputs{.in = in,
-                          .heads = heads,
-                          .scoring = scoring,
-                          .limits = limits.per_query,
-                          .ctx = reinterpret_cast<float*>(ws.ctx.data()),
-                          .attention = attention,
-                          .lse = lse,
-                          .q_blocks = q_blocks};
-  return internal::RunTasks(in.batch * (c_.num_heads / heads_per_task_) * q_blocks, threads, ws,
+  const TaskInputs inputs = AttentionTasks(in, heads, scoring, limits, attention, lse, ws);
+  return internal::RunTasks(inputs.tasks, threads, ws,
                             [&](int64_t t, dnnl::stream& stream, TaskScratch& scratch) {
                               AttendTask(TaskAt(inputs, t), stream, scratch);
                             });
@@ -620,7 +633,6 @@ absl::Status MultiHeadAttention::Impl::ForwardOneRegion(const AttentionInputs& i
   // Everything a thread writes is sized here, before the region.
   const void* xq = AsProjectionInput(in.queries, rows * d, ws.xq);
   Grow(ws.proj, rows * ld * asz);
-  Grow(ws.ctx, rows * E * sizeof(float));
   if (in_ != Dt::f32) Grow(ws.xv, rows * E * isz);  // W_o's input in in_
   const HeadMajor heads = LayOutHeads(in, limits.kv_rows, ws);
   const std::shared_ptr<const internal::RotaryTable> table =
@@ -629,32 +641,19 @@ absl::Status MultiHeadAttention::Impl::ForwardOneRegion(const AttentionInputs& i
   const Projections projections{.q = {proj, ld, Q * ld},
                                 .k = {proj + E * asz, ld, Q * ld},
                                 .v = {proj + (E + Ekv) * asz, ld, Q * ld}};
-  const int64_t per_block = o_.query_block / heads_per_task_;  // queries per task
-  const int64_t q_blocks = (Q + per_block - 1) / per_block;
-  auto* ctx = reinterpret_cast<float*>(ws.ctx.data());
   const ScoringProjections no_scoring;  // dot-product scoring
-  const TaskInputs inputs{.in = in,
-                          .heads = heads,
-                          .scoring = no_scoring,
-                          .limits = limits.per_query,
-                          .ctx = ctx,
-                          .attention = attention,
-                          .lse = lse,
-                          .q_blocks = q_blocks};
-  const int64_t G = c_.kv_heads(), group = c_.num_heads / G;
+  const TaskInputs inputs = AttentionTasks(in, heads, no_scoring, limits, attention, lse, ws);
+  float* const ctx = inputs.ctx;
+  const int64_t q_blocks = inputs.q_blocks, group = c_.num_heads / c_.kv_heads();
   const int64_t s = heads_per_task_, tasks_per_row = c_.num_heads / s;
-  auto stream = [](TaskScratch& scratch) -> dnnl::stream& {
-    if (!scratch.stream) scratch.stream.emplace(internal::CpuEngine());
-    return *scratch.stream;
-  };
   // Each thread owns the key/value heads [g0, g1) and their query heads: it projects
   // their columns of Q, K and V for every row, lays them out and attends them, all
   // in its own core's cache, with no barrier on the way.
   auto heads_of_thread = [&](int me, int n, TaskScratch& scratch) {
-    const int64_t g0 = G * me / n, g1 = G * (me + 1) / n;
+    const auto [g0, g1, qkv_columns] = OneRegionHeadsOf(c_, me, n);
     if (g1 == g0) return;
-    dnnl::stream& st = stream(scratch);
-    for (const auto& [c0, c1] : OneRegionQkvColumns(c_, me, n)) {
+    dnnl::stream& st = scratch.Stream();
+    for (const auto& [c0, c1] : qkv_columns) {
       qkv_->RunColumns(st, scratch.bindings, rows, {xq, d}, {proj, ld}, act_, c0, c1);
     }
     RepackRows(in, projections, heads, table.get(), 0, rows, g0, g1);
@@ -675,7 +674,7 @@ absl::Status MultiHeadAttention::Impl::ForwardOneRegion(const AttentionInputs& i
     const auto [c0, c1] = OneRegionColumns(E, me, n);
     const void* src = in_ == Dt::f32 ? static_cast<const void*>(ctx) : ws.xv.data();
     if (c1 > c0) {
-      o_lin_->RunColumns(stream(scratch), scratch.bindings, rows, {src, E}, {output, E}, Dt::f32,
+      o_lin_->RunColumns(scratch.Stream(), scratch.bindings, rows, {src, E}, {output, E}, Dt::f32,
                          c0, c1);
     }
   };
@@ -717,14 +716,13 @@ int MultiHeadAttention::Impl::Prepare(int64_t max_rows, int64_t max_keys) const 
         // A one-region call has fewer rows than kOneRegionMaxFlops over a row's FLOPs.
         const auto region_rows = static_cast<int64_t>(internal::kOneRegionMaxFlops /
                                                       MultiHeadAttention::Flops(c_, 1, 1, 1));
+        const int64_t rows = std::min(max_rows, region_rows);
         auto prepare_share = [&](int me, int team) {
-          const auto [o0, o1] = OneRegionColumns(E, me, team);
-          for (int64_t m = 16; m <= std::min(max_rows, region_rows); m += m < 128 ? 16 : 128) {
-            for (const auto& [c0, c1] : OneRegionQkvColumns(c_, me, team)) {
-              if (c1 > c0) built += qkv_->PrepareRows(m, dq, ld_self, act_, c0, c1);
-            }
-            if (o1 > o0) built += o_lin_->PrepareRows(m, E, E, Dt::f32, o0, o1);
+          for (const auto& [c0, c1] : OneRegionHeadsOf(c_, me, team).qkv_columns) {
+            if (c1 > c0) built += qkv_->Prepare(rows, dq, ld_self, act_, c0, c1);
           }
+          const auto [o0, o1] = OneRegionColumns(E, me, team);
+          if (o1 > o0) built += o_lin_->Prepare(rows, E, E, Dt::f32, o0, o1);
         };
         for (int team = 2; team <= most; ++team) {
           for (int me = 0; me < team; ++me) prepare_share(me, team);

@@ -330,11 +330,12 @@ void Linear::RunDense(dnnl::stream& stream, Bindings& args, int64_t batch, int64
   args.Erase(DNNL_ARG_BIAS);
 }
 
-int Linear::Prepare(int64_t max_rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt) const {
+int Linear::Prepare(int64_t max_rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt, int64_t n0,
+                    int64_t n1) const {
   const int64_t most = dt_ == Dt::s8 ? kInt8RowChunkMax : kRowChunkMax;
   int built = 0;
   for (int64_t m = 16; m <= std::min(max_rows, most); m += m < 128 ? 16 : 128) {
-    built += PrepareRows(m, src_ld, dst_ld, dst_dt);
+    built += PrepareRows(m, src_ld, dst_ld, dst_dt, n0, n1);
   }
   return built;
 }

@@ -204,13 +204,11 @@ class Linear {
 
   // Builds the primitives Run would use for every chunk of 16..max_rows rows (every
   // multiple of 16 up to 128, of 128 up to kRowChunkMax) at these row strides and the
-  // calling thread's PlanThreads(), and packs the weights for them. Returns how many
-  // it built.
-  int Prepare(int64_t max_rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt) const;
-  // The same for one chunk of `rows` rows (1 if it built it), of the output columns
-  // [n0, n1) (RunColumns) or all of them (n1 < 0).
-  int PrepareRows(int64_t rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt, int64_t n0 = 0,
-                  int64_t n1 = -1) const;
+  // calling thread's PlanThreads(), and packs the weights for them; for the output
+  // columns [n0, n1) alone (RunColumns), or all of them (n1 < 0). Returns how many it
+  // built.
+  int Prepare(int64_t max_rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt, int64_t n0 = 0,
+              int64_t n1 = -1) const;
 
   // Run's 2-D case for the output columns [n0, n1) alone: dst[r, n0:n1] =
   // src[r, :] W[n0:n1, :]^T + b[n0:n1], for one thread of a team that shares out a
@@ -254,6 +252,9 @@ class Linear {
   // Entries are shared so that a cache reset never frees one a caller still runs.
   // `built` (if given) is set when this call made the entry.
   std::shared_ptr<const Entry> Lookup(const Key& key, bool* built = nullptr) const;
+  // Prepare for one chunk of `rows` rows: 1 if it built its primitive.
+  int PrepareRows(int64_t rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt, int64_t n0,
+                  int64_t n1) const;
   // A chunk of an s8 Linear's call: `rows` f32 rows from src, into dst (row stride
   // dst_ld), or into `segments` as rows row0.. of the call.
   struct Int8Rows {

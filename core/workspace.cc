@@ -122,6 +122,11 @@ absl::Status RunPhases(
   return error.status();
 }
 
+dnnl::stream& TaskScratch::Stream() {
+  if (!stream) stream.emplace(CpuEngine());
+  return *stream;
+}
+
 absl::Status RunTasks(int64_t tasks, int threads, Workspace& ws,
                       absl::FunctionRef<void(int64_t, dnnl::stream&, TaskScratch&)> task,
                       std::span<const double> costs) {
@@ -133,8 +138,7 @@ absl::Status RunTasks(int64_t tasks, int threads, Workspace& ws,
   auto run_task = [&](TaskScratch& scratch, int64_t t) {
     if (error.failed()) return;
     try {
-      if (!scratch.stream) scratch.stream.emplace(CpuEngine());
-      task(t, *scratch.stream, scratch);
+      task(t, scratch.Stream(), scratch);
     } catch (...) {
       error.Set(StatusOfCurrentException("an attention task"));
     }

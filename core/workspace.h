@@ -82,6 +82,9 @@ struct TaskScratch {
   std::vector<uint16_t> p;  // bf16 probabilities
   Bindings bindings;        // oneDNN arguments and scratchpad
   std::optional<dnnl::stream> stream;
+
+  // The thread's stream, made on first use.
+  dnnl::stream& Stream();
 };
 
 // Buffers of one call, kept between calls: first-touching fresh pages is expensive
