@@ -207,8 +207,8 @@ int MultiHeadAttention::Prepare(int64_t max_rows, int64_t max_keys) const {
   return impl_->Prepare(max_rows, max_keys);
 }
 
-int MultiHeadAttention::Threads(const AttentionInputs& inputs) const {
-  return impl_->ThreadsFor(inputs);
+int MultiHeadAttention::Threads(const AttentionInputs& inputs, ThreadRule rule) const {
+  return impl_->ThreadsFor(inputs, /*max_threads=*/0, rule);
 }
 
 absl::Status MultiHeadAttention::Forward(const AttentionInputs& inputs, float* output,

@@ -163,9 +163,16 @@ class MultiHeadAttention {
   // before a model's warm-up passes. Optional: Forward builds what it needs.
   int Prepare(int64_t max_rows, int64_t max_keys) const;
 
-  // The OpenMP threads a call on `inputs` uses: one per 16 MFLOP of work, at least
-  // one, at most Options::num_threads (or the caller's omp_get_max_threads()).
-  int Threads(const AttentionInputs& inputs) const;
+  // How a call's threads are counted. kAlone, what Forward does with max_threads 0:
+  // one per 16 MFLOP of work, and one per 4 MFLOP for a small self-attention call
+  // that runs as one region (under 32 MFLOP; docs/core.md), which cuts its latency
+  // when the other cores are idle. kBeside: one per 16 MFLOP for every call, for a
+  // call beside other work on the same cores (the server's merged calls, whose
+  // fronts need the cores for the other requests' RPCs: docs/performance.md).
+  enum class ThreadRule { kAlone, kBeside };
+  // The OpenMP threads a call on `inputs` uses under `rule`: at least one, at most
+  // Options::num_threads (or the caller's omp_get_max_threads()).
+  int Threads(const AttentionInputs& inputs, ThreadRule rule = ThreadRule::kAlone) const;
 
   // Forward keeps its buffers (a workspace per concurrent call) between calls.
   // From now on this layer takes them from `other`'s pool, and `other` from the

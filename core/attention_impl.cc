@@ -67,13 +67,14 @@ MultiHeadAttention::Impl::Impl(const ModelConfig& c, const Weights& w, const Opt
   }
 }
 
-int MultiHeadAttention::Impl::ThreadsFor(const AttentionInputs& in, int max_threads) const {
+int MultiHeadAttention::Impl::ThreadsFor(const AttentionInputs& in, int max_threads,
+                                         ThreadRule rule) const {
   const double flops = MultiHeadAttention::Flops(c_, in.batch, in.num_queries, in.num_keys);
-  // A call that will run as one region gets its threads sooner. Whether it will is
-  // told here from the largest valid length (every key row projected); a causal
+  // A lone call that will run as one region gets its threads sooner. Whether it will
+  // is told here from the largest valid length (every key row projected); a causal
   // (B, Q) mask that hides the last keys from every query runs on these threads but
   // not as one region.
-  if (flops < internal::kOneRegionMaxFlops && in.self_attention()) {
+  if (rule == ThreadRule::kAlone && flops < internal::kOneRegionMaxFlops && in.self_attention()) {
     int64_t largest = in.valid_lens.empty() ? in.num_keys : 0;
     for (const int32_t len : in.valid_lens) largest = std::max<int64_t>(largest, len);
     if (RunsAsOneRegion(in, std::min(largest, in.num_keys))) {

@@ -51,7 +51,8 @@ class MultiHeadAttention::Impl {
   // MultiHeadAttention::Prepare (dense_pass.cc).
   int Prepare(int64_t max_rows, int64_t max_keys) const;
   // The threads a dense call on `in` gets (internal::ThreadsForFlops).
-  int ThreadsFor(const AttentionInputs& in, int max_threads = 0) const;
+  int ThreadsFor(const AttentionInputs& in, int max_threads = 0,
+                 ThreadRule rule = ThreadRule::kAlone) const;
   void ShareWorkspaces(const Impl& other) { workspaces_ = other.workspaces_; }
 
  private:

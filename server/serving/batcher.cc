@@ -457,6 +457,13 @@ void Batcher::AnswerDropped(Batch& batch, absl::Time now) {
 
 absl::Status Batcher::Compute(const Batch& batch, Worker* worker) {
   const core::MultiHeadAttention& attention = *batch.model->attention;
+  // A call takes no more cores than its arithmetic asks for (ThreadRule::kBeside):
+  // the fronts need them for the other requests' RPCs. A lone small call's extra
+  // threads (kAlone) cut its latency on idle cores but cost throughput and tail
+  // latency under load (docs/performance.md, "One region for a small call").
+  auto threads_of = [&attention](const core::AttentionInputs& inputs) {
+    return attention.Threads(inputs, core::MultiHeadAttention::ThreadRule::kBeside);
+  };
   if (batch.items.front().step != nullptr) {  // session steps (CanShare: all of them)
     if (batch.items.size() == 1) return attention.ForwardPaged({batch.items.front().step, 1});
     worker->steps.clear();
@@ -465,7 +472,8 @@ absl::Status Batcher::Compute(const Batch& batch, Worker* worker) {
   }
   if (batch.items.size() == 1) {
     const WorkItem& item = batch.items.front();
-    return attention.Forward(item.inputs, item.output, item.attention, /*max_threads=*/0, item.lse);
+    return attention.Forward(item.inputs, item.output, item.attention, threads_of(item.inputs),
+                             item.lse);
   }
   worker->parts.clear();
   for (const WorkItem& item : batch.items) {
@@ -473,12 +481,9 @@ absl::Status Batcher::Compute(const Batch& batch, Worker* worker) {
   }
   const core::ModelConfig& config = batch.model->config;
   const core::AttentionInputs merged = worker->merger.Merge(worker->parts, config);
-  // Merging saves per-call overhead; it does not take more cores than the largest
-  // request would alone, since the fronts need them for the calls' RPCs.
+  // Merging saves per-call overhead; it takes no more cores than the largest request.
   int threads = 1;
-  for (const WorkItem& item : batch.items) {
-    threads = std::max(threads, attention.Threads(item.inputs));
-  }
+  for (const WorkItem& item : batch.items) threads = std::max(threads, threads_of(item.inputs));
   MHA_RETURN_IF_ERROR(
       attention.Forward(merged, worker->merger.output(), /*attention=*/nullptr, threads));
   worker->merger.Scatter(worker->parts, config);
