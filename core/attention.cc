@@ -203,8 +203,8 @@ absl::Status MultiHeadAttention::CheckInputs(const AttentionInputs& in) const {
   return CheckHeadMask(in.head_mask, config_.num_heads);
 }
 
-int MultiHeadAttention::Prepare(int64_t max_rows, int64_t max_keys) const {
-  return impl_->Prepare(max_rows, max_keys);
+int MultiHeadAttention::Prepare(int64_t max_rows, int64_t max_keys, ThreadRule rule) const {
+  return impl_->Prepare(max_rows, max_keys, rule);
 }
 
 int MultiHeadAttention::Threads(const AttentionInputs& inputs, ThreadRule rule) const {

@@ -154,6 +154,14 @@ class MultiHeadAttention {
   // INVALID_ARGUMENT names the step and field; the caches are unchanged on error.
   absl::Status ForwardPaged(std::span<const PagedStep> steps, int max_threads = 0) const;
 
+  // How a call's threads are counted. kAlone, what Forward does with max_threads 0:
+  // one per 16 MFLOP of work, and one per 4 MFLOP for a small self-attention call
+  // that runs as one region (under 32 MFLOP; docs/core.md), which cuts its latency
+  // when the other cores are idle. kBeside: one per 16 MFLOP for every call, for a
+  // call beside other work on the same cores (the server's calls, whose fronts need
+  // the cores for the other requests' RPCs: docs/performance.md).
+  enum class ThreadRule { kAlone, kBeside };
+
   // Builds the oneDNN primitives that Forward calls of up to `max_rows` query (or
   // key) rows in all and `max_keys` keys per batch row use, whatever their shape
   // (docs/service.md, "Warm-up"): the projections' row chunks (multiples of 16 up to
@@ -161,15 +169,10 @@ class MultiHeadAttention {
   // thread and on Options::num_threads, and the attention blocks' padded sizes.
   // Returns how many it built (0 the second time). Thread-safe; the server runs it
   // before a model's warm-up passes. Optional: Forward builds what it needs.
-  int Prepare(int64_t max_rows, int64_t max_keys) const;
+  // `rule` is the thread rule the calls will keep to (Threads): kBeside skips the
+  // primitives only a lone small call's one region uses.
+  int Prepare(int64_t max_rows, int64_t max_keys, ThreadRule rule = ThreadRule::kAlone) const;
 
-  // How a call's threads are counted. kAlone, what Forward does with max_threads 0:
-  // one per 16 MFLOP of work, and one per 4 MFLOP for a small self-attention call
-  // that runs as one region (under 32 MFLOP; docs/core.md), which cuts its latency
-  // when the other cores are idle. kBeside: one per 16 MFLOP for every call, for a
-  // call beside other work on the same cores (the server's merged calls, whose
-  // fronts need the cores for the other requests' RPCs: docs/performance.md).
-  enum class ThreadRule { kAlone, kBeside };
   // The OpenMP threads a call on `inputs` uses under `rule`: at least one, at most
   // Options::num_threads (or the caller's omp_get_max_threads()).
   int Threads(const AttentionInputs& inputs, ThreadRule rule = ThreadRule::kAlone) const;

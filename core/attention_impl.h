@@ -49,7 +49,7 @@ class MultiHeadAttention::Impl {
                        float* lse) const;
   absl::Status ForwardPaged(std::span<const PagedStep> steps, int max_threads) const;
   // MultiHeadAttention::Prepare (dense_pass.cc).
-  int Prepare(int64_t max_rows, int64_t max_keys) const;
+  int Prepare(int64_t max_rows, int64_t max_keys, ThreadRule rule) const;
   // The threads a dense call on `in` gets (internal::ThreadsForFlops).
   int ThreadsFor(const AttentionInputs& in, int max_threads = 0,
                  ThreadRule rule = ThreadRule::kAlone) const;

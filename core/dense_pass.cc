@@ -682,7 +682,7 @@ absl::Status MultiHeadAttention::Impl::ForwardOneRegion(const AttentionInputs& i
   return internal::RunPhases(threads, ws, {heads_of_thread, convert, output_columns});
 }
 
-int MultiHeadAttention::Impl::Prepare(int64_t max_rows, int64_t max_keys) const {
+int MultiHeadAttention::Impl::Prepare(int64_t max_rows, int64_t max_keys, ThreadRule rule) const {
   int built = 0;
   // The most threads a call gets (within OMP_THREAD_LIMIT, as ThreadsFor counts them).
   const int most =
@@ -710,8 +710,8 @@ int MultiHeadAttention::Impl::Prepare(int64_t max_rows, int64_t max_keys) const 
       prepare(k_, dk, Ekv, act_);
       prepare(v_, dv, Ekv, act_);
       prepare(o_lin_, E, E, Dt::f32);  // ProjectOutput
-      if (threads == 1 && most > 1 && qkv_ != nullptr && weights_ != Dt::s8 &&
-          c_.scoring == Scoring::kDotProduct) {
+      if (rule == ThreadRule::kAlone && threads == 1 && most > 1 && qkv_ != nullptr &&
+          weights_ != Dt::s8 && c_.scoring == Scoring::kDotProduct) {
         // ForwardOneRegion's column shares, on teams of 2 to `most`.
         // A one-region call has fewer rows than kOneRegionMaxFlops over a row's FLOPs.
         const auto region_rows = static_cast<int64_t>(internal::kOneRegionMaxFlops /

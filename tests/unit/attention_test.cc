@@ -1,5 +1,7 @@
 #include "core/attention.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <random>
 #include <thread>
@@ -544,8 +546,15 @@ TEST(AttentionTest, AdditiveZeroValidLenGivesZeroContext) {
 // chunks, the padded attention blocks): after it, calls whose row counts are multiples
 // of 16 but whose Q, K, valid lengths and masks no call had before build none, and
 // still match the reference. Remainders below 16 rows are built when met (not here).
+// For each thread rule: a model prepared for it builds nothing for calls that keep to
+// it (kBeside: the server's, max_threads = Threads(inputs, kBeside)), and kBeside
+// prepares fewer primitives where a one-region call's column shares exist.
 TEST(AttentionTest, PreparedModelBuildsNoPrimitivesForNewShapes) {
-  for (const Precision precision : {Precision::kF32, Precision::kBf16, Precision::kInt8}) {
+  using Rule = MultiHeadAttention::ThreadRule;
+  for (const auto& [precision, rule] :
+       {std::pair{Precision::kF32, Rule::kAlone}, std::pair{Precision::kBf16, Rule::kAlone},
+        std::pair{Precision::kInt8, Rule::kAlone}, std::pair{Precision::kF32, Rule::kBeside},
+        std::pair{Precision::kBf16, Rule::kBeside}}) {
     Case base;
     base.config = ModelConfig{.num_hiddens = 256,
                               .num_heads = 4,
@@ -556,10 +565,16 @@ TEST(AttentionTest, PreparedModelBuildsNoPrimitivesForNewShapes) {
                               .precision = precision};
     base.options.num_threads = 2;
     SCOPED_TRACE(PrecisionName(precision));
+    SCOPED_TRACE(rule == Rule::kAlone ? "kAlone" : "kBeside");
     const Weights weights = SeededWeights(base.config, 5);
     auto mha = MultiHeadAttention::Create(base.config, weights, base.options).value();
-    EXPECT_GT(mha->Prepare(1024, 512), 0);
-    EXPECT_EQ(mha->Prepare(1024, 512), 0);  // all there
+    const int built = mha->Prepare(1024, 512, rule);
+    EXPECT_GT(built, 0);
+    EXPECT_EQ(mha->Prepare(1024, 512, rule), 0);  // all there
+    if (rule == Rule::kBeside && omp_get_thread_limit() > 1) {
+      const auto alone = MultiHeadAttention::Create(base.config, weights, base.options).value();
+      EXPECT_LT(built, alone->Prepare(1024, 512, Rule::kAlone));  // no column shares
+    }
     const int64_t made = internal::MatmulsMade();
     struct Shape {
       int64_t batch, queries, keys;  // keys 0: self-attention
@@ -590,7 +605,8 @@ TEST(AttentionTest, PreparedModelBuildsNoPrimitivesForNewShapes) {
       Data d = MakeData(c, rng);
       d.valid_lens = shape.lens;
       std::vector<float> out(c.batch * c.num_queries * c.config.num_hiddens);
-      ASSERT_TRUE(mha->Forward(d.Inputs(c), out.data()).ok());
+      const int max_threads = rule == Rule::kBeside ? mha->Threads(d.Inputs(c), rule) : 0;
+      ASSERT_TRUE(mha->Forward(d.Inputs(c), out.data(), nullptr, max_threads).ok());
       const ReferenceResult ref = ReferenceForward(c.config, weights, d.Inputs(c));
       if (precision == Precision::kInt8) {
         EXPECT_LE(::mha::testing::RelativeFrobenius(out, ref.output), 2e-2);  // int8_test.cc
