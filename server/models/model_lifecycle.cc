@@ -129,10 +129,8 @@ absl::StatusOr<absl::Duration> WarmUp(Batcher& batcher, const std::shared_ptr<co
   if (passes > 0 && !model->warmup.empty()) {
     // Every primitive a call of a new shape would build (core: Prepare), so that the
     // first request of a shape no pass makes computes like the next ones.
-    // The batcher's calls keep to ThreadRule::kBeside (server/serving/batcher.cc).
-    const int built = model->attention->Prepare(model->batching.max_batch_tokens,
-                                                model->limits.max_sequence_length,
-                                                core::MultiHeadAttention::ThreadRule::kBeside);
+    const int built = model->attention->Prepare(
+        model->batching.max_batch_tokens, model->limits.max_sequence_length, Batcher::kThreadRule);
     Log(absl::StrCat(
         "model ", model->name, ": ", built, " oneDNN primitives built in ",
         absl::FormatDuration(absl::Trunc(absl::Now() - start, absl::Milliseconds(1)))));

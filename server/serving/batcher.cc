@@ -457,12 +457,8 @@ void Batcher::AnswerDropped(Batch& batch, absl::Time now) {
 
 absl::Status Batcher::Compute(const Batch& batch, Worker* worker) {
   const core::MultiHeadAttention& attention = *batch.model->attention;
-  // A call takes no more cores than its arithmetic asks for (ThreadRule::kBeside):
-  // the fronts need them for the other requests' RPCs. A lone small call's extra
-  // threads (kAlone) cut its latency on idle cores but cost throughput and tail
-  // latency under load (docs/performance.md, "One region for a small call").
   auto threads_of = [&attention](const core::AttentionInputs& inputs) {
-    return attention.Threads(inputs, core::MultiHeadAttention::ThreadRule::kBeside);
+    return attention.Threads(inputs, kThreadRule);
   };
   if (batch.items.front().step != nullptr) {  // session steps (CanShare: all of them)
     if (batch.items.size() == 1) return attention.ForwardPaged({batch.items.front().step, 1});

@@ -97,6 +97,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "core/attention.h"
 #include "server/serving/batch_merge.h"
 #include "server/serving/metrics.h"
 #include "server/serving/model.h"
@@ -107,6 +108,14 @@ namespace mha::server {
 
 class Batcher {
  public:
+  // How Compute counts a forward call's threads, and what a model's warm-up prepares
+  // for (server/models/model_lifecycle.cc): no more cores than the call's arithmetic
+  // asks for, since the fronts need them for the other requests' RPCs. A lone small
+  // call's extra threads (kAlone) cut its latency on idle cores but cost throughput
+  // and tail latency under load (docs/performance.md, "One region for a small call").
+  static constexpr core::MultiHeadAttention::ThreadRule kThreadRule =
+      core::MultiHeadAttention::ThreadRule::kBeside;
+
   struct Options {
     int num_workers = 1;
     double inline_max_flops = 0;  // 0: never inline (see above)
@@ -134,7 +143,7 @@ class Batcher {
   // True while an idle worker polls for a lone session's next step (the gather window
   // after its answer; see "Gathering session steps" above).
   bool polling() const;
-  ~Batcher();                              // Shutdown()
+  ~Batcher();  // Shutdown()
 
   // OK: queued, `done` will be called (or, inline, was called). RESOURCE_EXHAUSTED
   // naming the model and max_queue_size or max_queue_wait when over either;
@@ -172,7 +181,7 @@ class Batcher {
     bool warming = false;          // admits warm-up items only
     bool retiring = false;         // RemoveModel'd: erased once unused
     int waiters = 0;               // workers awaiting a condition that reads this queue
-    SessionPacing pacing;  // its sessions' steps (gathering, above)
+    SessionPacing pacing;          // its sessions' steps (gathering, above)
   };
   struct Batch {
     const Model* model = nullptr;

@@ -408,7 +408,7 @@ TEST(GqaRopeDenseTest, OneRegionCallsMatchTheIndependentReference) {
                                .num_keys = c.num_keys,
                                .valid_lens = c.fixed_lens};
       EXPECT_EQ((*mha)->Threads(in), std::min(2, omp_get_thread_limit()));
-      // Beside other work (the server's merged calls) it gets one thread per 16 MFLOP:
+      // Beside other work (the server's calls) it gets one thread per 16 MFLOP:
       // one, as every call under 32 MFLOP.
       EXPECT_EQ((*mha)->Threads(in, MultiHeadAttention::ThreadRule::kBeside), 1);
       Check(c, precision == Precision::kF32 ? kF32Tolerance : kBf16Tolerance);
