@@ -3,8 +3,8 @@
 #include <algorithm>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -119,177 +119,198 @@ bool ResponseParser::TakeLine(absl::string_view data, size_t* pos) {
 }
 
 size_t ResponseParser::TakeBody(absl::string_view data, size_t pos, int64_t limit) {
-  const size_t take = static_cast<size_t>(
-      std::min<int64_t>(limit, static_cast<int64_t>(data.size() - pos)));
+  const size_t take =
+      static_cast<size_t>(std::min<int64_t>(limit, static_cast<int64_t>(data.size() - pos)));
   body_.append(data.data() + pos, take);
   return take;
 }
 
 ResponseParser::Event ResponseParser::Feed(absl::string_view data, size_t* consumed) {
   size_t pos = 0;
-  auto done = [&](Event event) {
-    *consumed = pos;
-    return event;
-  };
-  while (true) {
+  std::optional<Event> event;
+  while (!event) {
     switch (state_) {
-      case State::kHead: {
-        // Look for the empty line from the last 3 bytes already held on.
-        const size_t from = head_.size() >= 3 ? head_.size() - 3 : 0;
-        const size_t take = std::min(limits_.max_head_bytes - head_.size(), data.size() - pos);
-        head_.append(data.data() + pos, take);
-        size_t end = std::string::npos;
-        for (size_t i = head_.find('\n', from); i != std::string::npos;
-             i = head_.find('\n', i + 1)) {
-          if (i + 1 < head_.size() && head_[i + 1] == '\n') {
-            end = i + 2;
-          } else if (i + 2 < head_.size() && head_[i + 1] == '\r' && head_[i + 2] == '\n') {
-            end = i + 3;
-          }
-          if (end != std::string::npos) break;
-        }
-        if (end == std::string::npos) {
-          pos += take;
-          if (head_.size() >= limits_.max_head_bytes) {
-            return done(Fail(absl::StrCat("head over ", limits_.max_head_bytes, " bytes")));
-          }
-          return done(Event::kNeedMore);
-        }
-        pos += take - (head_.size() - end);
-        head_.resize(end);
-        if (!ParseHead()) return done(Event::kError);
-        head_.clear();
-        if (status_ == 101) return done(Fail("101 Switching Protocols was not asked for"));
-        if (status_ < 200) continue;  // an interim response: the final one follows
-        if (head_request_ || status_ == 204 || status_ == 304) {
-          state_ = State::kDone;
-          continue;
-        }
-        if (std::optional<absl::string_view> coding = Find("Transfer-Encoding")) {
-          std::vector<absl::string_view> codings = absl::StrSplit(*coding, ',');
-          if (absl::EqualsIgnoreCase(Trim(codings.back()), "chunked")) {
-            state_ = State::kChunkLine;
-          } else {
-            state_ = State::kToClose;
-            keep_alive_ = false;
-          }
-          continue;
-        }
-        std::optional<int64_t> length;
-        for (const auto& [field, value] : fields_) {
-          if (!absl::EqualsIgnoreCase(field, "Content-Length")) continue;
-          for (absl::string_view item : absl::StrSplit(value, ',')) {
-            item = Trim(item);
-            int64_t n = 0;
-            if (item.empty() || item.size() > 18 || !std::all_of(item.begin(), item.end(), IsDigit) ||
-                !absl::SimpleAtoi(item, &n) || (length && *length != n)) {
-              return done(Fail(absl::StrCat("bad Content-Length \"",
-                                            absl::CHexEscape(value.substr(0, 64)), "\"")));
-            }
-            length = n;
-          }
-        }
-        if (!length) {
-          state_ = State::kToClose;
-          keep_alive_ = false;
-          continue;
-        }
-        if (*length > limits_.max_body_bytes) {
-          return done(Fail(absl::StrCat("Content-Length ", *length, " over the limit of ",
-                                        limits_.max_body_bytes, " bytes")));
-        }
-        body_.reserve(static_cast<size_t>(*length));
-        remaining_ = *length;
-        state_ = State::kLength;
-        continue;
-      }
+      case State::kHead:
+        event = FeedHead(data, &pos);
+        break;
       case State::kLength:
-        if (remaining_ > 0) {
-          const size_t took = TakeBody(data, pos, remaining_);
-          pos += took;
-          remaining_ -= static_cast<int64_t>(took);
+        if (!TakeRemaining(data, &pos)) {
+          event = Event::kNeedMore;
+        } else {
+          state_ = State::kDone;
         }
-        if (remaining_ > 0) return done(Event::kNeedMore);
-        state_ = State::kDone;
-        continue;
-      case State::kChunkLine: {
-        if (!TakeLine(data, &pos)) {
-          if (line_.size() > kMaxLine) return done(Fail("chunk-size line too long"));
-          return done(Event::kNeedMore);
+        break;
+      case State::kChunkLine:
+        event = FeedChunkLine(data, &pos);
+        break;
+      case State::kChunkData:
+        if (!TakeRemaining(data, &pos)) {
+          event = Event::kNeedMore;
+        } else {
+          state_ = State::kChunkEnd;
         }
-        absl::string_view size_text = line_;
-        size_text = size_text.substr(0, size_text.find(';'));
-        size_text = Trim(size_text);
-        int64_t size = 0;
-        for (char c : size_text) {
-          const int digit = IsDigit(c)                ? c - '0'
-                            : c >= 'a' && c <= 'f' ? c - 'a' + 10
-                            : c >= 'A' && c <= 'F' ? c - 'A' + 10
-                                                   : -1;
-          if (digit < 0 || size > limits_.max_body_bytes) {
-            size = -1;
-            break;
-          }
-          size = size * 16 + digit;
-        }
-        if (size_text.empty() || size < 0) {
-          return done(Fail(absl::StrCat("bad chunk-size line \"",
-                                        absl::CHexEscape(absl::string_view(line_).substr(0, 64)),
-                                        "\"")));
-        }
-        line_.clear();
-        if (size > limits_.max_body_bytes - static_cast<int64_t>(body_.size())) {
-          return done(Fail(absl::StrCat("chunked body over the limit of ",
-                                        limits_.max_body_bytes, " bytes")));
-        }
-        remaining_ = size;
-        state_ = size == 0 ? State::kTrailers : State::kChunkData;
-        continue;
-      }
-      case State::kChunkData: {
-        const size_t took = TakeBody(data, pos, remaining_);
-        pos += took;
-        remaining_ -= static_cast<int64_t>(took);
-        if (remaining_ > 0) return done(Event::kNeedMore);
-        state_ = State::kChunkEnd;
-        continue;
-      }
+        break;
       case State::kChunkEnd:
         if (!TakeLine(data, &pos)) {
-          if (line_.size() > 1) return done(Fail("chunk data longer than its size"));
-          return done(Event::kNeedMore);
+          event = line_.size() > 1 ? Fail("chunk data longer than its size") : Event::kNeedMore;
+        } else if (!line_.empty()) {
+          event = Fail("chunk data longer than its size");
+        } else {
+          state_ = State::kChunkLine;
         }
-        if (!line_.empty()) return done(Fail("chunk data longer than its size"));
-        state_ = State::kChunkLine;
-        continue;
-      case State::kTrailers: {
-        const size_t before = pos;
-        const bool complete = TakeLine(data, &pos);
-        trailer_bytes_ += pos - before;
-        if (trailer_bytes_ > limits_.max_head_bytes) {
-          return done(Fail(absl::StrCat("trailers over ", limits_.max_head_bytes, " bytes")));
-        }
-        if (!complete) return done(Event::kNeedMore);
-        const bool last = line_.empty();
-        line_.clear();
-        if (last) state_ = State::kDone;
-        continue;
-      }
+        break;
+      case State::kTrailers:
+        event = FeedTrailers(data, &pos);
+        break;
       case State::kToClose: {
         const int64_t room = limits_.max_body_bytes - static_cast<int64_t>(body_.size());
         if (static_cast<int64_t>(data.size() - pos) > room) {
-          return done(Fail(absl::StrCat("body over the limit of ", limits_.max_body_bytes,
-                                        " bytes")));
+          event = Fail(absl::StrCat("body over the limit of ", limits_.max_body_bytes, " bytes"));
+        } else {
+          pos += TakeBody(data, pos, room);
+          event = Event::kNeedMore;
         }
-        pos += TakeBody(data, pos, room);
-        return done(Event::kNeedMore);
+        break;
       }
       case State::kDone:
-        return done(Event::kDone);
+        event = Event::kDone;
+        break;
       case State::kError:
-        return done(Event::kError);
+        event = Event::kError;
+        break;
     }
   }
+  *consumed = pos;
+  return *event;
+}
+
+bool ResponseParser::TakeRemaining(absl::string_view data, size_t* pos) {
+  const size_t took = TakeBody(data, *pos, remaining_);
+  *pos += took;
+  remaining_ -= static_cast<int64_t>(took);
+  return remaining_ == 0;
+}
+
+std::optional<ResponseParser::Event> ResponseParser::FeedHead(absl::string_view data, size_t* pos) {
+  // Look for the empty line from the last 3 bytes already held on.
+  const size_t from = head_.size() >= 3 ? head_.size() - 3 : 0;
+  const size_t take = std::min(limits_.max_head_bytes - head_.size(), data.size() - *pos);
+  head_.append(data.data() + *pos, take);
+  size_t end = std::string::npos;
+  for (size_t i = head_.find('\n', from); i != std::string::npos; i = head_.find('\n', i + 1)) {
+    if (i + 1 < head_.size() && head_[i + 1] == '\n') {
+      end = i + 2;
+    } else if (i + 2 < head_.size() && head_[i + 1] == '\r' && head_[i + 2] == '\n') {
+      end = i + 3;
+    }
+    if (end != std::string::npos) break;
+  }
+  if (end == std::string::npos) {
+    *pos += take;
+    if (head_.size() >= limits_.max_head_bytes) {
+      return Fail(absl::StrCat("head over ", limits_.max_head_bytes, " bytes"));
+    }
+    return Event::kNeedMore;
+  }
+  *pos += take - (head_.size() - end);
+  head_.resize(end);
+  if (!ParseHead()) return Event::kError;
+  head_.clear();
+  if (status_ == 101) return Fail("101 Switching Protocols was not asked for");
+  if (status_ < 200) return std::nullopt;  // an interim response: the final one follows
+  return StartBody();
+}
+
+std::optional<ResponseParser::Event> ResponseParser::StartBody() {
+  if (head_request_ || status_ == 204 || status_ == 304) {
+    state_ = State::kDone;
+    return std::nullopt;
+  }
+  if (std::optional<absl::string_view> coding = Find("Transfer-Encoding")) {
+    std::vector<absl::string_view> codings = absl::StrSplit(*coding, ',');
+    if (absl::EqualsIgnoreCase(Trim(codings.back()), "chunked")) {
+      state_ = State::kChunkLine;
+    } else {
+      state_ = State::kToClose;
+      keep_alive_ = false;
+    }
+    return std::nullopt;
+  }
+  std::optional<int64_t> length;
+  for (const auto& [field, value] : fields_) {
+    if (!absl::EqualsIgnoreCase(field, "Content-Length")) continue;
+    for (absl::string_view item : absl::StrSplit(value, ',')) {
+      item = Trim(item);
+      int64_t n = 0;
+      if (item.empty() || item.size() > 18 || !std::all_of(item.begin(), item.end(), IsDigit) ||
+          !absl::SimpleAtoi(item, &n) || (length && *length != n)) {
+        return Fail(
+            absl::StrCat("bad Content-Length \"", absl::CHexEscape(value.substr(0, 64)), "\""));
+      }
+      length = n;
+    }
+  }
+  if (!length) {
+    state_ = State::kToClose;
+    keep_alive_ = false;
+    return std::nullopt;
+  }
+  if (*length > limits_.max_body_bytes) {
+    return Fail(absl::StrCat("Content-Length ", *length, " over the limit of ",
+                             limits_.max_body_bytes, " bytes"));
+  }
+  body_.reserve(static_cast<size_t>(*length));
+  remaining_ = *length;
+  state_ = State::kLength;
+  return std::nullopt;
+}
+
+std::optional<ResponseParser::Event> ResponseParser::FeedChunkLine(absl::string_view data,
+                                                                   size_t* pos) {
+  if (!TakeLine(data, pos)) {
+    if (line_.size() > kMaxLine) return Fail("chunk-size line too long");
+    return Event::kNeedMore;
+  }
+  absl::string_view size_text = line_;
+  size_text = size_text.substr(0, size_text.find(';'));
+  size_text = Trim(size_text);
+  int64_t size = 0;
+  for (char c : size_text) {
+    const int digit = IsDigit(c)             ? c - '0'
+                      : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                      : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                             : -1;
+    if (digit < 0 || size > limits_.max_body_bytes) {
+      size = -1;
+      break;
+    }
+    size = size * 16 + digit;
+  }
+  if (size_text.empty() || size < 0) {
+    return Fail(absl::StrCat("bad chunk-size line \"",
+                             absl::CHexEscape(absl::string_view(line_).substr(0, 64)), "\""));
+  }
+  line_.clear();
+  if (size > limits_.max_body_bytes - static_cast<int64_t>(body_.size())) {
+    return Fail(absl::StrCat("chunked body over the limit of ", limits_.max_body_bytes, " bytes"));
+  }
+  remaining_ = size;
+  state_ = size == 0 ? State::kTrailers : State::kChunkData;
+  return std::nullopt;
+}
+
+std::optional<ResponseParser::Event> ResponseParser::FeedTrailers(absl::string_view data,
+                                                                  size_t* pos) {
+  const size_t before = *pos;
+  const bool complete = TakeLine(data, pos);
+  trailer_bytes_ += *pos - before;
+  if (trailer_bytes_ > limits_.max_head_bytes) {
+    return Fail(absl::StrCat("trailers over ", limits_.max_head_bytes, " bytes"));
+  }
+  if (!complete) return Event::kNeedMore;
+  if (line_.empty()) state_ = State::kDone;
+  line_.clear();
+  return std::nullopt;
 }
 
 ResponseParser::Event ResponseParser::Finish() {

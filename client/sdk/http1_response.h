@@ -54,14 +54,33 @@ class ResponseParser {
   const absl::Status& error() const { return error_; }
 
  private:
-  enum class State { kHead, kLength, kChunkLine, kChunkData, kChunkEnd, kTrailers, kToClose,
-                     kDone, kError };
+  enum class State {
+    kHead,
+    kLength,
+    kChunkLine,
+    kChunkData,
+    kChunkEnd,
+    kTrailers,
+    kToClose,
+    kDone,
+    kError
+  };
 
   Event Fail(std::string message);
   // Parses the head in head_ (status line through the empty line).
   bool ParseHead();
+  // Feed in one state, from data[*pos] on (advancing *pos): the event to return, or
+  // nothing to go on in the state it leaves.
+  std::optional<Event> FeedHead(absl::string_view data, size_t* pos);
+  std::optional<Event> FeedChunkLine(absl::string_view data, size_t* pos);
+  std::optional<Event> FeedTrailers(absl::string_view data, size_t* pos);
+  // After a final response's head: how its body is framed (the next state), or the
+  // error of a framing this parser refuses.
+  std::optional<Event> StartBody();
   // Appends up to `limit` bytes of `data` at `pos` to the body.
   size_t TakeBody(absl::string_view data, size_t pos, int64_t limit);
+  // Up to remaining_ bytes of data into the body; true when none remain.
+  bool TakeRemaining(absl::string_view data, size_t* pos);
   // Takes a line (CRLF or LF) into line_; false when the line is not complete yet.
   bool TakeLine(absl::string_view data, size_t* pos);
 

@@ -16,8 +16,21 @@ namespace {
 bool IsTokenChar(unsigned char c) {
   if (absl::ascii_isalnum(c)) return true;
   switch (c) {
-    case '!': case '#': case '$': case '%': case '&': case '\'': case '*': case '+':
-    case '-': case '.': case '^': case '_': case '`': case '|': case '~':
+    case '!':
+    case '#':
+    case '$':
+    case '%':
+    case '&':
+    case '\'':
+    case '*':
+    case '+':
+    case '-':
+    case '.':
+    case '^':
+    case '_':
+    case '`':
+    case '|':
+    case '~':
       return true;
     default:
       return false;
@@ -25,8 +38,9 @@ bool IsTokenChar(unsigned char c) {
 }
 
 bool IsToken(absl::string_view s) {
-  return !s.empty() && std::all_of(s.begin(), s.end(),
-                                   [](char c) { return IsTokenChar(static_cast<unsigned char>(c)); });
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) {
+    return IsTokenChar(static_cast<unsigned char>(c));
+  });
 }
 
 // A field value's characters: VCHAR, obs-text, SP and HTAB (RFC 9110 §5.5).
@@ -97,14 +111,29 @@ RequestParser::Event RequestParser::ParseHead() {
   while (!lines.empty() && lines.back().empty()) lines.pop_back();
   if (lines.empty()) return Refuse(400, "malformed HTTP request: no request line");
   if (static_cast<int64_t>(lines.size()) - 1 > limits_.max_headers) {
-    return Refuse(431, absl::StrCat("request header fields: more than ", limits_.max_headers,
-                                    " lines"));
+    return Refuse(431,
+                  absl::StrCat("request header fields: more than ", limits_.max_headers, " lines"));
   }
-  // The request line.
-  const std::vector<absl::string_view> parts = absl::StrSplit(lines[0], ' ');
-  if (parts.size() != 3 || !IsToken(parts[0]) || parts[1].empty() ||
-      !IsFieldValue(parts[1]) || absl::StrContains(parts[1], '\t')) {
-    return Refuse(400, absl::StrCat("malformed HTTP request line \"", Abbreviate(lines[0]),
+  if (std::optional<Event> refused = ParseRequestLine(lines[0])) return *refused;
+  if (std::optional<Event> refused = ParseFields(absl::MakeConstSpan(lines).subspan(1))) {
+    return *refused;
+  }
+  if (std::optional<Event> refused = ParseFraming()) return *refused;
+  if (head_.chunked) {
+    state_ = State::kChunkSize;
+  } else {
+    state_ = State::kBody;
+    remaining_ = head_.content_length;
+    body_.reserve(static_cast<size_t>(std::min<int64_t>(remaining_, int64_t{4} << 20)));
+  }
+  return Event::kHead;
+}
+
+std::optional<RequestParser::Event> RequestParser::ParseRequestLine(absl::string_view line) {
+  const std::vector<absl::string_view> parts = absl::StrSplit(line, ' ');
+  if (parts.size() != 3 || !IsToken(parts[0]) || parts[1].empty() || !IsFieldValue(parts[1]) ||
+      absl::StrContains(parts[1], '\t')) {
+    return Refuse(400, absl::StrCat("malformed HTTP request line \"", Abbreviate(line),
                                     "\": expected METHOD SP target SP HTTP/1.1"));
   }
   head_.method = std::string(parts[0]);
@@ -129,12 +158,15 @@ RequestParser::Event RequestParser::ParseHead() {
     return Refuse(505, absl::StrCat("HTTP version \"", Abbreviate(parts[2]),
                                     "\" is not supported; use HTTP/1.1"));
   } else {
-    return Refuse(400, absl::StrCat("malformed HTTP request line \"", Abbreviate(lines[0]),
+    return Refuse(400, absl::StrCat("malformed HTTP request line \"", Abbreviate(line),
                                     "\": expected HTTP/1.1 at its end"));
   }
-  // Header lines.
-  for (size_t i = 1; i < lines.size(); ++i) {
-    const absl::string_view line = lines[i];
+  return std::nullopt;
+}
+
+std::optional<RequestParser::Event> RequestParser::ParseFields(
+    absl::Span<const absl::string_view> lines) {
+  for (const absl::string_view line : lines) {
     if (line.front() == ' ' || line.front() == '\t') {
       return Refuse(400, "request header: a folded line (obs-fold) is not accepted");
     }
@@ -150,7 +182,10 @@ RequestParser::Event RequestParser::ParseHead() {
     }
     head_.headers.emplace_back(line.substr(0, colon), value);
   }
-  // Semantics.
+  return std::nullopt;
+}
+
+std::optional<RequestParser::Event> RequestParser::ParseFraming() {
   if (head_.minor_version == 1 && CountOf(head_, "Host") != 1) {
     return Refuse(400, absl::StrCat("Host: an HTTP/1.1 request needs exactly one, got ",
                                     CountOf(head_, "Host")));
@@ -179,22 +214,7 @@ RequestParser::Event RequestParser::ParseHead() {
     }
     head_.chunked = true;
   } else if (has_length) {
-    const std::vector<absl::string_view> values = ListOf(head_, "Content-Length");
-    std::optional<absl::string_view> first;
-    for (absl::string_view v : values) {
-      if (!std::all_of(v.begin(), v.end(), absl::ascii_isdigit) || (first && *first != v)) {
-        return Refuse(400, "Content-Length: expected one decimal byte count");
-      }
-      first = v;
-    }
-    if (!first) return Refuse(400, "Content-Length: expected one decimal byte count");
-    int64_t length = 0;
-    const auto [end, error] = std::from_chars(first->data(), first->data() + first->size(), length);
-    if (error != std::errc() || length > limits_.max_body_bytes) {
-      return Refuse(413, absl::StrCat("request body: Content-Length ", Abbreviate(*first),
-                                      " is over the limit of ", limits_.max_body_bytes, " bytes"));
-    }
-    head_.content_length = length;
+    if (std::optional<Event> refused = ParseContentLength()) return *refused;
   }
   if (std::optional<absl::string_view> expect = head_.Find("Expect")) {
     if (absl::EqualsIgnoreCase(TrimOws(*expect), "100-continue")) {
@@ -204,14 +224,27 @@ RequestParser::Event RequestParser::ParseHead() {
                                       Abbreviate(*expect), "\""));
     }
   }
-  if (head_.chunked) {
-    state_ = State::kChunkSize;
-  } else {
-    state_ = State::kBody;
-    remaining_ = head_.content_length;
-    body_.reserve(static_cast<size_t>(std::min<int64_t>(remaining_, int64_t{4} << 20)));
+  return std::nullopt;
+}
+
+std::optional<RequestParser::Event> RequestParser::ParseContentLength() {
+  const std::vector<absl::string_view> values = ListOf(head_, "Content-Length");
+  std::optional<absl::string_view> first;
+  for (absl::string_view v : values) {
+    if (!std::all_of(v.begin(), v.end(), absl::ascii_isdigit) || (first && *first != v)) {
+      return Refuse(400, "Content-Length: expected one decimal byte count");
+    }
+    first = v;
   }
-  return Event::kHead;
+  if (!first) return Refuse(400, "Content-Length: expected one decimal byte count");
+  int64_t length = 0;
+  const auto [end, error] = std::from_chars(first->data(), first->data() + first->size(), length);
+  if (error != std::errc() || length > limits_.max_body_bytes) {
+    return Refuse(413, absl::StrCat("request body: Content-Length ", Abbreviate(*first),
+                                    " is over the limit of ", limits_.max_body_bytes, " bytes"));
+  }
+  head_.content_length = length;
+  return std::nullopt;
 }
 
 // Appends data[*pos, ...) up to and including the next LF to line_; true when the
@@ -219,8 +252,8 @@ RequestParser::Event RequestParser::ParseHead() {
 bool RequestParser::TakeLine(absl::string_view data, size_t* pos, int64_t budget, bool* over) {
   const size_t lf = data.find('\n', *pos);
   const size_t end = lf == absl::string_view::npos ? data.size() : lf;
-  const size_t room = static_cast<size_t>(std::max<int64_t>(
-      0, budget + 1 - static_cast<int64_t>(line_.size())));
+  const size_t room =
+      static_cast<size_t>(std::max<int64_t>(0, budget + 1 - static_cast<int64_t>(line_.size())));
   Append(&line_, data.substr(*pos, std::min(end - *pos, room)));
   *pos = lf == absl::string_view::npos ? data.size() : lf + 1;
   if (over != nullptr) *over = static_cast<int64_t>(line_.size()) > budget;
@@ -244,150 +277,172 @@ void RequestParser::CommitBody(size_t reserved, size_t used) {
 
 RequestParser::Event RequestParser::Feed(absl::string_view data, size_t* consumed) {
   size_t pos = 0;
-  auto done = [&](Event event) {
-    *consumed = pos;
-    return event;
-  };
-  while (true) {
+  std::optional<Event> event;
+  while (!event) {
     switch (state_) {
-      case State::kSkipEmpty: {
+      case State::kSkipEmpty:
         while (pos < data.size() && (data[pos] == '\r' || data[pos] == '\n')) ++pos;
         if (!data.empty()) started_ = true;
-        if (pos == data.size()) return done(Event::kNeedMore);
-        state_ = State::kHead;
-        break;
-      }
-      case State::kHead: {
-        if (pos == data.size()) return done(Event::kNeedMore);
-        // The head, its final empty line included, is at most max_head_bytes.
-        const size_t limit = static_cast<size_t>(limits_.max_head_bytes);
-        const size_t take = std::min(data.size() - pos, limit - std::min(limit, head_text_.size()));
-        const size_t before = head_text_.size();
-        Append(&head_text_, data.substr(pos, take));
-        // The head ends at the first empty line: "\n\n" or "\n\r\n".
-        size_t end = absl::string_view::npos;
-        for (size_t i = scanned_ > 2 ? scanned_ - 2 : 0; i < head_text_.size(); ++i) {
-          if (head_text_[i] != '\n') continue;
-          if (i + 1 < head_text_.size() && head_text_[i + 1] == '\n') {
-            end = i + 2;
-            break;
-          }
-          if (i + 2 < head_text_.size() && head_text_[i + 1] == '\r' && head_text_[i + 2] == '\n') {
-            end = i + 3;
-            break;
-          }
-        }
-        scanned_ = head_text_.size();
-        if (end == absl::string_view::npos) {
-          pos += take;
-          if (static_cast<int64_t>(head_text_.size()) >= limits_.max_head_bytes) {
-            return done(Refuse(431, absl::StrCat("request header fields: over the limit of ",
-                                                 limits_.max_head_bytes, " bytes")));
-          }
-          return done(Event::kNeedMore);
-        }
-        pos += end - before;
-        head_text_.resize(end);
-        return done(ParseHead());
-      }
-      case State::kBody: {
-        const size_t take = static_cast<size_t>(
-            std::min<int64_t>(remaining_, static_cast<int64_t>(data.size() - pos)));
-        Append(&body_, data.substr(pos, take));
-        pos += take;
-        remaining_ -= static_cast<int64_t>(take);
-        if (remaining_ > 0) return done(Event::kNeedMore);
-        state_ = State::kDone;
-        return done(Event::kRequest);
-      }
-      case State::kChunkSize: {
-        // Over-long is judged whether or not the line is complete, so that the
-        // answer does not depend on where the reads split it.
-        bool over = false;
-        const bool line = TakeLine(data, &pos, limits_.max_head_bytes, &over);
-        if (over) {
-          return done(Refuse(431, "chunked body: a chunk-size line over the header limit"));
-        }
-        if (!line) return done(Event::kNeedMore);
-        absl::string_view size_text = line_;
-        size_text = size_text.substr(0, size_text.find(';'));
-        size_text = TrimOws(size_text);
-        uint64_t size = 0;
-        const auto [end, error] = std::from_chars(size_text.data(),
-                                                  size_text.data() + size_text.size(), size, 16);
-        if (size_text.empty() || size_text.size() > 16 || error != std::errc() ||
-            end != size_text.data() + size_text.size()) {
-          return done(Refuse(400, absl::StrCat("chunked body: malformed chunk size \"",
-                                               Abbreviate(line_), "\"")));
-        }
-        line_.clear();
-        if (size > static_cast<uint64_t>(limits_.max_body_bytes) ||
-            static_cast<int64_t>(body_.size() + size) > limits_.max_body_bytes) {
-          return done(Refuse(413, absl::StrCat("request body: chunks over the limit of ",
-                                               limits_.max_body_bytes, " bytes")));
-        }
-        // Reserved once (address space, touched only as written), so that the body
-        // never holds two copies while it grows.
-        if (size > 0 && body_.capacity() < static_cast<size_t>(limits_.max_body_bytes)) {
-          body_.reserve(static_cast<size_t>(limits_.max_body_bytes));
-        }
-        if (size == 0) {
-          state_ = State::kTrailer;
+        if (pos == data.size()) {
+          event = Event::kNeedMore;
         } else {
-          remaining_ = static_cast<int64_t>(size);
-          state_ = State::kChunkData;
+          state_ = State::kHead;
         }
         break;
-      }
-      case State::kChunkData: {
-        const size_t take = static_cast<size_t>(
-            std::min<int64_t>(remaining_, static_cast<int64_t>(data.size() - pos)));
-        Append(&body_, data.substr(pos, take));
-        pos += take;
-        remaining_ -= static_cast<int64_t>(take);
-        if (remaining_ > 0) return done(Event::kNeedMore);
-        state_ = State::kChunkDataEnd;
+      case State::kHead:
+        event = FeedHead(data, &pos);
         break;
-      }
-      case State::kChunkDataEnd: {
-        if (!TakeLine(data, &pos, 2)) {
-          if (!line_.empty() && line_ != "\r") {
-            return done(Refuse(400, "chunked body: a chunk's data longer than its size"));
-          }
-          return done(Event::kNeedMore);
-        }
-        if (!line_.empty()) {
-          return done(Refuse(400, "chunked body: a chunk's data longer than its size"));
-        }
-        state_ = State::kChunkSize;
-        break;
-      }
-      case State::kTrailer: {
-        const size_t before = pos;
-        const bool line = TakeLine(data, &pos, limits_.max_head_bytes);
-        trailer_bytes_ += static_cast<int64_t>(pos - before);
-        if (trailer_bytes_ > limits_.max_head_bytes) {
-          return done(Refuse(431, absl::StrCat("chunked body: trailer fields over the limit of ",
-                                               limits_.max_head_bytes, " bytes")));
-        }
-        if (!line) return done(Event::kNeedMore);
-        if (line_.empty()) {
+      case State::kBody:
+        if (!TakeBody(data, &pos)) {
+          event = Event::kNeedMore;
+        } else {
           state_ = State::kDone;
-          return done(Event::kRequest);
-        }
-        line_.clear();
-        if (++trailer_lines_ > limits_.max_headers) {
-          return done(Refuse(431, absl::StrCat("chunked body: more than ", limits_.max_headers,
-                                               " trailer lines")));
+          event = Event::kRequest;
         }
         break;
-      }
+      case State::kChunkSize:
+        event = FeedChunkSize(data, &pos);
+        break;
+      case State::kChunkData:
+        if (!TakeBody(data, &pos)) {
+          event = Event::kNeedMore;
+        } else {
+          state_ = State::kChunkDataEnd;
+        }
+        break;
+      case State::kChunkDataEnd:
+        event = FeedChunkDataEnd(data, &pos);
+        break;
+      case State::kTrailer:
+        event = FeedTrailer(data, &pos);
+        break;
       case State::kDone:
-        return done(Event::kRequest);
+        event = Event::kRequest;
+        break;
       case State::kRefused:
-        return done(Event::kRefused);
+        event = Event::kRefused;
+        break;
     }
   }
+  *consumed = pos;
+  return *event;
+}
+
+bool RequestParser::TakeBody(absl::string_view data, size_t* pos) {
+  const size_t take =
+      static_cast<size_t>(std::min<int64_t>(remaining_, static_cast<int64_t>(data.size() - *pos)));
+  Append(&body_, data.substr(*pos, take));
+  *pos += take;
+  remaining_ -= static_cast<int64_t>(take);
+  return remaining_ == 0;
+}
+
+std::optional<RequestParser::Event> RequestParser::FeedHead(absl::string_view data, size_t* pos) {
+  if (*pos == data.size()) return Event::kNeedMore;
+  // The head, its final empty line included, is at most max_head_bytes.
+  const size_t limit = static_cast<size_t>(limits_.max_head_bytes);
+  const size_t take = std::min(data.size() - *pos, limit - std::min(limit, head_text_.size()));
+  const size_t before = head_text_.size();
+  Append(&head_text_, data.substr(*pos, take));
+  // The head ends at the first empty line: "\n\n" or "\n\r\n".
+  size_t end = absl::string_view::npos;
+  for (size_t i = scanned_ > 2 ? scanned_ - 2 : 0; i < head_text_.size(); ++i) {
+    if (head_text_[i] != '\n') continue;
+    if (i + 1 < head_text_.size() && head_text_[i + 1] == '\n') {
+      end = i + 2;
+      break;
+    }
+    if (i + 2 < head_text_.size() && head_text_[i + 1] == '\r' && head_text_[i + 2] == '\n') {
+      end = i + 3;
+      break;
+    }
+  }
+  scanned_ = head_text_.size();
+  if (end == absl::string_view::npos) {
+    *pos += take;
+    if (static_cast<int64_t>(head_text_.size()) >= limits_.max_head_bytes) {
+      return Refuse(431, absl::StrCat("request header fields: over the limit of ",
+                                      limits_.max_head_bytes, " bytes"));
+    }
+    return Event::kNeedMore;
+  }
+  *pos += end - before;
+  head_text_.resize(end);
+  return ParseHead();
+}
+
+std::optional<RequestParser::Event> RequestParser::FeedChunkSize(absl::string_view data,
+                                                                 size_t* pos) {
+  // Over-long is judged whether or not the line is complete, so that the answer does
+  // not depend on where the reads split it.
+  bool over = false;
+  const bool line = TakeLine(data, pos, limits_.max_head_bytes, &over);
+  if (over) return Refuse(431, "chunked body: a chunk-size line over the header limit");
+  if (!line) return Event::kNeedMore;
+  absl::string_view size_text = line_;
+  size_text = size_text.substr(0, size_text.find(';'));
+  size_text = TrimOws(size_text);
+  uint64_t size = 0;
+  const auto [end, error] =
+      std::from_chars(size_text.data(), size_text.data() + size_text.size(), size, 16);
+  if (size_text.empty() || size_text.size() > 16 || error != std::errc() ||
+      end != size_text.data() + size_text.size()) {
+    return Refuse(400,
+                  absl::StrCat("chunked body: malformed chunk size \"", Abbreviate(line_), "\""));
+  }
+  line_.clear();
+  if (size > static_cast<uint64_t>(limits_.max_body_bytes) ||
+      static_cast<int64_t>(body_.size() + size) > limits_.max_body_bytes) {
+    return Refuse(413, absl::StrCat("request body: chunks over the limit of ",
+                                    limits_.max_body_bytes, " bytes"));
+  }
+  // Reserved once (address space, touched only as written), so that the body never
+  // holds two copies while it grows.
+  if (size > 0 && body_.capacity() < static_cast<size_t>(limits_.max_body_bytes)) {
+    body_.reserve(static_cast<size_t>(limits_.max_body_bytes));
+  }
+  if (size == 0) {
+    state_ = State::kTrailer;
+  } else {
+    remaining_ = static_cast<int64_t>(size);
+    state_ = State::kChunkData;
+  }
+  return std::nullopt;
+}
+
+std::optional<RequestParser::Event> RequestParser::FeedChunkDataEnd(absl::string_view data,
+                                                                    size_t* pos) {
+  // Only the CRLF that ends the chunk's data may come here (or its CR so far).
+  const bool line = TakeLine(data, pos, 2);
+  const bool more_data = line ? !line_.empty() : !line_.empty() && line_ != "\r";
+  if (more_data) {
+    return Refuse(400, "chunked body: a chunk's data longer than its size");
+  }
+  if (!line) return Event::kNeedMore;
+  state_ = State::kChunkSize;
+  return std::nullopt;
+}
+
+std::optional<RequestParser::Event> RequestParser::FeedTrailer(absl::string_view data,
+                                                               size_t* pos) {
+  const size_t before = *pos;
+  const bool line = TakeLine(data, pos, limits_.max_head_bytes);
+  trailer_bytes_ += static_cast<int64_t>(*pos - before);
+  if (trailer_bytes_ > limits_.max_head_bytes) {
+    return Refuse(431, absl::StrCat("chunked body: trailer fields over the limit of ",
+                                    limits_.max_head_bytes, " bytes"));
+  }
+  if (!line) return Event::kNeedMore;
+  if (line_.empty()) {
+    state_ = State::kDone;
+    return Event::kRequest;
+  }
+  line_.clear();
+  if (++trailer_lines_ > limits_.max_headers) {
+    return Refuse(431,
+                  absl::StrCat("chunked body: more than ", limits_.max_headers, " trailer lines"));
+  }
+  return std::nullopt;
 }
 
 }  // namespace mha::server::http1

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 
 namespace mha::server::http1 {
 
@@ -113,12 +114,35 @@ class RequestParser {
   const Refusal& refusal() const { return refusal_; }
 
  private:
-  enum class State { kSkipEmpty, kHead, kBody, kChunkSize, kChunkData, kChunkDataEnd, kTrailer,
-                     kDone, kRefused };
+  enum class State {
+    kSkipEmpty,
+    kHead,
+    kBody,
+    kChunkSize,
+    kChunkData,
+    kChunkDataEnd,
+    kTrailer,
+    kDone,
+    kRefused
+  };
 
   Event Refuse(int status, std::string message);
-  // The head's text (without its final empty line) parsed into head_.
+  // The head's text (without its final empty line) parsed into head_: the request
+  // line, the field lines, then what they say of the connection and the body's
+  // framing. Each part returns its refusal, or nothing when it accepts.
   Event ParseHead();
+  std::optional<Event> ParseRequestLine(absl::string_view line);
+  std::optional<Event> ParseFields(absl::Span<const absl::string_view> lines);
+  std::optional<Event> ParseFraming();
+  std::optional<Event> ParseContentLength();
+  // Feed in one state, from data[*pos] on (advancing *pos): the event to return, or
+  // nothing to go on in the state it leaves.
+  std::optional<Event> FeedHead(absl::string_view data, size_t* pos);
+  std::optional<Event> FeedChunkSize(absl::string_view data, size_t* pos);
+  std::optional<Event> FeedChunkDataEnd(absl::string_view data, size_t* pos);
+  std::optional<Event> FeedTrailer(absl::string_view data, size_t* pos);
+  // Up to remaining_ bytes of data into body_; true when none remain.
+  bool TakeBody(absl::string_view data, size_t* pos);
   // A line from `data` into line_ (which keeps partial lines across calls, at most
   // budget + 1 bytes of them); true when a whole line (without its LF/CRLF) is in
   // line_. *over: the line's bytes so far, its CR included, exceed `budget`; the same
