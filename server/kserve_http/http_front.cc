@@ -75,6 +75,126 @@ struct InferState {
   inference::ModelInferResponse response;
 };
 
+// The health, server and model metadata and statistics routes.
+HttpResponse HealthOrMetadata(const HttpFront::Services& s, const RouteMatch& match) {
+  auto find = [&]() { return s.models->Find(match.model, match.version); };
+  switch (match.route) {
+    case HttpRoute::kLive:
+      return Json(json::object());
+    case HttpRoute::kReady: {
+      const absl::Status readiness = s.answers->Readiness();
+      return readiness.ok() ? Json(json::object()) : Error(readiness);
+    }
+    case HttpRoute::kServer: {
+      const inference::ServerMetadataResponse m =
+          ToServerMetadata(s.path->shared_memory() != nullptr);
+      return Json(
+          {{"name", m.name()},
+           {"version", m.version()},
+           {"extensions", std::vector<std::string>(m.extensions().begin(), m.extensions().end())}});
+    }
+    case HttpRoute::kAllStats:
+    case HttpRoute::kModelStats: {
+      absl::StatusOr<inference::ModelStatisticsResponse> stats =
+          CollectStatistics(*s.models, *s.metrics, match.model, match.version);
+      return stats.ok() ? Body(StatisticsBody(*stats)) : Error(stats.status());
+    }
+    case HttpRoute::kModel: {
+      absl::StatusOr<std::shared_ptr<const Model>> model = find();
+      if (!model.ok()) return Error(model.status());
+      const inference::ModelMetadataResponse m = ToModelMetadata(**model);
+      return Json({{"name", m.name()},
+                   {"versions", std::vector<std::string>(m.versions().begin(), m.versions().end())},
+                   {"platform", m.platform()},
+                   {"inputs", TensorsJson(m.inputs())},
+                   {"outputs", TensorsJson(m.outputs())}});
+    }
+    case HttpRoute::kModelReady: {
+      absl::StatusOr<std::shared_ptr<const Model>> model = find();
+      if (!model.ok()) return Error(model.status());
+      const absl::Status readiness = s.answers->Readiness(model->get());
+      return readiness.ok() ? Json(json::object()) : Error(readiness);
+    }
+    case HttpRoute::kModelConfig: {
+      absl::StatusOr<std::shared_ptr<const Model>> model = find();
+      if (!model.ok()) return Error(model.status());
+      return Proto(ToTritonConfig(**model));
+    }
+    default:
+      return Error(absl::InternalError("HealthOrMetadata: not a metadata route"));
+  }
+}
+
+// The model repository's index, load and unload.
+HttpResponse Repository(const HttpFront::Services& s, const HttpRequest& req,
+                        const RouteMatch& match) {
+  const absl::StatusOr<RepositoryBody> body = ParseRepositoryBody(req.body);
+  if (!body.ok()) return Error(body.status());
+  if (match.route == HttpRoute::kIndex) {
+    json models = json::array();
+    const inference::RepositoryIndexResponse index = s.answers->Index(body->ready);
+    for (const auto& m : index.models()) {
+      json entry = {{"name", m.name()}, {"version", m.version()}, {"state", m.state()}};
+      if (!m.reason().empty()) entry["reason"] = m.reason();
+      models.push_back(std::move(entry));
+    }
+    return Json(models);
+  }
+  std::vector<KserveModels::ControlParameter> parameters;
+  for (const RepositoryBody::Parameter& p : body->parameters) {
+    parameters.push_back({.name = p.name, .is_bool = p.is_bool});
+  }
+  const absl::Status status =
+      s.answers->ControlModel(match.route == HttpRoute::kLoad, "", match.model, parameters);
+  return status.ok() ? Json(json::object()) : Error(status);
+}
+
+// System shared memory's status, register and unregister (the extension on).
+HttpResponse SharedMemory(const HttpFront::Services& s, const HttpRequest& req,
+                          const RouteMatch& match) {
+  switch (match.route) {
+    case HttpRoute::kSharedMemoryStatus: {
+      absl::StatusOr<std::string> body =
+          SharedMemoryStatusBody(s.path->shared_memory(), match.region);
+      return body.ok() ? Body(*std::move(body)) : Error(body.status());
+    }
+    case HttpRoute::kSharedMemoryRegister: {
+      const absl::Status status = SharedMemoryRegisterBody(s.path->shared_memory(), match.region,
+                                                           req.body, req.loopback_peer);
+      return status.ok() ? Json(json::object()) : Error(status);
+    }
+    default: {
+      const absl::Status status = SharedMemoryUnregister(s.path->shared_memory(), match.region);
+      return status.ok() ? Json(json::object()) : Error(status);
+    }
+  }
+}
+
+// 501 for a route of the protocol this server does not serve, saying why.
+HttpResponse NotServed(const HttpRequest& req, HttpRoute route) {
+  const char* why = "no logging extension; logging is set by flags at start";
+  switch (route) {
+    case HttpRoute::kSharedMemoryStatus:
+    case HttpRoute::kSharedMemoryRegister:
+    case HttpRoute::kSharedMemoryUnregister:
+      why =
+          "system shared memory is off (attention_server --shared_memory=system serves it); "
+          "send tensors in the request";
+      break;
+    case HttpRoute::kCudaSharedMemory:
+      why = "no CUDA shared-memory extension (a CPU server); send tensors in the request";
+      break;
+    case HttpRoute::kTrace:
+    case HttpRoute::kModelTrace:
+      why = "no trace extension; /metrics and the statistics report timings";
+      break;
+    default:
+      break;
+  }
+  return Error(absl::UnimplementedError(absl::StrCat(
+      Abbreviate(req.method), " ", Abbreviate(req.path), " is not served by mha-serve: ", why)));
+}
+
 }  // namespace
 
 ApiGroup ApiGroupOfPath(absl::string_view path) {
@@ -123,21 +243,20 @@ absl::StatusOr<std::unique_ptr<HttpFront>> HttpFront::Start(const Options& optio
   front->services_ = services;
   const HttpFront* raw = front.get();
   MHA_ASSIGN_OR_RETURN(
-      front->server_,
-      EventHttpServer::Start({.host = options.host,
-                              .port = options.port,
-                              .loops = options.threads,
-                              .max_body_bytes = options.max_body_bytes,
-                              .header_timeout = options.header_timeout,
-                              .idle_timeout = options.idle_timeout,
-                              .max_connections = options.max_connections,
-                              .drain_timeout = options.drain_timeout,
-                              .tls_cert = options.tls_cert,
-                              .tls_key = options.tls_key,
-                              .tls_client_ca = options.tls_client_ca},
-                             [raw](HttpRequest request, HttpResponder responder) {
-                               raw->Serve(std::move(request), std::move(responder));
-                             }));
+      front->server_, EventHttpServer::Start({.host = options.host,
+                                              .port = options.port,
+                                              .loops = options.threads,
+                                              .max_body_bytes = options.max_body_bytes,
+                                              .header_timeout = options.header_timeout,
+                                              .idle_timeout = options.idle_timeout,
+                                              .max_connections = options.max_connections,
+                                              .drain_timeout = options.drain_timeout,
+                                              .tls_cert = options.tls_cert,
+                                              .tls_key = options.tls_key,
+                                              .tls_client_ca = options.tls_client_ca},
+                                             [raw](HttpRequest request, HttpResponder responder) {
+                                               raw->Serve(std::move(request), std::move(responder));
+                                             }));
   return front;
 }
 
@@ -156,11 +275,10 @@ void HttpFront::Serve(HttpRequest req, HttpResponder res) const {
                      " (docs/service.md lists the routes)"))));
   }
   if (std::find(match->methods.begin(), match->methods.end(), method) == match->methods.end()) {
-    HttpResponse refusal{
-        .status = 405,
-        .body = ErrorBody(absl::StrCat(Abbreviate(req.method), " ", Abbreviate(req.path),
-                                       ": method not allowed; use ",
-                                       absl::StrJoin(match->methods, " or ")))};
+    HttpResponse refusal{.status = 405,
+                         .body = ErrorBody(absl::StrCat(
+                             Abbreviate(req.method), " ", Abbreviate(req.path),
+                             ": method not allowed; use ", absl::StrJoin(match->methods, " or ")))};
     refusal.headers.emplace_back("Allow", absl::StrJoin(match->methods, ", "));
     return res.Send(std::move(refusal));
   }
@@ -176,122 +294,34 @@ void HttpFront::Serve(HttpRequest req, HttpResponder res) const {
       !allowed.ok()) {
     return res.Send(Error(allowed));
   }
-  auto find = [&]() { return s.models->Find(match->model, match->version); };
   switch (match->route) {
     case HttpRoute::kLive:
-      return res.Send(Json(json::object()));
-    case HttpRoute::kReady: {
-      const absl::Status readiness = s.answers->Readiness();
-      return res.Send(readiness.ok() ? Json(json::object()) : Error(readiness));
-    }
-    case HttpRoute::kServer: {
-      const inference::ServerMetadataResponse m =
-          ToServerMetadata(s.path->shared_memory() != nullptr);
-      return res.Send(Json(
-          {{"name", m.name()},
-           {"version", m.version()},
-           {"extensions", std::vector<std::string>(m.extensions().begin(), m.extensions().end())}}));
-    }
+    case HttpRoute::kReady:
+    case HttpRoute::kServer:
     case HttpRoute::kAllStats:
-    case HttpRoute::kModelStats: {
-      absl::StatusOr<inference::ModelStatisticsResponse> stats =
-          CollectStatistics(*s.models, *s.metrics, match->model, match->version);
-      return res.Send(stats.ok() ? Body(StatisticsBody(*stats)) : Error(stats.status()));
-    }
-    case HttpRoute::kModel: {
-      absl::StatusOr<std::shared_ptr<const Model>> model = find();
-      if (!model.ok()) return res.Send(Error(model.status()));
-      const inference::ModelMetadataResponse m = ToModelMetadata(**model);
-      return res.Send(
-          Json({{"name", m.name()},
-                {"versions", std::vector<std::string>(m.versions().begin(), m.versions().end())},
-                {"platform", m.platform()},
-                {"inputs", TensorsJson(m.inputs())},
-                {"outputs", TensorsJson(m.outputs())}}));
-    }
-    case HttpRoute::kModelReady: {
-      absl::StatusOr<std::shared_ptr<const Model>> model = find();
-      if (!model.ok()) return res.Send(Error(model.status()));
-      const absl::Status readiness = s.answers->Readiness(model->get());
-      return res.Send(readiness.ok() ? Json(json::object()) : Error(readiness));
-    }
-    case HttpRoute::kModelConfig: {
-      absl::StatusOr<std::shared_ptr<const Model>> model = find();
-      if (!model.ok()) return res.Send(Error(model.status()));
-      return res.Send(Proto(ToTritonConfig(**model)));
-    }
+    case HttpRoute::kModelStats:
+    case HttpRoute::kModel:
+    case HttpRoute::kModelReady:
+    case HttpRoute::kModelConfig:
+      return res.Send(HealthOrMetadata(s, *match));
     case HttpRoute::kInfer:
       return Infer(req, match->model, match->version, res);
-    case HttpRoute::kIndex: {
-      const absl::StatusOr<RepositoryBody> body = ParseRepositoryBody(req.body);
-      if (!body.ok()) return res.Send(Error(body.status()));
-      json models = json::array();
-      const inference::RepositoryIndexResponse index = s.answers->Index(body->ready);
-      for (const auto& m : index.models()) {
-        json entry = {{"name", m.name()}, {"version", m.version()}, {"state", m.state()}};
-        if (!m.reason().empty()) entry["reason"] = m.reason();
-        models.push_back(std::move(entry));
-      }
-      return res.Send(Json(models));
-    }
+    case HttpRoute::kIndex:
     case HttpRoute::kLoad:
-    case HttpRoute::kUnload: {
-      const absl::StatusOr<RepositoryBody> body = ParseRepositoryBody(req.body);
-      absl::Status status = body.status();
-      if (status.ok()) {
-        std::vector<KserveModels::ControlParameter> parameters;
-        for (const RepositoryBody::Parameter& p : body->parameters) {
-          parameters.push_back({.name = p.name, .is_bool = p.is_bool});
-        }
-        status = s.answers->ControlModel(match->route == HttpRoute::kLoad, "", match->model,
-                                         parameters);
-      }
-      return res.Send(status.ok() ? Json(json::object()) : Error(status));
-    }
-    case HttpRoute::kSharedMemoryStatus: {
+    case HttpRoute::kUnload:
+      return res.Send(Repository(s, req, *match));
+    case HttpRoute::kSharedMemoryStatus:
+    case HttpRoute::kSharedMemoryRegister:
+    case HttpRoute::kSharedMemoryUnregister:
       if (s.path->shared_memory() == nullptr) break;  // off: 501 naming the route, below
-      absl::StatusOr<std::string> body =
-          SharedMemoryStatusBody(s.path->shared_memory(), match->region);
-      return res.Send(body.ok() ? Body(*std::move(body)) : Error(body.status()));
-    }
-    case HttpRoute::kSharedMemoryRegister: {
-      if (s.path->shared_memory() == nullptr) break;
-      const absl::Status status = SharedMemoryRegisterBody(s.path->shared_memory(),
-                                                           match->region, req.body,
-                                                           req.loopback_peer);
-      return res.Send(status.ok() ? Json(json::object()) : Error(status));
-    }
-    case HttpRoute::kSharedMemoryUnregister: {
-      if (s.path->shared_memory() == nullptr) break;
-      const absl::Status status = SharedMemoryUnregister(s.path->shared_memory(), match->region);
-      return res.Send(status.ok() ? Json(json::object()) : Error(status));
-    }
+      return res.Send(SharedMemory(s, req, *match));
     case HttpRoute::kCudaSharedMemory:
     case HttpRoute::kTrace:
     case HttpRoute::kModelTrace:
     case HttpRoute::kLogging:
       break;
   }
-  const char* why = "no logging extension; logging is set by flags at start";
-  switch (match->route) {
-    case HttpRoute::kSharedMemoryStatus:
-    case HttpRoute::kSharedMemoryRegister:
-    case HttpRoute::kSharedMemoryUnregister:
-      why = "system shared memory is off (attention_server --shared_memory=system serves it); "
-            "send tensors in the request";
-      break;
-    case HttpRoute::kCudaSharedMemory:
-      why = "no CUDA shared-memory extension (a CPU server); send tensors in the request";
-      break;
-    case HttpRoute::kTrace:
-    case HttpRoute::kModelTrace:
-      why = "no trace extension; /metrics and the statistics report timings";
-      break;
-    default:
-      break;
-  }
-  res.Send(Error(absl::UnimplementedError(absl::StrCat(
-      Abbreviate(req.method), " ", Abbreviate(req.path), " is not served by mha-serve: ", why))));
+  res.Send(NotServed(req, match->route));
 }
 
 // POST .../models/{name}[/versions/{v}]/infer: parses the body on the loop thread,
