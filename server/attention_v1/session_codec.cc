@@ -32,59 +32,50 @@ absl::StatusOr<int64_t> Rows(absl::string_view field, const TensorView& tensor, 
   return s[1];
 }
 
-}  // namespace
-
-SessionSettings SettingsOf(const SessionRequest& first) {
-  return {.kind = first.kind(), .causal = first.causal(), .return_lse = first.return_lse()};
+// What a session's first message settles: its kind and causality against the model,
+// and return_lse.
+absl::Status CheckFirstMessage(const SessionSettings& settings, const Model& model) {
+  const core::ModelConfig& c = model.config;
+  const bool self = settings.kind == attention::v1::SELF;
+  if (settings.kind != attention::v1::SELF && settings.kind != attention::v1::CROSS) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kind: expected SELF (0) or CROSS (1), got ", settings.kind));
+  }
+  if (c.attention_only() && self) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kind: model ", model.name,
+        " is attention-only (projections NONE): its sessions are CROSS with causal true, "
+        "each step carrying its tokens' projected q, k and v"));
+  }
+  if (c.attention_only() && !settings.causal) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "causal: model ", model.name,
+        " is attention-only (projections NONE): its sessions are CROSS with causal true"));
+  }
+  if (settings.return_lse) MHA_RETURN_IF_ERROR(CheckReturnLse(model));
+  if (self && !c.SupportsSelfAttention()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kind: SELF needs d_k = d_v = d_q, model ", model.name, " has d_q = ", c.query_size,
+        ", d_k = ", c.key_size, ", d_v = ", c.value_size, "; use CROSS"));
+  }
+  if (c.scoring != core::Scoring::kDotProduct) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model: ", model.name, " uses additive scoring; sessions need dot-product scoring"));
+  }
+  if (!self && c.rope) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kind: CROSS is refused for model ", model.name,
+        ", which has rotary positions (rope): its sessions are SELF, token t at position t"));
+  }
+  return absl::OkStatus();
 }
 
-absl::StatusOr<SessionStepInput> DecodeSessionStep(const SessionRequest& request, bool first,
-                                                   const SessionSettings& settings,
-                                                   const Model& model, int64_t cached) {
-  const core::ModelConfig& c = model.config;
-  MHA_RETURN_IF_ERROR(CheckRequestBytes(static_cast<int64_t>(request.ByteSizeLong()), model));
-  if (!first && (!request.model().empty() || !request.model_version().empty())) {
-    return absl::InvalidArgumentError(
-        "model: set only in a session's first message (a session keeps its model)");
-  }
-  const bool self = settings.kind == attention::v1::SELF;
-  if (first) {
-    if (settings.kind != attention::v1::SELF && settings.kind != attention::v1::CROSS) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("kind: expected SELF (0) or CROSS (1), got ", settings.kind));
-    }
-    if (c.attention_only() && self) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "kind: model ", model.name,
-          " is attention-only (projections NONE): its sessions are CROSS with causal true, "
-          "each step carrying its tokens' projected q, k and v"));
-    }
-    if (c.attention_only() && !settings.causal) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "causal: model ", model.name,
-          " is attention-only (projections NONE): its sessions are CROSS with causal true"));
-    }
-    if (settings.return_lse) MHA_RETURN_IF_ERROR(CheckReturnLse(model));
-    if (self && !c.SupportsSelfAttention()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "kind: SELF needs d_k = d_v = d_q, model ", model.name, " has d_q = ", c.query_size,
-          ", d_k = ", c.key_size, ", d_v = ", c.value_size, "; use CROSS"));
-    }
-    if (c.scoring != core::Scoring::kDotProduct) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "model: ", model.name, " uses additive scoring; sessions need dot-product scoring"));
-    }
-    if (!self && c.rope) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "kind: CROSS is refused for model ", model.name,
-          ", which has rotary positions (rope): its sessions are SELF, token t at position t"));
-    }
-  }
-  MHA_ASSIGN_OR_RETURN(const MessageTensors tensors, ViewTensors(request));
+// The step's queries, keys and values: their rows, and which of them it carries.
+absl::Status StepTensors(const MessageTensors& tensors, bool self, const core::ModelConfig& c,
+                         SessionStepInput& step) {
   const std::optional<TensorView>& queries = tensors.queries;
   const std::optional<TensorView>& keys = tensors.keys;
   const std::optional<TensorView>& values = tensors.values;
-  SessionStepInput step{.raw = !request.queries().raw().empty()};
   if (queries.has_value()) {
     MHA_ASSIGN_OR_RETURN(step.num_queries,
                          Rows("queries", *queries, self ? 1 : 0, c.query_size, "T"));
@@ -114,6 +105,29 @@ absl::StatusOr<SessionStepInput> DecodeSessionStep(const SessionRequest& request
     step.keys = keys->data;
     step.values = values->data;
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+SessionSettings SettingsOf(const SessionRequest& first) {
+  return {.kind = first.kind(), .causal = first.causal(), .return_lse = first.return_lse()};
+}
+
+absl::StatusOr<SessionStepInput> DecodeSessionStep(const SessionRequest& request, bool first,
+                                                   const SessionSettings& settings,
+                                                   const Model& model, int64_t cached) {
+  const core::ModelConfig& c = model.config;
+  MHA_RETURN_IF_ERROR(CheckRequestBytes(static_cast<int64_t>(request.ByteSizeLong()), model));
+  if (!first && (!request.model().empty() || !request.model_version().empty())) {
+    return absl::InvalidArgumentError(
+        "model: set only in a session's first message (a session keeps its model)");
+  }
+  const bool self = settings.kind == attention::v1::SELF;
+  if (first) MHA_RETURN_IF_ERROR(CheckFirstMessage(settings, model));
+  MHA_ASSIGN_OR_RETURN(const MessageTensors tensors, ViewTensors(request));
+  SessionStepInput step{.raw = !request.queries().raw().empty()};
+  MHA_RETURN_IF_ERROR(StepTensors(tensors, self, c, step));
   if (!self && settings.causal && step.num_keys != step.num_queries) {
     return absl::InvalidArgumentError(
         absl::StrCat("keys: a causal CROSS session's step carries as many keys as queries, got ",
@@ -128,10 +142,10 @@ absl::StatusOr<SessionStepInput> DecodeSessionStep(const SessionRequest& request
             limit, " of model ", model.name, " (a session's token limit)")),
         SessionEnd::kTokenLimit);
   }
-  if (queries.has_value()) MHA_RETURN_IF_ERROR(CheckFiniteValues("queries", *queries));
-  if (keys.has_value()) {
-    MHA_RETURN_IF_ERROR(CheckFiniteValues("keys", *keys));
-    MHA_RETURN_IF_ERROR(CheckFiniteValues("values", *values));
+  if (tensors.queries) MHA_RETURN_IF_ERROR(CheckFiniteValues("queries", *tensors.queries));
+  if (tensors.keys) {
+    MHA_RETURN_IF_ERROR(CheckFiniteValues("keys", *tensors.keys));
+    MHA_RETURN_IF_ERROR(CheckFiniteValues("values", *tensors.values));
   }
   return step;
 }
