@@ -367,7 +367,9 @@ void PrintDecodeTable(const DecodeReport& report, std::ostream& out) {
       "protocol attention (%s%s); model %s (%s); %d session(s), prefill %d + decode %d tokens "
       "each; seed %d\n",
       DecodeCall(o),
-      o.stateless ? ", stateless: keys and values resent each step" : ", SELF causal",
+      o.stateless                            ? ", stateless: keys and values resent each step"
+      : report.model.projections() == "none" ? ", CROSS causal: each step sends its q, k and v"
+                                             : ", SELF causal",
       report.model.name(), ModelSizes(report.model), o.sessions, o.prefill, o.decode_tokens,
       o.seed);
   out << absl::StrFormat("%-8s %-9s %8s %8s %8s %8s %8s %s\n", "step", "context", "count", "p50 ms",

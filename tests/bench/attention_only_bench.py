@@ -107,11 +107,11 @@ def main():
                             print(f"tokens/s, {sessions} sessions: skipped, "
                                   f"{sessions * per_session} cache bytes > budget {budget}")
                             continue
-                        # The client holds each session's prefill (q, k, v in, the
-                        # contexts out, and their messages): about 280 MB a session
-                        # at 4,032 tokens (64 sessions took 17.7 GB and were killed
-                        # on a 24 GiB machine).
-                        client_bytes = sessions * 280 * 10**6
+                        # The client holds at most 4 sessions' prefills at once (q,
+                        # k, v in, the contexts out, and their messages: about 280 MB
+                        # each at 4,032 tokens; 833 MB of RSS for 16 sessions), then
+                        # each session's decode rows (1.6 MB).
+                        client_bytes = min(sessions, 4) * 280 * 10**6 + sessions * 2 * 10**6
                         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
                         if client_bytes > ram // 2:
                             print(f"tokens/s, {sessions} sessions: skipped, the client would "

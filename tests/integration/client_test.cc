@@ -579,8 +579,9 @@ DecodeSum ExpectedDecodeSum(int64_t sessions, int64_t prefill, int64_t steps) {
   return expected;
 }
 
+// Six sessions: more than the driver's four prefills in flight, so two wait their turn.
 TEST_F(ClientTest, DecodeSessionsAddUpToTheCoreWithAndWithoutTheCache) {
-  constexpr int64_t kSessions = 3, kPrefill = 5, kSteps = 7;
+  constexpr int64_t kSessions = 6, kPrefill = 5, kSteps = 7;
   const DecodeSum expected = ExpectedDecodeSum(kSessions, kPrefill, kSteps);
   ASSERT_GT(expected.sum_abs, 1.0);
   for (const bool stateless : {false, true}) {
@@ -594,9 +595,9 @@ TEST_F(ClientTest, DecodeSessionsAddUpToTheCoreWithAndWithoutTheCache) {
     if (stateless) args.push_back("--stateless");
     const ClientRun run = RunClient(args);
     ASSERT_EQ(run.exit_code, 0) << Describe(run);
-    EXPECT_TRUE(absl::StrContains(run.out, "decode: 21 tokens in ")) << run.out;
+    EXPECT_TRUE(absl::StrContains(run.out, "decode: 42 tokens in ")) << run.out;
     EXPECT_TRUE(absl::StrContains(
-        run.out, stateless ? "calls: 24 Attend\n" : "calls: 3 AttendSession stream(s), 24 steps\n"))
+        run.out, stateless ? "calls: 48 Attend\n" : "calls: 6 AttendSession stream(s), 48 steps\n"))
         << run.out;
 
     const json report = json::parse(ReadFile(Path("decode.json")));
@@ -624,7 +625,7 @@ TEST_F(ClientTest, DecodeSessionsAddUpToTheCoreWithAndWithoutTheCache) {
 // client/load/decode.h documents them; the steps' outputs add up to the core's causal
 // forward over the same tensors, and the cache bytes a step reads are printed.
 TEST(ClientWorkerTest, DecodeOnAnAttentionOnlyModelReportsCacheBytes) {
-  constexpr int64_t kSessions = 2, kPrefill = 9, kSteps = 6;
+  constexpr int64_t kSessions = 6, kPrefill = 9, kSteps = 6;  // two wait to prefill
   core::ModelConfig c{
       .num_hiddens = 64, .num_heads = 8, .query_size = 64, .key_size = 16, .value_size = 16};
   c.num_kv_heads = 2;
@@ -680,6 +681,11 @@ TEST(ClientWorkerTest, DecodeOnAnAttentionOnlyModelReportsCacheBytes) {
                                  bytes_per_step)))
         << run.out;
     EXPECT_TRUE(absl::StrContains(run.out, " GB/s over the decode phase")) << run.out;
+    if (!stateless) {
+      EXPECT_TRUE(absl::StrContains(
+          run.out, "(AttendSession, CROSS causal: each step sends its q, k and v)"))
+          << run.out;
+    }
     const json report = json::parse(ReadFile(out.path() + "/d.json"));
     EXPECT_DOUBLE_EQ(report["cache_bytes_per_step"].get<double>(), bytes_per_step);
     EXPECT_GT(report["cache_gb_per_s"].get<double>(), 0);
