@@ -242,14 +242,10 @@ class SessionDriver {
       auto session = std::make_unique<Session>();
       session->index = s;
       session->result = &results_[static_cast<size_t>(s)];
-      // The stream is one call carrying N + 1 steps: --timeout for each.
-      SetTimeout(&session->context, o.timeout * (o.decode_tokens + 1));
-      shared_.calls().Track(&session->context);
-      session->stream = stub_->PrepareAsyncAttendSession(&session->context, &queue_);
-      session->op = Op::kStart;
-      session->stream->StartCall(session.get());
+      waiting_.push_back(session.get());
       sessions_.push_back(std::move(session));
     }
+    StartWaiting();
     while (unfinished_ > 0) {
       void* tag = nullptr;
       bool ok = false;
@@ -309,7 +305,7 @@ class SessionDriver {
     switch (session.op) {
       case Op::kStart:
         if (!ok) return Finish(session, "the server ended the session without answering the step");
-        return QueuePrefill(session);
+        return SendPrefill(session);
       case Op::kWrite:
         if (!ok) return Finish(session, "the server ended the session without answering the step");
         session.op = Op::kRead;
@@ -334,19 +330,21 @@ class SessionDriver {
     }
   }
 
-  // At most kPrefillWindow prefills are in flight; the other started sessions wait
-  // for one of them to be answered.
-  void QueuePrefill(Session& session) {
-    if (prefills_in_flight_ < kPrefillWindow) return SendPrefill(session);
-    session.op = Op::kIdle;
-    waiting_.push_back(&session);
-  }
-
-  void SendWaitingPrefill() {
+  // Opens waiting sessions' streams (each then sends its prefill) while fewer than
+  // kPrefillWindow are between their start and their prefill's answer. A session's
+  // stream opens only when its turn comes, so the server never holds it idle.
+  void StartWaiting() {
+    const DecodeOptions& o = shared_.options();
     while (!waiting_.empty() && prefills_in_flight_ < kPrefillWindow && !shared_.failed()) {
-      Session& next = *waiting_.front();
+      Session& session = *waiting_.front();
       waiting_.pop_front();
-      if (next.op == Op::kIdle && next.stream != nullptr) SendPrefill(next);
+      // The stream is one call carrying N + 1 steps: --timeout for each.
+      SetTimeout(&session.context, o.timeout * (o.decode_tokens + 1));
+      shared_.calls().Track(&session.context);
+      session.stream = stub_->PrepareAsyncAttendSession(&session.context, &queue_);
+      session.op = Op::kStart;
+      ++prefills_in_flight_;
+      session.stream->StartCall(&session);
     }
   }
 
@@ -373,7 +371,6 @@ class SessionDriver {
     } else {
       request.set_kind(attention::v1::SELF);
     }
-    ++prefills_in_flight_;
     Send(session);
   }
 
@@ -424,7 +421,7 @@ class SessionDriver {
       ++prefilled_;
       barrier_deadline_ = absl::Now() + o.timeout;
       if (prefilled_ == o.sessions) return StartDecoding();
-      SendWaitingPrefill();
+      StartWaiting();
       return;
     }
     session.result->steps.push_back({context, sample});
@@ -470,9 +467,12 @@ class SessionDriver {
   }
 
   // Fails the run (the first failure is kept) and ends the sessions that wait at
-  // the prefill barrier; those with an operation in flight end when it does.
+  // the prefill barrier; those with an operation in flight end when it does, and
+  // those whose turn to start had not come never start.
   void Fail(const absl::Status& status) {
     shared_.Fail(status);
+    unfinished_ -= static_cast<int64_t>(waiting_.size());
+    waiting_.clear();
     for (auto& session : sessions_) {
       if (session->op == Op::kIdle && session->stream != nullptr) {
         session->context.TryCancel();
@@ -490,14 +490,15 @@ class SessionDriver {
   int64_t prefilled_ = 0;
   absl::Time barrier_deadline_;  // --timeout after the last prefill answered
   bool decoding_ = false;
-  // Prefills in flight at once. Each holds its request on the client (and on the
-  // server until it runs) and then its response: 99 MB and 66 MB for a 4,032-token
-  // prefill of an attention-only Llama layer. With all of them in flight, 64 such
-  // sessions needed 17.7 GB of client memory; the decode phase, which starts once
-  // every session has prefilled, is the same either way.
+  // Sessions between their stream's start and their prefill's answer, at most. Each
+  // prefill holds its request on the client (and on the server until it runs) and
+  // then its response: 99 MB and 66 MB for 4,032 tokens of an attention-only Llama
+  // layer. With all of them in flight, 64 such sessions needed 17.7 GB of client
+  // memory; the decode phase, which starts once every session has prefilled, is the
+  // same either way.
   static constexpr int64_t kPrefillWindow = 4;
   int64_t prefills_in_flight_ = 0;
-  std::deque<Session*> waiting_;  // started, their prefill not sent yet
+  std::deque<Session*> waiting_;  // not started yet, in order
 };
 
 // The same session through unary Attend: the prefill as causal self-attention, then
