@@ -90,7 +90,11 @@ def main():
                 f"--session_cache_bytes={budget}",
                 # A 4,032-token prefill of q, k and v (h + 2G heads of 128 f32) is
                 # 99 MB, over the default 64 MiB message limit.
-                "--max_request_bytes=268435456"])
+                "--max_request_bytes=268435456",
+                # The first sessions to prefill wait for the others' prefills (64
+                # sessions: about 70 s here) before the decode phase starts, longer
+                # than the default 1 min a session may stay idle.
+                "--session_idle_timeout=10m"])
             try:
                 for model in ("llama_attention_only", "llama_attention_only_g32"):
                     report = decode(client, target, out, f"{model}_{cache}_16", model, 16)
