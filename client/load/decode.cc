@@ -144,10 +144,9 @@ Tensor SessionTokens(const DecodeOptions& options, int64_t session, int64_t d) {
   return tokens;
 }
 
-// An attention-only model (projections "none", the disaggregated-decoding worker)
-// takes its tokens' q, k and v already projected: k and v (1, P + N, G * d_h) each,
-// drawn after the queries from the same generator's continuation (seed + s, offset).
-bool IsWorker(const ModelInfo& model) { return model.projections() == "none"; }
+// An attention-only model takes its tokens' q, k and v already projected: k and v
+// (1, P + N, G * d_h) each, drawn after the queries from the same generator's
+// continuation (seed + s, offset).
 Tensor SessionKeys(const DecodeOptions& options, int64_t session, int64_t d, uint64_t which) {
   SplitMix64 inputs((options.seed + static_cast<uint64_t>(session)) ^ (which << 56));
   Tensor tokens;
@@ -604,6 +603,8 @@ void Aggregate(const std::vector<SessionResult>& results, DecodeReport& report) 
 }
 
 }  // namespace
+
+bool IsWorker(const ModelInfo& model) { return model.projections() == "none"; }
 
 absl::Status CheckDecodeOptions(const DecodeOptions& options) {
   MHA_RETURN_IF_ERROR(CheckAtLeast("sessions", options.sessions, 1));

@@ -58,7 +58,7 @@ struct DecodeOptions {
   uint64_t seed = 0;            // session s: SplitMix64(seed + s)
   // Unary: each Attend's deadline. Session: the stream is one call carrying
   // N + 1 steps, so its deadline is timeout * (N + 1) from its start. Also the
-  // longest a prefilled session waits for the others' prefill.
+  // longest the prefill barrier waits for the next session's prefill.
   absl::Duration timeout = absl::Seconds(10);
 };
 
@@ -66,6 +66,9 @@ struct DecodeOptions {
 // prefill >= 1, decode_tokens >= 1, timeout > 0.
 inline constexpr int64_t kMaxDecodeSessions = 4096;
 absl::Status CheckDecodeOptions(const DecodeOptions& options);
+
+// An attention-only model (projections "none", the disaggregated-decoding worker).
+bool IsWorker(const attention::v1::ModelInfo& model);
 
 // Decode steps grouped by context (keys cached after the step).
 struct ContextBucket {

@@ -367,9 +367,9 @@ void PrintDecodeTable(const DecodeReport& report, std::ostream& out) {
       "protocol attention (%s%s); model %s (%s); %d session(s), prefill %d + decode %d tokens "
       "each; seed %d\n",
       DecodeCall(o),
-      o.stateless                            ? ", stateless: keys and values resent each step"
-      : report.model.projections() == "none" ? ", CROSS causal: each step sends its q, k and v"
-                                             : ", SELF causal",
+      o.stateless              ? ", stateless: keys and values resent each step"
+      : IsWorker(report.model) ? ", CROSS causal: each step sends its q, k and v"
+                               : ", SELF causal",
       report.model.name(), ModelSizes(report.model), o.sessions, o.prefill, o.decode_tokens,
       o.seed);
   out << absl::StrFormat("%-8s %-9s %8s %8s %8s %8s %8s %s\n", "step", "context", "count", "p50 ms",
@@ -387,7 +387,7 @@ void PrintDecodeTable(const DecodeReport& report, std::ostream& out) {
       report.decode_tokens, report.decode.duration_s, report.decode_tokens_per_s, o.sessions,
       report.decode.latency.p50_us * 1e-3);
   out << absl::StrFormat("output sum of the decode steps: %.6g\n", report.output_sum);
-  if (report.model.projections() == "none") {
+  if (IsWorker(report.model)) {
     out << absl::StrFormat(
         "cache read: %.0f bytes per decode step on average (%s cache), %.3f GB/s over the "
         "decode phase\n",
@@ -449,7 +449,7 @@ std::string DecodeJson(const DecodeReport& report, const std::optional<DecodeChe
       {"output_abs_sum", report.output_abs_sum},
       {"calls", report.calls},
   };
-  if (report.model.projections() == "none") {
+  if (IsWorker(report.model)) {
     root["cache_bytes_per_step"] = report.cache_bytes_per_step;
     root["cache_gb_per_s"] = report.cache_gb_per_s;
   }

@@ -72,14 +72,14 @@ absl::Status CheckFirstMessage(const SessionSettings& settings, const Model& mod
 
 // The step's queries, keys and values: their rows, and which of them it carries.
 absl::Status StepTensors(const MessageTensors& tensors, bool self, const core::ModelConfig& c,
-                         SessionStepInput& step) {
+                         SessionStepInput* step) {
   const std::optional<TensorView>& queries = tensors.queries;
   const std::optional<TensorView>& keys = tensors.keys;
   const std::optional<TensorView>& values = tensors.values;
   if (queries.has_value()) {
-    MHA_ASSIGN_OR_RETURN(step.num_queries,
+    MHA_ASSIGN_OR_RETURN(step->num_queries,
                          Rows("queries", *queries, self ? 1 : 0, c.query_size, "T"));
-    step.queries = queries->data;
+    step->queries = queries->data;
   } else if (self) {
     return absl::InvalidArgumentError(
         absl::StrCat("queries: required in a SELF session, shape (1, T, d_q = ", c.query_size,
@@ -91,19 +91,19 @@ absl::Status StepTensors(const MessageTensors& tensors, bool self, const core::M
           absl::StrCat(keys.has_value() ? "keys" : "values",
                        ": absent in a SELF session, whose queries are its keys and values"));
     }
-    step.num_keys = step.num_queries;
+    step->num_keys = step->num_queries;
   } else if (keys.has_value() != values.has_value()) {
     return absl::InvalidArgumentError(keys.has_value() ? "values: required when keys are given"
                                                        : "keys: required when values are given");
   } else if (keys.has_value()) {
-    MHA_ASSIGN_OR_RETURN(step.num_keys, Rows("keys", *keys, 0, c.key_size, "T_k"));
+    MHA_ASSIGN_OR_RETURN(step->num_keys, Rows("keys", *keys, 0, c.key_size, "T_k"));
     MHA_ASSIGN_OR_RETURN(const int64_t num_values, Rows("values", *values, 0, c.value_size, "T_k"));
-    if (num_values != step.num_keys) {
+    if (num_values != step->num_keys) {
       return absl::InvalidArgumentError(absl::StrCat("values: ", num_values, " rows, keys have ",
-                                                     step.num_keys, "; give one value per key"));
+                                                     step->num_keys, "; give one value per key"));
     }
-    step.keys = keys->data;
-    step.values = values->data;
+    step->keys = keys->data;
+    step->values = values->data;
   }
   return absl::OkStatus();
 }
@@ -127,7 +127,7 @@ absl::StatusOr<SessionStepInput> DecodeSessionStep(const SessionRequest& request
   if (first) MHA_RETURN_IF_ERROR(CheckFirstMessage(settings, model));
   MHA_ASSIGN_OR_RETURN(const MessageTensors tensors, ViewTensors(request));
   SessionStepInput step{.raw = !request.queries().raw().empty()};
-  MHA_RETURN_IF_ERROR(StepTensors(tensors, self, c, step));
+  MHA_RETURN_IF_ERROR(StepTensors(tensors, self, c, &step));
   if (!self && settings.causal && step.num_keys != step.num_queries) {
     return absl::InvalidArgumentError(
         absl::StrCat("keys: a causal CROSS session's step carries as many keys as queries, got ",
