@@ -4,9 +4,6 @@
 // (attention.v1 gRPC, KServe v2 gRPC, KServe v2 HTTP), the same request sent over
 // each: the answers have the request's shape, agree between protocols, and their
 // attention weights are softmax rows that respect the mask.
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -14,7 +11,6 @@
 #include <map>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -30,6 +26,7 @@
 #include "client/sdk/status.h"
 #include "gtest/gtest.h"
 #include "proto/attention.pb.h"
+#include "tests/integration/net_util.h"
 #include "tests/integration/server_process.h"
 
 namespace mha::testing {
@@ -223,8 +220,7 @@ TEST_F(ClientSdkTest, ACancelledCallGroupEndsItsConnectionsCalls) {
 TEST(HttpTransportTest, AConnectionTheServerClosedWhileIdleIsReplaced) {
   auto server = ServerProcess::Start({"--port=0", "--http_port=0", "--http_idle_timeout=200ms"});
   ASSERT_TRUE(server.ok()) << server.status();
-  absl::StatusOr<client::HttpEndpoint> endpoint =
-      client::ParseHttpTarget((*server)->http_target());
+  absl::StatusOr<client::HttpEndpoint> endpoint = client::ParseHttpTarget((*server)->http_target());
   ASSERT_TRUE(endpoint.ok()) << endpoint.status();
   client::HttpConnection http(*endpoint, absl::Seconds(10));
   for (int call = 0; call < 3; ++call) {
@@ -237,49 +233,15 @@ TEST(HttpTransportTest, AConnectionTheServerClosedWhileIdleIsReplaced) {
   }
 }
 
-// A one-connection TCP listener on 127.0.0.1 that answers whatever arrives first
-// with `reply` and then closes (never, if `reply` is empty: it does not even accept).
-class RawServer {
- public:
-  explicit RawServer(std::string reply) {
-    fd_ = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t size = sizeof(address);
-    EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&address), size), 0);
-    EXPECT_EQ(listen(fd_, 4), 0);
-    EXPECT_EQ(getsockname(fd_, reinterpret_cast<sockaddr*>(&address), &size), 0);
-    port_ = ntohs(address.sin_port);
-    if (reply.empty()) return;
-    thread_ = std::thread([fd = fd_, reply = std::move(reply)] {
-      const int peer = accept(fd, nullptr, nullptr);
-      if (peer < 0) return;
-      char request[65536];
-      if (recv(peer, request, sizeof(request), 0) > 0) {
-        send(peer, reply.data(), reply.size(), MSG_NOSIGNAL);
-      }
-      close(peer);
-    });
-  }
-  ~RawServer() {
-    shutdown(fd_, SHUT_RDWR);
-    if (thread_.joinable()) thread_.join();
-    close(fd_);
-  }
-  client::HttpEndpoint endpoint() const { return {.host = "127.0.0.1", .port = port_}; }
-
- private:
-  int fd_ = -1;
-  int port_ = 0;
-  std::thread thread_;
-};
+client::HttpEndpoint Endpoint(const RawServer& server) {
+  return {.host = "127.0.0.1", .port = server.port()};
+}
 
 // What the plain transport makes of servers that fail: each a canonical code and a
 // message naming the call and the target.
 TEST(HttpTransportTest, BrokenServersGetCanonicalCodesNamingTheCallAndTarget) {
   {  // nothing listens (a port just freed)
-    client::HttpEndpoint endpoint = RawServer("").endpoint();
+    client::HttpEndpoint endpoint = Endpoint(RawServer(""));
     client::HttpConnection http(endpoint, absl::Seconds(5));
     const absl::Status status = http.Ready();
     EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
@@ -288,7 +250,7 @@ TEST(HttpTransportTest, BrokenServersGetCanonicalCodesNamingTheCallAndTarget) {
   }
   {  // a listener that never answers: the read timeout
     RawServer silent("");
-    client::HttpConnection http(silent.endpoint(), absl::Milliseconds(300));
+    client::HttpConnection http(Endpoint(silent), absl::Milliseconds(300));
     const absl::Time start = absl::Now();
     const absl::Status status = http.Ready();
     EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
@@ -308,7 +270,7 @@ TEST(HttpTransportTest, BrokenServersGetCanonicalCodesNamingTheCallAndTarget) {
   };
   for (const auto& c : cases) {
     RawServer raw(c.reply);
-    client::HttpConnection http(raw.endpoint(), absl::Seconds(5));
+    client::HttpConnection http(Endpoint(raw), absl::Seconds(5));
     const absl::Status status = http.Ready();
     EXPECT_EQ(status.code(), c.code) << c.reply << ": " << status;
     EXPECT_NE(status.message().find(c.says), std::string::npos) << status;

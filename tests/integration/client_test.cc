@@ -30,6 +30,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/integration/client_util.h"
 #include "tests/integration/metrics_scrape.h"
+#include "tests/integration/net_util.h"
 #include "tests/integration/server_process.h"
 
 namespace mha::testing {
@@ -510,6 +511,7 @@ TEST_F(ClientTest, InferComparesWithTheOutputStoredInTheInputFile) {
 }
 
 TEST_F(ClientTest, ErrorsAreOneLineWithTheCodeName) {
+  const RawServer silent("");
   struct Case {
     std::vector<std::string> args;
     std::string expected;
@@ -518,7 +520,9 @@ TEST_F(ClientTest, ErrorsAreOneLineWithTheCodeName) {
       {{"--valid_lens=3,9"},
        "error: INVALID_ARGUMENT: Attend: valid_lens[1]: expected 0 <= valid_len <= K = 6, got 9"},
       {{"--model=nope"}, "error: NOT_FOUND: GetModel: model: unknown model \"nope\""},
-      {{"--timeout=1us"}, "error: DEADLINE_EXCEEDED: "},
+      // A listener that never answers: the deadline always passes first.
+      {{"--target=127.0.0.1:" + std::to_string(silent.port()), "--timeout=300ms"},
+       "error: DEADLINE_EXCEEDED: "},
       {{"--target=127.0.0.1:1", "--timeout=5s"}, "error: UNAVAILABLE: "},
       {{"--input=" + Path("absent.npy")}, "error: INVALID_ARGUMENT: "},
   };

@@ -15,6 +15,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
 
 namespace mha::testing {
 namespace {
@@ -148,8 +149,7 @@ std::string Http2Frame(uint8_t type, uint8_t flags, uint32_t stream, const std::
 std::string GrpcHeaders(uint32_t stream, const std::string& path) {
   const std::string block = Literal(":method", "POST") + Literal(":scheme", "http") +
                             Literal(":path", path) + Literal(":authority", "127.0.0.1") +
-                            Literal("content-type", "application/grpc") +
-                            Literal("te", "trailers");
+                            Literal("content-type", "application/grpc") + Literal("te", "trailers");
   return Http2Frame(1, 0x4 /* END_HEADERS */, stream, block);
 }
 
@@ -170,7 +170,8 @@ std::vector<Http2FrameHeader> ParseHttp2Frames(const std::string& bytes) {
         .type = byte(3),
         .flags = byte(4),
         .stream = ((uint32_t{byte(5)} << 24) | (uint32_t{byte(6)} << 16) |
-                   (uint32_t{byte(7)} << 8) | byte(8)) & 0x7fffffffu,
+                   (uint32_t{byte(7)} << 8) | byte(8)) &
+                  0x7fffffffu,
     };
     frames.push_back(h);
     at += 9 + h.length;
@@ -277,6 +278,34 @@ void TcpProxy::Pump(Link* link, bool downstream) {
       left -= static_cast<size_t>(sent);
     }
   }
+}
+
+RawServer::RawServer(std::string reply) {
+  fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t size = sizeof(address);
+  EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&address), size), 0);
+  EXPECT_EQ(listen(fd_, 4), 0);
+  EXPECT_EQ(getsockname(fd_, reinterpret_cast<sockaddr*>(&address), &size), 0);
+  port_ = ntohs(address.sin_port);
+  if (reply.empty()) return;
+  thread_ = std::thread([fd = fd_, reply = std::move(reply)] {
+    const int peer = accept(fd, nullptr, nullptr);
+    if (peer < 0) return;
+    char request[65536];
+    if (recv(peer, request, sizeof(request), 0) > 0) {
+      send(peer, reply.data(), reply.size(), MSG_NOSIGNAL);
+    }
+    close(peer);
+  });
+}
+
+RawServer::~RawServer() {
+  shutdown(fd_, SHUT_RDWR);
+  if (thread_.joinable()) thread_.join();
+  close(fd_);
 }
 
 }  // namespace mha::testing

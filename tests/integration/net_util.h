@@ -46,6 +46,24 @@ class RawConnection {
   int fd_ = -1;
 };
 
+// A one-connection TCP listener on 127.0.0.1 that answers whatever arrives first
+// with `reply` and then closes; with an empty `reply` it never even accepts, so a
+// client's connection is established by the kernel and then nothing ever answers.
+class RawServer {
+ public:
+  explicit RawServer(std::string reply);
+  ~RawServer();
+  RawServer(const RawServer&) = delete;
+  RawServer& operator=(const RawServer&) = delete;
+
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+  std::thread thread_;
+};
+
 // HTTP/2 pieces for hand-made gRPC requests (RFC 7540, HPACK literals without
 // Huffman coding, RFC 7541 6.2.2).
 std::string Http2Preface();  // client preface + an empty SETTINGS frame
