@@ -17,7 +17,9 @@ float RowMax(const float* s, int64_t n);
 float ExpSubSum(const float* s, float m, float* p, int64_t n);
 
 // Same, writing bfloat16 (round to nearest even) to p; the sum is of the f32 values.
-// s may be overwritten (the portable version's f32 exponentials go there).
+// Those are exp to 3e-6 relative (a shorter polynomial: a bfloat16 keeps 8 bits, so
+// p[j] is exp rounded to bfloat16 or, rarely, the neighbour of that). s may be
+// overwritten (the portable version's f32 exponentials go there).
 float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n);
 
 // The portable versions, for CPUs without AVX-512 and for the tests that hold the two
