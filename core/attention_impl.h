@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "core/attention.h"
 #include "core/kernels.h"
 #include "core/matmul.h"
@@ -72,12 +73,26 @@ class MultiHeadAttention::Impl {
   // positions in a rotary model. The queries of the heads_per_task_ (s) query heads
   // one task attends with are interleaved row by row, so that its rows are one dense
   // matrix: (B, h / s, Q, s, p); s = 1 (multi-head) is (B, h, Q, p).
+  // A head's full key blocks (ld keys from each multiple of key_block, within its
+  // kv_stride) copied once, by a oneDNN reorder, into the layout the block GEMMs'
+  // kernels read (what they choose for format_tag::any): K for the scores and, in a
+  // bf16 model, V for the context. Without this copy each task copies the block it
+  // reads again, inside the GEMM. Null where there are none (PreBlockKv).
+  struct BlockedKv {
+    const char* k = nullptr;  // (B, G, blocks) blocks of k_bytes
+    const char* v = nullptr;  // (B, G, blocks) blocks of v_bytes, or null
+    int64_t blocks = 0;       // full blocks per head
+    int64_t ld = 0;           // keys in a full block: key_block rounded up to kKeyPad
+    size_t k_bytes = 0, v_bytes = 0;
+    dnnl::memory::desc k_md, v_md;
+  };
   struct HeadMajor {
     const char* q;      // (B, h / s, Q, s, p)
     const char* k;      // (B, G, kv_stride, p)
     const char* v;      // (B, G, kv_stride, p)
     int64_t kv_rows;    // key rows projected per batch row (the largest key limit)
     int64_t kv_stride;  // rows per head: kv_rows rounded up to kKeyPad, the pad rows 0
+    BlockedKv blocked;
   };
   // Additive scoring's projections of every head's queries and keys, f32; both null
   // for dot-product scoring.
@@ -134,6 +149,9 @@ class MultiHeadAttention::Impl {
     const float* kt;
     int64_t kv_rows;
     const float* score_v;
+    // The key/value head's full key blocks, pre-blocked (BlockedKv), or null.
+    const BlockedKv* blocked = nullptr;
+    int64_t head_index = 0;  // b G + g: which head's blocks in `blocked`
   };
 
   // Forward's phases, in order.
@@ -159,6 +177,11 @@ class MultiHeadAttention::Impl {
                   int64_t g1) const;
   bool ProjectsIntoHeads(const AttentionInputs& in, int64_t kv_rows) const;
   void ProjectIntoHeads(const AttentionInputs& in, const HeadMajor& heads, Workspace& ws) const;
+  // heads.blocked for a dot-product call whose heads' full key blocks are each read by
+  // at least kMinBlockReaders tasks (ws.blocked); else none.
+  static constexpr int64_t kMinBlockReaders = 4;
+  absl::Status PreBlockKv(const AttentionInputs& in, HeadMajor& heads, int threads,
+                          Workspace& ws) const;
   // The attention tasks of a call, writing into ws.ctx (grown here).
   TaskInputs AttentionTasks(const AttentionInputs& in, const HeadMajor& heads,
                             const ScoringProjections& scoring, const KeyLimits& limits,
@@ -199,16 +222,26 @@ class MultiHeadAttention::Impl {
   Block BlockAt(const Task& task, int64_t j0, int64_t nk) const;
   // Whether a block of `rows` x `keys` runs in plain loops (f32, small) rather than oneDNN.
   bool InLoops(int64_t rows, int64_t keys) const;
+  // The block's keys (or values) pre-blocked by PreBlockKv, or null.
+  const char* PreBlocked(const Task& task, const Block& blk, bool values) const;
   void ScoreBlock(const Task& task, const Block& blk, dnnl::stream& stream,
                   TaskScratch& scratch) const;
   void SoftmaxBlock(const Task& task, const Block& blk, RowStats& stats,
                     TaskScratch& scratch) const;
   void ContextBlock(const Task& task, const Block& blk, dnnl::stream& stream,
                     TaskScratch& scratch) const;
-  // (mq, nk) f32 = q (mq, p) k^T / sqrt(p); all operands dense.
-  Matmul ScorePrimitive(int64_t mq, int64_t nk) const;
-  // o (mq, p) f32 (+)= P (mq, nk) v (nk, p).
-  Matmul ContextPrimitive(int64_t mq, int64_t nk, bool accumulate) const;
+  // (mq, nk) f32 = q (mq, p) k^T / sqrt(p); all operands dense, or (`blocked`) k^T in
+  // the layout the primitive chose (Matmul::weights).
+  Matmul ScorePrimitive(int64_t mq, int64_t nk, bool blocked = false) const;
+  // o (mq, p) f32 (+)= P (mq, nk) v (nk, p); v likewise.
+  Matmul ContextPrimitive(int64_t mq, int64_t nk, bool accumulate, bool blocked = false) const;
+  // The reorders from a block of a head's plain keys (as k^T) and values to
+  // BlockedKv's layouts; made once (a model's blocks are all of one size).
+  struct KvReorders {
+    dnnl::reorder k, v;  // v only in a bf16 model
+    dnnl::memory::desc k_src, k_dst, v_src, v_dst;
+  };
+  const KvReorders& BlockReorders() const;
 
   // ---- additive scoring (additive_scoring.cc) ----
   // A_q q and A_k k of every (batch row, head), once each.
@@ -318,6 +351,8 @@ class MultiHeadAttention::Impl {
   std::vector<char> score_q_, score_k_;
   std::vector<float> score_v_;
   mutable internal::MatmulCache attn_cache_;  // the block GEMMs' primitives
+  mutable absl::Mutex reorders_mu_;
+  mutable std::optional<KvReorders> kv_reorders_ ABSL_GUARDED_BY(reorders_mu_);
   // Grouped-query heads: h / G query heads share each key/value head. A dense task
   // attends with heads_per_task_ of them (a divisor of h / G, at most query_block
   // rows), a paged task with heads_per_paged_task_; both 1 for multi-head models.

@@ -88,22 +88,24 @@ const void* GatherPrefix(const void* x, int64_t batch, int64_t rows, int64_t wid
 
 }  // namespace
 
-Matmul MultiHeadAttention::Impl::ScorePrimitive(int64_t mq, int64_t nk) const {
+Matmul MultiHeadAttention::Impl::ScorePrimitive(int64_t mq, int64_t nk, bool blocked) const {
   const int64_t p = c_.head_size();
-  const MatmulCache::Key key{0, mq, nk, 0, PlanThreads()};
+  const MatmulCache::Key key{blocked ? 2 : 0, mq, nk, 0, PlanThreads()};
   if (auto prim = attn_cache_.Find(key)) return *prim;
   dnnl::primitive_attr attr;
   attr.set_output_scales(0, {1.0f / std::sqrt(static_cast<float>(p))});
-  return attn_cache_.Add(
-      key,
-      dnnl::matmul::desc(memory::desc({mq, p}, act_, {p, 1}), memory::desc({p, nk}, act_, {1, p}),
-                         memory::desc({mq, nk}, Dt::f32, {nk, 1})),
-      attr);
+  const memory::desc kt = blocked ? memory::desc({p, nk}, act_, memory::format_tag::any)
+                                  : memory::desc({p, nk}, act_, {1, p});
+  return attn_cache_.Add(key,
+                         dnnl::matmul::desc(memory::desc({mq, p}, act_, {p, 1}), kt,
+                                            memory::desc({mq, nk}, Dt::f32, {nk, 1})),
+                         attr);
 }
 
-Matmul MultiHeadAttention::Impl::ContextPrimitive(int64_t mq, int64_t nk, bool accumulate) const {
+Matmul MultiHeadAttention::Impl::ContextPrimitive(int64_t mq, int64_t nk, bool accumulate,
+                                                  bool blocked) const {
   const int64_t p = c_.head_size();
-  const MatmulCache::Key key{1, mq, nk, accumulate, PlanThreads()};
+  const MatmulCache::Key key{blocked ? 3 : 1, mq, nk, accumulate, PlanThreads()};
   if (auto prim = attn_cache_.Find(key)) return *prim;
   dnnl::primitive_attr attr;
   if (accumulate) {
@@ -111,11 +113,34 @@ Matmul MultiHeadAttention::Impl::ContextPrimitive(int64_t mq, int64_t nk, bool a
     ops.append_sum(1.0f);
     attr.set_post_ops(ops);
   }
-  return attn_cache_.Add(
-      key,
-      dnnl::matmul::desc(memory::desc({mq, nk}, act_, {nk, 1}), memory::desc({nk, p}, act_, {p, 1}),
-                         memory::desc({mq, p}, Dt::f32, {p, 1})),
-      attr);
+  const memory::desc v = blocked ? memory::desc({nk, p}, act_, memory::format_tag::any)
+                                 : memory::desc({nk, p}, act_, {p, 1});
+  return attn_cache_.Add(key,
+                         dnnl::matmul::desc(memory::desc({mq, nk}, act_, {nk, 1}), v,
+                                            memory::desc({mq, p}, Dt::f32, {p, 1})),
+                         attr);
+}
+
+const MultiHeadAttention::Impl::KvReorders& MultiHeadAttention::Impl::BlockReorders() const {
+  absl::MutexLock lock(&reorders_mu_);
+  if (!kv_reorders_) {
+    const int64_t p = c_.head_size(), ld = RoundUp(o_.key_block, kKeyPad);
+    const int64_t rows = RoundUp(o_.query_block, kQueryPad);
+    const internal::ThreadScope one(1);  // the layouts of the tasks' one-thread primitives
+    KvReorders r;
+    r.k_src = memory::desc({p, ld}, act_, {1, p});
+    r.k_dst = ScorePrimitive(rows, ld, /*blocked=*/true).weights;
+    r.k = dnnl::reorder(dnnl::reorder::primitive_desc(internal::CpuEngine(), r.k_src,
+                                                      internal::CpuEngine(), r.k_dst));
+    if (act_ == Dt::bf16) {
+      r.v_src = memory::desc({ld, p}, act_, {p, 1});
+      r.v_dst = ContextPrimitive(rows, ld, /*accumulate=*/false, /*blocked=*/true).weights;
+      r.v = dnnl::reorder(dnnl::reorder::primitive_desc(internal::CpuEngine(), r.v_src,
+                                                        internal::CpuEngine(), r.v_dst));
+    }
+    kv_reorders_ = std::move(r);
+  }
+  return *kv_reorders_;
 }
 
 MultiHeadAttention::Impl::Task MultiHeadAttention::Impl::TaskAt(const TaskInputs& inputs,
@@ -156,6 +181,8 @@ MultiHeadAttention::Impl::Task MultiHeadAttention::Impl::TaskAt(const TaskInputs
       .kt = additive ? sp.kt + (b * H + h) * pa * hm.kv_rows : nullptr,
       .kv_rows = hm.kv_rows,
       .score_v = additive ? score_v_.data() + h * pa : nullptr,
+      .blocked = hm.blocked.k != nullptr ? &hm.blocked : nullptr,
+      .head_index = b * c_.kv_heads() + g,
   };
 }
 
@@ -231,10 +258,28 @@ void MultiHeadAttention::Impl::ScoreBlock(const Task& task, const Block& blk, dn
   }
   Bindings& args = scratch.bindings;
   args.Bind(DNNL_ARG_SRC, blk.rows, p, p, false, act_, task.q);
+  args.Bind(DNNL_ARG_DST, blk.rows, blk.ld, blk.ld, false, Dt::f32, scratch.s.data());
+  if (const char* kb = PreBlocked(task, blk, /*values=*/false)) {
+    const Matmul prim = ScorePrimitive(blk.rows, blk.ld, /*blocked=*/true);
+    if (prim.weights == task.blocked->k_md) {
+      args.Bind(DNNL_ARG_WEIGHTS, prim.weights, kb);
+      return args.Execute(prim, stream);
+    }
+  }
   args.Bind(DNNL_ARG_WEIGHTS, p, blk.ld, p, /*transposed=*/true, act_,
             task.k + blk.j0 * p * SizeOf(act_));
-  args.Bind(DNNL_ARG_DST, blk.rows, blk.ld, blk.ld, false, Dt::f32, scratch.s.data());
   args.Execute(ScorePrimitive(blk.rows, blk.ld), stream);
+}
+
+const char* MultiHeadAttention::Impl::PreBlocked(const Task& task, const Block& blk,
+                                                 bool values) const {
+  const BlockedKv* kv = task.blocked;
+  if (kv == nullptr || blk.loops || blk.ld != kv->ld || blk.j0 % o_.key_block != 0) return nullptr;
+  const int64_t m = blk.j0 / o_.key_block;
+  if (m >= kv->blocks) return nullptr;
+  const int64_t i = task.head_index * kv->blocks + m;
+  if (values) return kv->v == nullptr ? nullptr : kv->v + i * kv->v_bytes;
+  return kv->k + i * kv->k_bytes;
 }
 
 // Scores become unnormalised probabilities (in scratch.s, and scratch.p for bf16),
@@ -286,8 +331,15 @@ void MultiHeadAttention::Impl::ContextBlock(const Task& task, const Block& blk,
       act_ == Dt::bf16 ? static_cast<const void*>(scratch.p.data()) : scratch.s.data();
   Bindings& args = scratch.bindings;
   args.Bind(DNNL_ARG_SRC, blk.rows, blk.ld, blk.ld, false, act_, probs);
-  args.Bind(DNNL_ARG_WEIGHTS, blk.ld, p, p, false, act_, task.v + blk.j0 * p * SizeOf(act_));
   args.Bind(DNNL_ARG_DST, blk.rows, p, p, false, Dt::f32, scratch.o.data());
+  if (const char* vb = PreBlocked(task, blk, /*values=*/true)) {
+    const Matmul prim = ContextPrimitive(blk.rows, blk.ld, blk.j0 > 0, /*blocked=*/true);
+    if (prim.weights == task.blocked->v_md) {
+      args.Bind(DNNL_ARG_WEIGHTS, prim.weights, vb);
+      return args.Execute(prim, stream);
+    }
+  }
+  args.Bind(DNNL_ARG_WEIGHTS, blk.ld, p, p, false, act_, task.v + blk.j0 * p * SizeOf(act_));
   args.Execute(ContextPrimitive(blk.rows, blk.ld, /*accumulate=*/blk.j0 > 0), stream);
 }
 
@@ -459,6 +511,52 @@ void MultiHeadAttention::Impl::ProjectIntoHeads(const AttentionInputs& in, const
                     act_);
 }
 
+absl::Status MultiHeadAttention::Impl::PreBlockKv(const AttentionInputs& in, HeadMajor& heads,
+                                                  int threads, Workspace& ws) const {
+  const int64_t G = c_.kv_heads(), p = c_.head_size(), kb = o_.key_block;
+  const int64_t ld = RoundUp(kb, kKeyPad);
+  int64_t blocks = 0;  // full blocks: [m kb, m kb + ld) within the head's kv_stride rows
+  while (blocks * kb < heads.kv_rows && blocks * kb + ld <= heads.kv_stride) ++blocks;
+  const int64_t per_block = o_.query_block / heads_per_task_;  // as AttentionTasks
+  const int64_t readers =
+      (in.num_queries + per_block - 1) / per_block * (c_.num_heads / G / heads_per_task_);
+  if (c_.scoring != Scoring::kDotProduct || blocks == 0 || readers < kMinBlockReaders) {
+    return absl::OkStatus();
+  }
+  const KvReorders& r = BlockReorders();
+  // Only layouts without padding: binding a padded one (set_data_handle) writes zeros
+  // into its padding, which tasks on other threads would be reading.
+  if (r.k_dst.get_size() != r.k_src.get_size()) return absl::OkStatus();
+  BlockedKv& kv = heads.blocked;
+  const int64_t n = in.batch * G * blocks;
+  kv.blocks = blocks;
+  kv.ld = ld;
+  kv.k_md = r.k_dst;
+  kv.k_bytes = r.k_dst.get_size();
+  const bool values = act_ == Dt::bf16 && r.v_dst.get_size() == r.v_src.get_size();
+  if (values) {
+    kv.v_md = r.v_dst;
+    kv.v_bytes = r.v_dst.get_size();
+  }
+  Grow(ws.blocked, n * (kv.k_bytes + kv.v_bytes));
+  char* const kdst = ws.blocked.data();
+  char* const vdst = kdst + n * kv.k_bytes;
+  kv.k = kdst;
+  kv.v = values ? vdst : nullptr;
+  const size_t row_bytes = p * SizeOf(act_);
+  return internal::RunTasks(
+      values ? 2 * n : n, threads, ws, [&](int64_t t, dnnl::stream& stream, TaskScratch&) {
+        const bool v = t >= n;
+        const int64_t i = v ? t - n : t;  // block i % blocks of head (b G + g) = i / blocks
+        const char* src = (v ? heads.v : heads.k) +
+                          ((i / blocks) * heads.kv_stride + (i % blocks) * kb) * row_bytes;
+        memory from(v ? r.v_src : r.k_src, internal::CpuEngine(), const_cast<char*>(src));
+        memory to(v ? r.v_dst : r.k_dst, internal::CpuEngine(),
+                  v ? vdst + i * kv.v_bytes : kdst + i * kv.k_bytes);
+        (v ? r.v : r.k).execute(stream, from, to);
+      });
+}
+
 // Fills `heads` from the row-major projections; a rotary model's queries and keys are
 // rotated to their positions on the way (key j at j, query i at K - Q + i).
 void MultiHeadAttention::Impl::RepackHeadMajor(const AttentionInputs& in, const Projections& proj,
@@ -600,7 +698,7 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
     return ForwardOneRegion(in, limits, output, attention, lse, threads, ws);
   }
   if (!ws.stream) ws.stream.emplace(internal::CpuEngine());
-  const HeadMajor heads = LayOutHeads(in, limits.kv_rows, ws);
+  HeadMajor heads = LayOutHeads(in, limits.kv_rows, ws);
   if (ProjectsIntoHeads(in, limits.kv_rows)) {
     ProjectIntoHeads(in, heads, ws);
   } else {
@@ -610,6 +708,7 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
   if (c_.scoring == Scoring::kAdditive) {
     MHA_RETURN_IF_ERROR(ProjectScoring(in, heads, threads, ws, scoring));
   }
+  MHA_RETURN_IF_ERROR(PreBlockKv(in, heads, threads, ws));
   MHA_RETURN_IF_ERROR(RunAttentionTasks(in, heads, scoring, limits, attention, lse, threads, ws));
   ProjectOutput(in, output, ws);
   ws.stream->wait();
@@ -735,21 +834,32 @@ int MultiHeadAttention::Impl::Prepare(int64_t max_rows, int64_t max_keys, Thread
   const int64_t row_top = RoundUp(o_.query_block, kQueryPad);
   const int64_t key_top = RoundUp(std::min(o_.key_block, max_keys), kKeyPad);
   const bool accumulate = max_keys > o_.key_block;
-  std::vector<std::array<int64_t, 3>> blocks;  // kind (0 score, 1 context, 2 context +=)
+  // kind: 0 score, 1 context, 2 context +=; 3-5 the same reading PreBlockKv's blocks.
+  std::vector<std::array<int64_t, 3>> blocks;
+  const int64_t full = RoundUp(o_.key_block, kKeyPad);  // PreBlockKv's blocks
+  const bool dot = c_.scoring == Scoring::kDotProduct;
+  const bool pre_blocks = dot && max_keys >= full;
   for (int64_t rows = kQueryPad; rows <= row_top; rows += kQueryPad) {
     for (int64_t ld = kKeyPad; ld <= key_top; ld += kKeyPad) {
       if (InLoops(rows, ld)) continue;  // every block of this size or less
-      if (c_.scoring == Scoring::kDotProduct) blocks.push_back({0, rows, ld});
+      if (dot) blocks.push_back({0, rows, ld});
       blocks.push_back({1, rows, ld});
       if (accumulate) blocks.push_back({2, rows, ld});
+    }
+    if (pre_blocks && !InLoops(rows, full)) {
+      blocks.push_back({3, rows, full});
+      if (act_ == Dt::bf16) blocks.push_back({4, rows, full});
+      if (act_ == Dt::bf16 && accumulate) blocks.push_back({5, rows, full});
     }
   }
   const int64_t before = internal::MatmulsMade();
   auto make = [&](const std::array<int64_t, 3>& b) {
-    if (b[0] == 0) {
-      ScorePrimitive(b[1], b[2]);
+    const bool blocked = b[0] >= 3;
+    const int64_t kind = b[0] % 3;
+    if (kind == 0) {
+      ScorePrimitive(b[1], b[2], blocked);
     } else {
-      ContextPrimitive(b[1], b[2], b[0] == 2);
+      ContextPrimitive(b[1], b[2], kind == 2, blocked);
     }
   };
   if (most > 1) {
@@ -760,6 +870,7 @@ int MultiHeadAttention::Impl::Prepare(int64_t max_rows, int64_t max_keys, Thread
     const internal::ThreadScope scope(1);
     for (const auto& b : blocks) make(b);
   }
+  if (pre_blocks) BlockReorders();
   return built + static_cast<int>(internal::MatmulsMade() - before);
 }
 

@@ -35,9 +35,10 @@ constexpr float kLn2Lo = -2.12194440e-4f;
 constexpr float kExpTaylor[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24,
                                 1.0f / 6,    0.5f,       1.0f,       1.0f};
 // For exponentials rounded to bfloat16 (8 significant bits, a half ulp of 2e-3 or
-// more), four multiply-adds fewer: ln 2 in one float (an error in r of at most
-// 126 x 2e-9) and a degree-4 polynomial fitted to exp's relative error on
-// [-ln2/2, ln2/2] (at most 2.7e-6 evaluated in float).
+// more), up to four multiply-adds fewer: a degree-4 polynomial fitted to exp's
+// relative error on [-ln2/2, ln2/2] (at most 2.7e-6 evaluated in float), and in
+// ExpNonPositive16 ln 2 in one float, by one fused multiply-add (an error in r of at
+// most 126 x 2e-9).
 constexpr float kLn2 = 0.693147182f;
 constexpr float kExpBf16Poly[] = {0.0414584018f, 0.167910308f, 0.500043690f, 0.999963343f,
                                   0.999999285f};
@@ -58,7 +59,9 @@ inline float ExpNonPositive(float x) {
   const bool nan = x != x;
   x = x > kExpFloor ? x : kExpFloor;  // NaN compares false: the floor
   const float n = (x * kLog2e + kRound) - kRound;
-  const float r = kBf16 ? x - n * kLn2 : (x - n * kLn2Hi) - n * kLn2Lo;
+  // Both parts of ln 2 here, for kBf16 too: without a fused multiply-add (which this
+  // loop does not ask for), n ln 2 rounded to float is off by up to 4e-6 at n = -126.
+  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
   const auto& poly = ExpPoly<kBf16>();
   float p = poly[0];
   for (size_t i = 1; i < std::size(poly); ++i) p = p * r + poly[i];

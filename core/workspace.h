@@ -95,6 +95,7 @@ struct Workspace {
   std::vector<char> prefix_k, prefix_v;  // key/value rows some query sees, gathered
   std::vector<char> proj, kv;            // projections, row-major
   std::vector<char> heads;               // Q, K, V head-major
+  std::vector<char> blocked;             // full key blocks in the GEMMs' layouts
   std::vector<char> ctx;                 // concatenated heads, f32 (B*Q, p_o)
   std::vector<float> qa, kt;             // additive scoring's projections
   std::vector<TaskScratch> scratch;      // one per OpenMP thread

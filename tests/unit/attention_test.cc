@@ -251,6 +251,39 @@ TEST(AttentionTest, EveryMaskCombinationMatchesReference) {
   }
 }
 
+// Calls whose heads' full key blocks are read by several tasks copy them once into
+// the block GEMMs' layouts (PreBlockKv: K, and V in bf16): blocks of 64 keys, 5 query
+// blocks of 16 reading each, the last key block partly pad rows, every mask kind,
+// causal or not, f32 and bf16 (gqa_rope_test.cc has a grouped-query case).
+TEST(AttentionTest, PreBlockedKeysAndValuesMatchReference) {
+  for (const Precision precision : {Precision::kF32, Precision::kBf16}) {
+    for (int mask_kind = 0; mask_kind < 3; ++mask_kind) {
+      for (bool causal : {false, true}) {
+        for (bool self_attention : {false, true}) {
+          Case c;
+          c.config = {.num_hiddens = 128,
+                      .num_heads = 2,
+                      .query_size = 24,
+                      .key_size = 20,
+                      .value_size = 12,
+                      .bias = true,
+                      .precision = precision};
+          if (self_attention) c.config.key_size = c.config.value_size = c.config.query_size;
+          c.options = {.query_block = 16, .key_block = 64};
+          c.batch = 2;
+          c.num_queries = 70;
+          c.num_keys = self_attention ? 70 : 101;
+          c.self_attention = self_attention;
+          c.mask_kind = mask_kind;
+          c.causal = causal;
+          CheckAgainstReference(c, 311,
+                                precision == Precision::kF32 ? kF32Tolerance : kBf16Tolerance);
+        }
+      }
+    }
+  }
+}
+
 // A call whose rows x max(Q, K) x p_o passes 2^20 elements runs as slices of batch rows
 // (core/attention.cc, kSliceElements): here 5 rows of 2900 keys x 128 run as 2 + 2 + 1.
 // Every input, mask kind and the returned weights must be sliced at the right offsets.
@@ -591,6 +624,7 @@ TEST(AttentionTest, PreparedModelBuildsNoPrimitivesForNewShapes) {
         {4, 8, 0, {4, 3, 4, 1}},         // self, short prefixes gathered into one GEMM
         {2, 16, 12, {4, 8}},             // cross, the same
         {1, 16, 0, {}},                  // self, small: one region on two threads
+        {1, 512, 0, {}},                 // 4 query blocks read the key block: PreBlockKv
     };
     std::mt19937_64 rng(17);
     for (const Shape& shape : shapes) {
