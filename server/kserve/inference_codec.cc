@@ -154,25 +154,93 @@ absl::Status CheckDatatype(Input which, const InputTensor& input, const std::str
       absl::StrCat(field, ": expected datatype FP32, FP16 or BF16, got ", Abbreviate(type)));
 }
 
-// Names, datatypes, counts and where each input's values are.
-absl::StatusOr<Parsed> ParseInputs(const ModelInferRequest& request) {
-  Parsed parsed;
-  const bool raw = request.raw_input_contents_size() > 0;
+// raw_input_contents: none, or one entry per input not in shared memory.
+absl::Status CheckRawCount(const ModelInferRequest& request) {
+  if (request.raw_input_contents_size() == 0) return absl::OkStatus();
   int inline_inputs = 0;  // raw_input_contents is indexed over these only
   for (const InputTensor& input : request.inputs()) {
     if (!NamesSharedMemory(input.parameters())) ++inline_inputs;
   }
-  if (raw && request.raw_input_contents_size() != inline_inputs) {
-    if (inline_inputs == request.inputs_size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "raw_input_contents: ", request.raw_input_contents_size(), " entries for ",
-          request.inputs_size(), " inputs; give one per input, in the order of inputs"));
-    }
-    return absl::InvalidArgumentError(absl::StrCat(
-        "raw_input_contents: ", request.raw_input_contents_size(), " entries for ", inline_inputs,
-        " inputs not in shared memory; give one per such input, in the order of "
-        "inputs (shared-memory inputs have none)"));
+  if (request.raw_input_contents_size() == inline_inputs) return absl::OkStatus();
+  if (inline_inputs == request.inputs_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("raw_input_contents: ", request.raw_input_contents_size(), " entries for ",
+                     request.inputs_size(), " inputs; give one per input, in the order of inputs"));
   }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "raw_input_contents: ", request.raw_input_contents_size(), " entries for ", inline_inputs,
+      " inputs not in shared memory; give one per such input, in the order of "
+      "inputs (shared-memory inputs have none)"));
+}
+
+// Typed contents (no raw_input_contents): `elements` values in the datatype's field.
+absl::Status CheckContents(const InputTensor& input, const std::string& field, int64_t elements) {
+  const inference::InferTensorContents& c = input.contents();
+  const std::string& type = input.datatype();
+  int64_t given = 0;
+  if (type == "FP32") {
+    given = c.fp32_contents_size();
+  } else if (type == "INT32") {
+    given = c.int_contents_size();
+  } else if (type == "INT64") {
+    given = c.int64_contents_size();
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", type,
+                     " values must come in raw_input_contents (typed contents have "
+                     "no 16-bit field)"));
+  }
+  if (given != elements) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": shape ", ShapeString(input.shape()),
+                                                   " needs ", elements, " values, contents has ",
+                                                   given));
+  }
+  return absl::OkStatus();
+}
+
+// Where inputs[i] (input w, of `elements` values) has its values: a shared-memory
+// region, the next raw_input_contents entry (*raw_index), or its typed contents.
+absl::Status LocateValues(const ModelInferRequest& request, int i, int w, const std::string& field,
+                          int64_t elements, int* raw_index, Parsed& parsed) {
+  const InputTensor& input = request.inputs(i);
+  MHA_ASSIGN_OR_RETURN(std::optional<SharedMemoryRef> shm,
+                       ParseSharedMemory(input.parameters(), field));
+  if (shm.has_value()) {
+    if (input.has_contents()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": has contents and parameters.shared_memory_region; use one or the other"));
+    }
+    const uint64_t bytes =
+        static_cast<uint64_t>(elements) * static_cast<uint64_t>(ElementBytes(input.datatype()));
+    if (shm->byte_size != bytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".parameters.", kByteSize, ": shape ", ShapeString(input.shape()),
+                       " of ", input.datatype(), " is ", bytes, " bytes, got ", shm->byte_size));
+    }
+    parsed.shm[w] = *std::move(shm);
+    return absl::OkStatus();
+  }
+  if (request.raw_input_contents_size() == 0) return CheckContents(input, field, elements);
+  if (input.has_contents()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": has contents while raw_input_contents is set; use one or the other"));
+  }
+  const int64_t bytes = elements * ElementBytes(input.datatype());
+  const int entry = (*raw_index)++;
+  const std::string& data = request.raw_input_contents(entry);
+  if (static_cast<int64_t>(data.size()) != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": shape ", ShapeString(input.shape()), " of ", input.datatype(), " needs ", bytes,
+        " bytes, raw_input_contents[", entry, "] has ", data.size()));
+  }
+  parsed.raw[w] = data.data();
+  return absl::OkStatus();
+}
+
+// Names, datatypes, counts and where each input's values are.
+absl::StatusOr<Parsed> ParseInputs(const ModelInferRequest& request) {
+  Parsed parsed;
+  MHA_RETURN_IF_ERROR(CheckRawCount(request));
   int raw_index = 0;
   for (int i = 0; i < request.inputs_size(); ++i) {
     const InputTensor& input = request.inputs(i);
@@ -191,57 +259,7 @@ absl::StatusOr<Parsed> ParseInputs(const ModelInferRequest& request) {
     }
     MHA_RETURN_IF_ERROR(CheckDatatype(*which, input, field));
     MHA_ASSIGN_OR_RETURN(const int64_t elements, CountElements(input, field));
-    MHA_ASSIGN_OR_RETURN(std::optional<SharedMemoryRef> shm,
-                         ParseSharedMemory(input.parameters(), field));
-    if (shm.has_value()) {
-      if (input.has_contents()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            field, ": has contents and parameters.shared_memory_region; use one or the other"));
-      }
-      const uint64_t bytes =
-          static_cast<uint64_t>(elements) * static_cast<uint64_t>(ElementBytes(input.datatype()));
-      if (shm->byte_size != bytes) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(field, ".parameters.", kByteSize, ": shape ", ShapeString(input.shape()),
-                         " of ", input.datatype(), " is ", bytes, " bytes, got ", shm->byte_size));
-      }
-      parsed.shm[w] = *std::move(shm);
-    } else if (raw) {
-      if (input.has_contents()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            field, ": has contents while raw_input_contents is set; use one or the other"));
-      }
-      const int64_t bytes = elements * ElementBytes(input.datatype());
-      const int entry = raw_index++;
-      const std::string& data = request.raw_input_contents(entry);
-      if (static_cast<int64_t>(data.size()) != bytes) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            field, ": shape ", ShapeString(input.shape()), " of ", input.datatype(), " needs ",
-            bytes, " bytes, raw_input_contents[", entry, "] has ", data.size()));
-      }
-      parsed.raw[w] = data.data();
-    } else {
-      const inference::InferTensorContents& c = input.contents();
-      const std::string& type = input.datatype();
-      int64_t given = 0;
-      if (type == "FP32") {
-        given = c.fp32_contents_size();
-      } else if (type == "INT32") {
-        given = c.int_contents_size();
-      } else if (type == "INT64") {
-        given = c.int64_contents_size();
-      } else {
-        return absl::InvalidArgumentError(
-            absl::StrCat(field, ": ", type,
-                         " values must come in raw_input_contents (typed contents have "
-                         "no 16-bit field)"));
-      }
-      if (given != elements) {
-        return absl::InvalidArgumentError(absl::StrCat(field, ": shape ",
-                                                       ShapeString(input.shape()), " needs ",
-                                                       elements, " values, contents has ", given));
-      }
-    }
+    MHA_RETURN_IF_ERROR(LocateValues(request, i, w, field, elements, &raw_index, parsed));
     parsed.tensor[w] = &input;
     parsed.index[w] = i;
     parsed.elements[w] = elements;
@@ -364,12 +382,11 @@ absl::Status DecodeOutputs(const ModelInferRequest& request, InferDecoded* decod
     MHA_ASSIGN_OR_RETURN(std::optional<SharedMemoryRef> shm,
                          ParseSharedMemory(request.outputs(i).parameters(), field));
     if (shm.has_value()) {
-      decoded->shared_memory_outputs.push_back(
-          SharedMemoryOutput{.name = name,
-                             .field = field,
-                             .region = std::move(shm->region),
-                             .offset = shm->offset,
-                             .byte_size = shm->byte_size});
+      decoded->shared_memory_outputs.push_back(SharedMemoryOutput{.name = name,
+                                                                  .field = field,
+                                                                  .region = std::move(shm->region),
+                                                                  .offset = shm->offset,
+                                                                  .byte_size = shm->byte_size});
     }
   }
   if (!want_output) decoded->order.push_back("output");
@@ -558,7 +575,7 @@ absl::StatusOr<ValidatedRequest> DecodeInferRequest(const ModelInferRequest& req
   }
   MHA_RETURN_IF_ERROR(CheckRequestBytes(request_bytes, model));
   std::vector<const SharedMemoryRegion*> intact;  // each region's file checked once
-  for (int w = 0; w < kNumInputs; ++w) {  // read in place, as raw
+  for (int w = 0; w < kNumInputs; ++w) {          // read in place, as raw
     if (!parsed.shm[w].has_value()) continue;
     SharedMemoryRef& ref = *parsed.shm[w];
     std::string field = Field(parsed.index[w], kInputNames[w]);

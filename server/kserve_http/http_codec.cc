@@ -610,6 +610,72 @@ bool SendsBinary(const ModelInferRequest& request, const std::string& output) {
   return IsTrue(request.parameters(), "binary_data_output");
 }
 
+// The JSON "data" of output i (`name`): its `elements` values, each finite.
+absl::StatusOr<OrderedJson> DataJson(const DataType& type, const std::string& raw, int64_t elements,
+                                     int i, const std::string& name) {
+  OrderedJson data = OrderedJson::array();
+  data.get_ref<OrderedJson::array_t&>().reserve(elements);
+  for (int64_t e = 0; e < elements; ++e) {
+    OrderedJson value = Element(type, raw.data() + e * type.size);
+    // nlohmann would write Inf and NaN as null, which reads back as no value.
+    if (value.is_number_float() && !std::isfinite(value.get<double>())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "outputs[", i, "] (", Quote(name), "): element ", e, " is ", value.get<double>(),
+          ", which JSON cannot carry; ask for this output as binary data "
+          "(parameters.binary_data: true)"));
+    }
+    data.push_back(std::move(value));
+  }
+  return data;
+}
+
+// Response output i's entry in "outputs"; *binary: whether its bytes go after the
+// JSON instead of in it.
+absl::StatusOr<OrderedJson> OutputJson(const ModelInferRequest& request,
+                                       const ModelInferResponse& response, int i, bool* binary) {
+  const ModelInferResponse::InferOutputTensor& output = response.outputs(i);
+  const std::string& raw = response.raw_output_contents(i);
+  const std::string label = absl::StrCat("response outputs[", i, "] (", Quote(output.name()), ")");
+  const DataType* type = FindDataType(output.datatype());
+  if (type == nullptr) {
+    return absl::InternalError(
+        absl::StrCat(label, ": datatype ", Quote(output.datatype()), " has no HTTP encoding"));
+  }
+  const absl::Span<const int64_t> shape(output.shape().data(), output.shape_size());
+  OrderedJson entry = OrderedJson::object();
+  entry["name"] = output.name();
+  entry["datatype"] = output.datatype();
+  entry["shape"] = std::vector<int64_t>(shape.begin(), shape.end());
+  *binary = false;
+  if (output.parameters().contains("shared_memory_region")) {
+    // Written into the client's region (Triton's system shared memory): the entry
+    // has no data and no parameters, as Triton writes it (tritonclient's C++ HTTP
+    // client reads "parameters" as binary data and needs its binary_data_size);
+    // its raw_output_contents entry is empty.
+    if (!raw.empty()) {
+      return absl::InternalError(absl::StrCat(label, ": a shared-memory output with ", raw.size(),
+                                              " bytes of raw_output_contents"));
+    }
+    return entry;
+  }
+  const bool dims_ok = std::all_of(shape.begin(), shape.end(), [](int64_t d) { return d >= 0; });
+  const auto size = dims_ok ? Size(shape, type->size) : std::nullopt;
+  if (!size.has_value() || size->second != static_cast<int64_t>(raw.size())) {
+    return absl::InternalError(absl::StrCat(label, ": ", raw.size(), " bytes for shape ",
+                                            ShapeString(shape), " of ", type->name));
+  }
+  OrderedJson parameters = ParametersJson(output.parameters());
+  *binary = SendsBinary(request, output.name());
+  if (*binary) parameters["binary_data_size"] = raw.size();
+  if (!parameters.empty()) entry["parameters"] = std::move(parameters);
+  if (!*binary) {
+    absl::StatusOr<OrderedJson> data = DataJson(*type, raw, size->first, i, output.name());
+    if (!data.ok()) return data.status();
+    entry["data"] = *std::move(data);
+  }
+  return entry;
+}
+
 // The body; with `split`, binary outputs are listed in binary_outputs instead of
 // appended.
 absl::StatusOr<HttpBody> Encode(const ModelInferRequest& request,
@@ -627,67 +693,11 @@ absl::StatusOr<HttpBody> Encode(const ModelInferRequest& request,
   OrderedJson outputs = OrderedJson::array();
   std::vector<int> binary_outputs;
   for (int i = 0; i < response.outputs_size(); ++i) {
-    const ModelInferResponse::InferOutputTensor& output = response.outputs(i);
-    const std::string& raw = response.raw_output_contents(i);
-    const std::string label =
-        absl::StrCat("response outputs[", i, "] (", Quote(output.name()), ")");
-    const DataType* type = FindDataType(output.datatype());
-    if (type == nullptr) {
-      return absl::InternalError(
-          absl::StrCat(label, ": datatype ", Quote(output.datatype()), " has no HTTP encoding"));
-    }
-    const absl::Span<const int64_t> shape(output.shape().data(), output.shape_size());
-    if (output.parameters().contains("shared_memory_region")) {
-      // Written into the client's region (Triton's system shared memory): the entry
-      // has no data and no parameters, as Triton writes it (tritonclient's C++ HTTP
-      // client reads "parameters" as binary data and needs its binary_data_size);
-      // its raw_output_contents entry is empty.
-      if (!raw.empty()) {
-        return absl::InternalError(absl::StrCat(label, ": a shared-memory output with ", raw.size(),
-                                                " bytes of raw_output_contents"));
-      }
-      OrderedJson entry = OrderedJson::object();
-      entry["name"] = output.name();
-      entry["datatype"] = output.datatype();
-      entry["shape"] = std::vector<int64_t>(shape.begin(), shape.end());
-      outputs.push_back(std::move(entry));
-      continue;
-    }
-    const bool dims_ok = std::all_of(shape.begin(), shape.end(), [](int64_t d) { return d >= 0; });
-    const auto size = dims_ok ? Size(shape, type->size) : std::nullopt;
-    if (!size.has_value() || size->second != static_cast<int64_t>(raw.size())) {
-      return absl::InternalError(absl::StrCat(label, ": ", raw.size(), " bytes for shape ",
-                                              ShapeString(shape), " of ", type->name));
-    }
-    OrderedJson entry = OrderedJson::object();
-    entry["name"] = output.name();
-    entry["datatype"] = output.datatype();
-    entry["shape"] = std::vector<int64_t>(shape.begin(), shape.end());
-    OrderedJson parameters = ParametersJson(output.parameters());
-    const bool send_binary = SendsBinary(request, output.name());
-    if (send_binary) {
-      parameters["binary_data_size"] = raw.size();
-      binary_outputs.push_back(i);
-    }
-    if (!parameters.empty()) entry["parameters"] = std::move(parameters);
-    if (!send_binary) {
-      OrderedJson data = OrderedJson::array();
-      data.get_ref<OrderedJson::array_t&>().reserve(size->first);
-      for (int64_t e = 0; e < size->first; ++e) {
-        OrderedJson value = Element(*type, raw.data() + e * type->size);
-        // nlohmann would write Inf and NaN as null, which reads back as no value.
-        if (value.is_number_float() && !std::isfinite(value.get<double>())) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("outputs[", i, "] (", Quote(output.name()), "): element ", e, " is ",
-                           value.get<double>(),
-                           ", which JSON cannot carry; ask for this output as binary data "
-                           "(parameters.binary_data: true)"));
-        }
-        data.push_back(std::move(value));
-      }
-      entry["data"] = std::move(data);
-    }
-    outputs.push_back(std::move(entry));
+    bool binary = false;
+    absl::StatusOr<OrderedJson> entry = OutputJson(request, response, i, &binary);
+    if (!entry.ok()) return entry.status();
+    if (binary) binary_outputs.push_back(i);
+    outputs.push_back(*std::move(entry));
   }
   root["outputs"] = std::move(outputs);
 
@@ -706,7 +716,6 @@ absl::StatusOr<HttpBody> Encode(const ModelInferRequest& request,
   }
   return out;
 }
-
 
 // --- The fast path: binary requests and responses of the common form ---
 // A binary request's JSON head is a few hundred bytes of a fixed form, and building
@@ -837,8 +846,7 @@ bool IsBoolIfPresent(const ParameterMap& parameters, const std::string& name) {
   return it == parameters.end() || it->second.has_bool_param();
 }
 
-bool ScanInput(HeadScanner& s, ModelInferRequest::InferInputTensor* tensor,
-               int64_t* binary_size) {
+bool ScanInput(HeadScanner& s, ModelInferRequest::InferInputTensor* tensor, int64_t* binary_size) {
   bool name = false, datatype = false, shape = false, parameters = false;
   const bool read = ScanObject(s, [&](absl::string_view key) {
     if (key == "name" && Once(&name)) {
@@ -937,8 +945,8 @@ std::optional<ModelInferRequest> ParseFast(absl::string_view model_name,
     const ModelInferRequest::InferInputTensor& tensor = request.inputs(i);
     const DataType* type = FindDataType(tensor.datatype());
     if (type == nullptr) return std::nullopt;
-    const auto size = Size(absl::MakeConstSpan(tensor.shape().data(), tensor.shape_size()),
-                           type->size);
+    const auto size =
+        Size(absl::MakeConstSpan(tensor.shape().data(), tensor.shape_size()), type->size);
     if (!size.has_value() || size->second != binary_sizes[i]) return std::nullopt;
     claimed += static_cast<uint64_t>(size->second);
     if (claimed > binary.bytes.size()) return std::nullopt;
@@ -988,10 +996,9 @@ std::optional<HttpBody> EncodeFast(const ModelInferRequest& request,
         !SendsBinary(request, output.name())) {
       return std::nullopt;
     }
-    absl::StrAppend(&body, i == 0 ? "" : ",", "{\"name\":\"", output.name(),
-                    "\",\"datatype\":\"", output.datatype(), "\",\"shape\":[",
-                    absl::StrJoin(shape, ","), "],\"parameters\":{\"binary_data_size\":",
-                    raw.size(), "}}");
+    absl::StrAppend(&body, i == 0 ? "" : ",", "{\"name\":\"", output.name(), "\",\"datatype\":\"",
+                    output.datatype(), "\",\"shape\":[", absl::StrJoin(shape, ","),
+                    "],\"parameters\":{\"binary_data_size\":", raw.size(), "}}");
   }
   body += "]}";
   out.header_length = static_cast<int64_t>(body.size());
@@ -1086,8 +1093,7 @@ absl::StatusOr<ModelInferRequest> ParseGeneral(absl::string_view model_name,
 }
 
 std::optional<ModelInferRequest> ParseFast(absl::string_view model_name,
-                                           absl::string_view model_version,
-                                           absl::string_view body,
+                                           absl::string_view model_version, absl::string_view body,
                                            std::optional<int64_t> header_length) {
   return ::mha::server::ParseFast(model_name, model_version, body, header_length, nullptr);
 }

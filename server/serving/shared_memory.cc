@@ -16,6 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "base/status_macros.h"
 #include "server/serving/abbreviate.h"
 
 namespace mha::server {
@@ -238,8 +239,11 @@ absl::Status SharedMemoryRegion::Write(uint64_t offset, const void* data, uint64
   return CheckNoFaultSince(seen);
 }
 
-absl::Status SharedMemoryRegistry::Register(const RegionSpec& spec, bool peer_is_loopback) {
-  if (!peer_is_loopback && !options_.allow_remote) {
+namespace {
+
+// What Register checks of a spec before it looks at the registry or the file.
+absl::Status CheckSpec(const RegionSpec& spec, bool peer_is_loopback, bool allow_remote) {
+  if (!peer_is_loopback && !allow_remote) {
     return absl::PermissionDeniedError(absl::StrCat(
         "shared memory region ", Quoted(spec.name),
         ": register from a peer that is not on this host; a region is a file of this host's "
@@ -258,6 +262,50 @@ absl::Status SharedMemoryRegistry::Register(const RegionSpec& spec, bool peer_is
     return absl::InvalidArgumentError(
         absl::StrCat("shared memory region ", Quoted(spec.name), ": byte_size: expected >= 1"));
   }
+  return absl::OkStatus();
+}
+
+// The spec's file, open read-write: a regular file of the server's uid that holds
+// [offset, offset + byte_size).
+struct OpenedFile {
+  int fd;
+  struct stat st;
+};
+absl::StatusOr<OpenedFile> OpenRegionFile(const RegionSpec& spec) {
+  const int fd = shm_open(spec.key.c_str(), O_RDWR, 0);
+  if (fd < 0) {
+    const int error = errno;
+    return absl::InvalidArgumentError(absl::StrCat("shared memory region ", Quoted(spec.name),
+                                                   ": key ", Quoted(spec.key),
+                                                   ": cannot open it: ", Errno(error)));
+  }
+  struct stat st {};
+  absl::Status refused;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    refused = absl::InvalidArgumentError(absl::StrCat("shared memory region ", Quoted(spec.name),
+                                                      ": key ", Quoted(spec.key),
+                                                      ": not a shared-memory file"));
+  } else if (st.st_uid != geteuid()) {
+    refused = absl::PermissionDeniedError(
+        absl::StrCat("shared memory region ", Quoted(spec.name), ": key ", Quoted(spec.key),
+                     ": owned by uid ", st.st_uid, ", not the server's uid ", geteuid(),
+                     "; create it as the server's user (mode 0600)"));
+  } else if (!RangeFits(spec.offset, spec.byte_size, static_cast<uint64_t>(st.st_size))) {
+    refused = absl::InvalidArgumentError(absl::StrCat(
+        "shared memory region ", Quoted(spec.name), ": offset ", spec.offset, " + byte_size ",
+        spec.byte_size, " is beyond the ", st.st_size, " bytes of key ", Quoted(spec.key)));
+  }
+  if (!refused.ok()) {
+    close(fd);
+    return refused;
+  }
+  return OpenedFile{fd, st};
+}
+
+}  // namespace
+
+absl::Status SharedMemoryRegistry::Register(const RegionSpec& spec, bool peer_is_loopback) {
+  MHA_RETURN_IF_ERROR(CheckSpec(spec, peer_is_loopback, options_.allow_remote));
   absl::MutexLock lock(&mu_);
   if (regions_.contains(spec.name)) {
     return absl::AlreadyExistsError(absl::StrCat("shared memory region ", Quoted(spec.name),
@@ -273,44 +321,17 @@ absl::Status SharedMemoryRegistry::Register(const RegionSpec& spec, bool peer_is
         "shared memory region ", Quoted(spec.name), ": byte_size ", spec.byte_size, " with the ",
         bytes_, " bytes registered is more than --shared_memory_max_bytes ", options_.max_bytes));
   }
-  const int fd = shm_open(spec.key.c_str(), O_RDWR, 0);
-  if (fd < 0) {
-    const int error = errno;
-    return absl::InvalidArgumentError(absl::StrCat("shared memory region ", Quoted(spec.name),
-                                                   ": key ", Quoted(spec.key),
-                                                   ": cannot open it: ", Errno(error)));
-  }
-  struct stat st {};
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    close(fd);
-    return absl::InvalidArgumentError(absl::StrCat("shared memory region ", Quoted(spec.name),
-                                                   ": key ", Quoted(spec.key),
-                                                   ": not a shared-memory file"));
-  }
-  if (st.st_uid != geteuid()) {
-    close(fd);
-    return absl::PermissionDeniedError(
-        absl::StrCat("shared memory region ", Quoted(spec.name), ": key ", Quoted(spec.key),
-                     ": owned by uid ", st.st_uid, ", not the server's uid ", geteuid(),
-                     "; create it as the server's user (mode 0600)"));
-  }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (!RangeFits(spec.offset, spec.byte_size, size)) {
-    close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shared memory region ", Quoted(spec.name), ": offset ", spec.offset, " + byte_size ",
-        spec.byte_size, " is beyond the ", size, " bytes of key ", Quoted(spec.key)));
-  }
+  MHA_ASSIGN_OR_RETURN(const OpenedFile file, OpenRegionFile(spec));
   // Mapped from the page holding offset to the region's end.
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t map_offset = spec.offset - spec.offset % page;
   const size_t mapped_bytes = static_cast<size_t>(spec.offset - map_offset + spec.byte_size);
   InstallSigbusHandler();
-  void* mapping = mmap(nullptr, mapped_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+  void* mapping = mmap(nullptr, mapped_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, file.fd,
                        static_cast<off_t>(map_offset));
   if (mapping == MAP_FAILED) {
     const int error = errno;
-    close(fd);
+    close(file.fd);
     return absl::ResourceExhaustedError(absl::StrCat("shared memory region ", Quoted(spec.name),
                                                      ": cannot map its ", spec.byte_size,
                                                      " bytes: ", Errno(error)));
@@ -319,14 +340,14 @@ absl::Status SharedMemoryRegistry::Register(const RegionSpec& spec, bool peer_is
   const int slot = ClaimSlot(begin, begin + mapped_bytes);
   if (slot < 0) {
     munmap(mapping, mapped_bytes);
-    close(fd);
+    close(file.fd);
     return absl::ResourceExhaustedError(
         absl::StrCat("shared memory region ", Quoted(spec.name), ": ", kMaxMappedRegions,
                      " regions are mapped (registered, or unregistered and still in use)"));
   }
   regions_.emplace(spec.name, std::shared_ptr<const SharedMemoryRegion>(new SharedMemoryRegion(
-                                  spec, fd, st.st_dev, st.st_ino, mapping, mapped_bytes,
-                                  map_offset, slot)));
+                                  spec, file.fd, file.st.st_dev, file.st.st_ino, mapping,
+                                  mapped_bytes, map_offset, slot)));
   bytes_ += static_cast<int64_t>(spec.byte_size);
   return absl::OkStatus();
 }
