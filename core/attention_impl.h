@@ -177,8 +177,10 @@ class MultiHeadAttention::Impl {
                   int64_t g1) const;
   bool ProjectsIntoHeads(const AttentionInputs& in, int64_t kv_rows) const;
   void ProjectIntoHeads(const AttentionInputs& in, const HeadMajor& heads, Workspace& ws) const;
-  // heads.blocked for a dot-product call whose heads' full key blocks are each read by
-  // at least kMinBlockReaders tasks (ws.blocked); else none.
+  // heads.blocked (in ws.blocked) for a dot-product call with at least
+  // kMinBlockReaders tasks to each key/value head (query blocks times its query
+  // heads' tasks), which read its full key blocks (under causal masks, the later
+  // blocks by fewer of them); else none.
   static constexpr int64_t kMinBlockReaders = 4;
   absl::Status PreBlockKv(const AttentionInputs& in, HeadMajor& heads, int threads,
                           Workspace& ws) const;
