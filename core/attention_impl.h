@@ -206,6 +206,19 @@ class MultiHeadAttention::Impl {
   absl::Status ForwardOneRegion(const AttentionInputs& in, const KeyLimits& limits, float* output,
                                 float* attention, float* lse, int threads, Workspace& ws) const;
 
+  // Prepare's two halves: the projections' primitives, for calls on 1 and on `most`
+  // threads; the attention blocks' (and PreBlockKv's reorders).
+  int PrepareProjections(int64_t max_rows, ThreadRule rule, int most) const;
+  int PrepareAttentionBlocks(int64_t max_keys, int most) const;
+  // A call's query blocks: its queries over a task's (query_block over the task's
+  // query heads, heads_per_task_).
+  int64_t QueryBlocks(int64_t num_queries) const {
+    const int64_t per_task = o_.query_block / heads_per_task_;
+    return (num_queries + per_task - 1) / per_task;
+  }
+  // Keys in one of PreBlockKv's full blocks: key_block rounded up to kKeyPad.
+  int64_t FullBlockKeys() const;
+
   // Task t of RunAttentionTasks, counted over (batch row, head, query block).
   Task TaskAt(const TaskInputs& inputs, int64_t t) const;
   // One task, block by block of nk keys from key j0: scores, online softmax,

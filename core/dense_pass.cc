@@ -121,10 +121,12 @@ Matmul MultiHeadAttention::Impl::ContextPrimitive(int64_t mq, int64_t nk, bool a
                          attr);
 }
 
+int64_t MultiHeadAttention::Impl::FullBlockKeys() const { return RoundUp(o_.key_block, kKeyPad); }
+
 const MultiHeadAttention::Impl::KvReorders& MultiHeadAttention::Impl::BlockReorders() const {
   absl::MutexLock lock(&reorders_mu_);
   if (!kv_reorders_) {
-    const int64_t p = c_.head_size(), ld = RoundUp(o_.key_block, kKeyPad);
+    const int64_t p = c_.head_size(), ld = FullBlockKeys();
     const int64_t rows = RoundUp(o_.query_block, kQueryPad);
     const internal::ThreadScope one(1);  // the layouts of the tasks' one-thread primitives
     KvReorders r;
@@ -514,12 +516,10 @@ void MultiHeadAttention::Impl::ProjectIntoHeads(const AttentionInputs& in, const
 absl::Status MultiHeadAttention::Impl::PreBlockKv(const AttentionInputs& in, HeadMajor& heads,
                                                   int threads, Workspace& ws) const {
   const int64_t G = c_.kv_heads(), p = c_.head_size(), kb = o_.key_block;
-  const int64_t ld = RoundUp(kb, kKeyPad);
+  const int64_t ld = FullBlockKeys();
   int64_t blocks = 0;  // full blocks: [m kb, m kb + ld) within the head's kv_stride rows
   while (blocks * kb < heads.kv_rows && blocks * kb + ld <= heads.kv_stride) ++blocks;
-  const int64_t per_block = o_.query_block / heads_per_task_;  // as AttentionTasks
-  const int64_t readers =
-      (in.num_queries + per_block - 1) / per_block * (c_.num_heads / G / heads_per_task_);
+  const int64_t readers = QueryBlocks(in.num_queries) * (c_.num_heads / G / heads_per_task_);
   if (c_.scoring != Scoring::kDotProduct || blocks == 0 || readers < kMinBlockReaders) {
     return absl::OkStatus();
   }
@@ -649,8 +649,7 @@ MultiHeadAttention::Impl::TaskInputs MultiHeadAttention::Impl::AttentionTasks(
     const AttentionInputs& in, const HeadMajor& heads, const ScoringProjections& scoring,
     const KeyLimits& limits, float* attention, float* lse, Workspace& ws) const {
   Grow(ws.ctx, in.batch * in.num_queries * c_.num_hiddens * sizeof(float));
-  const int64_t per_block = o_.query_block / heads_per_task_;  // queries per task
-  const int64_t q_blocks = (in.num_queries + per_block - 1) / per_block;
+  const int64_t q_blocks = QueryBlocks(in.num_queries);
   return {.in = in,
           .heads = heads,
           .scoring = scoring,
@@ -782,61 +781,69 @@ absl::Status MultiHeadAttention::Impl::ForwardOneRegion(const AttentionInputs& i
 }
 
 int MultiHeadAttention::Impl::Prepare(int64_t max_rows, int64_t max_keys, ThreadRule rule) const {
-  int built = 0;
   // The most threads a call gets (within OMP_THREAD_LIMIT, as ThreadsFor counts them).
   const int most =
       internal::ThreadsForFlops(std::numeric_limits<double>::infinity(), o_.num_threads, 0);
-  if (!c_.attention_only()) {
-    const int64_t E = c_.num_hiddens, Ekv = c_.kv_hiddens(), ld_self = E + 2 * Ekv;
-    const int64_t dq = c_.query_size, dk = c_.key_size, dv = c_.value_size;
-    // A call's thread count is part of its primitives' keys (internal::PlanThreads):
-    // calls run on one thread per kFlopsPerThread of work, up to `most`, and a merged
-    // call on no more than its largest request would use alone, so a chunk of any
-    // size may run on one thread as on all.
-    for (const int threads : most > 1 ? std::vector<int>{1, most} : std::vector<int>{1}) {
-      const internal::ThreadScope scope(threads);
-      auto prepare = [&](const std::unique_ptr<internal::Linear>& w, int64_t src_ld, int64_t dst_ld,
-                         Dt dst_dt) {
-        if (w != nullptr) built += w->Prepare(max_rows, src_ld, dst_ld, dst_dt);
-      };
-      if (c_.SupportsSelfAttention()) {  // ProjectSelf
-        prepare(qkv_, dq, ld_self, act_);
-        prepare(q_, dq, ld_self, act_);
-        prepare(kv_, dq, ld_self, act_);
-      }
-      prepare(q_, dq, E, act_);  // ProjectCross
-      prepare(kv_, dk, 2 * Ekv, act_);
-      prepare(k_, dk, Ekv, act_);
-      prepare(v_, dv, Ekv, act_);
-      prepare(o_lin_, E, E, Dt::f32);  // ProjectOutput
-      if (rule == ThreadRule::kAlone && threads == 1 && most > 1 && qkv_ != nullptr &&
-          weights_ != Dt::s8 && c_.scoring == Scoring::kDotProduct) {
-        // ForwardOneRegion's column shares, on teams of 2 to `most`.
-        // A one-region call has fewer rows than kOneRegionMaxFlops over a row's FLOPs.
-        const auto region_rows = static_cast<int64_t>(internal::kOneRegionMaxFlops /
-                                                      MultiHeadAttention::Flops(c_, 1, 1, 1));
-        const int64_t rows = std::min(max_rows, region_rows);
-        auto prepare_share = [&](int me, int team) {
-          for (const auto& [c0, c1] : OneRegionHeadsOf(c_, me, team).qkv_columns) {
-            if (c1 > c0) built += qkv_->Prepare(rows, dq, ld_self, act_, c0, c1);
-          }
-          const auto [o0, o1] = OneRegionColumns(E, me, team);
-          if (o1 > o0) built += o_lin_->Prepare(rows, E, E, Dt::f32, o0, o1);
-        };
-        for (int team = 2; team <= most; ++team) {
-          for (int me = 0; me < team; ++me) prepare_share(me, team);
+  const int built = c_.attention_only() ? 0 : PrepareProjections(max_rows, rule, most);
+  return built + PrepareAttentionBlocks(max_keys, most);
+}
+
+int MultiHeadAttention::Impl::PrepareProjections(int64_t max_rows, ThreadRule rule,
+                                                 int most) const {
+  int built = 0;
+  const int64_t E = c_.num_hiddens, Ekv = c_.kv_hiddens(), ld_self = E + 2 * Ekv;
+  const int64_t dq = c_.query_size, dk = c_.key_size, dv = c_.value_size;
+  // A call's thread count is part of its primitives' keys (internal::PlanThreads):
+  // calls run on one thread per kFlopsPerThread of work, up to `most`, and a merged
+  // call on no more than its largest request would use alone, so a chunk of any
+  // size may run on one thread as on all.
+  for (const int threads : most > 1 ? std::vector<int>{1, most} : std::vector<int>{1}) {
+    const internal::ThreadScope scope(threads);
+    auto prepare = [&](const std::unique_ptr<internal::Linear>& w, int64_t src_ld, int64_t dst_ld,
+                       Dt dst_dt) {
+      if (w != nullptr) built += w->Prepare(max_rows, src_ld, dst_ld, dst_dt);
+    };
+    if (c_.SupportsSelfAttention()) {  // ProjectSelf
+      prepare(qkv_, dq, ld_self, act_);
+      prepare(q_, dq, ld_self, act_);
+      prepare(kv_, dq, ld_self, act_);
+    }
+    prepare(q_, dq, E, act_);  // ProjectCross
+    prepare(kv_, dk, 2 * Ekv, act_);
+    prepare(k_, dk, Ekv, act_);
+    prepare(v_, dv, Ekv, act_);
+    prepare(o_lin_, E, E, Dt::f32);  // ProjectOutput
+    if (rule == ThreadRule::kAlone && threads == 1 && most > 1 && qkv_ != nullptr &&
+        weights_ != Dt::s8 && c_.scoring == Scoring::kDotProduct) {
+      // ForwardOneRegion's column shares, on teams of 2 to `most`.
+      // A one-region call has fewer rows than kOneRegionMaxFlops over a row's FLOPs.
+      const auto region_rows = static_cast<int64_t>(internal::kOneRegionMaxFlops /
+                                                    MultiHeadAttention::Flops(c_, 1, 1, 1));
+      const int64_t rows = std::min(max_rows, region_rows);
+      auto prepare_share = [&](int me, int team) {
+        for (const auto& [c0, c1] : OneRegionHeadsOf(c_, me, team).qkv_columns) {
+          if (c1 > c0) built += qkv_->Prepare(rows, dq, ld_self, act_, c0, c1);
         }
+        const auto [o0, o1] = OneRegionColumns(E, me, team);
+        if (o1 > o0) built += o_lin_->Prepare(rows, E, E, Dt::f32, o0, o1);
+      };
+      for (int team = 2; team <= most; ++team) {
+        for (int me = 0; me < team; ++me) prepare_share(me, team);
       }
     }
   }
-  // The attention blocks, on the threads that run tasks (a task's primitives are
-  // planned for one thread, internal::PlanThreads inside a parallel region).
+  return built;
+}
+
+// The attention blocks, on the threads that run tasks (a task's primitives are
+// planned for one thread, internal::PlanThreads inside a parallel region).
+int MultiHeadAttention::Impl::PrepareAttentionBlocks(int64_t max_keys, int most) const {
   const int64_t row_top = RoundUp(o_.query_block, kQueryPad);
   const int64_t key_top = RoundUp(std::min(o_.key_block, max_keys), kKeyPad);
   const bool accumulate = max_keys > o_.key_block;
   // kind: 0 score, 1 context, 2 context +=; 3-5 the same reading PreBlockKv's blocks.
   std::vector<std::array<int64_t, 3>> blocks;
-  const int64_t full = RoundUp(o_.key_block, kKeyPad);  // PreBlockKv's blocks
+  const int64_t full = FullBlockKeys();  // PreBlockKv's blocks
   const bool dot = c_.scoring == Scoring::kDotProduct;
   const bool pre_blocks = dot && max_keys >= full;
   for (int64_t rows = kQueryPad; rows <= row_top; rows += kQueryPad) {
@@ -871,7 +878,7 @@ int MultiHeadAttention::Impl::Prepare(int64_t max_rows, int64_t max_keys, Thread
     for (const auto& b : blocks) make(b);
   }
   if (pre_blocks) BlockReorders();
-  return built + static_cast<int>(internal::MatmulsMade() - before);
+  return static_cast<int>(internal::MatmulsMade() - before);
 }
 
 }  // namespace mha::core
