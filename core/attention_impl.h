@@ -177,6 +177,17 @@ class MultiHeadAttention::Impl {
                   int64_t g1) const;
   bool ProjectsIntoHeads(const AttentionInputs& in, int64_t kv_rows) const;
   void ProjectIntoHeads(const AttentionInputs& in, const HeadMajor& heads, Workspace& ws) const;
+  // An f32 or bf16 model's self-attention without rotary positions, of at least
+  // kMinHeadColumnQueries queries per batch row: each head's Q, K and V columns are
+  // projected straight into their head-major places (Linear::RunColumnBlock), as
+  // tasks of (batch row, kHeadColumnRows rows, head) on the team, with no row-major
+  // projections to copy from (docs/performance.md, "Heads projected in place").
+  static constexpr int64_t kHeadColumnRows = 256;
+  static constexpr int64_t kMinHeadColumnQueries = 128;
+  bool ProjectsHeadColumns(const AttentionInputs& in) const;
+  bool HeadColumnsModel() const;
+  absl::Status ProjectHeadColumns(const AttentionInputs& in, const HeadMajor& heads, int threads,
+                                  Workspace& ws) const;
   // heads.blocked (in ws.blocked) for a dot-product call with at least
   // kMinBlockReaders tasks to each key/value head (query blocks times its query
   // heads' tasks), which read its full key blocks (under causal masks, the later

@@ -513,6 +513,50 @@ void MultiHeadAttention::Impl::ProjectIntoHeads(const AttentionInputs& in, const
                     act_);
 }
 
+bool MultiHeadAttention::Impl::HeadColumnsModel() const {
+  return qkv_ != nullptr && weights_ != Dt::s8 && !rope_.has_value();
+}
+
+bool MultiHeadAttention::Impl::ProjectsHeadColumns(const AttentionInputs& in) const {
+  return HeadColumnsModel() && in.self_attention() && in.num_queries >= kMinHeadColumnQueries;
+}
+
+absl::Status MultiHeadAttention::Impl::ProjectHeadColumns(const AttentionInputs& in,
+                                                          const HeadMajor& heads, int threads,
+                                                          Workspace& ws) const {
+  const int64_t B = in.batch, Q = in.num_queries, H = c_.num_heads, d = c_.query_size;
+  const int64_t G = c_.kv_heads(), E = c_.num_hiddens, Ekv = c_.kv_hiddens(), p = c_.head_size();
+  const int64_t s = heads_per_task_;  // query heads interleaved per task (HeadMajor)
+  const int64_t asz = static_cast<int64_t>(SizeOf(act_));
+  const auto* xq = static_cast<const char*>(AsProjectionInput(in.queries, B * Q * d, ws.xq));
+  const int64_t chunks = (Q + kHeadColumnRows - 1) / kHeadColumnRows, segments = H + 2 * G;
+  // Task order: a chunk's heads one after another, so that its rows of x stay in cache.
+  return internal::RunTasks(
+      B * chunks * segments, threads, ws, [&](int64_t t, dnnl::stream& stream, TaskScratch& scr) {
+        const int64_t seg = t % segments, c = t / segments % chunks, b = t / segments / chunks;
+        const int64_t i0 = c * kHeadColumnRows;
+        // Key/value rows past heads.kv_rows, which no query sees, are not projected.
+        const int64_t rows = std::min(kHeadColumnRows, (seg < H ? Q : heads.kv_rows) - i0);
+        if (rows <= 0) return;
+        char* dst = nullptr;
+        int64_t ld = p, n0 = 0;
+        if (seg < H) {  // query head h = hs s + u: row i s + u of task group hs
+          dst = const_cast<char*>(heads.q) +
+                (((b * (H / s) + seg / s) * Q + i0) * s + seg % s) * p * asz;
+          ld = s * p;
+          n0 = seg * p;
+        } else {
+          const bool key = seg < H + G;
+          const int64_t g = key ? seg - H : seg - H - G;
+          dst = const_cast<char*>(key ? heads.k : heads.v) +
+                ((b * G + g) * heads.kv_stride + i0) * p * asz;
+          n0 = (key ? E : E + Ekv) + g * p;
+        }
+        qkv_->RunColumnBlock(stream, scr.bindings, rows, {xq + (b * Q + i0) * d * SizeOf(in_), d},
+                             {dst, ld}, act_, n0, p);
+      });
+}
+
 absl::Status MultiHeadAttention::Impl::PreBlockKv(const AttentionInputs& in, HeadMajor& heads,
                                                   int threads, Workspace& ws) const {
   const int64_t G = c_.kv_heads(), p = c_.head_size(), kb = o_.key_block;
@@ -700,6 +744,8 @@ absl::Status MultiHeadAttention::Impl::Forward(const AttentionInputs& in, float*
   HeadMajor heads = LayOutHeads(in, limits.kv_rows, ws);
   if (ProjectsIntoHeads(in, limits.kv_rows)) {
     ProjectIntoHeads(in, heads, ws);
+  } else if (ProjectsHeadColumns(in)) {
+    MHA_RETURN_IF_ERROR(ProjectHeadColumns(in, heads, threads, ws));
   } else {
     RepackHeadMajor(in, Project(in, limits.kv_rows, ws), heads, threads);
   }
@@ -813,6 +859,11 @@ int MultiHeadAttention::Impl::PrepareProjections(int64_t max_rows, ThreadRule ru
     prepare(k_, dk, Ekv, act_);
     prepare(v_, dv, Ekv, act_);
     prepare(o_lin_, E, E, Dt::f32);  // ProjectOutput
+    if (threads == 1 && HeadColumnsModel() && c_.SupportsSelfAttention()) {
+      // ProjectHeadColumns' tasks: one primitive per row chunk for every head.
+      const int64_t p = c_.head_size();
+      built += qkv_->Prepare(std::min(max_rows, kHeadColumnRows), dq, p, act_, 0, p);
+    }
     if (rule == ThreadRule::kAlone && threads == 1 && most > 1 && qkv_ != nullptr &&
         weights_ != Dt::s8 && c_.scoring == Scoring::kDotProduct) {
       // ForwardOneRegion's column shares, on teams of 2 to `most`.

@@ -288,6 +288,45 @@ void Linear::RunColumns(dnnl::stream& stream, Bindings& args, int64_t rows,
   RunDense(stream, args, 1, rows, src, dst, dst_dt, n0, n1);
 }
 
+void Linear::RunColumnBlock(dnnl::stream& stream, Bindings& args, int64_t rows,
+                            StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt,
+                            int64_t n0, int64_t n) const {
+  const size_t src_size = SizeOf(dt_), dst_size = SizeOf(dst_dt);
+  const bool in_place = dst.row_stride == n;
+  std::vector<char>& dense = args.columns();
+  for (int64_t r0 = 0; r0 < rows;) {
+    const int64_t m = RowChunk(rows - r0);
+    // The key's dst_ld is n whatever dst's: a share's primitive writes densely.
+    std::shared_ptr<const Entry> entry = Lookup(KeyOf(m, src.row_stride, n, dst_dt, 0, n));
+    const bool shared = entry->col_block > 0 && n0 % entry->col_block == 0;
+    if (!shared && n0 != 0) entry = Lookup(KeyOf(m, src.row_stride, n, dst_dt, n0, n0 + n));
+    const Entry& e = *entry;
+    const auto* s = static_cast<const char*>(src.data) + r0 * src.row_stride * src_size;
+    auto* d = static_cast<char*>(dst.data) + r0 * dst.row_stride * dst_size;
+    if (!in_place && dense.size() < m * n * dst_size) dense.resize(m * n * dst_size);
+    args.Bind(DNNL_ARG_SRC, e.src_md, s);
+    args.Bind(DNNL_ARG_DST, e.dst_md, in_place ? d : dense.data());
+    if (shared) {
+      const auto* w = static_cast<const char*>(e.weights.get_data_handle());
+      args.Bind(DNNL_ARG_WEIGHTS, e.matmul.weights, w + n0 / e.col_block * e.col_block_bytes);
+    } else {
+      args.Set(DNNL_ARG_WEIGHTS, e.weights);
+    }
+    if (bias_.empty()) {
+      args.Erase(DNNL_ARG_BIAS);
+    } else {
+      args.Bind(DNNL_ARG_BIAS, e.bias_md, bias_.data() + n0);
+    }
+    args.Execute(e.matmul, stream);
+    for (int64_t r = 0; !in_place && r < m; ++r) {
+      std::memcpy(d + r * dst.row_stride * dst_size, dense.data() + r * n * dst_size, n * dst_size);
+    }
+    r0 += m;
+  }
+  args.Erase(DNNL_ARG_WEIGHTS);  // as in RunDense
+  args.Erase(DNNL_ARG_BIAS);
+}
+
 void Linear::RunDense(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
                       StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt,
                       int64_t n0, int64_t n1) const {
@@ -362,7 +401,7 @@ std::shared_ptr<const Linear::Entry> Linear::Lookup(const Key& key, bool* built)
   const memory::desc w_any({k_, n}, dt_, memory::format_tag::any);
   e->matmul = Matmul::Make(dnnl::matmul::desc(e->src_md, w_any, e->bias_md, e->dst_md), {});
   e->weights = n == n_ ? PackedWeights(e->matmul.weights, memory::desc({k_, n_}, dt_, {1, k_}))
-                       : ColumnWeights(e->matmul.weights, n0, n1);
+                       : ColumnWeights(e->matmul.weights, n0, n1, *e);
   if (!bias_.empty() && dt_ != Dt::s8) {
     e->bias = memory(e->bias_md, CpuEngine(), const_cast<float*>(bias_.data() + n0));
   }
@@ -371,7 +410,7 @@ std::shared_ptr<const Linear::Entry> Linear::Lookup(const Key& key, bool* built)
   return e;
 }
 
-memory Linear::ColumnWeights(const memory::desc& want, int64_t n0, int64_t n1) const {
+memory Linear::ColumnWeights(const memory::desc& want, int64_t n0, int64_t n1, Entry& e) const {
   // In a blocked layout whose column blocks are outermost, each block of columns is
   // one contiguous run of every row: the columns from a block's start on are the
   // same layout over fewer columns, at an offset into the whole matrix's packing.
@@ -391,7 +430,14 @@ memory Linear::ColumnWeights(const memory::desc& want, int64_t n0, int64_t n1) c
     d.padded_dims[1] = (n_ + col_block - 1) / col_block * col_block;
     const memory whole = PackedWeights(memory::desc(d), memory::desc({k_, n_}, dt_, {1, k_}));
     char* base = static_cast<char*>(whole.get_data_handle());
-    return memory(want, eng, base + n0 / col_block * b.strides[1] * SizeOf(dt_));
+    const int64_t block_bytes = b.strides[1] * static_cast<int64_t>(SizeOf(dt_));
+    // Re-pointing a padded layout (set_data_handle) writes zeros into its padding,
+    // here the next columns' weights, which other threads read: only unpadded ones.
+    if (want.get_size() == static_cast<size_t>(k_ * (n1 - n0)) * SizeOf(dt_)) {
+      e.col_block = col_block;
+      e.col_block_bytes = block_bytes;
+    }
+    return memory(want, eng, base + n0 / col_block * block_bytes);
   }
   // Any other layout: these columns packed on their own (rows n0..n1 of W are
   // contiguous in plain_), once for every chunk size that asks for this layout.

@@ -224,6 +224,16 @@ class Linear {
                   StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt, int64_t n0,
                   int64_t n1) const;
 
+  // RunColumns of the n columns [n0, n0 + n), for a caller that runs many such blocks
+  // as tasks on its team (an attention head's Q, K or V columns: ProjectHeadColumns).
+  // One primitive per row chunk serves every n0: it is built for the columns [0, n)
+  // and reads the others at their offset in W's packed layout, when that layout's
+  // column blocks divide n0 (else these columns are packed on their own, as in
+  // RunColumns). A dst with row stride n is written in place.
+  void RunColumnBlock(dnnl::stream& stream, Bindings& args, int64_t rows,
+                      StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt,
+                      int64_t n0, int64_t n) const;
+
   // y (m, n) = x (m, k) W^T + b for f32 rows at strides ldx and ldy, split by panels
   // over omp_get_max_threads() threads. Only when has_row_path(m): made with
   // `row_path`, and 1 <= m <= kRowPathRows. Up to three rows take the time of one
@@ -247,6 +257,11 @@ class Linear {
     Matmul matmul;
     dnnl::memory::desc src_md, dst_md, bias_md;
     dnnl::memory weights, bias;  // read-only, shared by every call
+    // When `weights` is a view into the whole matrix's packing: its column blocks'
+    // width and the bytes from one to the next (else 0), so that the same primitive
+    // reads any other block-aligned columns at an offset (RunColumnBlock).
+    int64_t col_block = 0;
+    int64_t col_block_bytes = 0;
   };
 
   // Entries are shared so that a cache reset never frees one a caller still runs.
@@ -282,7 +297,8 @@ class Linear {
   // The weights of a primitive over the columns [n0, n1) whose layout is `want`
   // (k, n1 - n0): a view into the whole matrix's packing in the same layout, or a
   // packing of their own.
-  dnnl::memory ColumnWeights(const dnnl::memory::desc& want, int64_t n0, int64_t n1) const
+  // A view sets e's col_block and col_block_bytes.
+  dnnl::memory ColumnWeights(const dnnl::memory::desc& want, int64_t n0, int64_t n1, Entry& e) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The weights reordered into `want`, made once per distinct layout.
   dnnl::memory PackedWeights(const dnnl::memory::desc& want, const dnnl::memory::desc& plain) const

@@ -284,6 +284,39 @@ TEST(AttentionTest, PreBlockedKeysAndValuesMatchReference) {
   }
 }
 
+// Self-attention of 128 queries or more projects each head's Q, K and V columns
+// straight into its head-major place (ProjectHeadColumns), in tasks of 256 rows and a
+// remainder (300 = 256 + 32 + 12). With 64 features a head, every head's GEMM reads
+// its columns in place in the packed W_qkv; with 32, every other head starts inside
+// a column block and reads a packing of its own.
+TEST(AttentionTest, HeadsProjectedInPlaceMatchReference) {
+  for (const Precision precision : {Precision::kF32, Precision::kBf16}) {
+    for (const int64_t p : {32, 64}) {
+      for (int mask_kind = 0; mask_kind < 3; ++mask_kind) {
+        for (const bool causal : {false, true}) {
+          Case c;
+          c.config = {.num_hiddens = 4 * p,
+                      .num_heads = 4,
+                      .query_size = 48,
+                      .key_size = 48,
+                      .value_size = 48,
+                      .bias = true,
+                      .precision = precision};
+          c.options.num_threads = 2;
+          c.batch = 2;
+          c.num_queries = c.num_keys = 300;
+          c.self_attention = true;
+          c.mask_kind = mask_kind;
+          c.causal = causal;
+          c.head_mask = mask_kind == 1;
+          CheckAgainstReference(c, 71,
+                                precision == Precision::kF32 ? kF32Tolerance : kBf16Tolerance);
+        }
+      }
+    }
+  }
+}
+
 // A call whose rows x max(Q, K) x p_o passes 2^20 elements runs as slices of batch rows
 // (core/attention.cc, kSliceElements): here 5 rows of 2900 keys x 128 run as 2 + 2 + 1.
 // Every input, mask kind and the returned weights must be sliced at the right offsets.
@@ -625,6 +658,7 @@ TEST(AttentionTest, PreparedModelBuildsNoPrimitivesForNewShapes) {
         {2, 16, 12, {4, 8}},             // cross, the same
         {1, 16, 0, {}},                  // self, small: one region on two threads
         {1, 512, 0, {}},                 // 4 query blocks read the key block: PreBlockKv
+        {2, 288, 0, {}},                 // heads projected in place, chunks of 256 + 32
     };
     std::mt19937_64 rng(17);
     for (const Shape& shape : shapes) {

@@ -314,6 +314,20 @@ std::vector<Case> DenseCases() {
     cases.push_back(c);
   }
   {
+    // Each head's columns projected straight into its place (ProjectHeadColumns): a
+    // task's 4 query heads interleave their rows, so their GEMMs write through a copy.
+    Case c{.name = "GQA G=2 of 8, self, no rope, 300 queries, heads projected in place",
+           .config = Grouped(512, 8, 2, true),
+           .batch = 2,
+           .num_queries = 300,
+           .num_keys = 300,
+           .self_attention = true,
+           .lens = 1,
+           .causal = true,
+           .head_mask = true};
+    cases.push_back(c);
+  }
+  {
     Case c{.name = "GQA G=2 of 4, self, rope, big blocks (oneDNN block GEMMs)",
            .config = Grouped(256, 4, 2, true),
            .batch = 1,
