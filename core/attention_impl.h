@@ -13,9 +13,11 @@
 #ifndef MHA_CORE_ATTENTION_IMPL_H_
 #define MHA_CORE_ATTENTION_IMPL_H_
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <numbers>
 #include <optional>
 #include <span>
 #include <vector>
@@ -226,6 +228,11 @@ class MultiHeadAttention::Impl {
   int64_t QueryBlocks(int64_t num_queries) const {
     const int64_t per_task = o_.query_block / heads_per_task_;
     return (num_queries + per_task - 1) / per_task;
+  }
+  // The dense pass's dot-product scores are q.k / sqrt(d_h) in log2 units, log2 e
+  // folded into their GEMM's scale, for the base-2 exponentials (kernels::ExpSubSum).
+  float ScoreScale() const {
+    return std::numbers::log2e_v<float> / std::sqrt(static_cast<float>(c_.head_size()));
   }
   // Keys in one of PreBlockKv's full blocks: key_block rounded up to kKeyPad.
   int64_t FullBlockKeys() const;

@@ -93,7 +93,7 @@ Matmul MultiHeadAttention::Impl::ScorePrimitive(int64_t mq, int64_t nk, bool blo
   const MatmulCache::Key key{blocked ? 2 : 0, mq, nk, 0, PlanThreads()};
   if (auto prim = attn_cache_.Find(key)) return *prim;
   dnnl::primitive_attr attr;
-  attr.set_output_scales(0, {1.0f / std::sqrt(static_cast<float>(p))});
+  attr.set_output_scales(0, {ScoreScale()});
   const memory::desc kt = blocked ? memory::desc({p, nk}, act_, memory::format_tag::any)
                                   : memory::desc({p, nk}, act_, {1, p});
   return attn_cache_.Add(key,
@@ -215,7 +215,7 @@ void MultiHeadAttention::Impl::AttendTask(const Task& task, dnnl::stream& stream
   scratch.o.resize(std::max<size_t>(scratch.o.size(), RoundUp(mq, kQueryPad) * p));
   if (act_ == Dt::bf16) scratch.p.resize(std::max(scratch.p.size(), tile));
   RowStats stats;
-  stats.Reset(mq);
+  stats.Reset(mq, /*base2=*/task.qa == nullptr);  // dot-product scores: ScoreScale
 
   for (int64_t j0 = 0; j0 < task.max_limit; j0 += bk) {
     const Block blk = BlockAt(task, j0, std::min(bk, task.max_limit - j0));
@@ -256,7 +256,7 @@ void MultiHeadAttention::Impl::ScoreBlock(const Task& task, const Block& blk, dn
   if (blk.loops) {
     return kernels::SmallScores(reinterpret_cast<const float*>(task.q),
                                 reinterpret_cast<const float*>(task.k) + blk.j0 * p, p, task.mq,
-                                blk.nk, 1.0f / std::sqrt(static_cast<float>(p)), scratch.s.data());
+                                blk.nk, ScoreScale(), scratch.s.data());
   }
   Bindings& args = scratch.bindings;
   args.Bind(DNNL_ARG_SRC, blk.rows, p, p, false, act_, task.q);
@@ -292,6 +292,7 @@ void MultiHeadAttention::Impl::SoftmaxBlock(const Task& task, const Block& blk, 
   const int64_t j0 = blk.j0, ld = blk.ld;  // the pad keys' scores are set to 0 as masked ones
   const int64_t p = c_.head_size();
   const bool bf16 = act_ == Dt::bf16;
+  const bool base2 = stats.base2;
   float* s = scratch.s.data();
   float* o = scratch.o.data();
   uint16_t* probs16 = bf16 ? scratch.p.data() : nullptr;
@@ -302,17 +303,17 @@ void MultiHeadAttention::Impl::SoftmaxBlock(const Task& task, const Block& blk, 
     if (n > 0 && task.attention != nullptr) {
       // The whole row is in this one block: normalise now, hand out the weights.
       const float m = kernels::RowMax(srow, n);
-      const float sum = kernels::ExpSubSum(srow, m, srow, n);
+      const float sum = kernels::ExpSubSum(srow, m, srow, n, base2);
       kernels::Scale(srow, 1.0f / sum, n);
       std::copy_n(srow, n, task.attention_row(i));
       if (bf16) kernels::ToBf16(srow, prow, n);
       // The context comes out normalised: sum 1, and the lse folded into the max.
       stats.sum[i] = 1.0f;
-      stats.max[i] = m + std::log(sum);
+      stats.max[i] = m + (base2 ? std::log2(sum) : std::log(sum));
     } else if (n > 0) {
       stats.Update(i, srow, n, o + i * p, p, [&](float m) {
-        return bf16 ? kernels::ExpSubSumBf16(srow, m, prow, n)
-                    : kernels::ExpSubSum(srow, m, srow, n);
+        return bf16 ? kernels::ExpSubSumBf16(srow, m, prow, n, base2)
+                    : kernels::ExpSubSum(srow, m, srow, n, base2);
       });
     }
     std::fill(srow + n, srow + ld, 0.0f);

@@ -1,6 +1,7 @@
 #include "core/kernels.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -42,27 +43,58 @@ constexpr float kExpTaylor[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24,
 constexpr float kLn2 = 0.693147182f;
 constexpr float kExpBf16Poly[] = {0.0414584018f, 0.167910308f, 0.500043690f, 0.999963343f,
                                   0.999999285f};
-template <bool kBf16>
+// 2^f = exp(f ln 2): the same polynomials with coefficient i of f^k times (ln 2)^k,
+// for scores already in log2 units (base2: their GEMM's scale has log2 e folded in).
+// The reduction f = x - round(x) is then exact, and needs no ln 2 at all.
+template <size_t N>
+constexpr std::array<float, N> InBase2(const float (&c)[N]) {
+  std::array<float, N> out{};
+  double power = 1.0;  // (ln 2)^k for the coefficient of f^k, k = N - 1 - i
+  for (size_t i = N; i-- > 0;) {
+    out[i] = static_cast<float>(c[i] * power);
+    power *= 0.69314718055994530942;
+  }
+  return out;
+}
+constexpr std::array<float, 8> kExp2Taylor = InBase2(kExpTaylor);
+constexpr std::array<float, 5> kExp2Bf16Poly = InBase2(kExpBf16Poly);
+template <bool kBf16, bool kBase2 = false>
 constexpr const auto& ExpPoly() {
-  if constexpr (kBf16) {
+  if constexpr (kBase2) {
+    if constexpr (kBf16) {
+      return kExp2Bf16Poly;
+    } else {
+      return kExp2Taylor;
+    }
+  } else if constexpr (kBf16) {
     return kExpBf16Poly;
   } else {
     return kExpTaylor;
   }
 }
+// The floor in log2 units: 2^-125.5 is exp(-87).
+constexpr float kExp2Floor = kExpFloor * kLog2e;
 
 // NaN (scores that overflowed to inf, minus an inf maximum) gives NaN: it is kept out
 // of the float -> int conversion, which is undefined for NaN.
-template <bool kBf16 = false>
+// kBase2: 2^x instead.
+template <bool kBf16 = false, bool kBase2 = false>
 inline float ExpNonPositive(float x) {
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to integer
   const bool nan = x != x;
-  x = x > kExpFloor ? x : kExpFloor;  // NaN compares false: the floor
-  const float n = (x * kLog2e + kRound) - kRound;
-  // Both parts of ln 2 here, for kBf16 too: without a fused multiply-add (which this
-  // loop does not ask for), n ln 2 rounded to float is off by up to 4e-6 at n = -126.
-  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
-  const auto& poly = ExpPoly<kBf16>();
+  constexpr float kFloor = kBase2 ? kExp2Floor : kExpFloor;
+  x = x > kFloor ? x : kFloor;  // NaN compares false: the floor
+  float n, r;
+  if constexpr (kBase2) {
+    n = (x + kRound) - kRound;
+    r = x - n;
+  } else {
+    n = (x * kLog2e + kRound) - kRound;
+    // Both parts of ln 2 here, for kBf16 too: without a fused multiply-add (which this
+    // loop does not ask for), n ln 2 rounded to float is off by up to 4e-6 at n = -126.
+    r = (x - n * kLn2Hi) - n * kLn2Lo;
+  }
+  const auto& poly = ExpPoly<kBf16, kBase2>();
   float p = poly[0];
   for (size_t i = 1; i < std::size(poly); ++i) p = p * r + poly[i];
   const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
@@ -93,28 +125,30 @@ MHA_MULTIVERSION float RowMax(const float* s, int64_t n) {
   return m;
 }
 
-MHA_MULTIVERSION float ExpSubSumPortable(const float* s, float m, float* p, int64_t n) {
+namespace {
+// The portable rows' loop, inlined into each clone of its callers.
+template <bool kBf16, bool kBase2>
+[[gnu::always_inline]] inline float ExpRow(const float* s, float m, float* p, int64_t n) {
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < n; ++j) {
-    const float e = ExpNonPositive(s[j] - m);
+    const float e = ExpNonPositive<kBf16, kBase2>(s[j] - m);
     p[j] = e;
     sum += e;
   }
   return sum;
 }
+}  // namespace
+
+MHA_MULTIVERSION float ExpSubSumPortable(const float* s, float m, float* p, int64_t n, bool base2) {
+  return base2 ? ExpRow<false, true>(s, m, p, n) : ExpRow<false, false>(s, m, p, n);
+}
 
 MHA_MULTIVERSION float ExpSubSumBf16Portable(const float* s, float m, uint16_t* p, int64_t n,
-                                             float* tmp) {
+                                             float* tmp, bool base2) {
   // Two vectorised passes: GCC does not vectorise the exp, the float reduction and a
   // 16-bit store in one loop.
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) {
-    const float e = ExpNonPositive<true>(s[j] - m);
-    tmp[j] = e;
-    sum += e;
-  }
+  const float sum = base2 ? ExpRow<true, true>(s, m, tmp, n) : ExpRow<true, false>(s, m, tmp, n);
   ToBf16(tmp, p, n);
   return sum;
 }
@@ -133,11 +167,22 @@ namespace {
 // the loop: the rounding of n in one instruction, and 2^n applied by vscalefps, which
 // also needs no clamp of n. The same reduction and polynomial, so the same values.
 // max(-87, x) keeps a NaN x (vmaxps returns its second operand when either is NaN).
-template <bool kBf16 = false>
+template <bool kBf16 = false, bool kBase2 = false>
 MHA_AVX512 inline __m512 ExpNonPositive16(__m512 x) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  if constexpr (kBase2) {
+    x = _mm512_max_ps(_mm512_set1_ps(kExp2Floor), x);
+    const __m512 n = _mm512_roundscale_ps(x, kNearest);
+    const __m512 f = _mm512_sub_ps(x, n);
+    const auto& poly = ExpPoly<kBf16, true>();
+    __m512 q = _mm512_set1_ps(poly[0]);
+    for (size_t i = 1; i < std::size(poly); ++i) {
+      q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(poly[i]));
+    }
+    return _mm512_scalef_ps(q, n);
+  }
   x = _mm512_max_ps(_mm512_set1_ps(kExpFloor), x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), kNearest);
   __m512 r;
   if constexpr (kBf16) {
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2), x);
@@ -170,14 +215,15 @@ MHA_AVX512 inline void PutExp16(float* p, uint16_t* p16, int64_t at, __m512 e, _
 // exp(s - m) over n scores, 16 at a time and a masked tail; two sums, so that the
 // additions of consecutive vectors do not wait on each other. Writes f32 to p or
 // bfloat16 to p16 (whichever is not null).
-template <bool kBf16 = false>
+template <bool kBf16, bool kBase2>
 MHA_AVX512 float ExpSubSumAvx512(const float* s, float m, float* p, uint16_t* p16, int64_t n) {
   const __m512 vm = _mm512_set1_ps(m);
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   int64_t j = 0;
   for (; j + 32 <= n; j += 32) {
-    const __m512 e0 = ExpNonPositive16<kBf16>(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm));
-    const __m512 e1 = ExpNonPositive16<kBf16>(_mm512_sub_ps(_mm512_loadu_ps(s + j + 16), vm));
+    const __m512 e0 = ExpNonPositive16<kBf16, kBase2>(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm));
+    const __m512 e1 =
+        ExpNonPositive16<kBf16, kBase2>(_mm512_sub_ps(_mm512_loadu_ps(s + j + 16), vm));
     PutExp16(p, p16, j, e0, 0xffff);
     PutExp16(p, p16, j + 16, e1, 0xffff);
     sum0 = _mm512_add_ps(sum0, e0);
@@ -186,7 +232,8 @@ MHA_AVX512 float ExpSubSumAvx512(const float* s, float m, float* p, uint16_t* p1
   for (; j < n; j += 16) {
     const __mmask16 keep =
         n - j >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (n - j)) - 1);
-    const __m512 e = ExpNonPositive16<kBf16>(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + j), vm));
+    const __m512 e =
+        ExpNonPositive16<kBf16, kBase2>(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + j), vm));
     PutExp16(p, p16, j, e, keep);
     sum0 = _mm512_mask_add_ps(sum0, keep, sum0, e);
   }
@@ -197,13 +244,15 @@ MHA_AVX512 float ExpSubSumAvx512(const float* s, float m, float* p, uint16_t* p1
 // instruction): the same rounding as Bf16Bits16, to nearest even, for normal values
 // and NaN. It flushes denormals to zero, which these exponentials never are (their
 // least is about exp(-87) > 2^-126).
+template <bool kBase2>
 MHA_AVX512_BF16 float ExpSubSumBf16Avx512(const float* s, float m, uint16_t* p16, int64_t n) {
   const __m512 vm = _mm512_set1_ps(m);
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   int64_t j = 0;
   for (; j + 32 <= n; j += 32) {
-    const __m512 e0 = ExpNonPositive16<true>(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm));
-    const __m512 e1 = ExpNonPositive16<true>(_mm512_sub_ps(_mm512_loadu_ps(s + j + 16), vm));
+    const __m512 e0 = ExpNonPositive16<true, kBase2>(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm));
+    const __m512 e1 =
+        ExpNonPositive16<true, kBase2>(_mm512_sub_ps(_mm512_loadu_ps(s + j + 16), vm));
     const __m512bh h = _mm512_cvtne2ps_pbh(e1, e0);  // e0 in the low half
     _mm512_storeu_si512(p16 + j, reinterpret_cast<const __m512i&>(h));
     sum0 = _mm512_add_ps(sum0, e0);
@@ -212,7 +261,8 @@ MHA_AVX512_BF16 float ExpSubSumBf16Avx512(const float* s, float m, uint16_t* p16
   for (; j < n; j += 16) {
     const __mmask16 keep =
         n - j >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (n - j)) - 1);
-    const __m512 e = ExpNonPositive16<true>(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + j), vm));
+    const __m512 e =
+        ExpNonPositive16<true, kBase2>(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + j), vm));
     const __m256bh h = _mm512_cvtneps_pbh(e);
     _mm256_mask_storeu_epi16(p16 + j, keep, reinterpret_cast<const __m256i&>(h));
     sum0 = _mm512_mask_add_ps(sum0, keep, sum0, e);
@@ -232,25 +282,32 @@ const int kAvx512Level = [] {
 
 }  // namespace
 
-float ExpSubSum(const float* s, float m, float* p, int64_t n) {
-  return kAvx512Level > 0 ? ExpSubSumAvx512(s, m, p, nullptr, n) : ExpSubSumPortable(s, m, p, n);
+float ExpSubSum(const float* s, float m, float* p, int64_t n, bool base2) {
+  if (kAvx512Level == 0) return ExpSubSumPortable(s, m, p, n, base2);
+  return base2 ? ExpSubSumAvx512<false, true>(s, m, p, nullptr, n)
+               : ExpSubSumAvx512<false, false>(s, m, p, nullptr, n);
 }
 
-float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n) {
-  if (kAvx512Level == 2) return ExpSubSumBf16Avx512(s, m, p, n);
-  if (kAvx512Level == 1) return ExpSubSumAvx512<true>(s, m, nullptr, p, n);
-  return ExpSubSumBf16Portable(s, m, p, n, s);
+float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n, bool base2) {
+  if (kAvx512Level == 2) {
+    return base2 ? ExpSubSumBf16Avx512<true>(s, m, p, n) : ExpSubSumBf16Avx512<false>(s, m, p, n);
+  }
+  if (kAvx512Level == 1) {
+    return base2 ? ExpSubSumAvx512<true, true>(s, m, nullptr, p, n)
+                 : ExpSubSumAvx512<true, false>(s, m, nullptr, p, n);
+  }
+  return ExpSubSumBf16Portable(s, m, p, n, s, base2);
 }
 #if !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
 #else
-float ExpSubSum(const float* s, float m, float* p, int64_t n) {
-  return ExpSubSumPortable(s, m, p, n);
+float ExpSubSum(const float* s, float m, float* p, int64_t n, bool base2) {
+  return ExpSubSumPortable(s, m, p, n, base2);
 }
 
-float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n) {
-  return ExpSubSumBf16Portable(s, m, p, n, s);
+float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n, bool base2) {
+  return ExpSubSumBf16Portable(s, m, p, n, s, base2);
 }
 #endif
 

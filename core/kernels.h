@@ -13,19 +13,22 @@ namespace mha::core::kernels {
 float RowMax(const float* s, int64_t n);
 
 // p[j] = exp(s[j] - m) for j < n, returns the sum of p[0, n). p may alias s.
+// With base2, p[j] = 2^(s[j] - m): for scores in log2 units (their GEMM's scale times
+// log2 e), which spares the exponentials a multiply and half the range reduction.
 // On AVX-512 in intrinsics (ExpSubSumAvx512), elsewhere the portable loop below.
-float ExpSubSum(const float* s, float m, float* p, int64_t n);
+float ExpSubSum(const float* s, float m, float* p, int64_t n, bool base2 = false);
 
 // Same, writing bfloat16 (round to nearest even) to p; the sum is of the f32 values.
 // Those are exp to 3e-6 relative (a shorter polynomial: a bfloat16 keeps 8 bits, so
 // p[j] is exp rounded to bfloat16 or, rarely, the neighbour of that). s may be
 // overwritten (the portable version's f32 exponentials go there).
-float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n);
+float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n, bool base2 = false);
 
 // The portable versions, for CPUs without AVX-512 and for the tests that hold the two
 // to the same values: ExpSubSumBf16Portable writes its f32 exponentials to tmp (n).
-float ExpSubSumPortable(const float* s, float m, float* p, int64_t n);
-float ExpSubSumBf16Portable(const float* s, float m, uint16_t* p, int64_t n, float* tmp);
+float ExpSubSumPortable(const float* s, float m, float* p, int64_t n, bool base2 = false);
+float ExpSubSumBf16Portable(const float* s, float m, uint16_t* p, int64_t n, float* tmp,
+                            bool base2 = false);
 
 // Additive scores of one query against n keys, for one head:
 //   s[j] = sum_a w[a] tanh(qa[a] + kt[a * ld + j])   for j < n, a < pa

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <numbers>
 
 #include "core/kernels.h"
 
@@ -27,11 +28,15 @@ inline constexpr int64_t kMaxQueryBlock = 256;
 struct RowStats {
   float max[kMaxQueryBlock];  // running maximum score
   float sum[kMaxQueryBlock];  // running sum of exp(score - max)
+  // Scores in log2 units (kernels::ExpSubSum's base2): exp is 2^ throughout, and Lse
+  // turns back to natural logarithms.
+  bool base2 = false;
 
   // No key seen by any of the first `rows` rows.
-  void Reset(int64_t rows) {
+  void Reset(int64_t rows, bool in_base2 = false) {
     std::fill_n(max, rows, -std::numeric_limits<float>::infinity());
     std::fill_n(sum, rows, 0.0f);
+    base2 = in_base2;
   }
 
   // Row i meets n > 0 more scores s[0, n): the running maximum moves to m (theirs
@@ -42,7 +47,7 @@ struct RowStats {
   template <typename ExpSubSum>
   void Update(int64_t i, const float* s, int64_t n, float* o, int64_t p, ExpSubSum exp_sub_sum) {
     const float m = std::max(max[i], kernels::RowMax(s, n));
-    const float alpha = std::exp(max[i] - m);  // 0 while max[i] is -inf
+    const float alpha = base2 ? std::exp2(max[i] - m) : std::exp(max[i] - m);  // 0 at first
     if (max[i] != -std::numeric_limits<float>::infinity() && alpha != 1.0f) {
       kernels::Scale(o, alpha, p);
     }
@@ -57,8 +62,11 @@ struct RowStats {
     for (int64_t i = 0; i < rows; ++i) NormaliseRow(i, o + i * p, p, factor, ctx + i * ld);
   }
   // Row i's log-sum-exp of every score it met, max + log(sum); -inf for no score.
+  // In base2, (max + log2(sum)) ln 2.
   float Lse(int64_t i) const {
-    return sum[i] > 0.0f ? max[i] + std::log(sum[i]) : -std::numeric_limits<float>::infinity();
+    if (sum[i] <= 0.0f) return -std::numeric_limits<float>::infinity();
+    return base2 ? (max[i] + std::log2(sum[i])) * std::numbers::ln2_v<float>
+                 : max[i] + std::log(sum[i]);
   }
   // The same for row i alone: ctx[d] = o[d] * factor / sum[i].
   void NormaliseRow(int64_t i, const float* o, int64_t p, float factor, float* ctx) const {

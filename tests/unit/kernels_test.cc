@@ -33,23 +33,30 @@ TEST(KernelsTest, ExpSubSumMatchesStdExp) {
 // portable loops to 2 ulp; the bfloat16 row (its own, shorter polynomial): its f32
 // exponentials within 3e-6 of std::exp, so each bfloat16 within half an ulp (2^-8
 // relative) of exp, plus 3e-6, and within one of the portable bfloat16 loop's.
+// base2: 2^(s - m), for scores in log2 units (the dense pass's), to the same bounds;
+// its range reaches past its floor (2^-125.5) as base e's does past exp(-87).
 TEST(KernelsTest, ExpRowsMatchStdExpAndThePortableLoops) {
-  for (int64_t n = 0; n <= 70; ++n) {
+  for (int64_t i = 0; i <= 141; ++i) {
+    const bool base2 = i > 70;
+    const int64_t n = base2 ? i - 71 : i;
+    SCOPED_TRACE(base2 ? "base 2" : "base e");
+    const float range = base2 ? 140.0f : 95.0f;
     std::vector<float> s(n + 1, 12345.0f);  // s[n] is past the row: never read into p
-    for (int64_t j = 0; j < n; ++j) s[j] = 3.0f - 95.0f * static_cast<float>((j * 37) % n) / n;
+    for (int64_t j = 0; j < n; ++j) s[j] = 3.0f - range * static_cast<float>((j * 37) % n) / n;
     const float m = 3.0f;
     std::vector<float> p(n + 1, -1.0f), portable(n + 1, -1.0f);
     std::vector<uint16_t> p16(n + 1, 0xdead), portable16(n + 1, 0xdead);
     std::vector<float> tmp(n + 1, -1.0f);
-    const float sum = ExpSubSum(s.data(), m, p.data(), n);
-    const float portable_sum = ExpSubSumPortable(s.data(), m, portable.data(), n);
+    const float sum = ExpSubSum(s.data(), m, p.data(), n, base2);
+    const float portable_sum = ExpSubSumPortable(s.data(), m, portable.data(), n, base2);
     std::vector<float> s_copy = s;
-    const float sum16 = ExpSubSumBf16(s_copy.data(), m, p16.data(), n);
+    const float sum16 = ExpSubSumBf16(s_copy.data(), m, p16.data(), n, base2);
     const float portable_sum16 =
-        ExpSubSumBf16Portable(s.data(), m, portable16.data(), n, tmp.data());
+        ExpSubSumBf16Portable(s.data(), m, portable16.data(), n, tmp.data(), base2);
     double want_sum = 0.0;
     for (int64_t j = 0; j < n; ++j) {
-      const double want = std::exp(static_cast<double>(s[j]) - m);
+      const double x = static_cast<double>(s[j]) - m;
+      const double want = base2 ? std::exp2(x) : std::exp(x);
       want_sum += want;
       EXPECT_NEAR(p[j], want, 1e-6 * want + 1e-37) << "n " << n << " j " << j;
       EXPECT_NEAR(p[j], portable[j], 2 * std::numeric_limits<float>::epsilon() * portable[j])
