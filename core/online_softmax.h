@@ -39,20 +39,26 @@ struct RowStats {
     base2 = in_base2;
   }
 
-  // Row i meets n > 0 more scores s[0, n): the running maximum moves to m (theirs
-  // included); exp_sub_sum(m) turns the block's scores into exp(s - m) and returns
-  // their sum. The context accumulated so far (o, p floats) and the running sum are
-  // rescaled to m first; a row that had seen nothing has no context yet, and o is not
-  // read.
+  // Row i meets n > 0 more scores s[0, n): exp_sub_sum(m) turns the block's scores
+  // into exp(s - m) and returns their sum. The reference m moves to the block's
+  // maximum only when that exceeds it by more than kLazyRescale (and at the first
+  // block); the context accumulated so far (o, p floats) and the running sum are then
+  // rescaled to it. Below that, the block's exponentials are at most e^8 (2^8 in
+  // base2) and nothing is rescaled: the context and the log-sum-exp do not depend on
+  // the reference, and `max` stays within kLazyRescale of the true maximum.
+  static constexpr float kLazyRescale = 8.0f;
   template <typename ExpSubSum>
   void Update(int64_t i, const float* s, int64_t n, float* o, int64_t p, ExpSubSum exp_sub_sum) {
-    const float m = std::max(max[i], kernels::RowMax(s, n));
-    const float alpha = base2 ? std::exp2(max[i] - m) : std::exp(max[i] - m);  // 0 at first
-    if (max[i] != -std::numeric_limits<float>::infinity() && alpha != 1.0f) {
+    const float block_max = kernels::RowMax(s, n);
+    if (max[i] == -std::numeric_limits<float>::infinity()) {
+      max[i] = block_max;  // the first scores: nothing accumulated yet, o not read
+    } else if (block_max > max[i] + kLazyRescale) {
+      const float alpha = base2 ? std::exp2(max[i] - block_max) : std::exp(max[i] - block_max);
       kernels::Scale(o, alpha, p);
+      sum[i] *= alpha;
+      max[i] = block_max;
     }
-    sum[i] = sum[i] * alpha + exp_sub_sum(m);
-    max[i] = m;
+    sum[i] += exp_sub_sum(max[i]);
   }
 
   // ctx[i * ld + d] = o[i * p + d] * factor / sum[i] for the first `rows` rows: the

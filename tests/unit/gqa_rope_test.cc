@@ -487,6 +487,23 @@ TEST(GqaRopeDenseTest, PositionsNear8191AreAccurate) {
   }
 }
 
+// Inputs of +-8 give scores of tens, and key blocks of 16 make the online softmax's
+// block maxima rise past its lazy threshold (RowStats::kLazyRescale) and below it:
+// the context accumulated so far is rescaled, or kept at the older reference. f32
+// only: bfloat16 inputs move scores of tens by tenths, which such sharp softmaxes
+// follow.
+TEST(GqaRopeDenseTest, SharpScoresAcrossManyKeyBlocksMatch) {
+  Case c{.name = "sharp scores, 16-key blocks",
+         .config = Grouped(64, 4, 2, true),
+         .batch = 2,
+         .num_queries = 24,
+         .num_keys = 200,
+         .lens = 1,
+         .options = {.query_block = 8, .key_block = 16},
+         .input_scale = 8};
+  Check(c, kF32Tolerance, 9);
+}
+
 // num_kv_heads = h is the multi-head layer itself, bit for bit.
 TEST(GqaRopeDenseTest, AllKvHeadsIsMultiHead) {
   ModelConfig mha_config = Grouped(64, 4, 0, true);

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/online_softmax.h"
 #include "gtest/gtest.h"
 
 namespace mha::core::kernels {
@@ -76,6 +77,57 @@ TEST(KernelsTest, ExpRowsMatchStdExpAndThePortableLoops) {
     EXPECT_NEAR(portable_sum, want_sum, 1e-6 * want_sum) << n;
     EXPECT_NEAR(sum16, want_sum, 3e-6 * want_sum) << n;
     EXPECT_NEAR(sum16, portable_sum16, 1e-6 * sum16) << n;
+  }
+}
+
+// The online softmax over blocks whose maxima rise by less than kLazyRescale (no
+// rescaling: exponentials above 1), by more (the context so far rescaled), and fall:
+// the normalised context and the log-sum-exp equal a softmax over all the scores at
+// once, in double, whichever the reference point; in base e and base 2.
+TEST(KernelsTest, OnlineSoftmaxRescalesOnlyPastItsThreshold) {
+  using internal::RowStats;
+  const std::vector<std::vector<float>> blocks = {
+      {0.5f, -1.0f, 0.0f}, {5.5f, 3.0f}, {30.0f, 29.0f, 12.0f}, {-50.0f}, {36.0f, 35.5f}};
+  constexpr int64_t p = 3;
+  auto value = [](int64_t j, int64_t d) { return std::sin(0.7 * j + d) * 2.0; };
+  for (const bool base2 : {false, true}) {
+    SCOPED_TRACE(base2 ? "base 2" : "base e");
+    RowStats stats;
+    stats.Reset(1, base2);
+    float o[p] = {0, 0, 0};
+    std::vector<double> all;
+    int64_t j0 = 0;
+    int rescales = 0;
+    for (const std::vector<float>& block : blocks) {
+      const auto n = static_cast<int64_t>(block.size());
+      std::vector<float> e(block);
+      const float before = stats.max[0];
+      stats.Update(0, block.data(), n, o, p,
+                   [&](float m) { return ExpSubSum(block.data(), m, e.data(), n, base2); });
+      if (before != -std::numeric_limits<float>::infinity() && stats.max[0] != before) ++rescales;
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t d = 0; d < p; ++d) o[d] += e[j] * static_cast<float>(value(j0 + j, d));
+        all.push_back(block[j]);
+      }
+      j0 += n;
+      double true_max = -1e300;
+      for (double x : all) true_max = std::max(true_max, x);
+      EXPECT_GE(stats.max[0], true_max - RowStats::kLazyRescale);
+      EXPECT_LE(stats.max[0], true_max);
+    }
+    EXPECT_EQ(rescales, 1);  // 30 (past 5.5 + 8); not 5.5 (past 0.5 by 5) nor 36
+    const double base = base2 ? 2.0 : std::exp(1.0);
+    double sum = 0, want[p] = {0, 0, 0};
+    for (size_t j = 0; j < all.size(); ++j) {
+      const double w = std::pow(base, all[j] - 36.0);
+      sum += w;
+      for (int64_t d = 0; d < p; ++d) want[d] += w * value(static_cast<int64_t>(j), d);
+    }
+    float ctx[p];
+    stats.NormaliseRow(0, o, p, 1.0f, ctx);
+    for (int64_t d = 0; d < p; ++d) EXPECT_NEAR(ctx[d], want[d] / sum, 1e-6) << d;
+    const double lse = (36.0 + std::log(sum) / std::log(base)) * (base2 ? std::log(2.0) : 1.0);
+    EXPECT_NEAR(stats.Lse(0), lse, 1e-5);
   }
 }
 
