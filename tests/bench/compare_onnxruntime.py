@@ -388,8 +388,8 @@ def main():
     peak = {p: med(lambda r: r["ours"][f"GemmPeak/{p}"][1]) for p in ("f32", "bf16", "int8")}
     print(f"ONNX Runtime {ORT_VERSION} (onnxruntime-node), {args.threads} threads each; "
           f"medians of {args.rounds} alternated rounds")
-    print(f"oneDNN 2048^3 GEMM peak in the same run: f32 {peak['f32']:.0f} GFLOP/s, "
-          f"bf16 {peak['bf16']:.0f} GFLOP/s")
+    print(f"oneDNN 2048^3 GEMM peak in the same run: f32 {peak['f32']:.1f} GFLOP/s, "
+          f"bf16 {peak['bf16']:.1f} GFLOP/s")
     head = ("| shape | ours f32 ms | ours bf16 ms | ORT ms (best variant) | ORT call ms "
             "| ORT/ours f32 | ORT/ours bf16 | ours f32 GFLOP/s (% f32 peak) "
             "| ours bf16 GFLOP/s (% bf16 peak) | ORT GFLOP/s |")
@@ -409,8 +409,8 @@ def main():
         gf = {p: f / ours[p] * 1e-6 for p in ours}
         row = (f"| {name} | {ours['f32']:.3f} | {ours['bf16']:.3f} | {ort:.3f} ({best}) "
                f"| {call:.3f} | {ort / ours['f32']:.2f}x | {ort / ours['bf16']:.2f}x "
-               f"| {gf['f32']:.0f} ({100 * gf['f32'] / peak['f32']:.0f}%) "
-               f"| {gf['bf16']:.0f} ({100 * gf['bf16'] / peak['bf16']:.0f}%) "
+               f"| {gf['f32']:.1f} ({100 * gf['f32'] / peak['f32']:.1f}%) "
+               f"| {gf['bf16']:.1f} ({100 * gf['bf16'] / peak['bf16']:.1f}%) "
                f"| {f / ort * 1e-6:.0f} |")
         if args.baseline:
             base = {p: med(lambda r: r["baseline"][f"Forward/{name}/{p}"][0])
