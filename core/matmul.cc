@@ -292,38 +292,26 @@ void Linear::RunColumnBlock(dnnl::stream& stream, Bindings& args, int64_t rows,
                             StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt,
                             int64_t n0, int64_t n) const {
   const size_t src_size = SizeOf(dt_), dst_size = SizeOf(dst_dt);
-  const bool in_place = dst.row_stride == n;
-  std::vector<char>& dense = args.columns();
   for (int64_t r0 = 0; r0 < rows;) {
     const int64_t m = RowChunk(rows - r0);
     // The key's dst_ld is n whatever dst's: a share's primitive writes densely.
     std::shared_ptr<const Entry> entry = Lookup(KeyOf(m, src.row_stride, n, dst_dt, 0, n));
     const bool shared = entry->col_block > 0 && n0 % entry->col_block == 0;
     if (!shared && n0 != 0) entry = Lookup(KeyOf(m, src.row_stride, n, dst_dt, n0, n0 + n));
-    const Entry& e = *entry;
-    const auto* s = static_cast<const char*>(src.data) + r0 * src.row_stride * src_size;
-    auto* d = static_cast<char*>(dst.data) + r0 * dst.row_stride * dst_size;
-    if (!in_place && dense.size() < m * n * dst_size) dense.resize(m * n * dst_size);
-    args.Bind(DNNL_ARG_SRC, e.src_md, s);
-    args.Bind(DNNL_ARG_DST, e.dst_md, in_place ? d : dense.data());
+    const char* w = nullptr;
     if (shared) {
-      const auto* w = static_cast<const char*>(e.weights.get_data_handle());
-      args.Bind(DNNL_ARG_WEIGHTS, e.matmul.weights, w + n0 / e.col_block * e.col_block_bytes);
-    } else {
-      args.Set(DNNL_ARG_WEIGHTS, e.weights);
+      w = static_cast<const char*>(entry->weights.get_data_handle()) +
+          n0 / entry->col_block * entry->col_block_bytes;
     }
-    if (bias_.empty()) {
-      args.Erase(DNNL_ARG_BIAS);
-    } else {
-      args.Bind(DNNL_ARG_BIAS, e.bias_md, bias_.data() + n0);
-    }
-    args.Execute(e.matmul, stream);
-    for (int64_t r = 0; !in_place && r < m; ++r) {
-      std::memcpy(d + r * dst.row_stride * dst_size, dense.data() + r * n * dst_size, n * dst_size);
-    }
+    RunChunk(stream, args, *entry, m, n0, n,
+             static_cast<const char*>(src.data) + r0 * src.row_stride * src_size,
+             static_cast<char*>(dst.data) + r0 * dst.row_stride * dst_size, dst.row_stride,
+             dst_size, /*in_place=*/dst.row_stride == n, w);
     r0 += m;
   }
-  args.Erase(DNNL_ARG_WEIGHTS);  // as in RunDense
+  // The workspace (and its bindings) may outlive this layer: a pool shared by the
+  // versions of a model. It must not keep the layer's weights alive.
+  args.Erase(DNNL_ARG_WEIGHTS);
   args.Erase(DNNL_ARG_BIAS);
 }
 
@@ -335,38 +323,46 @@ void Linear::RunDense(dnnl::stream& stream, Bindings& args, int64_t batch, int64
   // strided destination oneDNN 2.6 leaves its brgemm kernels for a GEMM that reads
   // plain weights, which would need a copy of these columns of W.
   const bool part = n1 - n0 != n_;
-  const size_t row_bytes = (n1 - n0) * dst_size;
-  std::vector<char>& dense = args.columns();
   for (int64_t bi = 0; bi < batch; ++bi) {
     for (int64_t r0 = 0; r0 < rows;) {
       const int64_t m = RowChunk(rows - r0);
       const std::shared_ptr<const Entry> entry =
           Lookup(KeyOf(m, src.row_stride, dst.row_stride, dst_dt, n0, n1));
-      const Entry& e = *entry;
-      const auto* s = static_cast<const char*>(src.data) +
-                      (bi * src.batch_stride + r0 * src.row_stride) * src_size;
-      auto* d = static_cast<char*>(dst.data) +
-                (bi * dst.batch_stride + r0 * dst.row_stride + n0) * dst_size;
-      if (part && dense.size() < m * row_bytes) dense.resize(m * row_bytes);
-      args.Bind(DNNL_ARG_SRC, e.src_md, s);
-      args.Bind(DNNL_ARG_DST, e.dst_md, part ? dense.data() : d);
-      args.Set(DNNL_ARG_WEIGHTS, e.weights);
-      if (bias_.empty()) {
-        args.Erase(DNNL_ARG_BIAS);
-      } else {
-        args.Set(DNNL_ARG_BIAS, e.bias);
-      }
-      args.Execute(e.matmul, stream);
-      for (int64_t r = 0; part && r < m; ++r) {
-        std::memcpy(d + r * dst.row_stride * dst_size, dense.data() + r * row_bytes, row_bytes);
-      }
+      RunChunk(stream, args, *entry, m, n0, n1 - n0,
+               static_cast<const char*>(src.data) +
+                   (bi * src.batch_stride + r0 * src.row_stride) * src_size,
+               static_cast<char*>(dst.data) +
+                   (bi * dst.batch_stride + r0 * dst.row_stride + n0) * dst_size,
+               dst.row_stride, dst_size, /*in_place=*/!part, /*weights=*/nullptr);
       r0 += m;
     }
   }
-  // The workspace (and its bindings) may outlive this layer: a pool shared by the
-  // versions of a model. It must not keep the layer's weights alive.
-  args.Erase(DNNL_ARG_WEIGHTS);
+  args.Erase(DNNL_ARG_WEIGHTS);  // as in RunColumnBlock
   args.Erase(DNNL_ARG_BIAS);
+}
+
+void Linear::RunChunk(dnnl::stream& stream, Bindings& args, const Entry& e, int64_t m, int64_t n0,
+                      int64_t n, const char* src, char* dst, int64_t dst_ld, size_t dst_size,
+                      bool in_place, const char* weights) const {
+  const size_t row_bytes = n * dst_size;
+  std::vector<char>& dense = args.columns();
+  if (!in_place && dense.size() < m * row_bytes) dense.resize(m * row_bytes);
+  args.Bind(DNNL_ARG_SRC, e.src_md, src);
+  args.Bind(DNNL_ARG_DST, e.dst_md, in_place ? dst : dense.data());
+  if (weights != nullptr) {
+    args.Bind(DNNL_ARG_WEIGHTS, e.matmul.weights, weights);
+  } else {
+    args.Set(DNNL_ARG_WEIGHTS, e.weights);
+  }
+  if (bias_.empty()) {
+    args.Erase(DNNL_ARG_BIAS);
+  } else {
+    args.Bind(DNNL_ARG_BIAS, e.bias_md, bias_.data() + n0);
+  }
+  args.Execute(e.matmul, stream);
+  for (int64_t r = 0; !in_place && r < m; ++r) {
+    std::memcpy(dst + r * dst_ld * dst_size, dense.data() + r * row_bytes, row_bytes);
+  }
 }
 
 int Linear::Prepare(int64_t max_rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt, int64_t n0,
@@ -402,9 +398,6 @@ std::shared_ptr<const Linear::Entry> Linear::Lookup(const Key& key, bool* built)
   e->matmul = Matmul::Make(dnnl::matmul::desc(e->src_md, w_any, e->bias_md, e->dst_md), {});
   e->weights = n == n_ ? PackedWeights(e->matmul.weights, memory::desc({k_, n_}, dt_, {1, k_}))
                        : ColumnWeights(e->matmul.weights, n0, n1, *e);
-  if (!bias_.empty() && dt_ != Dt::s8) {
-    e->bias = memory(e->bias_md, CpuEngine(), const_cast<float*>(bias_.data() + n0));
-  }
   cache_.emplace(key, e);
   if (built != nullptr) *built = true;
   return e;

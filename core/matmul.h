@@ -256,7 +256,7 @@ class Linear {
   struct Entry {
     Matmul matmul;
     dnnl::memory::desc src_md, dst_md, bias_md;
-    dnnl::memory weights, bias;  // read-only, shared by every call
+    dnnl::memory weights;  // read-only, shared by every call
     // When `weights` is a view into the whole matrix's packing: its column blocks'
     // width and the bytes from one to the next (else 0), so that the same primitive
     // reads any other block-aligned columns at an offset (RunColumnBlock).
@@ -290,6 +290,13 @@ class Linear {
   // writes dense buffers of its own whatever the caller's strides.
   Key KeyOf(int64_t rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt, int64_t n0 = 0,
             int64_t n1 = -1) const;
+  // One row chunk of `m` rows through e, for RunDense and RunColumnBlock: src at
+  // `src`, the n columns from n0 to `dst` (row stride dst_ld), straight when
+  // `in_place` (e writes that layout), else through Bindings::columns(); W at
+  // `weights` (a view at another column block, bound by pointer) or e.weights (null).
+  void RunChunk(dnnl::stream& stream, Bindings& args, const Entry& e, int64_t m, int64_t n0,
+                int64_t n, const char* src, char* dst, int64_t dst_ld, size_t dst_size,
+                bool in_place, const char* weights) const;
   // Run's f32/bf16 path over the output columns [n0, n1).
   void RunDense(dnnl::stream& stream, Bindings& args, int64_t batch, int64_t rows,
                 StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt, int64_t n0,
