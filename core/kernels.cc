@@ -564,17 +564,17 @@ MHA_INLINE void ScoresRows(const float* q, const T* kt, int64_t ld, int64_t p, i
   }
 }
 
-// R rows' context over V vectors of columns at c0: o[r * p + c0, + 16 V) +=
-// w[r * nk, + nk) v[:, c0 : c0 + 16 V] for r < R. Each vector of a value row is
-// loaded once for the R rows; U interleaved partial sums over the keys (2 for one
-// row, ContextGroup's order of additions).
+// R rows' context over V vectors of columns at c0: o[r * ldo + c0, + 16 V) +=
+// w[r * nk, + nk) v[:, c0 : c0 + 16 V] for r < R, v's rows ldv apart. Each vector of
+// a value row is loaded once for the R rows; U interleaved partial sums over the keys
+// (2 for one row, ContextGroup's order of additions).
 template <int R, int U, int V, typename T>
-MHA_INLINE void ContextRowsGroup(const float* w, const T* v, int64_t p, int64_t nk, int64_t c0,
-                                 float* o, Prefetcher& pf) {
+MHA_INLINE void ContextRowsGroup(const float* w, const T* v, int64_t ldv, int64_t nk, int64_t c0,
+                                 float* o, int64_t ldo, Prefetcher& pf) {
   Floats16 a[U][R][V];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    for (int u = 0; u < V; ++u) Load16(o + r * p + c0 + 16 * u, a[0][r][u]);
+    for (int u = 0; u < V; ++u) Load16(o + r * ldo + c0 + 16 * u, a[0][r][u]);
     for (int i = 1; i < U; ++i) {
       for (int u = 0; u < V; ++u) a[i][r][u] = Floats16{};
     }
@@ -586,7 +586,7 @@ MHA_INLINE void ContextRowsGroup(const float* w, const T* v, int64_t p, int64_t 
     for (int i = 0; i < U; ++i) {
       Floats16 x[V];
 #pragma GCC unroll 4
-      for (int u = 0; u < V; ++u) Load16(v + (j + i) * p + c0 + 16 * u, x[u]);
+      for (int u = 0; u < V; ++u) Load16(v + (j + i) * ldv + c0 + 16 * u, x[u]);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const float wj = w[r * nk + j + i];
@@ -597,7 +597,7 @@ MHA_INLINE void ContextRowsGroup(const float* w, const T* v, int64_t p, int64_t 
   }
   for (; j < nk; ++j) {
     Floats16 x[V];
-    for (int u = 0; u < V; ++u) Load16(v + j * p + c0 + 16 * u, x[u]);
+    for (int u = 0; u < V; ++u) Load16(v + j * ldv + c0 + 16 * u, x[u]);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float wj = w[r * nk + j];
@@ -609,32 +609,35 @@ MHA_INLINE void ContextRowsGroup(const float* w, const T* v, int64_t p, int64_t 
     for (int u = 0; u < V; ++u) {
       Floats16 sum = a[0][r][u];
       for (int i = 1; i < U; ++i) sum += a[i][r][u];
-      Store16(o + r * p + c0 + 16 * u, sum);
+      Store16(o + r * ldo + c0 + 16 * u, sum);
     }
   }
 }
 
-// R rows (w rows of nk, o rows of p) += w v: groups of 64 columns for up to four
-// rows (32 for more, keeping R V sums in registers), then of 32 and 16; columns past
-// the last group take a plain loop per row.
+// R rows (w rows of nk, o rows of ldo) += w v over columns [0, cols), v's rows ldv
+// apart: groups of 64 columns for up to four rows (32 for more, keeping R V sums in
+// registers), then of 32 and 16; columns past the last group take a plain loop per
+// row.
 template <int R, typename T>
-MHA_INLINE void ContextRows(const float* w, const T* v, int64_t p, int64_t nk, float* o,
-                            Prefetcher& pf) {
+MHA_INLINE void ContextRows(const float* w, const T* v, int64_t ldv, int64_t cols, int64_t nk,
+                            float* o, int64_t ldo, Prefetcher& pf) {
   constexpr int U = R == 1 ? 2 : 1;
   int64_t c0 = 0;
   if constexpr (R <= 4) {
-    for (; c0 + 64 <= p; c0 += 64) ContextRowsGroup<R, U, 4>(w, v, p, nk, c0, o, pf);
+    for (; c0 + 64 <= cols; c0 += 64) ContextRowsGroup<R, U, 4>(w, v, ldv, nk, c0, o, ldo, pf);
   }
-  for (; c0 + 32 <= p; c0 += 32) ContextRowsGroup<R, U, 2>(w, v, p, nk, c0, o, pf);
-  for (; c0 + 16 <= p; c0 += 16) ContextRowsGroup<R, R <= 2 ? 2 : 1, 1>(w, v, p, nk, c0, o, pf);
-  if (c0 == p) return;
+  for (; c0 + 32 <= cols; c0 += 32) ContextRowsGroup<R, U, 2>(w, v, ldv, nk, c0, o, ldo, pf);
+  for (; c0 + 16 <= cols; c0 += 16) {
+    ContextRowsGroup<R, R <= 2 ? 2 : 1, 1>(w, v, ldv, nk, c0, o, ldo, pf);
+  }
+  if (c0 == cols) return;
   for (int r = 0; r < R; ++r) {
-    float* orow = o + r * p;
+    float* orow = o + r * ldo;
     for (int64_t j = 0; j < nk; ++j) {
       const float wj = w[r * nk + j];
-      const T* vj = v + j * p;
+      const T* vj = v + j * ldv;
 #pragma omp simd
-      for (int64_t c = c0; c < p; ++c) orow[c] += wj * Widen(vj[c]);
+      for (int64_t c = c0; c < cols; ++c) orow[c] += wj * Widen(vj[c]);
     }
   }
 }
@@ -685,40 +688,50 @@ MHA_INLINE void GroupScoresImpl(const float* q, const T* kt, int64_t ld, int64_t
   }
 }
 
+// One panel of values (ValuePanel), columns [c0, c0 + cols) of o's rows of p.
 template <typename T>
-MHA_INLINE void GroupContextImpl(const float* w, const T* v, int64_t p, int64_t mq, int64_t nk,
-                                 float* o, Prefetcher& pf) {
+MHA_INLINE void GroupContextPanel(const float* w, const T* v, int64_t cols, int64_t p, int64_t mq,
+                                  int64_t nk, float* o, Prefetcher& pf) {
   for (int64_t r0 = 0; r0 < mq;) {
     const int rows = GroupRows(mq - r0);
     const float* wr = w + r0 * nk;
     float* orow = o + r0 * p;
     switch (rows) {
       case 1:
-        ContextRows<1>(wr, v, p, nk, orow, pf);
+        ContextRows<1>(wr, v, cols, cols, nk, orow, p, pf);
         break;
       case 2:
-        ContextRows<2>(wr, v, p, nk, orow, pf);
+        ContextRows<2>(wr, v, cols, cols, nk, orow, p, pf);
         break;
       case 3:
-        ContextRows<3>(wr, v, p, nk, orow, pf);
+        ContextRows<3>(wr, v, cols, cols, nk, orow, p, pf);
         break;
       case 4:
-        ContextRows<4>(wr, v, p, nk, orow, pf);
+        ContextRows<4>(wr, v, cols, cols, nk, orow, p, pf);
         break;
       case 5:
-        ContextRows<5>(wr, v, p, nk, orow, pf);
+        ContextRows<5>(wr, v, cols, cols, nk, orow, p, pf);
         break;
       case 6:
-        ContextRows<6>(wr, v, p, nk, orow, pf);
+        ContextRows<6>(wr, v, cols, cols, nk, orow, p, pf);
         break;
       case 7:
-        ContextRows<7>(wr, v, p, nk, orow, pf);
+        ContextRows<7>(wr, v, cols, cols, nk, orow, p, pf);
         break;
       default:
-        ContextRows<8>(wr, v, p, nk, orow, pf);
+        ContextRows<8>(wr, v, cols, cols, nk, orow, p, pf);
         break;
     }
     r0 += rows;
+  }
+}
+
+template <typename T>
+MHA_INLINE void GroupContextImpl(const float* w, const T* v, int64_t panel_rows, int64_t p,
+                                 int64_t mq, int64_t nk, float* o, Prefetcher& pf) {
+  for (int64_t c0 = 0; c0 < p; c0 += kValuePanel<T>) {
+    const int64_t cols = std::min(kValuePanel<T>, p - c0);
+    GroupContextPanel(w, v + c0 * panel_rows, cols, p, mq, nk, o + c0, pf);
   }
 }
 
@@ -807,21 +820,21 @@ MHA_MULTIVERSION void GroupScoresBf16(const float* q, const uint16_t* kt, int64_
   pf.Rest();
 }
 
-MHA_MULTIVERSION void GroupContext(const float* probs, const float* v, int64_t p, int64_t mq,
-                                   int64_t nk, float* o, const void* prefetch,
-                                   int64_t prefetch_bytes) {
+MHA_MULTIVERSION void GroupContext(const float* probs, const float* v, int64_t panel_rows,
+                                   int64_t p, int64_t mq, int64_t nk, float* o,
+                                   const void* prefetch, int64_t prefetch_bytes) {
   Prefetcher pf(prefetch, prefetch_bytes, ((p + 63) / 64) * (nk / 2));
   pf.to_l2 = true;
-  GroupContextImpl(probs, v, p, mq, nk, o, pf);
+  GroupContextImpl(probs, v, panel_rows, p, mq, nk, o, pf);
   pf.Rest();
 }
 
-MHA_MULTIVERSION void GroupContextBf16(const float* probs, const uint16_t* v, int64_t p, int64_t mq,
-                                       int64_t nk, float* o, const void* prefetch,
-                                       int64_t prefetch_bytes) {
+MHA_MULTIVERSION void GroupContextBf16(const float* probs, const uint16_t* v, int64_t panel_rows,
+                                       int64_t p, int64_t mq, int64_t nk, float* o,
+                                       const void* prefetch, int64_t prefetch_bytes) {
   Prefetcher pf(prefetch, prefetch_bytes, ((p + 63) / 64) * (nk / 2));
   pf.to_l2 = true;
-  GroupContextImpl(probs, v, p, mq, nk, o, pf);
+  GroupContextImpl(probs, v, panel_rows, p, mq, nk, o, pf);
   pf.Rest();
 }
 

@@ -73,7 +73,8 @@ void SmallContextBf16(const float* probs, const uint16_t* v, int64_t p, int64_t 
 // loaded once for all of a group's rows, instead of once per row, so the block
 // streams through once per group and the multiply-adds of the rows run side by side.
 //   GroupScores:  s (mq, nk) = scale * q (mq, p) kt[:, :nk], kt (p, ld)
-//   GroupContext: o (mq, p) += probs (mq, nk) v (nk, p)
+//   GroupContext: o (mq, p) += probs (mq, nk) v (nk, p), v in column panels
+//                 (ValueIndex<T>) of panel_rows >= nk rows
 // prefetch (prefetch_bytes) is fetched over the loops as in the kernels above, but into
 // L2 only (prefetcht2), which keeps more reads in flight than prefetches into L1.
 void GroupScores(const float* q, const float* kt, int64_t ld, int64_t p, int64_t mq, int64_t nk,
@@ -81,10 +82,26 @@ void GroupScores(const float* q, const float* kt, int64_t ld, int64_t p, int64_t
 void GroupScoresBf16(const float* q, const uint16_t* kt, int64_t ld, int64_t p, int64_t mq,
                      int64_t nk, float scale, float* s, const void* prefetch = nullptr,
                      int64_t prefetch_bytes = 0);
-void GroupContext(const float* probs, const float* v, int64_t p, int64_t mq, int64_t nk, float* o,
-                  const void* prefetch = nullptr, int64_t prefetch_bytes = 0);
-void GroupContextBf16(const float* probs, const uint16_t* v, int64_t p, int64_t mq, int64_t nk,
-                      float* o, const void* prefetch = nullptr, int64_t prefetch_bytes = 0);
+// The values of a cache block in column panels of 256 bytes a row: columns
+// [c0, c0 + w) of all its panel_rows rows together, row by row (c0 a multiple of
+// kValuePanel<T>, 64 f32 or 128 bf16 columns; w = min(kValuePanel<T>, p - c0)), so that
+// GroupContext reads an f32 block in one sequential run where rows of p would have
+// it stride through the block once per group of 64 columns (docs/performance.md,
+// "Values in column panels"). p <= kValuePanel<T> is the plain row layout.
+// ValueIndex<T>: where row j's column c is.
+template <typename T>
+inline constexpr int64_t kValuePanel = 256 / static_cast<int64_t>(sizeof(T));
+template <typename T>
+int64_t ValueIndex(int64_t j, int64_t c, int64_t p, int64_t panel_rows) {
+  const int64_t c0 = c / kValuePanel<T> * kValuePanel<T>;
+  const int64_t w = p - c0 < kValuePanel<T> ? p - c0 : kValuePanel<T>;
+  return c0 * panel_rows + j * w + (c - c0);
+}
+void GroupContext(const float* probs, const float* v, int64_t panel_rows, int64_t p, int64_t mq,
+                  int64_t nk, float* o, const void* prefetch = nullptr, int64_t prefetch_bytes = 0);
+void GroupContextBf16(const float* probs, const uint16_t* v, int64_t panel_rows, int64_t p,
+                      int64_t mq, int64_t nk, float* o, const void* prefetch = nullptr,
+                      int64_t prefetch_bytes = 0);
 
 // A few rows through a weight matrix W (n, k): y (m, n) = x (m, k) W^T + b, row
 // strides ldx and ldy. A few rows (a decode step's projections) read every weight

@@ -4,7 +4,9 @@
 // A block holds kBlockTokens tokens of one sequence, f32 (bf16 for a bf16 model's
 // sequence: half the bytes): for each head, its keys transposed, (p, kBlockTokens),
 // token r of the block in column r, so that a query's scores against a block
-// vectorise across its keys; and its values, (kBlockTokens, p), token r in row r.
+// vectorise across its keys; and its values, (kBlockTokens, p), token r in row r,
+// stored in column panels of 256 bytes a row (kernels::ValueIndex) so that the
+// context kernel reads them in one run.
 // A sequence is a list of blocks; token t is column (row) t % kBlockTokens of block
 // t / kBlockTokens. Nothing is padded to the longest sequence, and a sequence's
 // last block is its only partly used one.
@@ -110,7 +112,7 @@ class KvSequence {
   int64_t head_size() const { return head_size_; }
   bool bf16() const { return bf16_; }
   // Block b's keys of head h, (p, kBlockTokens) transposed; its values,
-  // (kBlockTokens, p), right after them. T is float, or uint16_t for a bf16 sequence.
+  // (kBlockTokens, p) in column panels, right after them. T is float, or uint16_t for a bf16 sequence.
   template <typename T>
   T* keys(int64_t b, int64_t h) const {
     const Block& block = blocks_[b];

@@ -50,19 +50,19 @@ inline void BlockScores(const float* q, const uint16_t* kt, int64_t ld, int64_t 
 }
 inline void BlockContext(const float* probs, const float* v, int64_t p, int64_t mq, int64_t nk,
                          float* o, const void* prefetch, int64_t bytes) {
-  kernels::GroupContext(probs, v, p, mq, nk, o, prefetch, bytes);
+  kernels::GroupContext(probs, v, KvCachePool::kBlockTokens, p, mq, nk, o, prefetch, bytes);
 }
 inline void BlockContext(const float* probs, const uint16_t* v, int64_t p, int64_t mq, int64_t nk,
                          float* o, const void* prefetch, int64_t bytes) {
-  kernels::GroupContextBf16(probs, v, p, mq, nk, o, prefetch, bytes);
+  kernels::GroupContextBf16(probs, v, KvCachePool::kBlockTokens, p, mq, nk, o, prefetch, bytes);
 }
 inline void ToCache(const float* x, float* y, int64_t n) { std::copy_n(x, n, y); }
 inline void ToCache(const float* x, uint16_t* y, int64_t n) { kernels::ToBf16(x, y, n); }
 
 // n new keys and values of heads [h0, h1) (rows at k and v, row stride ld; heads of
 // p) into the cache after its last token: keys transposed within their block, values
-// as rows. With `rope`, each key is rotated to its token's position first (rotated:
-// p floats of scratch).
+// in its column panels (kernels::ValueIndex). With `rope`, each key is rotated to its token's
+// position first (rotated: p floats of scratch).
 template <typename T>
 void StoreRows(KvSequence& cache, int64_t n, const float* k, const float* v, int64_t ld, int64_t h0,
                int64_t h1, int64_t p, const internal::Rotary* rotary,
@@ -78,7 +78,12 @@ void StoreRows(KvSequence& cache, int64_t n, const float* k, const float* v, int
       }
       T* kt = cache.keys<T>(b, h) + col;
       for (int64_t c = 0; c < p; ++c) ToCache(key + c, kt + c * kBt, 1);
-      ToCache(v + r * ld + h * p, cache.values<T>(b, h) + col * p, p);
+      const float* value = v + r * ld + h * p;
+      T* panels = cache.values<T>(b, h);
+      for (int64_t c0 = 0; c0 < p; c0 += kernels::kValuePanel<T>) {
+        const int64_t w = std::min(kernels::kValuePanel<T>, p - c0);
+        ToCache(value + c0, panels + c0 * kBt + col * w, w);
+      }
     }
   }
 }
@@ -364,7 +369,7 @@ std::vector<MultiHeadAttention::Impl::PagedTask> MultiHeadAttention::Impl::Paged
                          .new_k = tasks_store ? proj.k + ki * proj.ldkv : nullptr,
                          .new_v = tasks_store ? proj.v + ki * proj.ldkv : nullptr,
                          .ldkv = proj.ldkv,
-                         .prefetch = prefetch});
+                         .prefetch = prefetch && step.cache->bf16()});
         costs.push_back(static_cast<double>(tasks.back().mq * hs * seen));
       }
     }

@@ -86,7 +86,7 @@ double Attend(const Layout& layout, bool prefetch, int64_t blocks, int64_t repea
                                s.data(), more ? layout.keys(seq, g, b + 1) : nullptr,
                                kTile * sizeof(float));
           for (float& x : s) x *= 1e-3f;  // stands in for the softmax's weights
-          kernels::GroupContext(s.data(), layout.values(seq, g, b), kP, kRows, kBt, o.data(),
+          kernels::GroupContext(s.data(), layout.values(seq, g, b), kBt, kP, kRows, kBt, o.data(),
                                 more ? layout.values(seq, g, b + 1) : nullptr,
                                 kTile * sizeof(float));
         }
@@ -158,19 +158,20 @@ int main(int argc, char** argv) {
                                                 k.blocks < kBlocks));
     }
   }
-  std::printf("cache of %lld MiB (%lld sequences x %lld tokens, G %lld, d_h %lld, f32), "
-              "%d alternated rounds, 2 threads\n",
-              static_cast<long long>(kFloats * sizeof(float) >> 20),
-              static_cast<long long>(kSequences), static_cast<long long>(kTokens),
-              static_cast<long long>(kG), static_cast<long long>(kP), rounds);
+  std::printf(
+      "cache of %lld MiB (%lld sequences x %lld tokens, G %lld, d_h %lld, f32), "
+      "%d alternated rounds, 2 threads\n",
+      static_cast<long long>(kFloats * sizeof(float) >> 20), static_cast<long long>(kSequences),
+      static_cast<long long>(kTokens), static_cast<long long>(kG), static_cast<long long>(kP),
+      rounds);
   double read = 0;
   for (size_t c = 0; c < cases.size(); ++c) {
     std::vector<double> v = figures[c];
     std::sort(v.begin(), v.end());
     const double median = v[v.size() / 2];
     if (c == 0) read = median;
-    std::printf("%-30s median %6.2f GB/s (%.2f-%.2f)  %.2fx the read loop\n",
-                cases[c].name.c_str(), median, v.front(), v.back(), median / read);
+    std::printf("%-30s median %6.2f GB/s (%.2f-%.2f)  %.2fx the read loop\n", cases[c].name.c_str(),
+                median, v.front(), v.back(), median / read);
   }
   munmap(mapped, kFloats * sizeof(float));
   return 0;

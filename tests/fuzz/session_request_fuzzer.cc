@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "core/attention.h"
+#include "core/kernels.h"
 #include "core/kv_cache.h"
 #include "proto/attention.pb.h"
 #include "server/attention_v1/session_codec.h"
@@ -154,7 +155,8 @@ struct Element<uint16_t> {
 };
 
 // Visits every element of every block of `cache` (core/kv_cache.h's layout: a
-// block's keys of head h (p, kBlockTokens) transposed, its values (kBlockTokens, p)):
+// block's keys of head h (p, kBlockTokens) transposed, its values (kBlockTokens, p)
+// in column panels, kernels::ValueIndex):
 // fn(token, head, key element, value element), token by token.
 template <typename T, typename Fn>
 void ForEachElement(const KvSequence& cache, Fn fn) {
@@ -165,7 +167,9 @@ void ForEachElement(const KvSequence& cache, Fn fn) {
       T* keys = cache.keys<T>(b, h);
       T* values = cache.values<T>(b, h);
       for (int64_t r = 0; r < kBt; ++r) {
-        for (int64_t i = 0; i < p; ++i) fn(b * kBt + r, h, keys[i * kBt + r], values[r * p + i]);
+        for (int64_t i = 0; i < p; ++i)
+          fn(b * kBt + r, h, keys[i * kBt + r],
+             values[mha::core::kernels::ValueIndex<T>(r, i, p, kBt)]);
       }
     }
   }

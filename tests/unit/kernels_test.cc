@@ -260,8 +260,9 @@ TEST(KernelsTest, Bf16CacheKernelsEqualTheF32OnesOnTheSameValues) {
 // (every register-blocked group size, and 9 split into two groups), whole blocks of
 // 32 keys, groups of 16 and tails of keys, heads whose columns fill groups of 64, 32
 // and 16 vectors or leave a tail, keys transposed at a stride wider than the block.
-// f32 and bfloat16 caches (the double loops read the bfloat16 values widened); the
-// context accumulates onto what o held, and a prefetched block changes nothing.
+// f32 and bfloat16 caches (the double loops read the bfloat16 values widened); values
+// in column panels (ValueIndex<T>) of as many rows as the keys' stride, those past nk
+// NaN; the context accumulates onto what o held, and a prefetched block changes nothing.
 TEST(KernelsTest, GroupKernelsMatchDoubleLoops) {
   for (const auto [p, nk] : {std::array<int64_t, 2>{128, 32},
                              {128, 17},
@@ -278,17 +279,27 @@ TEST(KernelsTest, GroupKernelsMatchDoubleLoops) {
       for (int64_t mq = 1; mq <= 9; ++mq) {
         SCOPED_TRACE(testing::Message()
                      << "p " << p << " mq " << mq << " nk " << nk << " ld " << ld);
-        std::vector<float> q(mq * p), kt(p * ld), v(nk * p), probs(mq * nk);
+        std::vector<float> q(mq * p), kt(p * ld), v(ld * p), probs(mq * nk);
         for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.7f * static_cast<float>(i));
         for (size_t i = 0; i < kt.size(); ++i) {
           kt[i] = static_cast<int64_t>(i) % ld < nk ? std::cos(0.3f * static_cast<float>(i))
                                                     : std::numeric_limits<float>::quiet_NaN();
         }
-        for (size_t i = 0; i < v.size(); ++i) v[i] = std::sin(0.11f * static_cast<float>(i) + 1);
+        for (int64_t j = 0; j < ld; ++j) {
+          for (int64_t c = 0; c < p; ++c) {
+            v[ValueIndex<float>(j, c, p, ld)] = j < nk
+                                             ? std::sin(0.11f * static_cast<float>(j * p + c) + 1)
+                                             : std::numeric_limits<float>::quiet_NaN();
+          }
+        }
         for (size_t i = 0; i < probs.size(); ++i) probs[i] = 0.01f * static_cast<float>(i % 17);
         std::vector<uint16_t> kt16(kt.size()), v16(v.size());
         ToBf16(kt.data(), kt16.data(), static_cast<int64_t>(kt.size()));
-        ToBf16(v.data(), v16.data(), static_cast<int64_t>(v.size()));
+        for (int64_t j = 0; j < ld; ++j) {  // the same values in bfloat16's panels
+          for (int64_t c = 0; c < p; ++c) {
+            ToBf16(&v[ValueIndex<float>(j, c, p, ld)], &v16[ValueIndex<uint16_t>(j, c, p, ld)], 1);
+          }
+        }
         std::vector<float> kt_w(kt.size()), v_w(v.size());
         for (size_t i = 0; i < kt16.size(); ++i)
           kt_w[i] = std::bit_cast<float>(uint32_t{kt16[i]} << 16);
@@ -315,15 +326,15 @@ TEST(KernelsTest, GroupKernelsMatchDoubleLoops) {
         for (size_t i = 0; i < o.size(); ++i)
           o[i] = o16[i] = 0.5f - 0.01f * static_cast<float>(i % 50);
         const std::vector<float> before = o;
-        GroupContext(probs.data(), v.data(), p, mq, nk, o.data(), next.data(),
+        GroupContext(probs.data(), v.data(), ld, p, mq, nk, o.data(), next.data(),
                      static_cast<int64_t>(next.size() * sizeof(float)));
-        GroupContextBf16(probs.data(), v16.data(), p, mq, nk, o16.data());
+        GroupContextBf16(probs.data(), v16.data(), ld, p, mq, nk, o16.data());
         for (int64_t i = 0; i < mq; ++i) {
           for (int64_t c = 0; c < p; ++c) {
             double sum = before[i * p + c], sum16 = before[i * p + c];
             for (int64_t j = 0; j < nk; ++j) {
-              sum += double{probs[i * nk + j]} * v[j * p + c];
-              sum16 += double{probs[i * nk + j]} * v_w[j * p + c];
+              sum += double{probs[i * nk + j]} * v[ValueIndex<float>(j, c, p, ld)];
+              sum16 += double{probs[i * nk + j]} * v_w[ValueIndex<uint16_t>(j, c, p, ld)];
             }
             EXPECT_NEAR(o[i * p + c], sum, 2e-5) << i << "," << c;
             EXPECT_NEAR(o16[i * p + c], sum16, 2e-5) << i << "," << c;
