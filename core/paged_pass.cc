@@ -18,8 +18,9 @@ using internal::Dt;
 using internal::Grow;
 using internal::SizeOf;
 
-// The paged kernels prefetch the next block above this many bytes of cache read
-// by a call.
+// The paged kernels prefetch a bf16 cache's next block above this many bytes of
+// cache read by a call. An f32 cache's blocks (values in column panels) read faster
+// without (docs/performance.md, "Values in column panels").
 constexpr double kPrefetchAboveBytes = 32 << 20;
 
 // ForwardPaged: one thread per this many bytes of weights and cached keys and
@@ -145,7 +146,7 @@ void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratc
   stats.Reset(mq);
   const float scale = 1.0f / std::sqrt(static_cast<float>(p));
   const KvSequence& cache = *step.cache;
-  // With task.prefetch (caches read from memory), the next block's keys and values for
+  // With task.prefetch (bf16 caches read from memory), the next block's keys and values for
   // this head are fetched while this one is worked on: the hardware prefetchers stop
   // at page boundaries and do not run ahead into the next chunk. The kernels spread
   // those prefetches over their loops (the keys' over the scores, the values' over the
