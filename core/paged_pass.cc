@@ -18,10 +18,12 @@ using internal::Dt;
 using internal::Grow;
 using internal::SizeOf;
 
-// The paged kernels prefetch a bf16 cache's next block above this many bytes of
-// cache read by a call. An f32 cache's blocks (values in column panels) read faster
-// without (docs/performance.md, "Values in column panels").
+// The paged kernels prefetch the next block above this many bytes of cache read by
+// a call, when a head's keys of a block are fewer bytes than kPrefetchBelowTileBytes:
+// tiles of 16 KiB (f32 at d_h 128) read faster without, those of 8 KiB (bf16 at d_h
+// 128, f32 at d_h 64) slower (docs/performance.md, "Values in column panels").
 constexpr double kPrefetchAboveBytes = 32 << 20;
+constexpr int64_t kPrefetchBelowTileBytes = 16 << 10;
 
 // ForwardPaged: one thread per this many bytes of weights and cached keys and
 // values read (bert_base's weights are 9 MiB), when that is more than its FLOPs get.
@@ -146,11 +148,11 @@ void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratc
   stats.Reset(mq);
   const float scale = 1.0f / std::sqrt(static_cast<float>(p));
   const KvSequence& cache = *step.cache;
-  // With task.prefetch (bf16 caches read from memory), the next block's keys and values for
-  // this head are fetched while this one is worked on: the hardware prefetchers stop
-  // at page boundaries and do not run ahead into the next chunk. The kernels spread
-  // those prefetches over their loops (the keys' over the scores, the values' over the
-  // context), so that the reads overlap the arithmetic instead of stalling before it.
+  // With task.prefetch (caches read from memory, in tiles under 16 KiB), the next block's keys and
+  // values for this head are fetched while this one is worked on: the hardware prefetchers stop at
+  // page boundaries and do not run ahead into the next chunk. The kernels spread those prefetches
+  // over their loops (the keys' over the scores, the values' over the context), so that the reads
+  // overlap the arithmetic instead of stalling before it.
   const int64_t head_bytes = kBt * p * sizeof(T);
   for (int64_t j0 = 0; j0 < max_limit; j0 += kBt) {
     const int64_t b = j0 / kBt, nk = std::min(kBt, max_limit - j0);
@@ -350,6 +352,9 @@ std::vector<MultiHeadAttention::Impl::PagedTask> MultiHeadAttention::Impl::Paged
                    (step.cache->bf16() ? 2.0 : 4.0);
   }
   const bool prefetch = cache_bytes > kPrefetchAboveBytes;
+  auto tile_bytes = [&](const PagedStep& step) {
+    return KvCachePool::kBlockTokens * c_.head_size() * (step.cache->bf16() ? 2 : 4);
+  };
   std::vector<PagedTask> tasks;
   costs.clear();
   int64_t qi = 0, ki = 0;
@@ -370,7 +375,7 @@ std::vector<MultiHeadAttention::Impl::PagedTask> MultiHeadAttention::Impl::Paged
                          .new_k = tasks_store ? proj.k + ki * proj.ldkv : nullptr,
                          .new_v = tasks_store ? proj.v + ki * proj.ldkv : nullptr,
                          .ldkv = proj.ldkv,
-                         .prefetch = prefetch && step.cache->bf16()});
+                         .prefetch = prefetch && tile_bytes(step) < kPrefetchBelowTileBytes});
         costs.push_back(static_cast<double>(tasks.back().mq * hs * seen));
       }
     }
