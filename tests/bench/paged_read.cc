@@ -10,7 +10,8 @@
 // one sequence's key/value head, its h/G = 4 query rows through every block (scores,
 // then context), as AttendPagedTask runs them; two threads share the 128 tasks. Cases:
 //   read           two threads summing the buffer as uint64 words (memory_read's loop)
-//   chunks:N       the cache's layout (core/kv_cache.h) with chunks of N blocks: each
+//   chunks:N       the cache's layout (core/kv_cache.h; a tile of values is read as
+//                  the cache's column panels) with chunks of N blocks: each
 //                  head's blocks of a chunk together, so a task reads N x 32 KiB in one
 //                  run; the cache's sequences grow to chunks of 8; with and without the
 //                  paged pass's software prefetch of the next block
