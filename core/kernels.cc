@@ -614,28 +614,28 @@ MHA_INLINE void ContextRowsGroup(const float* w, const T* v, int64_t ldv, int64_
   }
 }
 
-// R rows (w rows of nk, o rows of ldo) += w v over columns [0, cols), v's rows ldv
-// apart: groups of 64 columns for up to four rows (32 for more, keeping R V sums in
+// R rows (w rows of nk, o rows of ldo) += w v, v (nk, cols) (a panel of values):
+// groups of 64 columns for up to four rows (32 for more, keeping R V sums in
 // registers), then of 32 and 16; columns past the last group take a plain loop per
 // row.
 template <int R, typename T>
-MHA_INLINE void ContextRows(const float* w, const T* v, int64_t ldv, int64_t cols, int64_t nk,
-                            float* o, int64_t ldo, Prefetcher& pf) {
+MHA_INLINE void ContextRows(const float* w, const T* v, int64_t cols, int64_t nk, float* o,
+                            int64_t ldo, Prefetcher& pf) {
   constexpr int U = R == 1 ? 2 : 1;
   int64_t c0 = 0;
   if constexpr (R <= 4) {
-    for (; c0 + 64 <= cols; c0 += 64) ContextRowsGroup<R, U, 4>(w, v, ldv, nk, c0, o, ldo, pf);
+    for (; c0 + 64 <= cols; c0 += 64) ContextRowsGroup<R, U, 4>(w, v, cols, nk, c0, o, ldo, pf);
   }
-  for (; c0 + 32 <= cols; c0 += 32) ContextRowsGroup<R, U, 2>(w, v, ldv, nk, c0, o, ldo, pf);
+  for (; c0 + 32 <= cols; c0 += 32) ContextRowsGroup<R, U, 2>(w, v, cols, nk, c0, o, ldo, pf);
   for (; c0 + 16 <= cols; c0 += 16) {
-    ContextRowsGroup<R, R <= 2 ? 2 : 1, 1>(w, v, ldv, nk, c0, o, ldo, pf);
+    ContextRowsGroup<R, R <= 2 ? 2 : 1, 1>(w, v, cols, nk, c0, o, ldo, pf);
   }
   if (c0 == cols) return;
   for (int r = 0; r < R; ++r) {
     float* orow = o + r * ldo;
     for (int64_t j = 0; j < nk; ++j) {
       const float wj = w[r * nk + j];
-      const T* vj = v + j * ldv;
+      const T* vj = v + j * cols;
 #pragma omp simd
       for (int64_t c = c0; c < cols; ++c) orow[c] += wj * Widen(vj[c]);
     }
@@ -688,7 +688,7 @@ MHA_INLINE void GroupScoresImpl(const float* q, const T* kt, int64_t ld, int64_t
   }
 }
 
-// One panel of values (ValuePanel), columns [c0, c0 + cols) of o's rows of p.
+// One panel of values (ValueIndex), (nk, cols), into its columns of o's rows of p.
 template <typename T>
 MHA_INLINE void GroupContextPanel(const float* w, const T* v, int64_t cols, int64_t p, int64_t mq,
                                   int64_t nk, float* o, Prefetcher& pf) {
@@ -698,28 +698,28 @@ MHA_INLINE void GroupContextPanel(const float* w, const T* v, int64_t cols, int6
     float* orow = o + r0 * p;
     switch (rows) {
       case 1:
-        ContextRows<1>(wr, v, cols, cols, nk, orow, p, pf);
+        ContextRows<1>(wr, v, cols, nk, orow, p, pf);
         break;
       case 2:
-        ContextRows<2>(wr, v, cols, cols, nk, orow, p, pf);
+        ContextRows<2>(wr, v, cols, nk, orow, p, pf);
         break;
       case 3:
-        ContextRows<3>(wr, v, cols, cols, nk, orow, p, pf);
+        ContextRows<3>(wr, v, cols, nk, orow, p, pf);
         break;
       case 4:
-        ContextRows<4>(wr, v, cols, cols, nk, orow, p, pf);
+        ContextRows<4>(wr, v, cols, nk, orow, p, pf);
         break;
       case 5:
-        ContextRows<5>(wr, v, cols, cols, nk, orow, p, pf);
+        ContextRows<5>(wr, v, cols, nk, orow, p, pf);
         break;
       case 6:
-        ContextRows<6>(wr, v, cols, cols, nk, orow, p, pf);
+        ContextRows<6>(wr, v, cols, nk, orow, p, pf);
         break;
       case 7:
-        ContextRows<7>(wr, v, cols, cols, nk, orow, p, pf);
+        ContextRows<7>(wr, v, cols, nk, orow, p, pf);
         break;
       default:
-        ContextRows<8>(wr, v, cols, cols, nk, orow, p, pf);
+        ContextRows<8>(wr, v, cols, nk, orow, p, pf);
         break;
     }
     r0 += rows;
