@@ -257,7 +257,11 @@ class Streams final : public CallSender::Impl {
     const grpc::StatusCode code =
         streams_.empty() ? grpc::StatusCode::UNAVAILABLE
                          : streams_[static_cast<size_t>(slot) % streams_.size()]->Send(start);
-    if (code != grpc::StatusCode::OK) observer_->OnSample(slot, MakeSample(start, code));
+    if (code != grpc::StatusCode::OK) {
+      Sample refused = MakeSample(start, code);
+      refused.sent = false;
+      observer_->OnSample(slot, refused);
+    }
   }
 
   void CloseStreams() override {
@@ -403,7 +407,9 @@ class HttpLanes final : public CallSender::Impl {
       cancelled.swap(lane->queue);
     }
     for (const auto& [slot, start] : cancelled) {
-      observer_->OnSample(slot, MakeSample(start, grpc::StatusCode::CANCELLED));
+      Sample refused = MakeSample(start, grpc::StatusCode::CANCELLED);
+      refused.sent = false;
+      observer_->OnSample(slot, refused);
     }
   }
 

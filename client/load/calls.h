@@ -51,6 +51,9 @@ struct Sample {
   // The server's timing of a successful Attend (AttendResponse.timing, or TimingOf
   // an Open Inference Protocol response); 0 otherwise.
   int64_t queue_us = 0, compute_us = 0, batch_rows = 0;
+  // false: the request never left the client (its stream had closed, or it waited
+  // for an HTTP connection that closed), though its slot counted it as sent.
+  bool sent = true;
 };
 
 // The steady clock in nanoseconds, the time base of Sample.

@@ -127,8 +127,12 @@ bool LoadManager::AcquireLocked() {
 
 void LoadManager::RecordLocked(const Sample& sample) {
   // A request the manager's own Stop kept from being sent (a stream closed at the end
-  // of a step) is neither a request nor a failure.
-  if (stopping_ && sample.code == grpc::StatusCode::CANCELLED) return;
+  // of a step) is neither a request nor a failure: its slot, acquired before the
+  // stop, counted it in sent_.
+  if (stopping_ && sample.code == grpc::StatusCode::CANCELLED) {
+    if (!sample.sent) sent_.fetch_sub(1);
+    return;
+  }
   recorder_->Add(sample);
   if (sample.code == grpc::StatusCode::OK) {
     failures_in_a_row_ = 0;
