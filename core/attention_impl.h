@@ -306,7 +306,9 @@ class MultiHeadAttention::Impl {
     const float* new_k = nullptr;
     const float* new_v = nullptr;
     int64_t ldkv = 0;
-    bool prefetch = true;  // each next block while this one is worked on
+    // Each next block while this one is worked on (the steps' caches are read from
+    // memory); AttendPagedTask does so for tiles under kPrefetchBelowTileBytes.
+    bool prefetch = true;
   };
   // The steps' new rows through the projections: row r of Q at q + r * ld; of the
   // new keys and values at k + r * ldkv, v + r * ldkv.

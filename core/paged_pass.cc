@@ -64,8 +64,8 @@ inline void ToCache(const float* x, uint16_t* y, int64_t n) { kernels::ToBf16(x,
 
 // n new keys and values of heads [h0, h1) (rows at k and v, row stride ld; heads of
 // p) into the cache after its last token: keys transposed within their block, values
-// in its column panels (kernels::ValueIndex). With `rope`, each key is rotated to its token's
-// position first (rotated: p floats of scratch).
+// in its column panels (kernels::ValueIndex). With `rope`, each key is rotated to its
+// token's position first (rotated: p floats of scratch).
 template <typename T>
 void StoreRows(KvSequence& cache, int64_t n, const float* k, const float* v, int64_t ld, int64_t h0,
                int64_t h1, int64_t p, const internal::Rotary* rotary,
@@ -84,8 +84,8 @@ void StoreRows(KvSequence& cache, int64_t n, const float* k, const float* v, int
       const float* value = v + r * ld + h * p;
       T* panels = cache.values<T>(b, h);
       for (int64_t c0 = 0; c0 < p; c0 += kernels::kValuePanel<T>) {
-        const int64_t w = std::min(kernels::kValuePanel<T>, p - c0);
-        ToCache(value + c0, panels + c0 * kBt + col * w, w);
+        ToCache(value + c0, panels + kernels::ValueIndex<T>(col, c0, p, kBt),
+                std::min(kernels::kValuePanel<T>, p - c0));
       }
     }
   }
@@ -148,15 +148,16 @@ void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratc
   stats.Reset(mq);
   const float scale = 1.0f / std::sqrt(static_cast<float>(p));
   const KvSequence& cache = *step.cache;
-  // With task.prefetch (caches read from memory, in tiles under 16 KiB), the next block's keys and
-  // values for this head are fetched while this one is worked on: the hardware prefetchers stop at
-  // page boundaries and do not run ahead into the next chunk. The kernels spread those prefetches
-  // over their loops (the keys' over the scores, the values' over the context), so that the reads
-  // overlap the arithmetic instead of stalling before it.
+  // With task.prefetch (caches read from memory) and tiles under kPrefetchBelowTileBytes,
+  // the next block's keys and values for this head are fetched while this one is worked
+  // on: the hardware prefetchers stop at page boundaries and do not run ahead into the
+  // next chunk. The kernels spread those prefetches over their loops (the keys' over the
+  // scores, the values' over the context), so that the reads overlap the arithmetic
+  // instead of stalling before it.
   const int64_t head_bytes = kBt * p * sizeof(T);
   for (int64_t j0 = 0; j0 < max_limit; j0 += kBt) {
     const int64_t b = j0 / kBt, nk = std::min(kBt, max_limit - j0);
-    const bool more = task.prefetch && j0 + kBt < max_limit;
+    const bool more = task.prefetch && head_bytes < kPrefetchBelowTileBytes && j0 + kBt < max_limit;
     const T* next_keys = more ? cache.keys<T>(b + 1, g) : nullptr;
     const T* next_values = more ? cache.values<T>(b + 1, g) : nullptr;
     BlockScores(q, cache.keys<T>(b, g), kBt, p, mq, nk, scale, s, next_keys, head_bytes);
@@ -352,9 +353,6 @@ std::vector<MultiHeadAttention::Impl::PagedTask> MultiHeadAttention::Impl::Paged
                    (step.cache->bf16() ? 2.0 : 4.0);
   }
   const bool prefetch = cache_bytes > kPrefetchAboveBytes;
-  auto tile_bytes = [&](const PagedStep& step) {
-    return KvCachePool::kBlockTokens * c_.head_size() * (step.cache->bf16() ? 2 : 4);
-  };
   std::vector<PagedTask> tasks;
   costs.clear();
   int64_t qi = 0, ki = 0;
@@ -375,7 +373,7 @@ std::vector<MultiHeadAttention::Impl::PagedTask> MultiHeadAttention::Impl::Paged
                          .new_k = tasks_store ? proj.k + ki * proj.ldkv : nullptr,
                          .new_v = tasks_store ? proj.v + ki * proj.ldkv : nullptr,
                          .ldkv = proj.ldkv,
-                         .prefetch = prefetch && tile_bytes(step) < kPrefetchBelowTileBytes});
+                         .prefetch = prefetch});
         costs.push_back(static_cast<double>(tasks.back().mq * hs * seen));
       }
     }

@@ -41,6 +41,13 @@ Sample MakeSample(int64_t start_ns, grpc::StatusCode code,
   return sample;
 }
 
+// A request that never left the client (Sample::sent).
+Sample Unsent(int64_t start_ns, grpc::StatusCode code) {
+  Sample sample = MakeSample(start_ns, code);
+  sample.sent = false;
+  return sample;
+}
+
 Sample ResponseSample(int64_t start_ns, const AttendResponse& response) {
   return MakeSample(start_ns, grpc::StatusCode::OK, &response.timing());
 }
@@ -257,11 +264,7 @@ class Streams final : public CallSender::Impl {
     const grpc::StatusCode code =
         streams_.empty() ? grpc::StatusCode::UNAVAILABLE
                          : streams_[static_cast<size_t>(slot) % streams_.size()]->Send(start);
-    if (code != grpc::StatusCode::OK) {
-      Sample refused = MakeSample(start, code);
-      refused.sent = false;
-      observer_->OnSample(slot, refused);
-    }
+    if (code != grpc::StatusCode::OK) observer_->OnSample(slot, Unsent(start, code));
   }
 
   void CloseStreams() override {
@@ -407,9 +410,7 @@ class HttpLanes final : public CallSender::Impl {
       cancelled.swap(lane->queue);
     }
     for (const auto& [slot, start] : cancelled) {
-      Sample refused = MakeSample(start, grpc::StatusCode::CANCELLED);
-      refused.sent = false;
-      observer_->OnSample(slot, refused);
+      observer_->OnSample(slot, Unsent(start, grpc::StatusCode::CANCELLED));
     }
   }
 
