@@ -97,11 +97,24 @@ class SessionManager::Reactor final
     if (!input.ok()) return live->Fail(input.status());
     float* output = PrepareSessionResponse(*input, decoding, &response_);
     float* lse = settings_.return_lse ? PrepareSessionLse(*input, decoding, &response_) : nullptr;
+    message_bytes_ = request_.ByteSizeLong() + response_.ByteSizeLong();
     live->Step(std::move(model), ToPagedStep(*input, settings_, /*cache=*/nullptr, output, lse),
                DeadlineOf(context_), [context = context_] { return context->IsCancelled(); });
   }
 
-  void OnWriteDone(bool ok) override { session()->Written(ok); }
+  void OnWriteDone(bool ok) override {
+    // A step's messages over kKeptMessageBytes (a prefill: 4,032 tokens of an
+    // attention-only Llama layer are 99 MB in and 66 MB out) are let go of once it is
+    // answered, here, while the session waits for its next message. Kept, the
+    // response's capacity would stay with the session, and the request's would be
+    // freed by the next message's parse, on the path of the first decode step
+    // (docs/performance.md, "Prefill messages let go of after their answer").
+    if (message_bytes_ > kKeptMessageBytes) {
+      request_ = SessionRequest();
+      response_ = SessionResponse();
+    }
+    session()->Written(ok);
+  }
 
   void OnDone() override {
     manager_->store_.Close(session());
@@ -111,8 +124,12 @@ class SessionManager::Reactor final
  private:
   SessionManager* const manager_;
   grpc::CallbackServerContext* const context_;
+  // Smaller messages keep their capacity for the next step's (no new pages).
+  static constexpr size_t kKeptMessageBytes = size_t{16} << 20;
+
   SessionRequest request_;
   SessionResponse response_;
+  size_t message_bytes_ = 0;  // the current step's request and response, serialized
   SessionSettings settings_;
   // The access log's figures, written in Write and read in End: both called by the
   // store under the session's lock.
