@@ -97,6 +97,36 @@ std::pair<int64_t, int64_t> CostRange(std::span<const double> costs, int me, int
   return {first(me), first(me + 1)};
 }
 
+namespace {
+uint64_t PackRange(uint64_t next, uint64_t end) { return next | end << 32; }
+}  // namespace
+
+TaskRanges::TaskRanges(std::span<const double> costs, int n)
+    : ranges_(std::make_unique<std::atomic<uint64_t>[]>(n)), n_(n) {
+  for (int i = 0; i < n; ++i) {
+    const auto [first, last] = CostRange(costs, i, n);
+    ranges_[i].store(PackRange(first, last), std::memory_order_relaxed);
+  }
+}
+
+int64_t TaskRanges::Next(int me) {
+  // The owner's front, then the others' backs, each claimed by moving its bound.
+  for (int k = 0; k < n_; ++k) {
+    std::atomic<uint64_t>& range = ranges_[(me + k) % n_];
+    uint64_t bounds = range.load(std::memory_order_relaxed);
+    while (true) {
+      const uint64_t next = bounds & 0xffffffffu, end = bounds >> 32;
+      if (next >= end) break;
+      const bool front = k == 0;
+      const uint64_t claimed = front ? PackRange(next + 1, end) : PackRange(next, end - 1);
+      if (range.compare_exchange_weak(bounds, claimed, std::memory_order_relaxed)) {
+        return static_cast<int64_t>(front ? next : end - 1);
+      }
+    }
+  }
+  return -1;
+}
+
 absl::Status RunPhases(
     int threads, Workspace& ws,
     std::initializer_list<absl::FunctionRef<void(int, int, TaskScratch&)>> phases) {
@@ -146,14 +176,15 @@ absl::Status RunTasks(int64_t tasks, int threads, Workspace& ws,
   if (team > 1) {
     double total = 0;
     for (const double c : costs) total += c;
-    const bool ranges = total > 0;  // else (no costs, or all 0) as they come
+    // Else (no costs, or all 0) as they come.
+    std::optional<TaskRanges> ranges;
+    if (total > 0) ranges.emplace(costs, team);
 #pragma omp parallel num_threads(team)
     {
       const int me = omp_get_thread_num();
       TaskScratch& scratch = ws.scratch[me];
       if (ranges) {
-        const auto [first, last] = CostRange(costs, me, omp_get_num_threads());
-        for (int64_t t = first; t < last; ++t) run_task(scratch, t);
+        for (int64_t t = ranges->Next(me); t >= 0; t = ranges->Next(me)) run_task(scratch, t);
       } else {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; ++t) run_task(scratch, t);

@@ -9,6 +9,7 @@
 
 #include <omp.h>
 
+#include <atomic>
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
@@ -141,15 +142,35 @@ class WorkspaceLease {
 // `threads`, each thread with its own stream and scratch (ws.scratch); returns the
 // first failure. Exceptions may not cross an OpenMP region, so each task's are caught
 // and reported. Threads take tasks as they come, or, given `costs` (one per task),
-// each runs one contiguous range of tasks of about equal total cost: the same ranges
-// for the same costs, so that calls in a row (a session's decode steps) give each
-// task's data to the core that had it in the call before.
+// as TaskRanges: each its own contiguous range of tasks of about equal total cost,
+// the same ranges for the same costs, so that calls in a row (a session's decode
+// steps) give each task's data to the core that had it in the call before; a thread
+// that finishes its range first takes over the tail of another's.
 absl::Status RunTasks(int64_t tasks, int threads, Workspace& ws,
                       absl::FunctionRef<void(int64_t, dnnl::stream&, TaskScratch&)> task,
                       std::span<const double> costs = {});
-// The tasks [first, last) that thread `me` of a team of n runs by RunTasks' rule for
-// costs (all > 0 in total).
+// The tasks [first, last) that thread `me` of a team of n starts with by RunTasks'
+// rule for costs (all > 0 in total).
 std::pair<int64_t, int64_t> CostRange(std::span<const double> costs, int me, int n);
+
+// Tasks shared out over n threads by their costs: thread i takes the tasks of its
+// CostRange from the front; once that is empty, the last task left in another's.
+// Threads that read memory at different rates (this VM's cores did, by 6-14% of a
+// decode call's time) then end together, while each task stays where it ran the call
+// before except at the tail (docs/performance.md, "The tail of a call shared").
+// Every task is taken once, also by a team of fewer than n threads. Thread-safe.
+class TaskRanges {
+ public:
+  TaskRanges(std::span<const double> costs, int n);
+  // Thread me's next task; -1 when none is left.
+  int64_t Next(int me);
+
+ private:
+  // Range i's next and end tasks, packed (next in the low 32 bits), so that its
+  // owner (front) and the others (back) claim tasks by one compare-and-swap.
+  std::unique_ptr<std::atomic<uint64_t>[]> ranges_;
+  int n_;
+};
 
 // Runs every phase on each thread of one team of up to `threads`, as phase(me, n,
 // ws.scratch[me]) with me < n the team's size, and a barrier between phases: one fork

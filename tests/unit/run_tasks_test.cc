@@ -1,13 +1,16 @@
-// internal::RunTasks and RunPhases. RunTasks: every task runs exactly once, on a team shared as
-// tasks come or, given costs, as one contiguous range of about equal cost per thread, the same
-// ranges call after call (the paged pass's decode steps keep a head on one core).
+// internal::RunTasks, TaskRanges and RunPhases. RunTasks: every task runs exactly once, on a team
+// shared as tasks come or, given costs, as one contiguous range of about equal cost per thread
+// (the paged pass's decode steps keep a head on one core), whose tail another thread takes
+// once it has run out of its own.
 #include <omp.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "core/workspace.h"
@@ -34,32 +37,74 @@ std::vector<int> Owners(int64_t tasks, int threads, Workspace& ws,
   return owner;
 }
 
-TEST(RunTasksTest, CostsGiveEachThreadOneRangeOfAboutEqualCostCallAfterCall) {
-  Workspace ws;
-  // The team OpenMP gives for two threads (one under OMP_THREAD_LIMIT=1).
+// The team OpenMP gives for two threads (one under OMP_THREAD_LIMIT=1).
+int TeamOfTwo() {
   int team = 0;
 #pragma omp parallel num_threads(2)
   {
 #pragma omp single
     team = omp_get_num_threads();
   }
-  const std::vector<double> equal(12, 1.0);
-  const std::vector<int> first = Owners(12, 2, ws, equal);
-  for (int64_t t = 1; t < 12; ++t) EXPECT_LE(first[t - 1], first[t]) << "ranges, task " << t;
-  if (team == 2) {
-    EXPECT_EQ(first[5], 0);
-    EXPECT_EQ(first[6], 1);
-  }
-  for (int call = 0; call < 20; ++call) EXPECT_EQ(Owners(12, 2, ws, equal), first) << call;
+  return team;
+}
 
-  // One task as costly as the ten others: it has a thread to itself.
+// TaskRanges alone, one thread's calls at a time: each thread's range of about equal
+// cost from its front, then the others' from their backs, every task once.
+TEST(TaskRangesTest, EachThreadTakesItsRangeFromTheFrontThenTheOthersFromTheBack) {
+  TaskRanges equal(std::vector<double>(12, 1.0), 2);
+  EXPECT_EQ(equal.Next(1), 6);
+  for (int64_t t = 0; t < 6; ++t) EXPECT_EQ(equal.Next(0), t);
+  EXPECT_EQ(equal.Next(0), 11);  // thread 0 has run out: thread 1's last
+  EXPECT_EQ(equal.Next(1), 7);
+  EXPECT_EQ(equal.Next(0), 10);
+  EXPECT_EQ(equal.Next(1), 8);
+  EXPECT_EQ(equal.Next(1), 9);
+  EXPECT_EQ(equal.Next(1), -1);
+  EXPECT_EQ(equal.Next(0), -1);
+
+  // One task as costly as the ten others: a range to itself.
   std::vector<double> uneven(11, 1.0);
   uneven[0] = 10.0;
-  const std::vector<int> owners = Owners(11, 2, ws, uneven);
-  if (team == 2) {
-    EXPECT_EQ(owners[0], 0);
-    for (int64_t t = 1; t < 11; ++t) EXPECT_EQ(owners[t], 1) << "task " << t;
-  }
+  TaskRanges ranges(uneven, 2);
+  EXPECT_EQ(ranges.Next(0), 0);
+  EXPECT_EQ(ranges.Next(1), 1);
+  EXPECT_EQ(ranges.Next(0), 10);
+
+  // Ranges for 4 threads taken by one: all 12 tasks, its own first.
+  TaskRanges four(std::vector<double>(12, 1.0), 4);
+  std::vector<int64_t> order;
+  for (int64_t t = four.Next(0); t >= 0; t = four.Next(0)) order.push_back(t);
+  EXPECT_EQ(order, (std::vector<int64_t>{0, 1, 2, 5, 4, 3, 8, 7, 6, 11, 10, 9}));
+}
+
+// RunTasks with costs: each thread starts on its own range, and a thread held up
+// (thread 1, whose first task waits until task 11 has run) has its range's tail
+// taken by the other.
+TEST(RunTasksTest, CostsGiveEachThreadItsRangeAndASlowThreadsTailToTheOther) {
+  if (TeamOfTwo() != 2) GTEST_SKIP() << "OpenMP gives one thread";
+  Workspace ws;
+  constexpr int64_t kTasks = 12;
+  std::vector<std::atomic<int>> runs(kTasks);
+  std::vector<int> owner(kTasks, -1);
+  std::atomic<bool> last_ran{false};
+  const absl::Status s = RunTasks(
+      kTasks, 2, ws,
+      [&](int64_t t, dnnl::stream&, TaskScratch&) {
+        runs[t].fetch_add(1);
+        owner[t] = omp_get_thread_num();
+        if (t == 11) last_ran.store(true);
+        if (t == 6) {
+          for (int i = 0; i < 10000 && !last_ran.load(); ++i) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          }
+        }
+      },
+      std::vector<double>(kTasks, 1.0));
+  ASSERT_TRUE(s.ok()) << s;
+  for (int64_t t = 0; t < kTasks; ++t) EXPECT_EQ(runs[t].load(), 1) << "task " << t;
+  for (int64_t t = 0; t < 6; ++t) EXPECT_EQ(owner[t], 0) << "task " << t;
+  EXPECT_EQ(owner[11], 0);
+  EXPECT_TRUE(last_ran.load());
 }
 
 TEST(RunTasksTest, EveryTaskRunsOnceWithoutCostsOrWithZeroCosts) {
