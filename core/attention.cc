@@ -246,6 +246,13 @@ absl::Status MultiHeadAttention::Forward(const AttentionInputs& inputs, float* o
 
 absl::Status MultiHeadAttention::ForwardPaged(std::span<const PagedStep> steps,
                                               int max_threads) const {
+  return ForwardPaged(
+      steps, [](size_t) {}, max_threads);
+}
+
+absl::Status MultiHeadAttention::ForwardPaged(std::span<const PagedStep> steps,
+                                              absl::FunctionRef<void(size_t)> step_done,
+                                              int max_threads) const {
   const ModelConfig& c = config_;
   if (c.scoring != Scoring::kDotProduct) {
     return absl::InvalidArgumentError(
@@ -254,7 +261,7 @@ absl::Status MultiHeadAttention::ForwardPaged(std::span<const PagedStep> steps,
   for (size_t i = 0; i < steps.size(); ++i) MHA_RETURN_IF_ERROR(CheckStep(steps, i, c));
   if (steps.empty()) return absl::OkStatus();
   return internal::Guarded("MultiHeadAttention::ForwardPaged",
-                           [&] { return impl_->ForwardPaged(steps, max_threads); });
+                           [&] { return impl_->ForwardPaged(steps, max_threads, step_done); });
 }
 
 double MultiHeadAttention::Flops(const ModelConfig& c, int64_t batch, int64_t num_queries,

@@ -61,6 +61,7 @@
 #include <memory>
 #include <span>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/config.h"
@@ -153,6 +154,16 @@ class MultiHeadAttention {
   // match ModelConfig::cache_bf16()).
   // INVALID_ARGUMENT names the step and field; the caches are unchanged on error.
   absl::Status ForwardPaged(std::span<const PagedStep> steps, int max_threads = 0) const;
+  // The same, calling step_done(i) once for each step i when it is done: its output
+  // and lse written and its cache holding its new tokens. The call reads a done step
+  // no more, so its caller may answer it and reserve its cache for the next step
+  // while the others compute. An attention-only model's decode steps (a few queries
+  // each: one task per step and key/value head) are done as their last task ends, on
+  // that task's thread, concurrently with the call's other threads; every other
+  // call's steps are done at its end, in order, on the calling thread. On error,
+  // steps already done stay done and the others' caches are unchanged.
+  absl::Status ForwardPaged(std::span<const PagedStep> steps,
+                            absl::FunctionRef<void(size_t)> step_done, int max_threads = 0) const;
 
   // How a call's threads are counted. kAlone, what Forward does with max_threads 0:
   // one per 16 MFLOP of work, and one per 4 MFLOP for a small self-attention call

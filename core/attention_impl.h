@@ -22,6 +22,7 @@
 #include <span>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "core/attention.h"
@@ -50,7 +51,8 @@ class MultiHeadAttention::Impl {
   // call's OpenMP threads.
   absl::Status Forward(const AttentionInputs& in, float* output, float* attention, int max_threads,
                        float* lse) const;
-  absl::Status ForwardPaged(std::span<const PagedStep> steps, int max_threads) const;
+  absl::Status ForwardPaged(std::span<const PagedStep> steps, int max_threads,
+                            absl::FunctionRef<void(size_t)> step_done) const;
   // MultiHeadAttention::Prepare (dense_pass.cc).
   int Prepare(int64_t max_rows, int64_t max_keys, ThreadRule rule) const;
   // The threads a dense call on `in` gets (internal::ThreadsForFlops).
@@ -338,9 +340,12 @@ class MultiHeadAttention::Impl {
   bool TasksStorePaged(std::span<const PagedStep> steps) const;
   // With tasks_store, tasks go to threads as contiguous ranges of equal cost
   // (RunTasks), so that a session's heads stay with one core from step to step.
+  // finish, when given, is called for each step as its last task ends, on that
+  // task's thread (ForwardPaged's step_done).
   absl::Status AttendPaged(std::span<const PagedStep> steps, const PagedProjections& proj,
                            const internal::RotaryTable* rope, int threads, bool tasks_store,
-                           Workspace& ws, float* ctx) const;
+                           Workspace& ws, float* ctx,
+                           const absl::FunctionRef<void(size_t)>* finish = nullptr) const;
   // Every (step, head group, block of query rows) as a task, and each task's cost
   // (rows x keys seen) for RunTasks' ranges.
   std::vector<PagedTask> PagedTasks(std::span<const PagedStep> steps, const PagedProjections& proj,

@@ -1,7 +1,9 @@
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 
 #include "base/status_macros.h"
 #include "core/attention_impl.h"
@@ -391,19 +393,36 @@ void MultiHeadAttention::Impl::RunPagedTask(const PagedTask& task, TaskScratch& 
   }
 }
 
-absl::Status MultiHeadAttention::Impl::AttendPaged(std::span<const PagedStep> steps,
-                                                   const PagedProjections& proj,
-                                                   const internal::RotaryTable* rope, int threads,
-                                                   bool tasks_store, Workspace& ws,
-                                                   float* ctx) const {
+absl::Status MultiHeadAttention::Impl::AttendPaged(
+    std::span<const PagedStep> steps, const PagedProjections& proj,
+    const internal::RotaryTable* rope, int threads, bool tasks_store, Workspace& ws, float* ctx,
+    const absl::FunctionRef<void(size_t)>* finish) const {
   const int64_t E = c_.num_hiddens;
   std::fill(ctx + proj.rows * E, ctx + proj.padded_rows * E, 0.0f);
   std::vector<double> costs;  // rows x keys seen, for decode steps' ranges (tasks_store)
   const std::vector<PagedTask> tasks = PagedTasks(steps, proj, rope, tasks_store, ctx, costs);
-  return internal::RunTasks(
+  // With `finish`: each step's tasks not yet ended. The task that ends a step's last
+  // sees every other task's rows of it (acquire-release on the count).
+  std::unique_ptr<std::atomic<int64_t>[]> left;
+  if (finish != nullptr) {
+    left = std::make_unique<std::atomic<int64_t>[]>(steps.size());
+    for (const PagedTask& task : tasks) left[task.step - steps.data()].fetch_add(1);
+  }
+  MHA_RETURN_IF_ERROR(internal::RunTasks(
       static_cast<int64_t>(tasks.size()), threads, ws,
-      [&](int64_t t, dnnl::stream&, TaskScratch& scratch) { RunPagedTask(tasks[t], scratch); },
-      tasks_store ? std::span<const double>(costs) : std::span<const double>());
+      [&](int64_t t, dnnl::stream&, TaskScratch& scratch) {
+        RunPagedTask(tasks[t], scratch);
+        if (finish == nullptr) return;
+        const size_t i = static_cast<size_t>(tasks[t].step - steps.data());
+        if (left[i].fetch_sub(1, std::memory_order_acq_rel) == 1) (*finish)(i);
+      },
+      tasks_store ? std::span<const double>(costs) : std::span<const double>()));
+  if (finish != nullptr) {  // steps of no task (appends only)
+    for (size_t i = 0; i < steps.size(); ++i) {
+      if (left[i].load(std::memory_order_relaxed) == 0 && steps[i].num_queries == 0) (*finish)(i);
+    }
+  }
+  return absl::OkStatus();
 }
 
 bool MultiHeadAttention::Impl::DecodeInOneRegion(std::span<const PagedStep> steps,
@@ -454,8 +473,9 @@ void MultiHeadAttention::Impl::ProjectPagedOutput(const PagedProjections& proj, 
   }
 }
 
-absl::Status MultiHeadAttention::Impl::ForwardPaged(std::span<const PagedStep> steps,
-                                                    int max_threads) const {
+absl::Status MultiHeadAttention::Impl::ForwardPaged(
+    std::span<const PagedStep> steps, int max_threads,
+    absl::FunctionRef<void(size_t)> step_done) const {
   const int64_t E = c_.num_hiddens;
   const int threads = internal::ThreadsForFlops(PagedWork(steps), o_.num_threads, max_threads);
   const internal::ThreadScope thread_scope(threads);
@@ -485,21 +505,33 @@ absl::Status MultiHeadAttention::Impl::ForwardPaged(std::span<const PagedStep> s
   Grow(ws.paged_out, 2 * pq * E);
   float* ctx = ws.paged_out.data();
   float* out = ctx + pq * E;
+  // An attention-only model's output is the concatenated heads themselves.
+  const float* result = c_.attention_only() ? ctx : out;
+  std::vector<int64_t> first_row(steps.size());  // each step's first row in result
+  for (size_t i = 1; i < steps.size(); ++i) {
+    first_row[i] = first_row[i - 1] + steps[i - 1].num_queries;
+  }
+  auto finish = [&](size_t i) {
+    const PagedStep& step = steps[i];
+    std::copy_n(result + first_row[i] * E, step.num_queries * E, step.output);
+    step.cache->Append(step.new_keys());
+    step_done(i);
+  };
+  // Attention-only steps whose tasks store their own rows need nothing after their
+  // tasks: each is finished by its last (docs/performance.md, "Steps answered as they
+  // end").
+  if (c_.attention_only() && tasks_store) {
+    const absl::FunctionRef<void(size_t)> early = finish;
+    return AttendPaged(steps, proj, rope.get(), threads, tasks_store, ws, ctx, &early);
+  }
   if (one_region) {
     MHA_RETURN_IF_ERROR(DecodeRegion(steps, proj, rope.get(), threads, ws, ctx, out));
   } else {
     if (!tasks_store) StorePaged(steps, proj.k, proj.v, proj.ldkv, rope.get());
     MHA_RETURN_IF_ERROR(AttendPaged(steps, proj, rope.get(), threads, tasks_store, ws, ctx));
-    // An attention-only model's output is the concatenated heads themselves.
     if (!c_.attention_only()) ProjectPagedOutput(proj, ctx, out, ws);
   }
-  const float* result = c_.attention_only() ? ctx : out;
-  int64_t qi = 0;
-  for (const PagedStep& step : steps) {
-    std::copy_n(result + qi * E, step.num_queries * E, step.output);
-    qi += step.num_queries;
-    step.cache->Append(step.new_keys());
-  }
+  for (size_t i = 0; i < steps.size(); ++i) finish(i);
   return absl::OkStatus();
 }
 

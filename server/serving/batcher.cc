@@ -397,14 +397,20 @@ void Batcher::WorkerLoop() {
   }
 }
 
-void Batcher::BatchDone(const Batch& batch, absl::Duration elapsed, bool computed) {
+void Batcher::BatchDone(const Batch& batch, absl::Duration elapsed, bool computed,
+                        const std::vector<uint8_t>& answered) {
   absl::MutexLock lock(&mu_);
   ModelQueue& queue = queues_.at(batch.model);
   queue.computing_tokens -= batch.tokens;
   --computing_;
   const WorkItem& front = batch.items.front();
-  if (front.step != nullptr && !front.warmup) {  // its sessions are answered next
-    queue.pacing.CallEnded(batch.items, computed, absl::Now());
+  if (front.step != nullptr && !front.warmup) {
+    // Its sessions not answered during the call (Run's step_done) are answered next.
+    const absl::Time now = absl::Now();
+    for (size_t i = 0; computed && i < batch.items.size(); ++i) {
+      if (!answered[i]) queue.pacing.Answered(batch.items[i].step, now);
+    }
+    queue.pacing.CallEnded(batch.items, computed, now);
   }
   // Warm-up passes are cold by design (packing, primitives): not the model's pace.
   if (!computed || batch.tokens == 0 || front.warmup) return;
@@ -424,22 +430,40 @@ void Batcher::Run(Batch& batch, Worker* worker) {
     rows += item.rows();
     queries = std::max(queries, item.inputs.num_queries);
   }
-  const absl::Status status = Compute(batch, worker);
-  const absl::Time end = absl::Now();
-  BatchDone(batch, end - start, status.ok());
   // A warming model admits warm-up items only, so a batch is all warm-up or none:
   // warm-up passes stay out of the request metrics.
   ModelMetrics* metrics = batch.items.front().warmup ? nullptr : batch.metrics;
-  if (metrics != nullptr) {
-    metrics->Batch(static_cast<int64_t>(batch.items.size()), rows, rows * queries, end - start);
-  }
-  for (WorkItem& item : batch.items) {
+  auto answer = [&](WorkItem& item, const absl::Status& status, absl::Time end) {
     if (metrics != nullptr) {
       metrics->queue_duration().Observe(absl::ToDoubleSeconds(start - item.enqueued));
     }
     item.done(
         status,
         ComputeTiming{.queue = start - item.enqueued, .compute = end - start, .batch_rows = rows});
+  };
+  // Session steps the core reports done while it computes the others are answered
+  // then, from the thread that finished them: their sessions' next steps queue
+  // during the call instead of after it (docs/performance.md, "Steps answered as
+  // they end"). One byte per item: each is written by one thread.
+  std::vector<uint8_t> answered(batch.items.size(), 0);
+  auto step_done = [&](size_t i) {
+    WorkItem& item = batch.items[i];
+    const absl::Time end = absl::Now();
+    if (!item.warmup) {
+      absl::MutexLock lock(&mu_);
+      queues_.at(batch.model).pacing.Answered(item.step, end);
+    }
+    answer(item, absl::OkStatus(), end);
+    answered[i] = 1;
+  };
+  const absl::Status status = Compute(batch, worker, step_done);
+  const absl::Time end = absl::Now();
+  BatchDone(batch, end - start, status.ok(), answered);
+  if (metrics != nullptr) {
+    metrics->Batch(static_cast<int64_t>(batch.items.size()), rows, rows * queries, end - start);
+  }
+  for (size_t i = 0; i < batch.items.size(); ++i) {
+    if (!answered[i]) answer(batch.items[i], status, end);
   }
 }
 
@@ -455,16 +479,19 @@ void Batcher::AnswerDropped(Batch& batch, absl::Time now) {
   }
 }
 
-absl::Status Batcher::Compute(const Batch& batch, Worker* worker) {
+absl::Status Batcher::Compute(const Batch& batch, Worker* worker,
+                              absl::FunctionRef<void(size_t)> step_done) {
   const core::MultiHeadAttention& attention = *batch.model->attention;
   auto threads_of = [&attention](const core::AttentionInputs& inputs) {
     return attention.Threads(inputs, kThreadRule);
   };
   if (batch.items.front().step != nullptr) {  // session steps (CanShare: all of them)
-    if (batch.items.size() == 1) return attention.ForwardPaged({batch.items.front().step, 1});
+    if (batch.items.size() == 1) {
+      return attention.ForwardPaged({batch.items.front().step, 1}, step_done);
+    }
     worker->steps.clear();
     for (const WorkItem& item : batch.items) worker->steps.push_back(*item.step);
-    return attention.ForwardPaged(worker->steps);
+    return attention.ForwardPaged(worker->steps, step_done);
   }
   if (batch.items.size() == 1) {
     const WorkItem& item = batch.items.front();

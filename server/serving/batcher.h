@@ -78,8 +78,13 @@
 // A computed item's `output` (and `attention`, when set) is written before
 // `done` is called with OK and its timing.
 //
+// A session step's `done` may come before its call has ended: the core reports an
+// attention-only model's decode steps done as it finishes each (ForwardPaged's
+// step_done), and they are answered then, so that their sessions' next steps queue
+// while the call computes the others.
+//
 // Thread safety: Submit, SessionEnded and Shutdown are thread-safe. `done` runs on a worker
-// thread and must not block for long.
+// thread, or one of its call's OpenMP threads, and must not block for long.
 #ifndef MHA_SERVER_SERVING_BATCHER_H_
 #define MHA_SERVER_SERVING_BATCHER_H_
 
@@ -93,6 +98,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -223,10 +229,15 @@ class Batcher {
   void AnswerDropped(Batch& batch, absl::Time now);
   // The batch's items as one forward call, merged (in `worker`) when there are
   // several; `worker` may be null for a batch of one.
-  absl::Status Compute(const Batch& batch, Worker* worker);
+  // Session steps the core is done with are passed to step_done (by their index in
+  // batch.items) as they end.
+  absl::Status Compute(const Batch& batch, Worker* worker,
+                       absl::FunctionRef<void(size_t)> step_done);
   // The batch's forward call is over: its tokens leave computing_tokens and, if it
   // computed, its time per token enters the model's average.
-  void BatchDone(const Batch& batch, absl::Duration elapsed, bool computed);
+  // answered: the items whose steps were answered during the call.
+  void BatchDone(const Batch& batch, absl::Duration elapsed, bool computed,
+                 const std::vector<uint8_t>& answered);
   // When the server's only session is awaited: the time until which an idle worker
   // polls for its step (see above); else InfinitePast. NextBatch asks only when the
   // worker has nothing to do.

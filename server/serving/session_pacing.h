@@ -29,8 +29,17 @@ class SessionPacing {
   void Queued(const core::PagedStep* session, absl::Time now, absl::Duration gather) {
     if (const auto pace = sessions_.find(session); pace != sessions_.end()) {
       pace->second.prompt = now - pace->second.answered <= gather;
+      pace->second.stepped = true;
     }
     std::erase(awaited_, session);
+  }
+
+  // `session`'s step is answered at `now`, by a session call that may still be
+  // computing the others (core::MultiHeadAttention::ForwardPaged's step_done).
+  void Answered(const core::PagedStep* session, absl::Time now) {
+    Pace& pace = sessions_[session];
+    pace.answered = now;
+    pace.stepped = false;
   }
 
   // `session` sends no more steps.
@@ -39,16 +48,17 @@ class SessionPacing {
     std::erase(awaited_, session);
   }
 
-  // A session call of `items` ended at `now`. Computed, its sessions are answered
-  // now and the prompt ones are awaited; failed, its sessions end and none is.
+  // A session call of `items` ended at `now`, its sessions answered (Answered)
+  // during it or now. Computed, the prompt ones that have not queued their next step
+  // since their answer are awaited; failed, none is (its sessions end).
   void CallEnded(const std::vector<WorkItem>& items, bool computed, absl::Time now) {
     awaited_.clear();
     awaited_since_ = now;
     if (!computed) return;
     for (const WorkItem& item : items) {
-      Pace& pace = sessions_[item.step];
-      pace.answered = now;
-      if (pace.prompt) awaited_.push_back(item.step);
+      const auto pace = sessions_.find(item.step);
+      if (pace == sessions_.end()) continue;  // ended since its answer
+      if (pace->second.prompt && !pace->second.stepped) awaited_.push_back(item.step);
     }
   }
 
@@ -69,8 +79,9 @@ class SessionPacing {
 
  private:
   struct Pace {
-    absl::Time answered;  // its last step's answer
-    bool prompt = false;  // the step before that came within `gather` of its answer
+    absl::Time answered;   // its last step's answer
+    bool prompt = false;   // the step before that came within `gather` of its answer
+    bool stepped = false;  // it has queued a step since that answer
   };
   // Sessions that have been answered; warm-up steps are not sessions.
   absl::flat_hash_map<const core::PagedStep*, Pace> sessions_;

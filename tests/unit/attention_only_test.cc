@@ -3,11 +3,14 @@
 // (Forward) and paged (ForwardPaged), against a double-precision double loop written
 // here, independent of core/reference.cc; and the lse merge of partial attentions over
 // disjoint key sets.
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
@@ -385,6 +388,94 @@ TEST(AttentionOnlyPagedTest, CausalSessionStepsMatchTheDoubleLoopF32Cache) {
 
 TEST(AttentionOnlyPagedTest, CausalSessionStepsMatchTheDoubleLoopBf16Cache) {
   for (const Shape& shape : kShapes) CheckSession(shape, true);
+}
+
+// ForwardPaged's step_done on an attention-only model's decode call: each step is
+// reported once, as its tasks end (while the call's other thread goes on), with its
+// output and lse already those the call leaves and its cache already holding its new
+// token; the outputs equal those of the same call without step_done on identical
+// caches.
+TEST(AttentionOnlyPagedTest, DecodeStepsAreReportedDoneAsTheyEnd) {
+  // 6 sessions of 1,024 cached tokens, 2 KiB of keys and values a token: 12 MiB, two
+  // threads' worth of cache (ForwardPaged's threads go by bytes read).
+  const ModelConfig c = AttentionOnly(8, 4, 64);
+  auto mha = Make(c, {.num_threads = 2});
+  ASSERT_NE(mha, nullptr);
+  constexpr int64_t kSessions = 6, kContext = 1024;
+  const int64_t E = c.num_hiddens, Ekv = c.kv_hiddens(), h = c.num_heads;
+  std::mt19937_64 rng(5);
+  const auto prefill_kv = RandomVector(rng, kContext * Ekv);
+  const auto q = RandomVector(rng, kSessions * E);
+  const auto kv = RandomVector(rng, kSessions * Ekv);
+  KvCachePool pool(int64_t{1} << 28);
+  // Two identical sets of caches: one for the call with step_done, one without.
+  std::vector<std::unique_ptr<KvSequence>> caches;
+  for (int64_t i = 0; i < 2 * kSessions; ++i) {
+    caches.push_back(std::make_unique<KvSequence>(&pool, c.kv_heads(), c.head_size(), false));
+    ASSERT_TRUE(caches.back()->Reserve(kContext + 1).ok());
+    const PagedStep fill{.num_keys = kContext,  // appended, not attended
+                         .keys = prefill_kv.data(),
+                         .values = prefill_kv.data(),
+                         .cache = caches.back().get()};
+    ASSERT_TRUE(mha->ForwardPaged({&fill, 1}).ok());
+  }
+  std::vector<float> out(2 * kSessions * E), lse(2 * kSessions * h);
+  auto steps = [&](int64_t set) {
+    std::vector<PagedStep> batch;
+    for (int64_t s = 0; s < kSessions; ++s) {
+      const int64_t at = set * kSessions + s;
+      batch.push_back({.num_queries = 1,
+                       .queries = q.data() + s * E,
+                       .num_keys = 1,
+                       .keys = kv.data() + s * Ekv,
+                       .values = kv.data() + s * Ekv,
+                       .causal = true,
+                       .cache = caches[at].get(),
+                       .output = out.data() + at * E,
+                       .lse = lse.data() + at * h});
+    }
+    return batch;
+  };
+  const std::vector<PagedStep> plain = steps(1), reported = steps(0);
+  ASSERT_TRUE(mha->ForwardPaged(plain).ok());
+  std::mutex mu;
+  std::condition_variable reports;
+  std::vector<int> times(kSessions, 0);
+  std::vector<int64_t> cached(kSessions, 0);
+  std::vector<std::vector<float>> seen(kSessions);  // output and lse when reported
+  bool last_before_first_returned = false;
+  const absl::Status status = mha->ForwardPaged(reported, [&](size_t i) {
+    std::unique_lock<std::mutex> lock(mu);
+    ++times[i];
+    cached[i] = reported[i].cache->size();
+    seen[i].assign(reported[i].output, reported[i].output + E);
+    seen[i].insert(seen[i].end(), reported[i].lse, reported[i].lse + h);
+    reports.notify_all();
+    // Step 0 (the front of one thread's tasks) holds its thread until the last step
+    // has been reported: by the other thread, which then takes over the rest. Steps
+    // reported at the call's end, in order, would wait here in vain.
+    if (i == 0) {
+      last_before_first_returned =
+          reports.wait_for(lock, std::chrono::seconds(5), [&] { return times[kSessions - 1] > 0; });
+    }
+  });
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_TRUE(last_before_first_returned);
+  for (int64_t s = 0; s < kSessions; ++s) {
+    SCOPED_TRACE(absl::StrCat("step ", s));
+    EXPECT_EQ(times[s], 1);
+    EXPECT_EQ(cached[s], kContext + 1);
+    std::vector<float> final_values(out.begin() + s * E, out.begin() + (s + 1) * E);
+    final_values.insert(final_values.end(), lse.begin() + s * h, lse.begin() + (s + 1) * h);
+    EXPECT_EQ(seen[s], final_values);
+    // The same kernels in the same order on identical caches: the same floats.
+    for (int64_t x = 0; x < E; ++x) {
+      ASSERT_EQ(out[s * E + x], out[(kSessions + s) * E + x]) << "output " << x;
+    }
+    for (int64_t x = 0; x < h; ++x) {
+      ASSERT_EQ(lse[s * h + x], lse[(kSessions + s) * h + x]) << "lse " << x;
+    }
+  }
 }
 
 // The disaggregated decode: old keys in a session on the CPU, recent ones elsewhere (a
