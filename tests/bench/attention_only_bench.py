@@ -147,12 +147,12 @@ def main():
         for cache in ("f32", "bf16"):
             g8 = results[(cache, "llama_attention_only")]
             g32 = results[(cache, "llama_attention_only_g32")]
-            floor = max(beside[cache])
-            share = g8["cache_gb_per_s"] / floor
+            loop_gbs = max(beside[cache])
+            share = g8["cache_gb_per_s"] / loop_gbs
             ratio = step_p50_ms(g8) / step_p50_ms(g32)
             verdict = ("undecided: the read loops beside it differ by more than 15%, the "
                        "memory changed state during the decode"
-                       if floor > 1.15 * min(beside[cache])
+                       if loop_gbs > 1.15 * min(beside[cache])
                        else "met" if share >= 0.85 else "NOT met")
             print(f"{cache} cache: cache GB/s / read loop beside it = {g8['cache_gb_per_s']:.2f}"
                   f" / max({beside[cache][0]:.2f}, {beside[cache][1]:.2f}) = {share:.2f} "
