@@ -5,6 +5,7 @@
 #include <limits>
 #include <memory>
 
+#include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "core/attention_impl.h"
 
@@ -402,13 +403,19 @@ absl::Status MultiHeadAttention::Impl::AttendPaged(
   std::vector<double> costs;  // rows x keys seen, for decode steps' ranges (tasks_store)
   const std::vector<PagedTask> tasks = PagedTasks(steps, proj, rope, tasks_store, ctx, costs);
   // With `finish`: each step's tasks not yet ended. The task that ends a step's last
-  // sees every other task's rows of it (acquire-release on the count).
+  // sees every other task's rows of it (acquire-release on the count). A finished
+  // step is not read again: its caller may free it at once.
   std::unique_ptr<std::atomic<int64_t>[]> left;
   if (finish != nullptr) {
     left = std::make_unique<std::atomic<int64_t>[]>(steps.size());
     for (const PagedTask& task : tasks) left[task.step - steps.data()].fetch_add(1);
+    for (size_t i = 0; i < steps.size(); ++i) {
+      if (left[i].load(std::memory_order_relaxed) == 0) {
+        return absl::InternalError(absl::StrCat("step ", i, " has no task to finish it"));
+      }
+    }
   }
-  MHA_RETURN_IF_ERROR(internal::RunTasks(
+  return internal::RunTasks(
       static_cast<int64_t>(tasks.size()), threads, ws,
       [&](int64_t t, dnnl::stream&, TaskScratch& scratch) {
         RunPagedTask(tasks[t], scratch);
@@ -416,13 +423,7 @@ absl::Status MultiHeadAttention::Impl::AttendPaged(
         const size_t i = static_cast<size_t>(tasks[t].step - steps.data());
         if (left[i].fetch_sub(1, std::memory_order_acq_rel) == 1) (*finish)(i);
       },
-      tasks_store ? std::span<const double>(costs) : std::span<const double>()));
-  if (finish != nullptr) {  // steps of no task (appends only)
-    for (size_t i = 0; i < steps.size(); ++i) {
-      if (left[i].load(std::memory_order_relaxed) == 0 && steps[i].num_queries == 0) (*finish)(i);
-    }
-  }
-  return absl::OkStatus();
+      tasks_store ? std::span<const double>(costs) : std::span<const double>());
 }
 
 bool MultiHeadAttention::Impl::DecodeInOneRegion(std::span<const PagedStep> steps,

@@ -478,6 +478,46 @@ TEST(AttentionOnlyPagedTest, DecodeStepsAreReportedDoneAsTheyEnd) {
   }
 }
 
+// A step is not read once reported done: its caller may free it then (the server's
+// warm-up and single-session calls do). Under AddressSanitizer a read after the
+// report fails here.
+TEST(AttentionOnlyPagedTest, AStepFreedWhenReportedDoneIsNotReadAgain) {
+  const ModelConfig c = AttentionOnly(8, 2, 32);
+  auto mha = Make(c, {.num_threads = 2});
+  ASSERT_NE(mha, nullptr);
+  const int64_t E = c.num_hiddens, Ekv = c.kv_hiddens();
+  std::mt19937_64 rng(9);
+  const auto q = RandomVector(rng, E);
+  const auto kv = RandomVector(rng, Ekv);
+  KvCachePool pool(int64_t{1} << 24);
+  KvSequence cache(&pool, c.kv_heads(), c.head_size(), false);
+  ASSERT_TRUE(cache.Reserve(1).ok());
+  std::vector<float> out(E);
+  auto step = std::make_unique<PagedStep>(PagedStep{.num_queries = 1,
+                                                    .queries = q.data(),
+                                                    .num_keys = 1,
+                                                    .keys = kv.data(),
+                                                    .values = kv.data(),
+                                                    .causal = true,
+                                                    .cache = &cache,
+                                                    .output = out.data()});
+  int reports = 0;
+  const absl::Status s = mha->ForwardPaged({step.get(), 1}, [&](size_t) {
+    ++reports;
+    step.reset();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(reports, 1);
+  EXPECT_EQ(cache.size(), 1);
+  // One key: the context is its value, head by head.
+  const int64_t heads_per_kv = c.num_heads / c.kv_heads(), d = c.head_size();
+  for (int64_t h = 0; h < c.num_heads; ++h) {
+    for (int64_t x = 0; x < d; ++x) {
+      ASSERT_NEAR(out[h * d + x], kv[(h / heads_per_kv) * d + x], 1e-6) << h << ", " << x;
+    }
+  }
+}
+
 // The disaggregated decode: old keys in a session on the CPU, recent ones elsewhere (a
 // stateless call here); the session's partial result merged with the stateless one
 // equals one attention over all of them.
