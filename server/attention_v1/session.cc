@@ -97,7 +97,8 @@ class SessionManager::Reactor final
     if (!input.ok()) return live->Fail(input.status());
     float* output = PrepareSessionResponse(*input, decoding, &response_);
     float* lse = settings_.return_lse ? PrepareSessionLse(*input, decoding, &response_) : nullptr;
-    message_bytes_ = request_.ByteSizeLong() + response_.ByteSizeLong();
+    message_bytes_.store(request_.ByteSizeLong() + response_.ByteSizeLong(),
+                         std::memory_order_release);
     live->Step(std::move(model), ToPagedStep(*input, settings_, /*cache=*/nullptr, output, lse),
                DeadlineOf(context_), [context = context_] { return context->IsCancelled(); });
   }
@@ -109,7 +110,7 @@ class SessionManager::Reactor final
     // response's capacity would stay with the session, and the request's would be
     // freed by the next message's parse, on the path of the first decode step
     // (docs/performance.md, "Prefill messages let go of after their answer").
-    if (message_bytes_ > kKeptMessageBytes) {
+    if (message_bytes_.load(std::memory_order_acquire) > kKeptMessageBytes) {
       request_ = SessionRequest();
       response_ = SessionResponse();
     }
@@ -129,7 +130,11 @@ class SessionManager::Reactor final
 
   SessionRequest request_;
   SessionResponse response_;
-  size_t message_bytes_ = 0;  // the current step's request and response, serialized
+  // The current step's request and response, serialized. Stored by OnReadDone once
+  // both are filled in and loaded by OnWriteDone, on gRPC threads that gRPC core
+  // orders out of ThreadSanitizer's sight: the release and acquire make that order,
+  // and the messages' writes before it, visible to it.
+  std::atomic<size_t> message_bytes_{0};
   SessionSettings settings_;
   // The access log's figures, written in Write and read in End: both called by the
   // store under the session's lock.
