@@ -4,13 +4,26 @@
 // round's bytes / second as "read GB/s: X" (GB = 1e9 bytes). The buffer is written
 // once first, so its pages are mapped before the timed reads.
 //
-//   memory_read [--bytes=1073741824] [--threads=2] [--rounds=5]
+//   memory_read [--bytes=1073741824] [--threads=2] [--rounds=5] [--rows=0]
+//               [--run_bytes=0]
+//
+// Two variations say what a decode step's reads could reach, whatever its kernels
+// (docs/performance.md, "What a read with the step's arithmetic reaches"):
+// --rows=R reads the buffer as f32 and does R multiply-adds of 16 floats per 64
+// bytes on registers (a paged decode task does that per key or value element it
+// reads, R the query rows sharing a key/value head: 4 at G 8 of 32 heads, 1 at
+// G 32); --run_bytes=N reads it in runs of N bytes taken in a shuffled order, each
+// thread its share of the runs, as a task reads its head's chunks. With neither, the
+// loop is the bench's floor, unchanged.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,15 +42,79 @@ int64_t Flag(int argc, char** argv, const char* name, int64_t fallback) {
   return fallback;
 }
 
+typedef float Floats16 __attribute__((vector_size(64)));
+
+// Sums `rows` scaled copies of x[0, n) (n a multiple of 32: whole 128-byte steps), 16 floats at a
+// time: rows x 2 accumulators, so that the multiply-adds' latency does not bound the loop.
+__attribute__((target_clones("avx512f", "default"))) float MultiplyAdd(const float* x, int64_t n,
+                                                                       int64_t rows) {
+  Floats16 acc[2][4] = {};
+  const float factors[4] = {1.1f, 0.9f, 1.3f, 0.7f};
+  for (int64_t i = 0; i < n; i += 32) {
+    Floats16 a, b;
+    std::memcpy(&a, x + i, sizeof(a));
+    std::memcpy(&b, x + i + 16, sizeof(b));
+    for (int64_t r = 0; r < 4; ++r) {  // unrolled: rows is 1 to 4
+      if (r >= rows) break;
+      acc[0][r] += a * factors[r];
+      acc[1][r] += b * factors[r];
+    }
+  }
+  float total = 0;
+  for (const auto& half : acc) {
+    for (const Floats16& v : half) {
+      for (int k = 0; k < 16; ++k) total += v[k];
+    }
+  }
+  return total;
+}
+
+// Thread t's part of round: words [begin, end) of `buffer`, or its share of `runs`.
+uint64_t ReadShare(const uint64_t* buffer, int64_t words, const std::vector<int64_t>& runs,
+                   int64_t run_words, int64_t rows, int64_t t, int64_t threads) {
+  auto read = [&](int64_t begin, int64_t end) -> uint64_t {
+    if (rows == 0) return mha::bench::SumWords(buffer, begin, end);
+    const float* x = reinterpret_cast<const float*>(buffer + begin);
+    return static_cast<uint64_t>(MultiplyAdd(x, (end - begin) * 2, rows));
+  };
+  if (runs.empty()) {  // whole 16-word (128-byte) steps each
+    const int64_t steps = words / 16;
+    return read(steps * t / threads * 16, steps * (t + 1) / threads * 16);
+  }
+  const int64_t count = static_cast<int64_t>(runs.size());
+  uint64_t sum = 0;
+  for (int64_t k = count * t / threads; k < count * (t + 1) / threads; ++k) {
+    sum += read(runs[static_cast<size_t>(k)] * run_words,
+                (runs[static_cast<size_t>(k)] + 1) * run_words);
+  }
+  return sum;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const int64_t bytes = Flag(argc, argv, "bytes", int64_t{1} << 30);
   const int64_t threads = std::max<int64_t>(1, Flag(argc, argv, "threads", 2));
   const int64_t rounds = std::max<int64_t>(1, Flag(argc, argv, "rounds", 5));
-  const int64_t words = bytes / 8;
-  std::vector<uint64_t> buffer(static_cast<size_t>(words));
-  for (int64_t i = 0; i < words; ++i) buffer[static_cast<size_t>(i)] = static_cast<uint64_t>(i);
+  const int64_t rows = std::clamp<int64_t>(Flag(argc, argv, "rows", 0), 0, 4);
+  const int64_t run_bytes = Flag(argc, argv, "run_bytes", 0);
+  // Whole runs of whole 128-byte steps.
+  const int64_t step = run_bytes > 0 ? std::max<int64_t>(128, run_bytes / 128 * 128) : 128;
+  const int64_t words = bytes / step * step / 8;
+  std::vector<int64_t> runs;
+  if (run_bytes > 0) {
+    runs.resize(static_cast<size_t>(words * 8 / step));
+    std::iota(runs.begin(), runs.end(), 0);
+    std::shuffle(runs.begin(), runs.end(), std::mt19937_64(1));
+  }
+  // 64-byte aligned, so that no 64-byte load of --rows straddles two cache lines.
+  std::unique_ptr<uint64_t[], decltype(&std::free)> memory(
+      static_cast<uint64_t*>(std::aligned_alloc(64, static_cast<size_t>(words) * 8)), &std::free);
+  uint64_t* buffer = memory.get();
+  // Words are their index; read as floats (--rows) they are pairs of 1.5f and 0.75f,
+  // since the small integers' bit patterns are subnormal floats.
+  constexpr uint64_t kFloats = 0x3f400000'3fc00000;
+  for (int64_t i = 0; i < words; ++i) buffer[i] = rows > 0 ? kFloats : static_cast<uint64_t>(i);
   std::vector<uint64_t> sums(static_cast<size_t>(threads));
   double best = 0;
   for (int64_t r = 0; r < rounds; ++r) {
@@ -45,8 +122,7 @@ int main(int argc, char** argv) {
     std::vector<std::thread> pool;
     for (int64_t t = 0; t < threads; ++t) {
       pool.emplace_back([&, t] {
-        const int64_t begin = words * t / threads, end = words * (t + 1) / threads;
-        sums[static_cast<size_t>(t)] = mha::bench::SumWords(buffer.data(), begin, end);
+        sums[static_cast<size_t>(t)] = ReadShare(buffer, words, runs, step / 8, rows, t, threads);
       });
     }
     for (std::thread& th : pool) th.join();
@@ -56,8 +132,11 @@ int main(int argc, char** argv) {
   }
   uint64_t total = 0;
   for (uint64_t s : sums) total += s;
-  std::printf("read GB/s: %.3f (%lld bytes, %lld threads, best of %lld; checksum %llu)\n",
-              best / 1e9, static_cast<long long>(words * 8), static_cast<long long>(threads),
+  std::printf("read GB/s: %.3f (%lld bytes, %lld threads, best of %lld; checksum %llu", best / 1e9,
+              static_cast<long long>(words * 8), static_cast<long long>(threads),
               static_cast<long long>(rounds), static_cast<unsigned long long>(total));
+  if (rows > 0) std::printf("; %lld rows of multiply-adds", static_cast<long long>(rows));
+  if (run_bytes > 0) std::printf("; shuffled runs of %lld bytes", static_cast<long long>(step));
+  std::printf(")\n");
   return 0;
 }
