@@ -83,7 +83,7 @@ absl::Status KvSequence::Reserve(int64_t tokens) {
   while (capacity() < want) {
     const int64_t held = static_cast<int64_t>(blocks_.size());
     const int64_t needed = (want - capacity() + kBt - 1) / kBt;
-    int64_t count = std::clamp<int64_t>(held, 1, KvCachePool::kChunkBlocks);
+    int64_t count = std::max(needed, std::clamp<int64_t>(held, 1, KvCachePool::kChunkBlocks));
     float* chunk = pool_->Allocate(static_cast<size_t>(count) * block_bytes());
     if (chunk == nullptr && needed < count) {  // the blocks needed alone may fit
       count = needed;

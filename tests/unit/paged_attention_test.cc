@@ -354,7 +354,7 @@ TEST(KvCachePoolTest, BudgetRefusesWithoutPartialBlocksAndReusesReleasedOnes) {
   constexpr int64_t kBlock = 2 * 5 * 32 * 20 * 4;
   KvCachePool pool(3 * kBlock, /*retain_bytes=*/kBlock);
   auto a = std::make_unique<KvSequence>(&pool, 5, 20);
-  ASSERT_TRUE(a->Reserve(64).ok());  // two blocks
+  ASSERT_TRUE(a->Reserve(64).ok());  // two blocks, in one chunk
   EXPECT_EQ(pool.used_bytes(), 2 * kBlock);
   {
     KvSequence b(&pool, 5, 20);
@@ -423,12 +423,49 @@ TEST(KvCachePoolTest, ChunksGrowAndKeepEachHeadsBlocksInOneRun) {
   }
 }
 
+// A prefill's blocks come in one chunk, so that a decode step reads each head of
+// them in one run; decode steps then grow the sequence by chunks of up to 8 blocks.
+TEST(KvCachePoolTest, AReservationOfManyBlocksTakesThemInOneChunk) {
+  constexpr int64_t kBt = KvCachePool::kBlockTokens, kHeads = 3, kP = 16;
+  constexpr int64_t kBlock = 2 * kHeads * kBt * kP * 4, kTile = kBt * kP;
+  KvCachePool pool(int64_t{1} << 30);
+  KvSequence seq(&pool, kHeads, kP);
+  ASSERT_TRUE(seq.Reserve(20 * kBt - 5).ok());  // 20 blocks
+  EXPECT_EQ(seq.capacity(), 20 * kBt);
+  EXPECT_EQ(pool.used_bytes(), 20 * kBlock);
+  for (int64_t h = 0; h < kHeads; ++h) {
+    for (int64_t b = 1; b < 20; ++b) {
+      EXPECT_EQ(seq.keys<float>(b, h), seq.keys<float>(b - 1, h) + 2 * kTile) << b << ", " << h;
+    }
+    if (h > 0) {
+      EXPECT_EQ(seq.keys<float>(0, h), seq.keys<float>(19, h - 1) + 2 * kTile);
+    }
+  }
+  seq.Append(20 * kBt - 5);
+  // One more token past the 20 blocks: a chunk of kChunkBlocks, not of 20.
+  ASSERT_TRUE(seq.Reserve(6).ok());
+  EXPECT_EQ(seq.capacity(), (20 + KvCachePool::kChunkBlocks) * kBt);
+  seq.Append(6);
+  // A reservation of more blocks than a chunk holds, on a sequence that has some:
+  // the rest of its chunk, then the others in one chunk.
+  const int64_t left = seq.capacity() - seq.size();
+  ASSERT_TRUE(seq.Reserve(left + 12 * kBt).ok());
+  EXPECT_EQ(seq.capacity(), (20 + KvCachePool::kChunkBlocks + 12) * kBt);
+  const int64_t first = 20 + KvCachePool::kChunkBlocks;
+  for (int64_t b = first + 1; b < first + 12; ++b) {
+    EXPECT_EQ(seq.keys<float>(b, 2), seq.keys<float>(b - 1, 2) + 2 * kTile) << b;
+  }
+  EXPECT_EQ(pool.used_bytes(), (20 + KvCachePool::kChunkBlocks + 12) * kBlock);
+}
+
 TEST(KvCachePoolTest, AChunkTheBudgetCannotHoldShrinksToTheBlocksNeeded) {
   constexpr int64_t kBt = KvCachePool::kBlockTokens;
   constexpr int64_t kBlock = 2 * 2 * kBt * 8 * 4;
   KvCachePool pool(5 * kBlock);
   KvSequence seq(&pool, 2, 8);
-  ASSERT_TRUE(seq.Reserve(4 * kBt).ok());  // chunks of 1, 1 and 2 blocks
+  for (int64_t blocks = 1; blocks <= 4; ++blocks) {  // chunks of 1, 1 and 2 blocks
+    ASSERT_TRUE(seq.Reserve(blocks * kBt).ok());
+  }
   EXPECT_EQ(seq.capacity(), 4 * kBt);
   // The next chunk would be 4 blocks; the budget has 1 left, which is all one more
   // token needs.
