@@ -97,7 +97,7 @@ class SessionManager::Reactor final
     if (!input.ok()) return live->Fail(input.status());
     float* output = PrepareSessionResponse(*input, decoding, &response_);
     float* lse = settings_.return_lse ? PrepareSessionLse(*input, decoding, &response_) : nullptr;
-    message_bytes_.store(request_.ByteSizeLong() + response_.ByteSizeLong(),
+    message_bytes_.store(static_cast<size_t>(input->request_bytes) + response_.ByteSizeLong(),
                          std::memory_order_release);
     live->Step(std::move(model), ToPagedStep(*input, settings_, /*cache=*/nullptr, output, lse),
                DeadlineOf(context_), [context = context_] { return context->IsCancelled(); });

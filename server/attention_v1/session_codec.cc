@@ -118,7 +118,8 @@ absl::StatusOr<SessionStepInput> DecodeSessionStep(const SessionRequest& request
                                                    const SessionSettings& settings,
                                                    const Model& model, int64_t cached) {
   const core::ModelConfig& c = model.config;
-  MHA_RETURN_IF_ERROR(CheckRequestBytes(static_cast<int64_t>(request.ByteSizeLong()), model));
+  const auto bytes = static_cast<int64_t>(request.ByteSizeLong());
+  MHA_RETURN_IF_ERROR(CheckRequestBytes(bytes, model));
   if (!first && (!request.model().empty() || !request.model_version().empty())) {
     return absl::InvalidArgumentError(
         "model: set only in a session's first message (a session keeps its model)");
@@ -126,7 +127,7 @@ absl::StatusOr<SessionStepInput> DecodeSessionStep(const SessionRequest& request
   const bool self = settings.kind == attention::v1::SELF;
   if (first) MHA_RETURN_IF_ERROR(CheckFirstMessage(settings, model));
   MHA_ASSIGN_OR_RETURN(const MessageTensors tensors, ViewTensors(request));
-  SessionStepInput step{.raw = !request.queries().raw().empty()};
+  SessionStepInput step{.raw = !request.queries().raw().empty(), .request_bytes = bytes};
   MHA_RETURN_IF_ERROR(StepTensors(tensors, self, c, &step));
   if (!self && settings.causal && step.num_keys != step.num_queries) {
     return absl::InvalidArgumentError(

@@ -53,6 +53,7 @@ struct SessionStepInput {
   const float* keys = nullptr;     // (T_k, d_k); nullptr in a SELF session
   const float* values = nullptr;   // (T_k, d_v)
   bool raw = false;                // answer in Tensor.raw (the queries came raw)
+  int64_t request_bytes = 0;       // the message serialized (its size was checked)
 };
 
 // `first`: the stream's first message, whose settings `settings` already holds

@@ -19,17 +19,17 @@
 // without keys points them at a dummy float, a SELF step's keys are nullptr), gets
 // its response from PrepareSessionResponse and runs through ForwardPaged.
 //
-// Checks: a decoded step's views lie within its request's tensors and agree with
-// the session's kind; the response is shaped (1, T, p_o) in the request's encoding;
-// ForwardPaged succeeds; the cache grows by exactly the step's keys and never past
-// the model's session_tokens(); the step writes exactly its own new tokens of the
-// cache (tokens before it keep their bits; every slot past the cache's size is
-// poisoned with a NaN after each Reserve and must still hold it, so a step that
-// reads a slot nobody wrote shows up as NaN); the output is finite when the
-// session's inputs are of moderate size (finite huge ones may overflow, as in
+// Checks: a decoded step's views lie within its request's tensors and agree with the
+// session's kind, and its request_bytes is the message's size; the response is shaped
+// (1, T, p_o) in the request's encoding; ForwardPaged succeeds; the cache grows by
+// exactly the step's keys and never past the model's session_tokens(); the step writes
+// exactly its own new tokens of the cache (tokens before it keep their bits; every slot
+// past the cache's size is poisoned with a NaN after each Reserve and must still hold
+// it, so a step that reads a slot nobody wrote shows up as NaN); the output is finite
+// when the session's inputs are of moderate size (finite huge ones may overflow, as in
 // PyTorch); and for an f32 model with an f32 cache and small inputs the session's
-// outputs equal one stateless Forward over the whole sequence with each query's
-// visible keys as its valid_len (a rotary model's token t at position t both ways).
+// outputs equal one stateless Forward over the whole sequence with each query's visible
+// keys as its valid_len (a rotary model's token t at position t both ways).
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -108,6 +108,7 @@ void CheckDecoded(const SessionRequest& request, const SessionStepInput& step,
   const bool self = settings.kind == attention::v1::SELF;
   MHA_FUZZ_CHECK(settings.kind == attention::v1::SELF || settings.kind == attention::v1::CROSS);
   MHA_FUZZ_CHECK(static_cast<int64_t>(request.ByteSizeLong()) <= model.limits.max_request_bytes);
+  MHA_FUZZ_CHECK(step.request_bytes == static_cast<int64_t>(request.ByteSizeLong()));
   MHA_FUZZ_CHECK(step.num_queries >= (self ? 1 : 0) && step.num_keys >= 0);
   MHA_FUZZ_CHECK(step.raw == !request.queries().raw().empty());
   MHA_FUZZ_CHECK(step.num_queries == 0 || step.queries != nullptr);
