@@ -13,17 +13,16 @@
 //
 // Blocks come in chunks: a sequence's next chunk holds as many blocks as it already
 // has, at least 1 and at most kChunkBlocks (1, 1, 2, 4, 8, 8, ... blocks as decode
-// steps add them one at a time), or all the blocks one Reserve needs when that is
-// more (a prefill's blocks in one chunk); only the blocks needed when the budget has
-// room for no more. A chunk of n blocks is laid out head
-// by head: head h's keys of its first block, that block's values, the keys of its
-// second block, ..., then head h + 1. A decode step reads one head of every block in
-// order (paged_pass.cc), so that each chunk gives it n x 2 x kBlockTokens x p
-// elements in one run where blocks of their own gave it runs of kBlockTokens x p
-// (measured in docs/performance.md, "Attention-only worker"; a prefill of 4,032
-// tokens of a Llama-3-8B layer gives each head one run of 126 blocks). A sequence
-// holds at most kChunkBlocks - 1 blocks more than it needs, and at most twice what it
-// needs when short.
+// steps add them one at a time), or all the blocks one Reserve needs when that is more
+// (a prefill's blocks in one chunk); only the blocks needed when the budget has room
+// for no more. A chunk of n blocks is laid out head by head: head h's keys of its first
+// block, that block's values, the keys of its second block, ..., then head h + 1. A
+// decode step reads one head of every block in order (paged_pass.cc), so that each
+// chunk gives it n x 2 x kBlockTokens x p elements in one run where blocks of their own
+// gave it runs of kBlockTokens x p (measured in docs/performance.md, "Attention-only
+// worker"; a prefill of 4,032 tokens of a Llama-3-8B layer gives each head one run of
+// 126 blocks). A sequence holds at most kChunkBlocks - 1 blocks more than it needs, and
+// at most twice what it needs when short.
 //
 // The pool keeps released chunks for reuse, up to `retain_bytes` of them, because
 // first-touching fresh pages costs far more than the arithmetic of a decode step;
