@@ -94,6 +94,45 @@ void StoreRows(KvSequence& cache, int64_t n, const float* k, const float* v, int
   }
 }
 
+// The online softmax of a task's mq rows (queries q, rows of p) over the blocks of
+// key/value head g holding keys [0, max_limit): row r sees keys [0, limit(r)). Each
+// block's scores go to s (mq x kBlockTokens), their running max and sum to stats, and
+// the context to o (mq x p, unnormalised).
+//
+// With `prefetch` (caches read from memory) and tiles under kPrefetchBelowTileBytes,
+// the next block's keys and values for this head are fetched while this one is worked
+// on: the hardware prefetchers stop at page boundaries and do not run ahead into the
+// next chunk. The kernels spread those prefetches over their loops (the keys' over the
+// scores, the values' over the context), so that the reads overlap the arithmetic
+// instead of stalling before it.
+template <typename T, typename Limit>
+void AttendBlocks(const KvSequence& cache, int64_t g, const float* q, int64_t p, int64_t mq,
+                  int64_t max_limit, const Limit& limit, bool prefetch, float* s, float* o,
+                  internal::RowStats& stats) {
+  constexpr int64_t kBt = KvCachePool::kBlockTokens;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(p));
+  const int64_t head_bytes = kBt * p * sizeof(T);
+  for (int64_t j0 = 0; j0 < max_limit; j0 += kBt) {
+    const int64_t b = j0 / kBt, nk = std::min(kBt, max_limit - j0);
+    const bool more = prefetch && head_bytes < kPrefetchBelowTileBytes && j0 + kBt < max_limit;
+    const T* next_keys = more ? cache.keys<T>(b + 1, g) : nullptr;
+    const T* next_values = more ? cache.values<T>(b + 1, g) : nullptr;
+    BlockScores(q, cache.keys<T>(b, g), kBt, p, mq, nk, scale, s, next_keys, head_bytes);
+    for (int64_t i = 0; i < mq; ++i) {
+      float* si = s + i * nk;
+      const int64_t seen = std::clamp<int64_t>(limit(i) - j0, 0, nk);
+      if (seen == 0) {
+        std::fill_n(si, nk, 0.0f);
+        continue;
+      }
+      std::fill(si + seen, si + nk, -std::numeric_limits<float>::infinity());
+      stats.Update(i, si, seen, o + i * p, p,
+                   [&](float m) { return kernels::ExpSubSum(si, m, si, nk); });
+    }
+    BlockContext(s, cache.values<T>(b, g), p, mq, nk, o, next_values, head_bytes);
+  }
+}
+
 }  // namespace
 
 // Paged attention: a query-row block of one head of one step, over its cache's
@@ -149,34 +188,7 @@ void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratc
   std::fill_n(o, mq * p, 0.0f);
   RowStats stats;
   stats.Reset(mq);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(p));
-  const KvSequence& cache = *step.cache;
-  // With task.prefetch (caches read from memory) and tiles under kPrefetchBelowTileBytes,
-  // the next block's keys and values for this head are fetched while this one is worked
-  // on: the hardware prefetchers stop at page boundaries and do not run ahead into the
-  // next chunk. The kernels spread those prefetches over their loops (the keys' over the
-  // scores, the values' over the context), so that the reads overlap the arithmetic
-  // instead of stalling before it.
-  const int64_t head_bytes = kBt * p * sizeof(T);
-  for (int64_t j0 = 0; j0 < max_limit; j0 += kBt) {
-    const int64_t b = j0 / kBt, nk = std::min(kBt, max_limit - j0);
-    const bool more = task.prefetch && head_bytes < kPrefetchBelowTileBytes && j0 + kBt < max_limit;
-    const T* next_keys = more ? cache.keys<T>(b + 1, g) : nullptr;
-    const T* next_values = more ? cache.values<T>(b + 1, g) : nullptr;
-    BlockScores(q, cache.keys<T>(b, g), kBt, p, mq, nk, scale, s, next_keys, head_bytes);
-    for (int64_t i = 0; i < mq; ++i) {
-      float* si = s + i * nk;
-      const int64_t seen = std::clamp<int64_t>(limit(i) - j0, 0, nk);
-      if (seen == 0) {
-        std::fill_n(si, nk, 0.0f);
-        continue;
-      }
-      std::fill(si + seen, si + nk, -std::numeric_limits<float>::infinity());
-      stats.Update(i, si, seen, o + i * p, p,
-                   [&](float m) { return kernels::ExpSubSum(si, m, si, nk); });
-    }
-    BlockContext(s, cache.values<T>(b, g), p, mq, nk, o, next_values, head_bytes);
-  }
+  AttendBlocks<T>(*step.cache, g, q, p, mq, max_limit, limit, task.prefetch, s, o, stats);
   if (step.lse != nullptr) {
     for (int64_t r = 0; r < mq; ++r) lse_at(r) = stats.Lse(r);
   }
