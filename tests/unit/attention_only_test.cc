@@ -3,8 +3,6 @@
 // (Forward) and paged (ForwardPaged), against a double-precision double loop written
 // here, independent of core/reference.cc; and the lse merge of partial attentions over
 // disjoint key sets.
-#include <omp.h>
-
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -27,6 +25,7 @@ namespace mha::core {
 namespace {
 
 using ::mha::testing::RandomVector;
+using ::mha::testing::TeamOfTwo;
 
 // f32 kernels against the double loop: sums of up to a few hundred products of
 // values in [-1, 1], reordered.
@@ -440,12 +439,7 @@ TEST(AttentionOnlyPagedTest, DecodeStepsAreReportedDoneAsTheyEnd) {
   };
   const std::vector<PagedStep> plain = steps(1), reported = steps(0);
   ASSERT_TRUE(mha->ForwardPaged(plain).ok());
-  int team = 0;  // the team OpenMP gives for two threads
-#pragma omp parallel num_threads(2)
-  {
-#pragma omp single
-    team = omp_get_num_threads();
-  }
+  const int team = TeamOfTwo();
   std::mutex mu;
   std::condition_variable reports;
   std::vector<int> times(kSessions, 0);

@@ -15,6 +15,7 @@
 
 #include "core/workspace.h"
 #include "gtest/gtest.h"
+#include "tests/unit/test_util.h"
 
 namespace mha::core::internal {
 namespace {
@@ -35,17 +36,6 @@ std::vector<int> Owners(int64_t tasks, int threads, Workspace& ws,
   EXPECT_TRUE(s.ok()) << s;
   for (int64_t t = 0; t < tasks; ++t) EXPECT_EQ(runs[t].load(), 1) << "task " << t;
   return owner;
-}
-
-// The team OpenMP gives for two threads (one under OMP_THREAD_LIMIT=1).
-int TeamOfTwo() {
-  int team = 0;
-#pragma omp parallel num_threads(2)
-  {
-#pragma omp single
-    team = omp_get_num_threads();
-  }
-  return team;
 }
 
 // TaskRanges alone, one thread's calls at a time: each thread's range of about equal
@@ -81,7 +71,7 @@ TEST(TaskRangesTest, EachThreadTakesItsRangeFromTheFrontThenTheOthersFromTheBack
 // (thread 1, whose first task waits until task 11 has run) has its range's tail
 // taken by the other.
 TEST(RunTasksTest, CostsGiveEachThreadItsRangeAndASlowThreadsTailToTheOther) {
-  if (TeamOfTwo() != 2) GTEST_SKIP() << "OpenMP gives one thread";
+  if (::mha::testing::TeamOfTwo() != 2) GTEST_SKIP() << "OpenMP gives one thread";
   Workspace ws;
   constexpr int64_t kTasks = 12;
   std::vector<std::atomic<int>> runs(kTasks);

@@ -2,6 +2,8 @@
 #ifndef MHA_TESTS_UNIT_TEST_UTIL_H_
 #define MHA_TESTS_UNIT_TEST_UTIL_H_
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -9,6 +11,17 @@
 #include <vector>
 
 namespace mha::testing {
+
+// The team OpenMP gives for two threads (one under OMP_THREAD_LIMIT=1).
+inline int TeamOfTwo() {
+  int team = 0;
+#pragma omp parallel num_threads(2)
+  {
+#pragma omp single
+    team = omp_get_num_threads();
+  }
+  return team;
+}
 
 inline std::vector<float> RandomVector(std::mt19937_64& rng, int64_t n, float lo = -1.0f,
                                        float hi = 1.0f) {
