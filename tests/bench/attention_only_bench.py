@@ -75,9 +75,14 @@ def step_p50_ms(report):
     return report["decode"]["steps"]["latency_us"]["p50"] / 1000
 
 
-def step_gbs(report, sessions=16):
-    """Cache GB/s of a decode step: every session's bytes a step over the p50 step."""
-    return sessions * report["cache_bytes_per_step"] / step_p50_ms(report) / 1e6
+def step_bytes(report):
+    """The cache bytes a decode step reads: one token of every session."""
+    return report["sessions"] * report["cache_bytes_per_step"]
+
+
+def step_gbs(report):
+    """Cache GB/s of a decode step: its bytes over the p50 step time."""
+    return step_bytes(report) / step_p50_ms(report) / 1e6
 
 
 def main():
@@ -126,8 +131,8 @@ def main():
                     results[(cache, model)] = report
                     print(f"{model} ({cache} cache), 16 sessions at context {CONTEXT}: "
                           f"step p50 {step_p50_ms(report):.3f} ms, "
-                          f"{16 * report['cache_bytes_per_step']:.0f} cache bytes a step "
-                          f"(16 sessions), {step_gbs(report):.2f} GB/s a step, "
+                          f"{step_bytes(report):.0f} cache bytes a step "
+                          f"({report['sessions']} sessions), {step_gbs(report):.2f} GB/s a step, "
                           f"{report['cache_gb_per_s']:.2f} GB/s over the decode phase, "
                           f"{report['decode']['tokens_per_s']:.0f} tokens/s", flush=True)
                 if cache == "f32":
