@@ -1,12 +1,46 @@
 #include "core/kv_cache.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "absl/strings/str_cat.h"
 
 namespace mha::core {
+
+namespace {
+
+// A chunk is a mapping of its own, so that a released chunk beyond the pool's
+// retain_ goes straight back to the system instead of fragmenting the heap. One of
+// a huge page or more starts on a huge page's boundary and is advised as
+// transparent huge pages (MADV_HUGEPAGE: Debian's default THP mode is `madvise`):
+// a decode step streams its chunks, and with 4 KiB pages it takes a TLB miss every
+// 4 KiB (docs/performance.md, "The cache on huge pages"). With THP `never` the
+// advice changes nothing, and the chunk has small pages as before.
+constexpr size_t kHugePage = size_t{2} << 20;
+
+float* MapChunk(size_t bytes) {
+  const size_t span = bytes >= kHugePage ? bytes + kHugePage : bytes;
+  void* mapped = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mapped == MAP_FAILED) return nullptr;
+  if (span == bytes) return static_cast<float*>(mapped);
+  // The span's head before the boundary and its tail after the chunk go back.
+  char* start = static_cast<char*>(mapped);
+  char* chunk = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(start) + kHugePage - 1) /
+                                        kHugePage * kHugePage);
+  if (chunk > start) munmap(start, static_cast<size_t>(chunk - start));
+  // munmap of the chunk takes its last page whole.
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  if (char* end = chunk + (bytes + page - 1) / page * page; end < start + span) {
+    munmap(end, static_cast<size_t>(start + span - end));
+  }
+  madvise(chunk, bytes, MADV_HUGEPAGE);
+  return reinterpret_cast<float*>(chunk);
+}
+
+}  // namespace
 
 KvCachePool::KvCachePool(int64_t budget_bytes, int64_t retain_bytes)
     : budget_(budget_bytes), retain_(retain_bytes) {}
@@ -40,15 +74,12 @@ float* KvCachePool::Allocate(size_t bytes) {
       return block;
     }
   }
-  // A mapping of its own, so that a released chunk beyond retain_ goes straight
-  // back to the system instead of fragmenting the heap.
-  void* block = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (block == MAP_FAILED) {
+  float* block = MapChunk(bytes);
+  if (block == nullptr) {
     absl::MutexLock lock(&mu_);
     used_ -= static_cast<int64_t>(bytes);
-    return nullptr;
   }
-  return static_cast<float*>(block);
+  return block;
 }
 
 void KvCachePool::Release(float* block, size_t bytes) {

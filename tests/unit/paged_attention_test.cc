@@ -2,8 +2,12 @@
 // the stateless Forward on the whole sequence, and against the double-precision
 // reference; KvCachePool's budget and block reuse.
 #include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <fstream>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -456,6 +460,57 @@ TEST(KvCachePoolTest, AReservationOfManyBlocksTakesThemInOneChunk) {
     EXPECT_EQ(seq.keys<float>(b, 2), seq.keys<float>(b - 1, 2) + 2 * kTile) << b;
   }
   EXPECT_EQ(pool.used_bytes(), (20 + KvCachePool::kChunkBlocks + 12) * kBlock);
+}
+
+// The mapping (/proc/self/smaps) that holds address x: its bounds and VmFlags.
+struct Mapping {
+  uintptr_t start = 0, end = 0;
+  std::string flags;
+};
+Mapping MappingOf(const void* x) {
+  const auto at = reinterpret_cast<uintptr_t>(x);
+  std::ifstream smaps("/proc/self/smaps");
+  Mapping found, current;
+  for (std::string line; std::getline(smaps, line);) {
+    uintptr_t start = 0, end = 0;
+    if (std::sscanf(line.c_str(), "%" SCNxPTR "-%" SCNxPTR " ", &start, &end) == 2 &&
+        line.find(':') > line.find(' ')) {
+      current = {start, end, ""};
+    } else if (line.rfind("VmFlags:", 0) == 0) {
+      current.flags = line;
+      if (current.start <= at && at < current.end) found = current;
+    }
+  }
+  return found;
+}
+
+// A chunk of a huge page (2 MiB) or more starts on a huge page's boundary, in a
+// mapping of its own bytes (the extra mapped to find the boundary went back), advised
+// as transparent huge pages (VmFlags "hg"); a smaller chunk keeps small pages.
+TEST(KvCachePoolTest, ChunksOfAHugePageOrMoreAreAlignedAndAdvisedAsHugePages) {
+  constexpr int64_t kBt = KvCachePool::kBlockTokens, kHeads = 8, kP = 128;
+  constexpr int64_t kBlock = 2 * kHeads * kBt * kP * 4;  // 256 KiB
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  KvCachePool pool(int64_t{1} << 30, /*retain_bytes=*/0);
+  KvSequence small(&pool, kHeads, kP);
+  ASSERT_TRUE(small.Reserve(kBt).ok());  // a chunk of 1 block
+  const Mapping s = MappingOf(small.keys<float>(0, 0));
+  ASSERT_NE(s.end, 0u) << "no mapping in /proc/self/smaps";
+  EXPECT_EQ(s.flags.find(" hg"), std::string::npos) << s.flags;
+
+  KvSequence big(&pool, kHeads, kP);
+  ASSERT_TRUE(big.Reserve(20 * kBt).ok());  // one chunk of 20 blocks, 5 MiB
+  const float* chunk = big.keys<float>(0, 0);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(chunk) % kHuge, 0u);
+  const Mapping m = MappingOf(chunk);
+  EXPECT_EQ(m.start, reinterpret_cast<uintptr_t>(chunk));
+  EXPECT_EQ(m.end, reinterpret_cast<uintptr_t>(chunk) + 20 * kBlock);
+  if (std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled").good()) {
+    EXPECT_NE(m.flags.find(" hg"), std::string::npos) << m.flags;
+  }
+  // Every byte of it is usable.
+  std::fill_n(big.keys<float>(0, 0), 20 * kBlock / 4, 1.0f);
+  EXPECT_EQ(big.keys<float>(19, kHeads - 1)[2 * kBt * kP - 1], 1.0f);
 }
 
 TEST(KvCachePoolTest, AChunkTheBudgetCannotHoldShrinksToTheBlocksNeeded) {
