@@ -308,8 +308,7 @@ class MultiHeadAttention::Impl {
     const float* new_k = nullptr;
     const float* new_v = nullptr;
     int64_t ldkv = 0;
-    // Each next block while this one is worked on (the steps' caches are read from
-    // memory); AttendPagedTask does so for tiles under kPrefetchBelowTileBytes.
+    // Read ahead of the kernels (the steps' caches are read from memory).
     bool prefetch = true;
   };
   // The steps' new rows through the projections: row r of Q at q + r * ld; of the

@@ -373,23 +373,30 @@ struct Prefetcher {
       : next(static_cast<const char*>(start)),
         end(next + (start == nullptr ? 0 : bytes)),
         per_step(steps > 0 ? (bytes / 64 + steps - 1) / steps : 0) {}
-  // to_l2: prefetcht2, which leaves the lines in L2 (the paged pass's group
-  // kernels): a prefetch into L1 holds one of its few miss buffers until the line
-  // arrives, which caps the reads in flight, and a block's keys or values (16 KiB
-  // at d_h 128) ahead of the one being read would crowd it out of a 32 KiB L1.
-  bool to_l2 = false;
-  MHA_INLINE void One(const char* x) {
-    if (to_l2) {
-      __builtin_prefetch(x, 0, 1);
-    } else {
-      __builtin_prefetch(x);
-    }
-  }
   MHA_INLINE void Step() {
-    for (int64_t i = 0; i < per_step && next < end; ++i, next += 64) One(next);
+    for (int64_t i = 0; i < per_step && next < end; ++i, next += 64) __builtin_prefetch(next);
   }
   MHA_INLINE void Rest() {
-    for (; next < end; next += 64) One(next);
+    for (; next < end; next += 64) __builtin_prefetch(next);
+  }
+};
+
+// The group kernels' software prefetch: as a kernel loads vector `i` of a row of
+// cache elements at x, it asks for the line `bytes` further on (0: none), into L1,
+// once per cache line (a bf16 line is two vectors). A kernel reads its tile in
+// order, and a cache block's values follow its keys, and its next block's keys its
+// values, within a head's run of a chunk (KvSequence::keys): the prefetches run a
+// fixed distance ahead of the reads across the whole run, through the softmax
+// between the scores and the context and across the blocks. The hardware
+// prefetchers alone kept too few reads in flight for one core to stream the cache at
+// the memory's pace (docs/performance.md, "Reading ahead of the kernels").
+struct ReadAhead {
+  int64_t bytes = 0;
+  template <typename T>
+  MHA_INLINE void At(const T* x, int i) const {
+    if (bytes != 0 && (16 * sizeof(T) * i) % 64 == 0) {
+      __builtin_prefetch(reinterpret_cast<const char*>(x) + bytes, 0, 3);
+    }
   }
 };
 
@@ -488,16 +495,18 @@ MHA_INLINE void Load16(const uint16_t* x, Floats16& v) {
 // blocks of 32 keys). R 1 is TransposedScoresGroup's order of additions.
 template <int R, int U, int V, typename T>
 MHA_INLINE void ScoresRowsGroup(const float* q, const T* kt, int64_t ld, int64_t p, int64_t j0,
-                                float scale, float* s, int64_t lds, Prefetcher& pf) {
+                                float scale, float* s, int64_t lds, ReadAhead ra) {
   Floats16 acc[U][R][V] = {};
   int64_t c = 0;
   for (; c + U <= p; c += U) {
-    pf.Step();
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) {
       Floats16 k[V];
 #pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) Load16(kt + (c + u) * ld + j0 + 16 * v, k[v]);
+      for (int v = 0; v < V; ++v) {
+        ra.At<T>(kt + (c + u) * ld + j0 + 16 * v, v);
+        Load16(kt + (c + u) * ld + j0 + 16 * v, k[v]);
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const float qc = q[r * p + c + u];
@@ -535,12 +544,12 @@ MHA_INLINE void ScoresRowsGroup(const float* q, const T* kt, int64_t ld, int64_t
 // of 32 keys, then of 16; keys past the last group take a plain loop per row.
 template <int R, typename T>
 MHA_INLINE void ScoresRows(const float* q, const T* kt, int64_t ld, int64_t p, int64_t nk,
-                           float scale, float* s, Prefetcher& pf) {
+                           float scale, float* s, ReadAhead ra) {
   constexpr int U = R == 1 ? 4 : R <= 3 ? 2 : 1;
   int64_t j0 = 0;
-  for (; j0 + 32 <= nk; j0 += 32) ScoresRowsGroup<R, U, 2>(q, kt, ld, p, j0, scale, s, nk, pf);
+  for (; j0 + 32 <= nk; j0 += 32) ScoresRowsGroup<R, U, 2>(q, kt, ld, p, j0, scale, s, nk, ra);
   for (; j0 + 16 <= nk; j0 += 16) {
-    ScoresRowsGroup<R, R <= 2 ? 4 : 2, 1>(q, kt, ld, p, j0, scale, s, nk, pf);
+    ScoresRowsGroup<R, R <= 2 ? 4 : 2, 1>(q, kt, ld, p, j0, scale, s, nk, ra);
   }
   if (j0 == nk) return;
   if (j0 + 16 <= ld) {
@@ -548,7 +557,7 @@ MHA_INLINE void ScoresRows(const float* q, const T* kt, int64_t ld, int64_t p, i
     // group, whose sums past nk are dropped, in place of the plain loop below, where
     // each key's sum is a chain of p multiply-adds through memory.
     float last[R * 16];
-    ScoresRowsGroup<R, R <= 2 ? 4 : 2, 1>(q, kt + j0, ld, p, 0, scale, last, 16, pf);
+    ScoresRowsGroup<R, R <= 2 ? 4 : 2, 1>(q, kt + j0, ld, p, 0, scale, last, 16, ra);
     for (int r = 0; r < R; ++r) std::copy_n(last + r * 16, nk - j0, s + r * nk + j0);
     return;
   }
@@ -570,7 +579,7 @@ MHA_INLINE void ScoresRows(const float* q, const T* kt, int64_t ld, int64_t p, i
 // (2 for one row, ContextGroup's order of additions).
 template <int R, int U, int V, typename T>
 MHA_INLINE void ContextRowsGroup(const float* w, const T* v, int64_t ldv, int64_t nk, int64_t c0,
-                                 float* o, int64_t ldo, Prefetcher& pf) {
+                                 float* o, int64_t ldo, ReadAhead ra) {
   Floats16 a[U][R][V];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -581,12 +590,14 @@ MHA_INLINE void ContextRowsGroup(const float* w, const T* v, int64_t ldv, int64_
   }
   int64_t j = 0;
   for (; j + U <= nk; j += U) {
-    pf.Step();
 #pragma GCC unroll 4
     for (int i = 0; i < U; ++i) {
       Floats16 x[V];
 #pragma GCC unroll 4
-      for (int u = 0; u < V; ++u) Load16(v + (j + i) * ldv + c0 + 16 * u, x[u]);
+      for (int u = 0; u < V; ++u) {
+        ra.At<T>(v + (j + i) * ldv + c0 + 16 * u, u);
+        Load16(v + (j + i) * ldv + c0 + 16 * u, x[u]);
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const float wj = w[r * nk + j + i];
@@ -620,15 +631,15 @@ MHA_INLINE void ContextRowsGroup(const float* w, const T* v, int64_t ldv, int64_
 // row.
 template <int R, typename T>
 MHA_INLINE void ContextRows(const float* w, const T* v, int64_t cols, int64_t nk, float* o,
-                            int64_t ldo, Prefetcher& pf) {
+                            int64_t ldo, ReadAhead ra) {
   constexpr int U = R == 1 ? 2 : 1;
   int64_t c0 = 0;
   if constexpr (R <= 4) {
-    for (; c0 + 64 <= cols; c0 += 64) ContextRowsGroup<R, U, 4>(w, v, cols, nk, c0, o, ldo, pf);
+    for (; c0 + 64 <= cols; c0 += 64) ContextRowsGroup<R, U, 4>(w, v, cols, nk, c0, o, ldo, ra);
   }
-  for (; c0 + 32 <= cols; c0 += 32) ContextRowsGroup<R, U, 2>(w, v, cols, nk, c0, o, ldo, pf);
+  for (; c0 + 32 <= cols; c0 += 32) ContextRowsGroup<R, U, 2>(w, v, cols, nk, c0, o, ldo, ra);
   for (; c0 + 16 <= cols; c0 += 16) {
-    ContextRowsGroup<R, R <= 2 ? 2 : 1, 1>(w, v, cols, nk, c0, o, ldo, pf);
+    ContextRowsGroup<R, R <= 2 ? 2 : 1, 1>(w, v, cols, nk, c0, o, ldo, ra);
   }
   if (c0 == cols) return;
   for (int r = 0; r < R; ++r) {
@@ -653,35 +664,35 @@ inline int GroupRows(int64_t rest) {
 
 template <typename T>
 MHA_INLINE void GroupScoresImpl(const float* q, const T* kt, int64_t ld, int64_t p, int64_t mq,
-                                int64_t nk, float scale, float* s, Prefetcher& pf) {
+                                int64_t nk, float scale, float* s, ReadAhead ra) {
   for (int64_t r0 = 0; r0 < mq;) {
     const int rows = GroupRows(mq - r0);
     const float* qr = q + r0 * p;
     float* sr = s + r0 * nk;
     switch (rows) {
       case 1:
-        ScoresRows<1>(qr, kt, ld, p, nk, scale, sr, pf);
+        ScoresRows<1>(qr, kt, ld, p, nk, scale, sr, ra);
         break;
       case 2:
-        ScoresRows<2>(qr, kt, ld, p, nk, scale, sr, pf);
+        ScoresRows<2>(qr, kt, ld, p, nk, scale, sr, ra);
         break;
       case 3:
-        ScoresRows<3>(qr, kt, ld, p, nk, scale, sr, pf);
+        ScoresRows<3>(qr, kt, ld, p, nk, scale, sr, ra);
         break;
       case 4:
-        ScoresRows<4>(qr, kt, ld, p, nk, scale, sr, pf);
+        ScoresRows<4>(qr, kt, ld, p, nk, scale, sr, ra);
         break;
       case 5:
-        ScoresRows<5>(qr, kt, ld, p, nk, scale, sr, pf);
+        ScoresRows<5>(qr, kt, ld, p, nk, scale, sr, ra);
         break;
       case 6:
-        ScoresRows<6>(qr, kt, ld, p, nk, scale, sr, pf);
+        ScoresRows<6>(qr, kt, ld, p, nk, scale, sr, ra);
         break;
       case 7:
-        ScoresRows<7>(qr, kt, ld, p, nk, scale, sr, pf);
+        ScoresRows<7>(qr, kt, ld, p, nk, scale, sr, ra);
         break;
       default:
-        ScoresRows<8>(qr, kt, ld, p, nk, scale, sr, pf);
+        ScoresRows<8>(qr, kt, ld, p, nk, scale, sr, ra);
         break;
     }
     r0 += rows;
@@ -691,35 +702,35 @@ MHA_INLINE void GroupScoresImpl(const float* q, const T* kt, int64_t ld, int64_t
 // One panel of values (ValueIndex), (nk, cols), into its columns of o's rows of p.
 template <typename T>
 MHA_INLINE void GroupContextPanel(const float* w, const T* v, int64_t cols, int64_t p, int64_t mq,
-                                  int64_t nk, float* o, Prefetcher& pf) {
+                                  int64_t nk, float* o, ReadAhead ra) {
   for (int64_t r0 = 0; r0 < mq;) {
     const int rows = GroupRows(mq - r0);
     const float* wr = w + r0 * nk;
     float* orow = o + r0 * p;
     switch (rows) {
       case 1:
-        ContextRows<1>(wr, v, cols, nk, orow, p, pf);
+        ContextRows<1>(wr, v, cols, nk, orow, p, ra);
         break;
       case 2:
-        ContextRows<2>(wr, v, cols, nk, orow, p, pf);
+        ContextRows<2>(wr, v, cols, nk, orow, p, ra);
         break;
       case 3:
-        ContextRows<3>(wr, v, cols, nk, orow, p, pf);
+        ContextRows<3>(wr, v, cols, nk, orow, p, ra);
         break;
       case 4:
-        ContextRows<4>(wr, v, cols, nk, orow, p, pf);
+        ContextRows<4>(wr, v, cols, nk, orow, p, ra);
         break;
       case 5:
-        ContextRows<5>(wr, v, cols, nk, orow, p, pf);
+        ContextRows<5>(wr, v, cols, nk, orow, p, ra);
         break;
       case 6:
-        ContextRows<6>(wr, v, cols, nk, orow, p, pf);
+        ContextRows<6>(wr, v, cols, nk, orow, p, ra);
         break;
       case 7:
-        ContextRows<7>(wr, v, cols, nk, orow, p, pf);
+        ContextRows<7>(wr, v, cols, nk, orow, p, ra);
         break;
       default:
-        ContextRows<8>(wr, v, cols, nk, orow, p, pf);
+        ContextRows<8>(wr, v, cols, nk, orow, p, ra);
         break;
     }
     r0 += rows;
@@ -728,10 +739,10 @@ MHA_INLINE void GroupContextPanel(const float* w, const T* v, int64_t cols, int6
 
 template <typename T>
 MHA_INLINE void GroupContextImpl(const float* w, const T* v, int64_t panel_rows, int64_t p,
-                                 int64_t mq, int64_t nk, float* o, Prefetcher& pf) {
+                                 int64_t mq, int64_t nk, float* o, ReadAhead ra) {
   for (int64_t c0 = 0; c0 < p; c0 += kValuePanel<T>) {
     const int64_t cols = std::min(kValuePanel<T>, p - c0);
-    GroupContextPanel(w, v + c0 * panel_rows, cols, p, mq, nk, o + c0, pf);
+    GroupContextPanel(w, v + c0 * panel_rows, cols, p, mq, nk, o + c0, ra);
   }
 }
 
@@ -804,38 +815,26 @@ MHA_MULTIVERSION void SmallContextBf16(const float* probs, const uint16_t* v, in
 // feature (scores) or per key (context) of each group of keys or columns.
 MHA_MULTIVERSION void GroupScores(const float* q, const float* kt, int64_t ld, int64_t p,
                                   int64_t mq, int64_t nk, float scale, float* s,
-                                  const void* prefetch, int64_t prefetch_bytes) {
-  Prefetcher pf(prefetch, prefetch_bytes, ((nk + 31) / 32) * (p / 2));
-  pf.to_l2 = true;
-  GroupScoresImpl(q, kt, ld, p, mq, nk, scale, s, pf);
-  pf.Rest();
+                                  int64_t read_ahead) {
+  GroupScoresImpl(q, kt, ld, p, mq, nk, scale, s, ReadAhead{read_ahead});
 }
 
 MHA_MULTIVERSION void GroupScoresBf16(const float* q, const uint16_t* kt, int64_t ld, int64_t p,
                                       int64_t mq, int64_t nk, float scale, float* s,
-                                      const void* prefetch, int64_t prefetch_bytes) {
-  Prefetcher pf(prefetch, prefetch_bytes, ((nk + 31) / 32) * (p / 2));
-  pf.to_l2 = true;
-  GroupScoresImpl(q, kt, ld, p, mq, nk, scale, s, pf);
-  pf.Rest();
+                                      int64_t read_ahead) {
+  GroupScoresImpl(q, kt, ld, p, mq, nk, scale, s, ReadAhead{read_ahead});
 }
 
 MHA_MULTIVERSION void GroupContext(const float* probs, const float* v, int64_t panel_rows,
                                    int64_t p, int64_t mq, int64_t nk, float* o,
-                                   const void* prefetch, int64_t prefetch_bytes) {
-  Prefetcher pf(prefetch, prefetch_bytes, ((p + 63) / 64) * (nk / 2));
-  pf.to_l2 = true;
-  GroupContextImpl(probs, v, panel_rows, p, mq, nk, o, pf);
-  pf.Rest();
+                                   int64_t read_ahead) {
+  GroupContextImpl(probs, v, panel_rows, p, mq, nk, o, ReadAhead{read_ahead});
 }
 
 MHA_MULTIVERSION void GroupContextBf16(const float* probs, const uint16_t* v, int64_t panel_rows,
                                        int64_t p, int64_t mq, int64_t nk, float* o,
-                                       const void* prefetch, int64_t prefetch_bytes) {
-  Prefetcher pf(prefetch, prefetch_bytes, ((p + 63) / 64) * (nk / 2));
-  pf.to_l2 = true;
-  GroupContextImpl(probs, v, panel_rows, p, mq, nk, o, pf);
-  pf.Rest();
+                                       int64_t read_ahead) {
+  GroupContextImpl(probs, v, panel_rows, p, mq, nk, o, ReadAhead{read_ahead});
 }
 
 int64_t PanelCount(int64_t n) { return (n + kPanelColumns - 1) / kPanelColumns; }

@@ -75,13 +75,15 @@ void SmallContextBf16(const float* probs, const uint16_t* v, int64_t p, int64_t 
 //   GroupScores:  s (mq, nk) = scale * q (mq, p) kt[:, :nk], kt (p, ld)
 //   GroupContext: o (mq, p) += probs (mq, nk) v (nk, p), v in column panels
 //                 (ValueIndex<T>) of panel_rows >= nk rows
-// prefetch (prefetch_bytes) is fetched over the loops as in the kernels above, but into
-// L2 only (prefetcht2), which keeps more reads in flight than prefetches into L1.
+// read_ahead > 0: each cache line of kt or v they read, they prefetch the line
+// read_ahead bytes past it into L1. The paged pass reads a head's run of blocks in
+// memory order (a block's keys, its values, the next block's keys) and passes
+// kReadAhead, f32 or bf16 (docs/performance.md, "Reading ahead of the kernels").
+inline constexpr int64_t kReadAhead = 8 << 10;
 void GroupScores(const float* q, const float* kt, int64_t ld, int64_t p, int64_t mq, int64_t nk,
-                 float scale, float* s, const void* prefetch = nullptr, int64_t prefetch_bytes = 0);
+                 float scale, float* s, int64_t read_ahead = 0);
 void GroupScoresBf16(const float* q, const uint16_t* kt, int64_t ld, int64_t p, int64_t mq,
-                     int64_t nk, float scale, float* s, const void* prefetch = nullptr,
-                     int64_t prefetch_bytes = 0);
+                     int64_t nk, float scale, float* s, int64_t read_ahead = 0);
 // The values of a cache block in column panels of 256 bytes a row: columns
 // [c0, c0 + w) of all its panel_rows rows together, row by row (c0 a multiple of
 // kValuePanel<T>, 64 f32 or 128 bf16 columns; w = min(kValuePanel<T>, p - c0)), so that
@@ -98,10 +100,9 @@ int64_t ValueIndex(int64_t j, int64_t c, int64_t p, int64_t panel_rows) {
   return c0 * panel_rows + j * w + (c - c0);
 }
 void GroupContext(const float* probs, const float* v, int64_t panel_rows, int64_t p, int64_t mq,
-                  int64_t nk, float* o, const void* prefetch = nullptr, int64_t prefetch_bytes = 0);
+                  int64_t nk, float* o, int64_t read_ahead = 0);
 void GroupContextBf16(const float* probs, const uint16_t* v, int64_t panel_rows, int64_t p,
-                      int64_t mq, int64_t nk, float* o, const void* prefetch = nullptr,
-                      int64_t prefetch_bytes = 0);
+                      int64_t mq, int64_t nk, float* o, int64_t read_ahead = 0);
 
 // A few rows through a weight matrix W (n, k): y (m, n) = x (m, k) W^T + b, row
 // strides ldx and ldy. A few rows (a decode step's projections) read every weight

@@ -21,12 +21,9 @@ using internal::Dt;
 using internal::Grow;
 using internal::SizeOf;
 
-// The paged kernels prefetch the next block above this many bytes of cache read by
-// a call, when a head's keys of a block are fewer bytes than kPrefetchBelowTileBytes:
-// tiles of 16 KiB (f32 at d_h 128) read faster without, those of 8 KiB (bf16 at d_h
-// 128, f32 at d_h 64) slower (docs/performance.md, "Values in column panels").
+// The paged kernels read ahead (kernels::kReadAhead) above this many bytes of cache
+// read by a call; below it the cache is in the CPU's caches.
 constexpr double kPrefetchAboveBytes = 32 << 20;
-constexpr int64_t kPrefetchBelowTileBytes = 16 << 10;
 
 // ForwardPaged: one thread per this many bytes of weights and cached keys and
 // values read (bert_base's weights are 9 MiB), when that is more than its FLOPs get.
@@ -47,20 +44,20 @@ int64_t PagedRows(int64_t n) {
 // through each block together, in register-blocked groups (kernels::GroupScores,
 // GroupContext): the block streams in once per group of up to 8 rows, not per row.
 inline void BlockScores(const float* q, const float* kt, int64_t ld, int64_t p, int64_t mq,
-                        int64_t nk, float scale, float* s, const void* prefetch, int64_t bytes) {
-  kernels::GroupScores(q, kt, ld, p, mq, nk, scale, s, prefetch, bytes);
+                        int64_t nk, float scale, float* s, int64_t read_ahead) {
+  kernels::GroupScores(q, kt, ld, p, mq, nk, scale, s, read_ahead);
 }
 inline void BlockScores(const float* q, const uint16_t* kt, int64_t ld, int64_t p, int64_t mq,
-                        int64_t nk, float scale, float* s, const void* prefetch, int64_t bytes) {
-  kernels::GroupScoresBf16(q, kt, ld, p, mq, nk, scale, s, prefetch, bytes);
+                        int64_t nk, float scale, float* s, int64_t read_ahead) {
+  kernels::GroupScoresBf16(q, kt, ld, p, mq, nk, scale, s, read_ahead);
 }
 inline void BlockContext(const float* probs, const float* v, int64_t p, int64_t mq, int64_t nk,
-                         float* o, const void* prefetch, int64_t bytes) {
-  kernels::GroupContext(probs, v, KvCachePool::kBlockTokens, p, mq, nk, o, prefetch, bytes);
+                         float* o, int64_t read_ahead) {
+  kernels::GroupContext(probs, v, KvCachePool::kBlockTokens, p, mq, nk, o, read_ahead);
 }
 inline void BlockContext(const float* probs, const uint16_t* v, int64_t p, int64_t mq, int64_t nk,
-                         float* o, const void* prefetch, int64_t bytes) {
-  kernels::GroupContextBf16(probs, v, KvCachePool::kBlockTokens, p, mq, nk, o, prefetch, bytes);
+                         float* o, int64_t read_ahead) {
+  kernels::GroupContextBf16(probs, v, KvCachePool::kBlockTokens, p, mq, nk, o, read_ahead);
 }
 inline void ToCache(const float* x, float* y, int64_t n) { std::copy_n(x, n, y); }
 inline void ToCache(const float* x, uint16_t* y, int64_t n) { kernels::ToBf16(x, y, n); }
@@ -99,25 +96,18 @@ void StoreRows(KvSequence& cache, int64_t n, const float* k, const float* v, int
 // block's scores go to s (mq x kBlockTokens), their running max and sum to stats, and
 // the context to o (mq x p, unnormalised).
 //
-// With `prefetch` (caches read from memory) and tiles under kPrefetchBelowTileBytes,
-// the next block's keys and values for this head are fetched while this one is worked
-// on: the hardware prefetchers stop at page boundaries and do not run ahead into the
-// next chunk. The kernels spread those prefetches over their loops (the keys' over the
-// scores, the values' over the context), so that the reads overlap the arithmetic
-// instead of stalling before it.
+// With `prefetch` (caches read from memory), the kernels read kernels::kReadAhead bytes
+// ahead of themselves in the head's run of blocks.
 template <typename T, typename Limit>
 void AttendBlocks(const KvSequence& cache, int64_t g, const float* q, int64_t p, int64_t mq,
                   int64_t max_limit, const Limit& limit, bool prefetch, float* s, float* o,
                   internal::RowStats& stats) {
   constexpr int64_t kBt = KvCachePool::kBlockTokens;
   const float scale = 1.0f / std::sqrt(static_cast<float>(p));
-  const int64_t head_bytes = kBt * p * sizeof(T);
+  const int64_t read_ahead = prefetch ? kernels::kReadAhead : 0;
   for (int64_t j0 = 0; j0 < max_limit; j0 += kBt) {
     const int64_t b = j0 / kBt, nk = std::min(kBt, max_limit - j0);
-    const bool more = prefetch && head_bytes < kPrefetchBelowTileBytes && j0 + kBt < max_limit;
-    const T* next_keys = more ? cache.keys<T>(b + 1, g) : nullptr;
-    const T* next_values = more ? cache.values<T>(b + 1, g) : nullptr;
-    BlockScores(q, cache.keys<T>(b, g), kBt, p, mq, nk, scale, s, next_keys, head_bytes);
+    BlockScores(q, cache.keys<T>(b, g), kBt, p, mq, nk, scale, s, read_ahead);
     for (int64_t i = 0; i < mq; ++i) {
       float* si = s + i * nk;
       const int64_t seen = std::clamp<int64_t>(limit(i) - j0, 0, nk);
@@ -129,7 +119,7 @@ void AttendBlocks(const KvSequence& cache, int64_t g, const float* q, int64_t p,
       stats.Update(i, si, seen, o + i * p, p,
                    [&](float m) { return kernels::ExpSubSum(si, m, si, nk); });
     }
-    BlockContext(s, cache.values<T>(b, g), p, mq, nk, o, next_values, head_bytes);
+    BlockContext(s, cache.values<T>(b, g), p, mq, nk, o, read_ahead);
   }
 }
 

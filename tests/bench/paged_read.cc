@@ -14,7 +14,7 @@
 //                  the cache's column panels) with chunks of N blocks: each
 //                  head's blocks of a chunk together, so a task reads N x 32 KiB in one
 //                  run; the cache's sequences grow to chunks of 8; with and without the
-//                  paged pass's software prefetch of the next block
+//                  paged pass's read-ahead (kernels::kReadAhead)
 //   own blocks     the layout before chunks (2026-11-27): each block holding every
 //                  head's keys, then every head's values, so a task read 16 KiB runs
 //                  128 KiB apart (here in one mapping; a mapping per block, as the
@@ -82,14 +82,12 @@ double Attend(const Layout& layout, bool prefetch, int64_t blocks, int64_t repea
       for (int64_t task = 0; task < kSequences * kG; ++task) {
         const int64_t seq = first_only ? 0 : task / kG, g = task % kG;
         for (int64_t b = 0; b < blocks; ++b) {
-          const bool more = prefetch && b + 1 < blocks;
+          const int64_t ahead = prefetch ? kernels::kReadAhead : 0;
           kernels::GroupScores(q.data(), layout.keys(seq, g, b), kBt, kP, kRows, kBt, 0.1f,
-                               s.data(), more ? layout.keys(seq, g, b + 1) : nullptr,
-                               kTile * sizeof(float));
+                               s.data(), ahead);
           for (float& x : s) x *= 1e-3f;  // stands in for the softmax's weights
           kernels::GroupContext(s.data(), layout.values(seq, g, b), kBt, kP, kRows, kBt, o.data(),
-                                more ? layout.values(seq, g, b + 1) : nullptr,
-                                kTile * sizeof(float));
+                                ahead);
         }
       }
     }
