@@ -488,6 +488,55 @@ MHA_INLINE void Load16(const uint16_t* x, Floats16& v) {
   std::memcpy(&v, &bits, sizeof v);
 }
 
+// The group kernels' rows of V vectors (16 V elements at x). An f32 row is V vectors
+// in element order. A bf16 row of an even V is read in 64-byte loads of 32 elements,
+// each widened to two vectors by a shift and a mask (its even elements, then its odd
+// ones): half the instructions of widening 16 at a time. Sums over such rows stay in
+// that split order, element by element, and LoadSums / StoreSums turn them from and to
+// element order: the same sums, in the same order of additions.
+template <typename T, int V>
+inline constexpr bool kSplit = sizeof(T) == 2 && V % 2 == 0;
+template <int V, typename T>
+MHA_INLINE void LoadRow(const T* x, Floats16 (&k)[V]) {
+  if constexpr (kSplit<T, V>) {
+    for (int v = 0; v < V; v += 2) {
+      Words16 w;
+      std::memcpy(&w, x + 16 * v, sizeof w);
+      const Words16 even = w << 16, odd = w & 0xffff0000u;
+      std::memcpy(&k[v], &even, sizeof even);
+      std::memcpy(&k[v + 1], &odd, sizeof odd);
+    }
+  } else {
+    for (int v = 0; v < V; ++v) Load16(x + 16 * v, k[v]);
+  }
+}
+template <typename T, int V>
+MHA_INLINE void LoadSums(const float* x, Floats16 (&a)[V]) {
+  for (int v = 0; v < V; ++v) Load16(x + 16 * v, a[v]);
+  if constexpr (kSplit<T, V>) {
+    for (int v = 0; v < V; v += 2) {
+      const Floats16 first = a[v], second = a[v + 1];
+      a[v] = __builtin_shufflevector(first, second, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                     26, 28, 30);
+      a[v + 1] = __builtin_shufflevector(first, second, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23,
+                                         25, 27, 29, 31);
+    }
+  }
+}
+template <typename T, int V>
+MHA_INLINE void StoreSums(float* x, const Floats16 (&a)[V]) {
+  if constexpr (kSplit<T, V>) {
+    for (int v = 0; v < V; v += 2) {
+      Store16(x + 16 * v, __builtin_shufflevector(a[v], a[v + 1], 0, 16, 1, 17, 2, 18, 3, 19, 4, 20,
+                                                  5, 21, 6, 22, 7, 23));
+      Store16(x + 16 * v + 16, __builtin_shufflevector(a[v], a[v + 1], 8, 24, 9, 25, 10, 26, 11, 27,
+                                                       12, 28, 13, 29, 14, 30, 15, 31));
+    }
+  } else {
+    for (int v = 0; v < V; ++v) Store16(x + 16 * v, a[v]);
+  }
+}
+
 // R rows' scores against V vectors of keys at j0: s[r * lds + j0, + 16 V) =
 // scale * q[r * p, + p) kt[:, j0 : j0 + 16 V] for r < R. Each vector of keys is loaded
 // once for the R rows; the sums run in U interleaved partial sums over the features,
@@ -503,10 +552,8 @@ MHA_INLINE void ScoresRowsGroup(const float* q, const T* kt, int64_t ld, int64_t
     for (int u = 0; u < U; ++u) {
       Floats16 k[V];
 #pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) {
-        ra.At<T>(kt + (c + u) * ld + j0 + 16 * v, v);
-        Load16(kt + (c + u) * ld + j0 + 16 * v, k[v]);
-      }
+      for (int v = 0; v < V; ++v) ra.At<T>(kt + (c + u) * ld + j0 + 16 * v, v);
+      LoadRow<V>(kt + (c + u) * ld + j0, k);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const float qc = q[r * p + c + u];
@@ -517,7 +564,7 @@ MHA_INLINE void ScoresRowsGroup(const float* q, const T* kt, int64_t ld, int64_t
   }
   for (; c < p; ++c) {
     Floats16 k[V];
-    for (int v = 0; v < V; ++v) Load16(kt + c * ld + j0 + 16 * v, k[v]);
+    LoadRow<V>(kt + c * ld + j0, k);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float qc = q[r * p + c];
@@ -526,6 +573,7 @@ MHA_INLINE void ScoresRowsGroup(const float* q, const T* kt, int64_t ld, int64_t
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
+    Floats16 sums[V];
     for (int v = 0; v < V; ++v) {
       Floats16 sum;
       if constexpr (U == 4) {
@@ -535,8 +583,9 @@ MHA_INLINE void ScoresRowsGroup(const float* q, const T* kt, int64_t ld, int64_t
       } else {
         sum = acc[0][r][v];
       }
-      Store16(s + r * lds + j0 + 16 * v, scale * sum);
+      sums[v] = scale * sum;
     }
+    StoreSums<T>(s + r * lds + j0, sums);
   }
 }
 
@@ -583,7 +632,7 @@ MHA_INLINE void ContextRowsGroup(const float* w, const T* v, int64_t ldv, int64_
   Floats16 a[U][R][V];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    for (int u = 0; u < V; ++u) Load16(o + r * ldo + c0 + 16 * u, a[0][r][u]);
+    LoadSums<T>(o + r * ldo + c0, a[0][r]);
     for (int i = 1; i < U; ++i) {
       for (int u = 0; u < V; ++u) a[i][r][u] = Floats16{};
     }
@@ -594,10 +643,8 @@ MHA_INLINE void ContextRowsGroup(const float* w, const T* v, int64_t ldv, int64_
     for (int i = 0; i < U; ++i) {
       Floats16 x[V];
 #pragma GCC unroll 4
-      for (int u = 0; u < V; ++u) {
-        ra.At<T>(v + (j + i) * ldv + c0 + 16 * u, u);
-        Load16(v + (j + i) * ldv + c0 + 16 * u, x[u]);
-      }
+      for (int u = 0; u < V; ++u) ra.At<T>(v + (j + i) * ldv + c0 + 16 * u, u);
+      LoadRow<V>(v + (j + i) * ldv + c0, x);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const float wj = w[r * nk + j + i];
@@ -608,7 +655,7 @@ MHA_INLINE void ContextRowsGroup(const float* w, const T* v, int64_t ldv, int64_
   }
   for (; j < nk; ++j) {
     Floats16 x[V];
-    for (int u = 0; u < V; ++u) Load16(v + j * ldv + c0 + 16 * u, x[u]);
+    LoadRow<V>(v + j * ldv + c0, x);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float wj = w[r * nk + j];
@@ -617,11 +664,12 @@ MHA_INLINE void ContextRowsGroup(const float* w, const T* v, int64_t ldv, int64_
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
+    Floats16 sums[V];
     for (int u = 0; u < V; ++u) {
-      Floats16 sum = a[0][r][u];
-      for (int i = 1; i < U; ++i) sum += a[i][r][u];
-      Store16(o + r * ldo + c0 + 16 * u, sum);
+      sums[u] = a[0][r][u];
+      for (int i = 1; i < U; ++i) sums[u] += a[i][r][u];
     }
+    StoreSums<T>(o + r * ldo + c0, sums);
   }
 }
 
