@@ -13,6 +13,18 @@ namespace {
 // From this many floats AsActivation converts on the call's threads (a 256 KB input).
 constexpr int64_t kParallelConvertFloats = 64 << 10;
 
+// An int8 model's weights as its s8 GEMMs see them, each output row rounded to its
+// 255 levels, in f32: where oneDNN has no bf16 matmul (below AVX-512), its int8
+// GEMMs (vpmaddubsw, without VNNI) saturate, so such a CPU runs the int8 model's
+// weights in f32 instead (docs/core.md, "Precision on CPUs without AVX-512").
+std::vector<float> Int8Levels(const std::vector<float>& w, int64_t n, int64_t k) {
+  std::vector<int8_t> q(w.size());
+  std::vector<float> scales(n), out(w.size());
+  kernels::QuantizeRows(w.data(), k, n, k, q.data(), scales.data());
+  for (int64_t i = 0; i < n * k; ++i) out[i] = q[i] * scales[i / k];
+  return out;
+}
+
 std::vector<float> Stack(std::initializer_list<const std::vector<float>*> parts) {
   std::vector<float> out;
   for (const auto* p : parts) out.insert(out.end(), p->begin(), p->end());
@@ -29,17 +41,27 @@ int64_t LargestDivisorAtMost(int64_t n, int64_t most) {
 
 }  // namespace
 
-MultiHeadAttention::Impl::Impl(const ModelConfig& c, const Weights& w, const Options& o)
+MultiHeadAttention::Impl::Impl(const ModelConfig& c, const Weights& weights, const Options& o)
     : c_(c),
       o_(o),
-      act_(c.precision == Precision::kF32 ? Dt::f32 : Dt::bf16),
-      weights_(c.precision == Precision::kInt8 ? Dt::s8 : act_),
-      in_(c.precision == Precision::kBf16 ? Dt::bf16 : Dt::f32) {
+      act_(c.precision == Precision::kF32 || !internal::Bf16MatmulsSupported() ? Dt::f32
+                                                                               : Dt::bf16),
+      weights_(c.precision == Precision::kInt8 && act_ == Dt::bf16 ? Dt::s8 : act_),
+      in_(c.precision == Precision::kBf16 ? act_ : Dt::f32) {
   const int64_t group = c.num_heads / c.kv_heads();
   heads_per_task_ = LargestDivisorAtMost(group, o.query_block);
   heads_per_paged_task_ = LargestDivisorAtMost(group, kPagedQueryRows);
   if (c.attention_only()) return;  // no weights, no rope, dot-product scoring
   const int64_t e = c.num_hiddens, ekv = c.kv_hiddens();
+  Weights levels;
+  if (c.precision == Precision::kInt8 && weights_ != Dt::s8) {
+    levels = weights;
+    levels.w_q = Int8Levels(weights.w_q, e, c.query_size);
+    levels.w_k = Int8Levels(weights.w_k, ekv, c.key_size);
+    levels.w_v = Int8Levels(weights.w_v, ekv, c.value_size);
+    levels.w_o = Int8Levels(weights.w_o, e, e);
+  }
+  const Weights& w = levels.w_q.empty() ? weights : levels;
   auto bias = [&](const std::vector<float>& b) { return b.empty() ? nullptr : b.data(); };
   q_ = std::make_unique<Linear>(w.w_q.data(), bias(w.b_q), e, c.query_size, weights_);
   k_ = std::make_unique<Linear>(w.w_k.data(), bias(w.b_k), ekv, c.key_size, weights_);

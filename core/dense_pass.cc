@@ -861,9 +861,9 @@ int MultiHeadAttention::Impl::PrepareProjections(int64_t max_rows, ThreadRule ru
     prepare(v_, dv, Ekv, act_);
     prepare(o_lin_, E, E, Dt::f32);  // ProjectOutput
     if (threads == 1 && HeadColumnsModel() && c_.SupportsSelfAttention()) {
-      // ProjectHeadColumns' tasks: one primitive per row chunk for every head.
+      // ProjectHeadColumns' tasks: a primitive per row chunk, for every head or each.
       const int64_t p = c_.head_size();
-      built += qkv_->Prepare(std::min(max_rows, kHeadColumnRows), dq, p, act_, 0, p);
+      built += qkv_->PrepareColumnBlocks(std::min(max_rows, kHeadColumnRows), dq, p, act_);
     }
     if (rule == ThreadRule::kAlone && threads == 1 && most > 1 && qkv_ != nullptr &&
         weights_ != Dt::s8 && c_.scoring == Scoring::kDotProduct) {

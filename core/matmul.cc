@@ -29,6 +29,22 @@ dnnl::engine& CpuEngine() {
   return *engine;
 }
 
+bool Bf16MatmulsSupported() {
+  static const bool supported = [] {
+    using memory = dnnl::memory;
+    const memory::desc a({16, 16}, Dt::bf16, memory::format_tag::ab);
+    try {
+      dnnl::matmul::primitive_desc(
+          dnnl::matmul::desc(a, a, memory::desc({16, 16}, Dt::f32, memory::format_tag::ab)),
+          CpuEngine());
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return supported;
+}
+
 int64_t PlanThreads() { return omp_in_parallel() ? 1 : omp_get_max_threads(); }
 
 Matmul Matmul::Make(const dnnl::matmul::desc& desc, dnnl::primitive_attr attr) {
@@ -371,6 +387,18 @@ int Linear::Prepare(int64_t max_rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt,
   int built = 0;
   for (int64_t m = 16; m <= std::min(max_rows, most); m += m < 128 ? 16 : 128) {
     built += PrepareRows(m, src_ld, dst_ld, dst_dt, n0, n1);
+  }
+  return built;
+}
+
+int Linear::PrepareColumnBlocks(int64_t max_rows, int64_t src_ld, int64_t n, Dt dst_dt) const {
+  int built = Prepare(max_rows, src_ld, n, dst_dt, 0, n);
+  for (int64_t m = 16; m <= std::min(max_rows, kRowChunkMax); m += m < 128 ? 16 : 128) {
+    const std::shared_ptr<const Entry> first = Lookup(KeyOf(m, src_ld, n, dst_dt, 0, n));
+    for (int64_t n0 = n; n0 + n <= n_; n0 += n) {
+      if (first->col_block > 0 && n0 % first->col_block == 0) continue;
+      built += PrepareRows(m, src_ld, n, dst_dt, n0, n0 + n);
+    }
   }
   return built;
 }

@@ -43,6 +43,10 @@ dnnl::engine& CpuEngine();
 // Bytes per element of the types used here: s8, bf16, or f32 and s32.
 inline size_t SizeOf(Dt dt) { return dt == Dt::s8 ? 1 : dt == Dt::bf16 ? 2 : 4; }
 
+// Whether oneDNN makes bf16 matmuls on this CPU (oneDNN 2.7: AVX-512 and up). Where
+// it does not, bf16 and int8 models run their bf16 GEMMs in f32 (docs/core.md).
+bool Bf16MatmulsSupported();
+
 // The threads a primitive created here and now is planned for: oneDNN runs inline
 // inside a parallel region, else on this thread's omp_get_max_threads(). Part of every
 // primitive cache key, because a call's thread count follows its size.
@@ -233,6 +237,11 @@ class Linear {
   void RunColumnBlock(dnnl::stream& stream, Bindings& args, int64_t rows,
                       StridedOperand<const void> src, StridedOperand<void> dst, Dt dst_dt,
                       int64_t n0, int64_t n) const;
+  // Builds what RunColumnBlock uses for blocks of n columns at every multiple of n, as
+  // Prepare does for Run: the primitives for [0, n), and for each other block that
+  // W's packed layout does not let them serve (a layout chosen per CPU). Returns how
+  // many it built.
+  int PrepareColumnBlocks(int64_t max_rows, int64_t src_ld, int64_t n, Dt dst_dt) const;
 
   // y (m, n) = x (m, k) W^T + b for f32 rows at strides ldx and ldy, split by panels
   // over omp_get_max_threads() threads. Only when has_row_path(m): made with

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/attention.h"
 #include "core/kv_cache.h"
+#include "core/matmul.h"
 #include "core/reference.h"
 #include "gtest/gtest.h"
 #include "tests/unit/test_util.h"
@@ -122,6 +123,8 @@ TEST(Int8Test, LongInputsRunAsChunksWithinBound) {
 // tensor projects row-major and repacks. Both are the same integer GEMMs and the same
 // rescaling, so the outputs are equal to the bit: multi-head and grouped-query heads
 // (4 query heads interleaved per task), row chunks across batch rows, every mask kind.
+// Where oneDNN has no bf16 matmul, the model runs its int8 weights in f32 (no integer
+// GEMM): the two paths then agree to f32's rounding.
 TEST(Int8Test, SelfAttentionProjectedIntoHeadsEqualsTheRepackedPath) {
   for (const int64_t kv_heads : {0, 2}) {
     ModelConfig c = Int8(64, 8, 64, 64, 64, true);
@@ -139,7 +142,7 @@ TEST(Int8Test, SelfAttentionProjectedIntoHeadsEqualsTheRepackedPath) {
         std::vector<float> a(B * Q * c.num_hiddens), b(a.size());
         ASSERT_TRUE(mha->Forward(self.in, a.data()).ok());
         ASSERT_TRUE(mha->Forward(cross, b.data()).ok());
-        EXPECT_EQ(MaxAbsDiff(a, b), 0.0);
+        EXPECT_LE(MaxAbsDiff(a, b), internal::Bf16MatmulsSupported() ? 0.0 : 1e-5);
         // ReferenceForward is multi-head only; grouped-query int8 models meet the bound
         // against gqa_rope_test's independent reference.
         if (kv_heads == 0) {
