@@ -14,9 +14,10 @@ namespace {
 constexpr int64_t kParallelConvertFloats = 64 << 10;
 
 // An int8 model's weights as its s8 GEMMs see them, each output row rounded to its
-// 255 levels, in f32: where oneDNN has no bf16 matmul (below AVX-512), its int8
-// GEMMs (vpmaddubsw, without VNNI) saturate, so such a CPU runs the int8 model's
-// weights in f32 instead (docs/core.md, "Precision on CPUs without AVX-512").
+// 255 levels, in f32. Where oneDNN has no bf16 matmul (below AVX-512), its s8 GEMMs
+// were measured far outside the int8 bound (oneDNN's guide: without VNNI they may
+// saturate), so such a CPU multiplies these instead (docs/core.md, "Precision on
+// CPUs without AVX-512").
 std::vector<float> Int8Levels(const std::vector<float>& w, int64_t n, int64_t k) {
   std::vector<int8_t> q(w.size());
   std::vector<float> scales(n), out(w.size());
