@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <type_traits>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -330,11 +332,11 @@ inline float FromBf16(uint16_t bits) { return std::bit_cast<float>(uint32_t{bits
 
 namespace {
 
-// Sixteen floats: one AVX-512 register (two AVX2 or four SSE registers in the other
-// clones). The paged kernels below keep their running sums in these, so the sums
-// stay in registers across a block's features or keys; a loop over a float array
-// would load and store them at every step, one dependent round trip through memory
-// each.
+// Sixteen floats: one AVX-512 register (four SSE registers in the baseline build; the
+// AVX2 build uses Floats8x2 below). The kernels below keep their running sums in
+// these, so the sums stay in registers across a block's features or keys; a loop over
+// a float array would load and store them at every step, one dependent round trip
+// through memory each.
 typedef float Floats16 __attribute__((vector_size(64)));
 typedef uint16_t Halves16 __attribute__((vector_size(32)));
 typedef uint32_t Words16 __attribute__((vector_size(64)));
@@ -342,25 +344,72 @@ typedef uint32_t Words16 __attribute__((vector_size(64)));
 // Inlined into each clone (compiled for its instruction set), not called from it.
 #define MHA_INLINE inline __attribute__((always_inline))
 
-// acc += w * x[0, 16), x f32 or bfloat16 (the high half of an f32). Vectors go by
-// reference: passed by value they would change the ABI between the clones.
-MHA_INLINE void Fma16(Floats16& acc, float w, const float* x) {
-  Floats16 v;
-  std::memcpy(&v, x, sizeof v);
-  acc += w * v;
-}
-MHA_INLINE void Fma16(Floats16& acc, float w, const uint16_t* x) {
+MHA_INLINE void Load16(const float* x, Floats16& v) { std::memcpy(&v, x, sizeof v); }
+MHA_INLINE void Store16(float* x, const Floats16& v) { std::memcpy(x, &v, sizeof v); }
+// A vector of 16 bf16 keys or values, widened to f32 (the high half of an f32).
+MHA_INLINE void Load16(const uint16_t* x, Floats16& v) {
   Halves16 h;
   std::memcpy(&h, x, sizeof h);
   const Words16 bits = __builtin_convertvector(h, Words16) << 16;
-  Floats16 v;
   std::memcpy(&v, &bits, sizeof v);
-  acc += w * v;
 }
-MHA_INLINE void Load16(const float* x, Floats16& v) { std::memcpy(&v, x, sizeof v); }
-MHA_INLINE void Store16(float* x, const Floats16& v) { std::memcpy(x, &v, sizeof v); }
 MHA_INLINE float Widen(float x) { return x; }
 MHA_INLINE float Widen(uint16_t x) { return FromBf16(x); }
+
+// Sixteen floats as two 8-float vectors: the kernels' sums and operands in their AVX2
+// build. GCC 12 keeps a 64-byte vector in memory where no register holds
+// it, and builds each scalar-times-vector product there through the stack
+// (docs/performance.md, "On an AVX2 CPU"); two 32-byte halves stay in registers. The
+// same operations element by element as on Floats16, so the same sums.
+typedef float Floats8 __attribute__((vector_size(32)));
+typedef uint16_t Halves8 __attribute__((vector_size(16)));
+typedef uint32_t Words8 __attribute__((vector_size(32)));
+struct Floats8x2 {
+  Floats8 lo, hi;
+};
+MHA_INLINE Floats8x2& operator+=(Floats8x2& a, const Floats8x2& b) {
+  a.lo += b.lo;
+  a.hi += b.hi;
+  return a;
+}
+MHA_INLINE Floats8x2 operator+(const Floats8x2& a, const Floats8x2& b) {
+  return {a.lo + b.lo, a.hi + b.hi};
+}
+MHA_INLINE Floats8x2 operator*(float w, const Floats8x2& x) { return {w * x.lo, w * x.hi}; }
+MHA_INLINE void Load16(const float* x, Floats8x2& v) {
+  std::memcpy(&v.lo, x, sizeof v.lo);
+  std::memcpy(&v.hi, x + 8, sizeof v.hi);
+}
+MHA_INLINE void Store16(float* x, const Floats8x2& v) {
+  std::memcpy(x, &v.lo, sizeof v.lo);
+  std::memcpy(x + 8, &v.hi, sizeof v.hi);
+}
+MHA_INLINE void Widen8(const uint16_t* x, Floats8& v) {
+  Halves8 h;
+  std::memcpy(&h, x, sizeof h);
+  const Words8 bits = __builtin_convertvector(h, Words8) << 16;
+  std::memcpy(&v, &bits, sizeof v);
+}
+MHA_INLINE void Load16(const uint16_t* x, Floats8x2& v) {
+  Widen8(x, v.lo);
+  Widen8(x + 8, v.hi);
+}
+// The vector type of a build's group kernels, and how many rows a group holds: a
+// group keeps up to 2 R (scores) or 4 R (context) vectors of sums in registers, 8
+// rows in AVX-512's 32 registers of 16 floats, 2 in AVX2's 16 of 8.
+template <typename Vec>
+inline constexpr bool kHalves = std::is_same_v<Vec, Floats8x2>;
+template <typename Vec>
+inline constexpr int kMaxRows = kHalves<Vec> ? 2 : 8;
+
+// acc += w * x[0, 16), x f32 or bfloat16. Vectors go by reference: passed by value
+// they would change the ABI between the builds.
+template <typename Vec, typename T>
+MHA_INLINE void Fma16(Vec& acc, float w, const T* x) {
+  Vec v;
+  Load16(x, v);
+  acc += w * v;
+}
 
 // Software prefetch spread over a kernel's loop: `Step` asks for the next few
 // cache lines of [next, end), so that the memory reads run while the loop computes
@@ -401,17 +450,18 @@ struct ReadAhead {
 };
 
 // s[j0, j0 + 16 V) = scale * q (p) kt[:, j0 : j0 + 16 V]: V vectors of keys, each
-// summed in four interleaved partial sums over the features, so that the
+// summed in four (AVX2: two) interleaved partial sums over the features, so that the
 // multiply-adds form 4 V short chains instead of V long ones.
-template <int V, typename T>
+template <typename Vec, int V, typename T>
 MHA_INLINE void TransposedScoresGroup(const float* q, const T* kt, int64_t ld, int64_t p,
                                       int64_t j0, float scale, float* s, Prefetcher& pf) {
-  Floats16 acc[4][V] = {};
+  constexpr int U = kHalves<Vec> ? 2 : 4;
+  Vec acc[U][V] = {};
   int64_t c = 0;
-  for (; c + 4 <= p; c += 4) {
-    pf.Step();
+  for (; c + U <= p; c += U) {
+    if (c % 4 == 0) pf.Step();
     const T* r = kt + c * ld + j0;
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < U; ++u) {
       for (int v = 0; v < V; ++v) Fma16(acc[u][v], q[c + u], r + u * ld + 16 * v);
     }
   }
@@ -419,19 +469,23 @@ MHA_INLINE void TransposedScoresGroup(const float* q, const T* kt, int64_t ld, i
     for (int v = 0; v < V; ++v) Fma16(acc[0][v], q[c], kt + c * ld + j0 + 16 * v);
   }
   for (int v = 0; v < V; ++v) {
-    Store16(s + j0 + 16 * v, scale * ((acc[0][v] + acc[1][v]) + (acc[2][v] + acc[3][v])));
+    if constexpr (U == 4) {
+      Store16(s + j0 + 16 * v, scale * ((acc[0][v] + acc[1][v]) + (acc[2][v] + acc[3][v])));
+    } else {
+      Store16(s + j0 + 16 * v, scale * (acc[0][v] + acc[1][v]));
+    }
   }
 }
 
 // s[0, nk) = scale * q (p) kt[:, :nk], one query row against keys stored transposed:
 // groups of 32 keys, then of 16 (TransposedScoresGroup); keys past the last group
 // take a plain loop.
-template <typename T>
+template <typename Vec, typename T>
 MHA_INLINE void TransposedScoresRow(const float* q, const T* kt, int64_t ld, int64_t p, int64_t nk,
                                     float scale, float* s, Prefetcher& pf) {
   int64_t j0 = 0;
-  for (; j0 + 32 <= nk; j0 += 32) TransposedScoresGroup<2>(q, kt, ld, p, j0, scale, s, pf);
-  for (; j0 + 16 <= nk; j0 += 16) TransposedScoresGroup<1>(q, kt, ld, p, j0, scale, s, pf);
+  for (; j0 + 32 <= nk; j0 += 32) TransposedScoresGroup<Vec, 2>(q, kt, ld, p, j0, scale, s, pf);
+  for (; j0 + 16 <= nk; j0 += 16) TransposedScoresGroup<Vec, 1>(q, kt, ld, p, j0, scale, s, pf);
   if (j0 == nk) return;
   std::fill(s + j0, s + nk, 0.0f);
   for (int64_t c = 0; c < p; ++c) {
@@ -444,10 +498,10 @@ MHA_INLINE void TransposedScoresRow(const float* q, const T* kt, int64_t ld, int
 
 // o[c0, c0 + 16 V) += w (nk) v[:, c0 : c0 + 16 V]: V vectors of columns, each summed
 // in two interleaved partial sums over the keys.
-template <int V, typename T>
+template <typename Vec, int V, typename T>
 MHA_INLINE void ContextGroup(const float* w, const T* v, int64_t p, int64_t nk, int64_t c0,
                              float* o, Prefetcher& pf) {
-  Floats16 a[V], b[V] = {};
+  Vec a[V], b[V] = {};
   for (int u = 0; u < V; ++u) Load16(o + c0 + 16 * u, a[u]);
   int64_t j = 0;
   for (; j + 2 <= nk; j += 2) {
@@ -462,15 +516,18 @@ MHA_INLINE void ContextGroup(const float* w, const T* v, int64_t p, int64_t nk, 
   for (int u = 0; u < V; ++u) Store16(o + c0 + 16 * u, a[u] + b[u]);
 }
 
-// o (p) += w (nk) v (nk, p), one row: groups of 64 columns, then of 32 and of 16
-// (ContextGroup); columns past the last group take a plain loop.
-template <typename T>
+// o (p) += w (nk) v (nk, p), one row: groups of 64 columns (not on AVX2: 16 registers
+// of sums), then of 32 and of 16 (ContextGroup); columns past the last group take a
+// plain loop.
+template <typename Vec, typename T>
 MHA_INLINE void ContextRow(const float* w, const T* v, int64_t p, int64_t nk, float* o,
                            Prefetcher& pf) {
   int64_t c0 = 0;
-  for (; c0 + 64 <= p; c0 += 64) ContextGroup<4>(w, v, p, nk, c0, o, pf);
-  for (; c0 + 32 <= p; c0 += 32) ContextGroup<2>(w, v, p, nk, c0, o, pf);
-  for (; c0 + 16 <= p; c0 += 16) ContextGroup<1>(w, v, p, nk, c0, o, pf);
+  if constexpr (!kHalves<Vec>) {
+    for (; c0 + 64 <= p; c0 += 64) ContextGroup<Vec, 4>(w, v, p, nk, c0, o, pf);
+  }
+  for (; c0 + 32 <= p; c0 += 32) ContextGroup<Vec, 2>(w, v, p, nk, c0, o, pf);
+  for (; c0 + 16 <= p; c0 += 16) ContextGroup<Vec, 1>(w, v, p, nk, c0, o, pf);
   if (c0 == p) return;
   for (int64_t j = 0; j < nk; ++j) {
     const float wj = w[j];
@@ -478,14 +535,6 @@ MHA_INLINE void ContextRow(const float* w, const T* v, int64_t p, int64_t nk, fl
 #pragma omp simd
     for (int64_t c = c0; c < p; ++c) o[c] += wj * Widen(vj[c]);
   }
-}
-
-// A vector of 16 keys or values, widened to f32 once for all the rows that use it.
-MHA_INLINE void Load16(const uint16_t* x, Floats16& v) {
-  Halves16 h;
-  std::memcpy(&h, x, sizeof h);
-  const Words16 bits = __builtin_convertvector(h, Words16) << 16;
-  std::memcpy(&v, &bits, sizeof v);
 }
 
 // The group kernels' rows of V vectors (16 V elements at x). An f32 row is V vectors
@@ -496,42 +545,74 @@ MHA_INLINE void Load16(const uint16_t* x, Floats16& v) {
 // element order: the same sums, in the same order of additions.
 template <typename T, int V>
 inline constexpr bool kSplit = sizeof(T) == 2 && V % 2 == 0;
-template <int V, typename T>
-MHA_INLINE void LoadRow(const T* x, Floats16 (&k)[V]) {
+// 32 bf16 elements at x (16 for Floats8): the even ones (0, 2, ...) to `even`, the odd
+// ones to `odd`. A pair of halves loads each half on its own: one 64-byte copy into
+// the pair went through the stack.
+MHA_INLINE void LoadSplit(const uint16_t* x, Floats16& even, Floats16& odd) {
+  Words16 w;
+  std::memcpy(&w, x, sizeof w);
+  const Words16 e = w << 16, o = w & 0xffff0000u;
+  std::memcpy(&even, &e, sizeof e);
+  std::memcpy(&odd, &o, sizeof o);
+}
+MHA_INLINE void LoadSplit(const uint16_t* x, Floats8& even, Floats8& odd) {
+  Words8 w;
+  std::memcpy(&w, x, sizeof w);
+  const Words8 e = w << 16, o = w & 0xffff0000u;
+  std::memcpy(&even, &e, sizeof e);
+  std::memcpy(&odd, &o, sizeof o);
+}
+MHA_INLINE void LoadSplit(const uint16_t* x, Floats8x2& even, Floats8x2& odd) {
+  LoadSplit(x, even.lo, odd.lo);
+  LoadSplit(x + 16, even.hi, odd.hi);
+}
+// 32 sums in element order (a: 0-15, b: 16-31) to split order (a: the even
+// elements, b: the odd ones), and back to memory in element order.
+MHA_INLINE void SplitSums(Floats16& a, Floats16& b) {
+  const Floats16 first = a, second = b;
+  a = __builtin_shufflevector(first, second, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
+                              30);
+  b = __builtin_shufflevector(first, second, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
+                              31);
+}
+MHA_INLINE void SplitSums(Floats8x2& a, Floats8x2& b) {
+  const Floats8x2 first = a, second = b;
+  a.lo = __builtin_shufflevector(first.lo, first.hi, 0, 2, 4, 6, 8, 10, 12, 14);
+  a.hi = __builtin_shufflevector(second.lo, second.hi, 0, 2, 4, 6, 8, 10, 12, 14);
+  b.lo = __builtin_shufflevector(first.lo, first.hi, 1, 3, 5, 7, 9, 11, 13, 15);
+  b.hi = __builtin_shufflevector(second.lo, second.hi, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+MHA_INLINE void StoreMerged(float* x, const Floats16& a, const Floats16& b) {
+  Store16(x, __builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23));
+  Store16(x + 16, __builtin_shufflevector(a, b, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14,
+                                          30, 15, 31));
+}
+MHA_INLINE void StoreMerged(float* x, const Floats8x2& a, const Floats8x2& b) {
+  const Floats8 parts[4] = {__builtin_shufflevector(a.lo, b.lo, 0, 8, 1, 9, 2, 10, 3, 11),
+                            __builtin_shufflevector(a.lo, b.lo, 4, 12, 5, 13, 6, 14, 7, 15),
+                            __builtin_shufflevector(a.hi, b.hi, 0, 8, 1, 9, 2, 10, 3, 11),
+                            __builtin_shufflevector(a.hi, b.hi, 4, 12, 5, 13, 6, 14, 7, 15)};
+  for (int i = 0; i < 4; ++i) std::memcpy(x + 8 * i, &parts[i], sizeof parts[i]);
+}
+template <int V, typename T, typename Vec>
+MHA_INLINE void LoadRow(const T* x, Vec (&k)[V]) {
   if constexpr (kSplit<T, V>) {
-    for (int v = 0; v < V; v += 2) {
-      Words16 w;
-      std::memcpy(&w, x + 16 * v, sizeof w);
-      const Words16 even = w << 16, odd = w & 0xffff0000u;
-      std::memcpy(&k[v], &even, sizeof even);
-      std::memcpy(&k[v + 1], &odd, sizeof odd);
-    }
+    for (int v = 0; v < V; v += 2) LoadSplit(x + 16 * v, k[v], k[v + 1]);
   } else {
     for (int v = 0; v < V; ++v) Load16(x + 16 * v, k[v]);
   }
 }
-template <typename T, int V>
-MHA_INLINE void LoadSums(const float* x, Floats16 (&a)[V]) {
+template <typename T, int V, typename Vec>
+MHA_INLINE void LoadSums(const float* x, Vec (&a)[V]) {
   for (int v = 0; v < V; ++v) Load16(x + 16 * v, a[v]);
   if constexpr (kSplit<T, V>) {
-    for (int v = 0; v < V; v += 2) {
-      const Floats16 first = a[v], second = a[v + 1];
-      a[v] = __builtin_shufflevector(first, second, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
-                                     26, 28, 30);
-      a[v + 1] = __builtin_shufflevector(first, second, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23,
-                                         25, 27, 29, 31);
-    }
+    for (int v = 0; v < V; v += 2) SplitSums(a[v], a[v + 1]);
   }
 }
-template <typename T, int V>
-MHA_INLINE void StoreSums(float* x, const Floats16 (&a)[V]) {
+template <typename T, int V, typename Vec>
+MHA_INLINE void StoreSums(float* x, const Vec (&a)[V]) {
   if constexpr (kSplit<T, V>) {
-    for (int v = 0; v < V; v += 2) {
-      Store16(x + 16 * v, __builtin_shufflevector(a[v], a[v + 1], 0, 16, 1, 17, 2, 18, 3, 19, 4, 20,
-                                                  5, 21, 6, 22, 7, 23));
-      Store16(x + 16 * v + 16, __builtin_shufflevector(a[v], a[v + 1], 8, 24, 9, 25, 10, 26, 11, 27,
-                                                       12, 28, 13, 29, 14, 30, 15, 31));
-    }
+    for (int v = 0; v < V; v += 2) StoreMerged(x + 16 * v, a[v], a[v + 1]);
   } else {
     for (int v = 0; v < V; ++v) Store16(x + 16 * v, a[v]);
   }
@@ -542,15 +623,15 @@ MHA_INLINE void StoreSums(float* x, const Floats16 (&a)[V]) {
 // once for the R rows; the sums run in U interleaved partial sums over the features,
 // so that R U V chains of multiply-adds are in flight (at least 8 for the whole
 // blocks of 32 keys). R 1 is TransposedScoresGroup's order of additions.
-template <int R, int U, int V, typename T>
+template <typename Vec, int R, int U, int V, typename T>
 MHA_INLINE void ScoresRowsGroup(const float* q, const T* kt, int64_t ld, int64_t p, int64_t j0,
                                 float scale, float* s, int64_t lds, ReadAhead ra) {
-  Floats16 acc[U][R][V] = {};
+  Vec acc[U][R][V] = {};
   int64_t c = 0;
   for (; c + U <= p; c += U) {
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) {
-      Floats16 k[V];
+      Vec k[V];
 #pragma GCC unroll 4
       for (int v = 0; v < V; ++v) ra.At<T>(kt + (c + u) * ld + j0 + 16 * v, v);
       LoadRow<V>(kt + (c + u) * ld + j0, k);
@@ -563,7 +644,7 @@ MHA_INLINE void ScoresRowsGroup(const float* q, const T* kt, int64_t ld, int64_t
     }
   }
   for (; c < p; ++c) {
-    Floats16 k[V];
+    Vec k[V];
     LoadRow<V>(kt + c * ld + j0, k);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -573,9 +654,9 @@ MHA_INLINE void ScoresRowsGroup(const float* q, const T* kt, int64_t ld, int64_t
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    Floats16 sums[V];
+    Vec sums[V];
     for (int v = 0; v < V; ++v) {
-      Floats16 sum;
+      Vec sum;
       if constexpr (U == 4) {
         sum = (acc[0][r][v] + acc[1][r][v]) + (acc[2][r][v] + acc[3][r][v]);
       } else if constexpr (U == 2) {
@@ -591,22 +672,25 @@ MHA_INLINE void ScoresRowsGroup(const float* q, const T* kt, int64_t ld, int64_t
 
 // R rows (q rows of p, s rows of nk) against keys [0, nk) stored transposed: groups
 // of 32 keys, then of 16; keys past the last group take a plain loop per row.
-template <int R, typename T>
+template <typename Vec, int R, typename T>
 MHA_INLINE void ScoresRows(const float* q, const T* kt, int64_t ld, int64_t p, int64_t nk,
                            float scale, float* s, ReadAhead ra) {
-  constexpr int U = R == 1 ? 4 : R <= 3 ? 2 : 1;
+  // 8 or more chains, in at most 16 registers of sums (AVX2: 8)
+  constexpr int U = kHalves<Vec> ? (R == 1 ? 2 : 1) : R == 1 ? 4 : R <= 3 ? 2 : 1;
+  constexpr int U1 = kHalves<Vec> ? (R == 1 ? 4 : 2) : R <= 2 ? 4 : 2;
   int64_t j0 = 0;
-  for (; j0 + 32 <= nk; j0 += 32) ScoresRowsGroup<R, U, 2>(q, kt, ld, p, j0, scale, s, nk, ra);
-  for (; j0 + 16 <= nk; j0 += 16) {
-    ScoresRowsGroup<R, R <= 2 ? 4 : 2, 1>(q, kt, ld, p, j0, scale, s, nk, ra);
+  for (; j0 + 32 <= nk; j0 += 32) {
+    ScoresRowsGroup<Vec, R, U, 2>(q, kt, ld, p, j0, scale, s, nk, ra);
   }
+  for (; j0 + 16 <= nk; j0 += 16)
+    ScoresRowsGroup<Vec, R, U1, 1>(q, kt, ld, p, j0, scale, s, nk, ra);
   if (j0 == nk) return;
   if (j0 + 16 <= ld) {
     // The rows of kt hold a whole vector past j0 (a cache block's last keys): one more
     // group, whose sums past nk are dropped, in place of the plain loop below, where
     // each key's sum is a chain of p multiply-adds through memory.
     float last[R * 16];
-    ScoresRowsGroup<R, R <= 2 ? 4 : 2, 1>(q, kt + j0, ld, p, 0, scale, last, 16, ra);
+    ScoresRowsGroup<Vec, R, U1, 1>(q, kt + j0, ld, p, 0, scale, last, 16, ra);
     for (int r = 0; r < R; ++r) std::copy_n(last + r * 16, nk - j0, s + r * nk + j0);
     return;
   }
@@ -626,22 +710,22 @@ MHA_INLINE void ScoresRows(const float* q, const T* kt, int64_t ld, int64_t p, i
 // w[r * nk, + nk) v[:, c0 : c0 + 16 V] for r < R, v's rows ldv apart. Each vector of
 // a value row is loaded once for the R rows; U interleaved partial sums over the keys
 // (2 for one row, ContextGroup's order of additions).
-template <int R, int U, int V, typename T>
+template <typename Vec, int R, int U, int V, typename T>
 MHA_INLINE void ContextRowsGroup(const float* w, const T* v, int64_t ldv, int64_t nk, int64_t c0,
                                  float* o, int64_t ldo, ReadAhead ra) {
-  Floats16 a[U][R][V];
+  Vec a[U][R][V];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     LoadSums<T>(o + r * ldo + c0, a[0][r]);
     for (int i = 1; i < U; ++i) {
-      for (int u = 0; u < V; ++u) a[i][r][u] = Floats16{};
+      for (int u = 0; u < V; ++u) a[i][r][u] = Vec{};
     }
   }
   int64_t j = 0;
   for (; j + U <= nk; j += U) {
 #pragma GCC unroll 4
     for (int i = 0; i < U; ++i) {
-      Floats16 x[V];
+      Vec x[V];
 #pragma GCC unroll 4
       for (int u = 0; u < V; ++u) ra.At<T>(v + (j + i) * ldv + c0 + 16 * u, u);
       LoadRow<V>(v + (j + i) * ldv + c0, x);
@@ -654,7 +738,7 @@ MHA_INLINE void ContextRowsGroup(const float* w, const T* v, int64_t ldv, int64_
     }
   }
   for (; j < nk; ++j) {
-    Floats16 x[V];
+    Vec x[V];
     LoadRow<V>(v + j * ldv + c0, x);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -664,7 +748,7 @@ MHA_INLINE void ContextRowsGroup(const float* w, const T* v, int64_t ldv, int64_
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    Floats16 sums[V];
+    Vec sums[V];
     for (int u = 0; u < V; ++u) {
       sums[u] = a[0][r][u];
       for (int i = 1; i < U; ++i) sums[u] += a[i][r][u];
@@ -677,17 +761,19 @@ MHA_INLINE void ContextRowsGroup(const float* w, const T* v, int64_t ldv, int64_
 // groups of 64 columns for up to four rows (32 for more, keeping R V sums in
 // registers), then of 32 and 16; columns past the last group take a plain loop per
 // row.
-template <int R, typename T>
+template <typename Vec, int R, typename T>
 MHA_INLINE void ContextRows(const float* w, const T* v, int64_t cols, int64_t nk, float* o,
                             int64_t ldo, ReadAhead ra) {
   constexpr int U = R == 1 ? 2 : 1;
   int64_t c0 = 0;
-  if constexpr (R <= 4) {
-    for (; c0 + 64 <= cols; c0 += 64) ContextRowsGroup<R, U, 4>(w, v, cols, nk, c0, o, ldo, ra);
+  if constexpr (R <= 4 && !kHalves<Vec>) {
+    for (; c0 + 64 <= cols; c0 += 64) {
+      ContextRowsGroup<Vec, R, U, 4>(w, v, cols, nk, c0, o, ldo, ra);
+    }
   }
-  for (; c0 + 32 <= cols; c0 += 32) ContextRowsGroup<R, U, 2>(w, v, cols, nk, c0, o, ldo, ra);
+  for (; c0 + 32 <= cols; c0 += 32) ContextRowsGroup<Vec, R, U, 2>(w, v, cols, nk, c0, o, ldo, ra);
   for (; c0 + 16 <= cols; c0 += 16) {
-    ContextRowsGroup<R, R <= 2 ? 2 : 1, 1>(w, v, cols, nk, c0, o, ldo, ra);
+    ContextRowsGroup<Vec, R, R <= 2 ? 2 : 1, 1>(w, v, cols, nk, c0, o, ldo, ra);
   }
   if (c0 == cols) return;
   for (int r = 0; r < R; ++r) {
@@ -701,103 +787,67 @@ MHA_INLINE void ContextRows(const float* w, const T* v, int64_t cols, int64_t nk
   }
 }
 
-// Rows in groups of at most 8: a group of R rows holds 2 R (scores) or up to 16
-// (context) vectors of sums in registers. More than 8 rows are split evenly (9 as
-// 5 + 4, not 8 + 1), so that no group is left with a row or two.
+// Rows in groups of at most kMaxRows<Vec>. More are split evenly (9 as 5 + 4, not
+// 8 + 1), so that no group is left with a row or two.
+template <typename Vec>
 inline int GroupRows(int64_t rest) {
-  if (rest <= 8) return static_cast<int>(rest);
-  const int64_t groups = (rest + 7) / 8;
+  constexpr int kMax = kMaxRows<Vec>;
+  if (rest <= kMax) return static_cast<int>(rest);
+  const int64_t groups = (rest + kMax - 1) / kMax;
   return static_cast<int>((rest + groups - 1) / groups);
 }
 
-template <typename T>
+// ScoresRows / ContextRows for `rows` rows (1 to R).
+template <typename Vec, int R = kMaxRows<Vec>, typename T>
+MHA_INLINE void ScoresRowsOf(int rows, const float* q, const T* kt, int64_t ld, int64_t p,
+                             int64_t nk, float scale, float* s, ReadAhead ra) {
+  if constexpr (R > 1) {
+    if (rows < R) return ScoresRowsOf<Vec, R - 1>(rows, q, kt, ld, p, nk, scale, s, ra);
+  }
+  ScoresRows<Vec, R>(q, kt, ld, p, nk, scale, s, ra);
+}
+template <typename Vec, int R = kMaxRows<Vec>, typename T>
+MHA_INLINE void ContextRowsOf(int rows, const float* w, const T* v, int64_t cols, int64_t nk,
+                              float* o, int64_t ldo, ReadAhead ra) {
+  if constexpr (R > 1) {
+    if (rows < R) return ContextRowsOf<Vec, R - 1>(rows, w, v, cols, nk, o, ldo, ra);
+  }
+  ContextRows<Vec, R>(w, v, cols, nk, o, ldo, ra);
+}
+
+template <typename Vec, typename T>
 MHA_INLINE void GroupScoresImpl(const float* q, const T* kt, int64_t ld, int64_t p, int64_t mq,
                                 int64_t nk, float scale, float* s, ReadAhead ra) {
   for (int64_t r0 = 0; r0 < mq;) {
-    const int rows = GroupRows(mq - r0);
-    const float* qr = q + r0 * p;
-    float* sr = s + r0 * nk;
-    switch (rows) {
-      case 1:
-        ScoresRows<1>(qr, kt, ld, p, nk, scale, sr, ra);
-        break;
-      case 2:
-        ScoresRows<2>(qr, kt, ld, p, nk, scale, sr, ra);
-        break;
-      case 3:
-        ScoresRows<3>(qr, kt, ld, p, nk, scale, sr, ra);
-        break;
-      case 4:
-        ScoresRows<4>(qr, kt, ld, p, nk, scale, sr, ra);
-        break;
-      case 5:
-        ScoresRows<5>(qr, kt, ld, p, nk, scale, sr, ra);
-        break;
-      case 6:
-        ScoresRows<6>(qr, kt, ld, p, nk, scale, sr, ra);
-        break;
-      case 7:
-        ScoresRows<7>(qr, kt, ld, p, nk, scale, sr, ra);
-        break;
-      default:
-        ScoresRows<8>(qr, kt, ld, p, nk, scale, sr, ra);
-        break;
-    }
+    const int rows = GroupRows<Vec>(mq - r0);
+    ScoresRowsOf<Vec>(rows, q + r0 * p, kt, ld, p, nk, scale, s + r0 * nk, ra);
     r0 += rows;
   }
 }
 
 // One panel of values (ValueIndex), (nk, cols), into its columns of o's rows of p.
-template <typename T>
+template <typename Vec, typename T>
 MHA_INLINE void GroupContextPanel(const float* w, const T* v, int64_t cols, int64_t p, int64_t mq,
                                   int64_t nk, float* o, ReadAhead ra) {
   for (int64_t r0 = 0; r0 < mq;) {
-    const int rows = GroupRows(mq - r0);
-    const float* wr = w + r0 * nk;
-    float* orow = o + r0 * p;
-    switch (rows) {
-      case 1:
-        ContextRows<1>(wr, v, cols, nk, orow, p, ra);
-        break;
-      case 2:
-        ContextRows<2>(wr, v, cols, nk, orow, p, ra);
-        break;
-      case 3:
-        ContextRows<3>(wr, v, cols, nk, orow, p, ra);
-        break;
-      case 4:
-        ContextRows<4>(wr, v, cols, nk, orow, p, ra);
-        break;
-      case 5:
-        ContextRows<5>(wr, v, cols, nk, orow, p, ra);
-        break;
-      case 6:
-        ContextRows<6>(wr, v, cols, nk, orow, p, ra);
-        break;
-      case 7:
-        ContextRows<7>(wr, v, cols, nk, orow, p, ra);
-        break;
-      default:
-        ContextRows<8>(wr, v, cols, nk, orow, p, ra);
-        break;
-    }
+    const int rows = GroupRows<Vec>(mq - r0);
+    ContextRowsOf<Vec>(rows, w + r0 * nk, v, cols, nk, o + r0 * p, p, ra);
     r0 += rows;
   }
 }
 
-template <typename T>
+template <typename Vec, typename T>
 MHA_INLINE void GroupContextImpl(const float* w, const T* v, int64_t panel_rows, int64_t p,
                                  int64_t mq, int64_t nk, float* o, ReadAhead ra) {
   for (int64_t c0 = 0; c0 < p; c0 += kValuePanel<T>) {
     const int64_t cols = std::min(kValuePanel<T>, p - c0);
-    GroupContextPanel(w, v + c0 * panel_rows, cols, p, mq, nk, o + c0, ra);
+    GroupContextPanel<Vec>(w, v + c0 * panel_rows, cols, p, mq, nk, o + c0, ra);
   }
 }
 
-}  // namespace
-
-MHA_MULTIVERSION void SmallScores(const float* q, const float* k, int64_t p, int64_t mq, int64_t nk,
-                                  float scale, float* s) {
+template <typename Vec>
+MHA_INLINE void SmallScoresOn(const float* q, const float* k, int64_t p, int64_t mq, int64_t nk,
+                              float scale, float* s) {
   // The keys transposed once, then every row against them as the paged kernels do: a
   // dot product per key would end in a horizontal sum each (most of a small block's
   // time at p 32). A small block has nk p <= 8192 (its caller's bound on mq nk p).
@@ -817,73 +867,33 @@ MHA_MULTIVERSION void SmallScores(const float* q, const float* k, int64_t p, int
   }
   Prefetcher none(nullptr, 0, 0);
   for (int64_t i = 0; i < mq; ++i)
-    TransposedScoresRow(q + i * p, kt, nk, p, nk, scale, s + i * nk, none);
+    TransposedScoresRow<Vec>(q + i * p, kt, nk, p, nk, scale, s + i * nk, none);
 }
 
-MHA_MULTIVERSION void SmallContext(const float* probs, const float* v, int64_t p, int64_t mq,
-                                   int64_t nk, bool accumulate, float* o, const void* prefetch,
-                                   int64_t prefetch_bytes) {
+template <typename Vec, typename T>
+MHA_INLINE void SmallContextOn(const float* probs, const T* v, int64_t p, int64_t mq, int64_t nk,
+                               bool accumulate, float* o, const void* prefetch,
+                               int64_t prefetch_bytes) {
   Prefetcher pf(prefetch, prefetch_bytes, (p / 64) * (nk / 2));
   for (int64_t i = 0; i < mq; ++i) {
     if (!accumulate) std::fill_n(o + i * p, p, 0.0f);
-    ContextRow(probs + i * nk, v, p, nk, o + i * p, pf);
+    ContextRow<Vec>(probs + i * nk, v, p, nk, o + i * p, pf);
   }
   pf.Rest();
 }
 
-MHA_MULTIVERSION void TransposedScores(const float* q, const float* kt, int64_t ld, int64_t p,
-                                       int64_t mq, int64_t nk, float scale, float* s,
-                                       const void* prefetch, int64_t prefetch_bytes) {
+template <typename Vec, typename T>
+MHA_INLINE void TransposedScoresOn(const float* q, const T* kt, int64_t ld, int64_t p, int64_t mq,
+                                   int64_t nk, float scale, float* s, const void* prefetch,
+                                   int64_t prefetch_bytes) {
   Prefetcher pf(prefetch, prefetch_bytes, (nk / 32) * (p / 4));
   for (int64_t i = 0; i < mq; ++i) {
-    TransposedScoresRow(q + i * p, kt, ld, p, nk, scale, s + i * nk, pf);
+    TransposedScoresRow<Vec>(q + i * p, kt, ld, p, nk, scale, s + i * nk, pf);
   }
   pf.Rest();
 }
 
-MHA_MULTIVERSION void TransposedScoresBf16(const float* q, const uint16_t* kt, int64_t ld,
-                                           int64_t p, int64_t mq, int64_t nk, float scale, float* s,
-                                           const void* prefetch, int64_t prefetch_bytes) {
-  Prefetcher pf(prefetch, prefetch_bytes, (nk / 32) * (p / 4));
-  for (int64_t i = 0; i < mq; ++i) {
-    TransposedScoresRow(q + i * p, kt, ld, p, nk, scale, s + i * nk, pf);
-  }
-  pf.Rest();
-}
-
-MHA_MULTIVERSION void SmallContextBf16(const float* probs, const uint16_t* v, int64_t p, int64_t mq,
-                                       int64_t nk, float* o, const void* prefetch,
-                                       int64_t prefetch_bytes) {
-  Prefetcher pf(prefetch, prefetch_bytes, (p / 64) * (nk / 2));
-  for (int64_t i = 0; i < mq; ++i) ContextRow(probs + i * nk, v, p, nk, o + i * p, pf);
-  pf.Rest();
-}
-
-// The prefetches spread over the first group of rows' loop steps: a step per
-// feature (scores) or per key (context) of each group of keys or columns.
-MHA_MULTIVERSION void GroupScores(const float* q, const float* kt, int64_t ld, int64_t p,
-                                  int64_t mq, int64_t nk, float scale, float* s,
-                                  int64_t read_ahead) {
-  GroupScoresImpl(q, kt, ld, p, mq, nk, scale, s, ReadAhead{read_ahead});
-}
-
-MHA_MULTIVERSION void GroupScoresBf16(const float* q, const uint16_t* kt, int64_t ld, int64_t p,
-                                      int64_t mq, int64_t nk, float scale, float* s,
-                                      int64_t read_ahead) {
-  GroupScoresImpl(q, kt, ld, p, mq, nk, scale, s, ReadAhead{read_ahead});
-}
-
-MHA_MULTIVERSION void GroupContext(const float* probs, const float* v, int64_t panel_rows,
-                                   int64_t p, int64_t mq, int64_t nk, float* o,
-                                   int64_t read_ahead) {
-  GroupContextImpl(probs, v, panel_rows, p, mq, nk, o, ReadAhead{read_ahead});
-}
-
-MHA_MULTIVERSION void GroupContextBf16(const float* probs, const uint16_t* v, int64_t panel_rows,
-                                       int64_t p, int64_t mq, int64_t nk, float* o,
-                                       int64_t read_ahead) {
-  GroupContextImpl(probs, v, panel_rows, p, mq, nk, o, ReadAhead{read_ahead});
-}
+}  // namespace
 
 int64_t PanelCount(int64_t n) { return (n + kPanelColumns - 1) / kPanelColumns; }
 
@@ -897,42 +907,56 @@ void PackPanels(const float* w, int64_t n, int64_t k, float* panels) {
 
 namespace {
 
-// R rows of x through one panel into their rows of y: R x 8 vectors of sums (R rows
-// of the panel's 128 columns), kept in registers over the panel's k rows. The panel
-// streams in from memory for the first group of rows and from L2 for the others.
-template <int R>
+// R rows of x through V vectors of a panel's columns (from w, rows kPanelColumns
+// apart; the first `cols` of them real, y's columns past them not written) into their
+// rows of y: R x V vectors of sums, kept in registers over the panel's k rows. The
+// panel streams in from memory for the first group of rows and from L2 for the others.
+template <typename Vec, int R, int V>
 MHA_INLINE void PanelGroup(const float* x, int64_t ldx, const float* w, int64_t k,
                            const float* bias, int64_t cols, float* y, int64_t ldy) {
-  Floats16 a[R][8];
-  float edge[kPanelColumns] = {};
-  if (bias != nullptr) std::copy_n(bias, cols, edge);
+  Vec a[R][V];
+  float edge[16 * V] = {};
+  if (bias != nullptr) std::copy_n(bias, std::min<int64_t>(cols, 16 * V), edge);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 8
-    for (int v = 0; v < 8; ++v) Load16(edge + 16 * v, a[r][v]);
+    for (int v = 0; v < V; ++v) Load16(edge + 16 * v, a[r][v]);
   }
   for (int64_t i = 0; i < k; ++i, w += kPanelColumns) {
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float xi = x[r * ldx + i];
 #pragma GCC unroll 8
-      for (int v = 0; v < 8; ++v) Fma16(a[r][v], xi, w + 16 * v);
+      for (int v = 0; v < V; ++v) Fma16(a[r][v], xi, w + 16 * v);
     }
   }
   for (int r = 0; r < R; ++r) {
-    float* out = cols == kPanelColumns ? y + r * ldy : edge;
-    for (int v = 0; v < 8; ++v) Store16(out + 16 * v, a[r][v]);
+    float* out = cols >= 16 * V ? y + r * ldy : edge;
+    for (int v = 0; v < V; ++v) Store16(out + 16 * v, a[r][v]);
     if (out == edge) std::copy_n(edge, cols, y + r * ldy);
   }
 }
 
-}  // namespace
+// A panel's columns for R rows: all 128 at once in AVX-512 (8 R vectors of sums), in
+// slices of 64 (one row) or 32 (two or three) in AVX2, whose 16 registers hold a
+// quarter as many floats. A slice reads its part of each of the panel's rows, so the
+// panel still streams in once.
+template <typename Vec, int R>
+MHA_INLINE void PanelSlices(const float* x, int64_t ldx, const float* w, int64_t k,
+                            const float* bias, int64_t cols, float* y, int64_t ldy) {
+  constexpr int V = !kHalves<Vec> ? 8 : R == 1 ? 4 : 2;
+  for (int64_t c0 = 0; c0 < cols; c0 += 16 * V) {
+    PanelGroup<Vec, R, V>(x, ldx, w + c0, k, bias == nullptr ? nullptr : bias + c0, cols - c0,
+                          y + c0, ldy);
+  }
+}
 
-// Groups of three rows: 24 vectors of sums, the most that leave registers for the
-// broadcast rows and the panel's loads.
-MHA_MULTIVERSION void PanelRows(const float* x, int64_t ldx, int64_t m, const float* panels,
-                                int64_t n, int64_t k, const float* b, float* y, int64_t ldy,
-                                int64_t first, int64_t last) {
+// Groups of three rows: 24 vectors of sums in AVX-512, the most that leave registers
+// for the broadcast rows and the panel's loads.
+template <typename Vec>
+MHA_INLINE void PanelRowsOn(const float* x, int64_t ldx, int64_t m, const float* panels, int64_t n,
+                            int64_t k, const float* b, float* y, int64_t ldy, int64_t first,
+                            int64_t last) {
   static_assert(kPanelColumns == 8 * 16);
   for (int64_t panel = first; panel < last; ++panel) {
     const int64_t col0 = panel * kPanelColumns, cols = std::min(kPanelColumns, n - col0);
@@ -940,11 +964,170 @@ MHA_MULTIVERSION void PanelRows(const float* x, int64_t ldx, int64_t m, const fl
     const float* bias = b == nullptr ? nullptr : b + col0;
     int64_t r0 = 0;
     for (; r0 + 3 <= m; r0 += 3) {
-      PanelGroup<3>(x + r0 * ldx, ldx, w, k, bias, cols, y + r0 * ldy + col0, ldy);
+      PanelSlices<Vec, 3>(x + r0 * ldx, ldx, w, k, bias, cols, y + r0 * ldy + col0, ldy);
     }
-    if (m - r0 == 2) PanelGroup<2>(x + r0 * ldx, ldx, w, k, bias, cols, y + r0 * ldy + col0, ldy);
-    if (m - r0 == 1) PanelGroup<1>(x + r0 * ldx, ldx, w, k, bias, cols, y + r0 * ldy + col0, ldy);
+    if (m - r0 == 2) {
+      PanelSlices<Vec, 2>(x + r0 * ldx, ldx, w, k, bias, cols, y + r0 * ldy + col0, ldy);
+    }
+    if (m - r0 == 1) {
+      PanelSlices<Vec, 1>(x + r0 * ldx, ldx, w, k, bias, cols, y + r0 * ldy + col0, ldy);
+    }
   }
+}
+
+// The kernels above, built for each instruction set (kernels.h, Isa): Body<Vec>::Run
+// is inlined into a function compiled for AVX-512 (on Floats16), for AVX2 with FMA
+// (Floats8x2) and for baseline x86-64 (Floats16); Dispatch calls the one ActiveIsa
+// names.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define MHA_ISA_BUILDS 1
+template <template <typename> class Body, typename... A>
+__attribute__((target("avx512f"))) void RunAvx512(A... a) {
+  Body<Floats16>::Run(a...);
+}
+template <template <typename> class Body, typename... A>
+__attribute__((target("avx2,fma"))) void RunAvx2(A... a) {
+  Body<Floats8x2>::Run(a...);
+}
+#endif
+template <template <typename> class Body, typename... A>
+void RunBaseline(A... a) {
+  Body<Floats16>::Run(a...);
+}
+
+const Isa kCpuIsa = [] {
+#if defined(MHA_ISA_BUILDS)
+  __builtin_cpu_init();  // may run before libgcc's own constructor
+  if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+#endif
+  return Isa::kBaseline;
+}();
+std::atomic<Isa> isa_cap{Isa::kAvx512};
+
+template <template <typename> class Body, typename... A>
+void Dispatch(A... a) {
+#if defined(MHA_ISA_BUILDS)
+  switch (ActiveIsa()) {
+    case Isa::kAvx512:
+      return RunAvx512<Body>(a...);
+    case Isa::kAvx2:
+      return RunAvx2<Body>(a...);
+    case Isa::kBaseline:
+      break;
+  }
+#endif
+  RunBaseline<Body>(a...);
+}
+
+template <typename Vec>
+struct SmallScoresBody {
+  MHA_INLINE static void Run(const float* q, const float* k, int64_t p, int64_t mq, int64_t nk,
+                             float scale, float* s) {
+    SmallScoresOn<Vec>(q, k, p, mq, nk, scale, s);
+  }
+};
+template <typename Vec>
+struct SmallContextBody {
+  template <typename T>
+  MHA_INLINE static void Run(const float* probs, const T* v, int64_t p, int64_t mq, int64_t nk,
+                             bool accumulate, float* o, const void* prefetch,
+                             int64_t prefetch_bytes) {
+    SmallContextOn<Vec>(probs, v, p, mq, nk, accumulate, o, prefetch, prefetch_bytes);
+  }
+};
+template <typename Vec>
+struct TransposedScoresBody {
+  template <typename T>
+  MHA_INLINE static void Run(const float* q, const T* kt, int64_t ld, int64_t p, int64_t mq,
+                             int64_t nk, float scale, float* s, const void* prefetch,
+                             int64_t prefetch_bytes) {
+    TransposedScoresOn<Vec>(q, kt, ld, p, mq, nk, scale, s, prefetch, prefetch_bytes);
+  }
+};
+template <typename Vec>
+struct GroupScoresBody {
+  template <typename T>
+  MHA_INLINE static void Run(const float* q, const T* kt, int64_t ld, int64_t p, int64_t mq,
+                             int64_t nk, float scale, float* s, int64_t read_ahead) {
+    GroupScoresImpl<Vec>(q, kt, ld, p, mq, nk, scale, s, ReadAhead{read_ahead});
+  }
+};
+template <typename Vec>
+struct GroupContextBody {
+  template <typename T>
+  MHA_INLINE static void Run(const float* probs, const T* v, int64_t panel_rows, int64_t p,
+                             int64_t mq, int64_t nk, float* o, int64_t read_ahead) {
+    GroupContextImpl<Vec>(probs, v, panel_rows, p, mq, nk, o, ReadAhead{read_ahead});
+  }
+};
+template <typename Vec>
+struct PanelRowsBody {
+  MHA_INLINE static void Run(const float* x, int64_t ldx, int64_t m, const float* panels, int64_t n,
+                             int64_t k, const float* b, float* y, int64_t ldy, int64_t first,
+                             int64_t last) {
+    PanelRowsOn<Vec>(x, ldx, m, panels, n, k, b, y, ldy, first, last);
+  }
+};
+
+}  // namespace
+
+Isa CpuIsa() { return kCpuIsa; }
+Isa ActiveIsa() { return std::min(kCpuIsa, isa_cap.load(std::memory_order_relaxed)); }
+void CapIsa(Isa cap) { isa_cap.store(cap, std::memory_order_relaxed); }
+const char* IsaName(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512:
+      return "avx512";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kBaseline:
+      break;
+  }
+  return "baseline";
+}
+
+void SmallScores(const float* q, const float* k, int64_t p, int64_t mq, int64_t nk, float scale,
+                 float* s) {
+  Dispatch<SmallScoresBody>(q, k, p, mq, nk, scale, s);
+}
+void SmallContext(const float* probs, const float* v, int64_t p, int64_t mq, int64_t nk,
+                  bool accumulate, float* o, const void* prefetch, int64_t prefetch_bytes) {
+  Dispatch<SmallContextBody>(probs, v, p, mq, nk, accumulate, o, prefetch, prefetch_bytes);
+}
+void SmallContextBf16(const float* probs, const uint16_t* v, int64_t p, int64_t mq, int64_t nk,
+                      float* o, const void* prefetch, int64_t prefetch_bytes) {
+  Dispatch<SmallContextBody>(probs, v, p, mq, nk, true, o, prefetch, prefetch_bytes);
+}
+void TransposedScores(const float* q, const float* kt, int64_t ld, int64_t p, int64_t mq,
+                      int64_t nk, float scale, float* s, const void* prefetch,
+                      int64_t prefetch_bytes) {
+  Dispatch<TransposedScoresBody>(q, kt, ld, p, mq, nk, scale, s, prefetch, prefetch_bytes);
+}
+void TransposedScoresBf16(const float* q, const uint16_t* kt, int64_t ld, int64_t p, int64_t mq,
+                          int64_t nk, float scale, float* s, const void* prefetch,
+                          int64_t prefetch_bytes) {
+  Dispatch<TransposedScoresBody>(q, kt, ld, p, mq, nk, scale, s, prefetch, prefetch_bytes);
+}
+void GroupScores(const float* q, const float* kt, int64_t ld, int64_t p, int64_t mq, int64_t nk,
+                 float scale, float* s, int64_t read_ahead) {
+  Dispatch<GroupScoresBody>(q, kt, ld, p, mq, nk, scale, s, read_ahead);
+}
+void GroupScoresBf16(const float* q, const uint16_t* kt, int64_t ld, int64_t p, int64_t mq,
+                     int64_t nk, float scale, float* s, int64_t read_ahead) {
+  Dispatch<GroupScoresBody>(q, kt, ld, p, mq, nk, scale, s, read_ahead);
+}
+void GroupContext(const float* probs, const float* v, int64_t panel_rows, int64_t p, int64_t mq,
+                  int64_t nk, float* o, int64_t read_ahead) {
+  Dispatch<GroupContextBody>(probs, v, panel_rows, p, mq, nk, o, read_ahead);
+}
+void GroupContextBf16(const float* probs, const uint16_t* v, int64_t panel_rows, int64_t p,
+                      int64_t mq, int64_t nk, float* o, int64_t read_ahead) {
+  Dispatch<GroupContextBody>(probs, v, panel_rows, p, mq, nk, o, read_ahead);
+}
+void PanelRows(const float* x, int64_t ldx, int64_t m, const float* panels, int64_t n, int64_t k,
+               const float* b, float* y, int64_t ldy, int64_t first, int64_t last) {
+  Dispatch<PanelRowsBody>(x, ldx, m, panels, n, k, b, y, ldy, first, last);
 }
 
 MHA_MULTIVERSION void Scale(float* x, float factor, int64_t n) {

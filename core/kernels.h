@@ -9,6 +9,20 @@
 
 namespace mha::core::kernels {
 
+// SmallScores, SmallContext(Bf16), TransposedScores(Bf16), the Group kernels and
+// PanelRows are built for three instruction sets and run the best this CPU has: AVX-512
+// (sums in vectors of 16 floats), AVX2 with FMA (vectors of 8, in register blocks a
+// quarter the size: groups of up to 2 rows where AVX-512 takes 8) or baseline x86-64
+// (docs/performance.md, "On an AVX2 CPU"). The other kernels are cloned per
+// instruction set by the compiler.
+enum class Isa { kBaseline, kAvx2, kAvx512 };
+Isa CpuIsa();
+// For tests and benchmarks: those kernels run the lower of CpuIsa() and `cap`,
+// process-wide, from the next call (kAvx512 lifts the cap).
+void CapIsa(Isa cap);
+Isa ActiveIsa();
+const char* IsaName(Isa isa);
+
 // Max of s[0, n); -inf when n == 0.
 float RowMax(const float* s, int64_t n);
 
@@ -69,9 +83,10 @@ void SmallContextBf16(const float* probs, const uint16_t* v, int64_t p, int64_t 
 // head sharing one key/value head (times the step's new tokens) against one cache
 // block, with the same results as TransposedScores(Bf16) and SmallContext(Bf16)
 // (accumulating) up to the order of f32 additions. Rows go in register-blocked
-// groups of up to 8: each vector of keys (scores) or of a value row (context) is
-// loaded once for all of a group's rows, instead of once per row, so the block
-// streams through once per group and the multiply-adds of the rows run side by side.
+// groups (of up to 8; Isa): each vector of keys (scores) or of a value row
+// (context) is loaded once for all of a group's rows, instead of once per row, so the
+// block streams through once per group and the multiply-adds of the rows run side by
+// side.
 //   GroupScores:  s (mq, nk) = scale * q (mq, p) kt[:, :nk], kt (p, ld)
 //   GroupContext: o (mq, p) += probs (mq, nk) v (nk, p), v in column panels
 //                 (ValueIndex<T>) of panel_rows >= nk rows

@@ -9,12 +9,14 @@
 //   build/release/tests/bench/mha_core_bench --benchmark_filter=Decode/   (session steps)
 //   build/release/tests/bench/mha_core_bench --benchmark_filter=Prefill/  (GQA + RoPE)
 //   build/release/tests/bench/mha_core_bench --benchmark_filter=GemmPeak/ (oneDNN's 2048^3)
+//   build/release/tests/bench/mha_core_bench --isa=avx2 ...  (a lower build of our kernels)
 //
 // Threads: OMP_NUM_THREADS, else every core. Compare with PyTorch on the same shapes:
 // tests/bench/compare_torch.py --ours FILE (FILE from --benchmark_out=FILE
 // --benchmark_out_format=json).
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <initializer_list>
 #include <memory>
@@ -25,6 +27,7 @@
 
 #include "benchmark/benchmark.h"
 #include "core/attention.h"
+#include "core/kernels.h"
 #include "core/kv_cache.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
@@ -589,4 +592,26 @@ void Register(const char* group, const Shape& shape, bool int8) {
 }  // namespace
 }  // namespace mha::core
 
-BENCHMARK_MAIN();
+// --isa=avx2|baseline: the kernels built for several instruction sets run that build
+// (core/kernels.h, Isa), for A/B runs of one build against another on one CPU.
+int main(int argc, char** argv) {
+  namespace kernels = mha::core::kernels;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--isa=", 6) != 0) continue;
+    const std::string name = argv[i] + 6;
+    const kernels::Isa isa = name == "avx2"       ? kernels::Isa::kAvx2
+                             : name == "baseline" ? kernels::Isa::kBaseline
+                                                  : kernels::Isa::kAvx512;
+    kernels::CapIsa(isa);
+    std::fprintf(stderr, "kernels: the %s build (this CPU's best: %s)\n",
+                 kernels::IsaName(kernels::ActiveIsa()), kernels::IsaName(kernels::CpuIsa()));
+    std::copy(argv + i + 1, argv + argc, argv + i);
+    --argc;
+    break;
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

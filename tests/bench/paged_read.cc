@@ -22,6 +22,8 @@
 //   in_cache       every task over the first sequence's first 2 blocks (chunks:8),
 //                  again and again (512 KiB, in the cores' caches): the kernels'
 //                  arithmetic rate
+//   ..., ISA       the kernels' builds for the instruction sets below the CPU's best
+//                  (kernels::Isa; the cases above run the best)
 // Prints each case's median GB/s over the rounds (cache bytes read / wall time), its
 // spread, and its ratio to the read loop's median.
 //
@@ -137,8 +139,9 @@ int main(int argc, char** argv) {
     int64_t chunk;  // -1: the read loop
     bool prefetch;
     int64_t blocks, repeat;
+    kernels::Isa isa = kernels::CpuIsa();
   };
-  const std::vector<Case> cases = {
+  std::vector<Case> cases = {
       {"read", -1, false, 0, 0},
       {"chunks:8, prefetch", 8, true, kBlocks, 1},
       {"chunks:8, no prefetch", 8, false, kBlocks, 1},
@@ -148,10 +151,17 @@ int main(int argc, char** argv) {
       {"own blocks, no prefetch", 0, false, kBlocks, 1},
       {"in_cache", 8, false, 2, kBlocks / 2},
   };
+  for (const kernels::Isa isa : {kernels::Isa::kAvx2, kernels::Isa::kBaseline}) {
+    if (isa >= kernels::CpuIsa()) continue;
+    const std::string name = kernels::IsaName(isa);
+    cases.push_back({"chunks:8, prefetch, " + name, 8, true, kBlocks, 1, isa});
+    cases.push_back({"in_cache, " + name, 8, false, 2, kBlocks / 2, isa});
+  }
   std::vector<std::vector<double>> figures(cases.size());
   for (int r = 0; r < rounds; ++r) {
     for (size_t c = 0; c < cases.size(); ++c) {
       const Case& k = cases[c];
+      kernels::CapIsa(k.isa);
       figures[c].push_back(k.chunk < 0 ? Read(cache)
                                        : Attend({cache, k.chunk}, k.prefetch, k.blocks, k.repeat,
                                                 k.blocks < kBlocks));
@@ -159,10 +169,10 @@ int main(int argc, char** argv) {
   }
   std::printf(
       "cache of %lld MiB (%lld sequences x %lld tokens, G %lld, d_h %lld, f32), "
-      "%d alternated rounds, 2 threads\n",
+      "%d alternated rounds, 2 threads, the kernels' %s build unless named\n",
       static_cast<long long>(kFloats * sizeof(float) >> 20), static_cast<long long>(kSequences),
       static_cast<long long>(kTokens), static_cast<long long>(kG), static_cast<long long>(kP),
-      rounds);
+      rounds, kernels::IsaName(kernels::CpuIsa()));
   double read = 0;
   for (size_t c = 0; c < cases.size(); ++c) {
     std::vector<double> v = figures[c];

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -15,6 +16,23 @@ namespace mha::core::kernels {
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// The kernels built for each instruction set (kernels.h, Isa): a test of this suite
+// runs once per build, skipped where the CPU lacks it.
+class IsaKernelsTest : public testing::TestWithParam<Isa> {
+ protected:
+  void SetUp() override {
+    if (GetParam() > CpuIsa()) GTEST_SKIP() << "this CPU runs " << IsaName(CpuIsa());
+    CapIsa(GetParam());
+    ASSERT_EQ(ActiveIsa(), GetParam());
+  }
+  void TearDown() override { CapIsa(Isa::kAvx512); }
+};
+INSTANTIATE_TEST_SUITE_P(Builds, IsaKernelsTest,
+                         testing::Values(Isa::kAvx512, Isa::kAvx2, Isa::kBaseline),
+                         [](const testing::TestParamInfo<Isa>& info) {
+                           return std::string(IsaName(info.param));
+                         });
 
 TEST(KernelsTest, ExpSubSumMatchesStdExp) {
   const std::vector<float> s = {0.0f, -0.5f, -3.0f, -20.0f, -86.0f, -200.0f, -kInf};
@@ -163,7 +181,7 @@ TEST(KernelsTest, OverflowedScoresGiveNan) {
 // The small-block products against double-precision loops, on odd sizes (vector
 // tails, register groups and their tails) and with accumulation; a NaN or inf in v reaches the
 // context as oneDNN's GEMM would carry it (0 x inf is NaN).
-TEST(KernelsTest, SmallBlockProductsMatchDoubleLoops) {
+TEST_P(IsaKernelsTest, SmallBlockProductsMatchDoubleLoops) {
   for (const auto [p, mq, nk] : {std::array<int64_t, 3>{20, 4, 6},
                                  {64, 3, 17},
                                  {1, 1, 1},
@@ -227,7 +245,7 @@ TEST(KernelsTest, SmallBlockProductsMatchDoubleLoops) {
 // The bfloat16 cache's kernels read the same values as the f32 ones once widened:
 // on keys and values that bfloat16 holds exactly, they give the f32 kernels' answers
 // (vector groups of keys and columns, and their tails).
-TEST(KernelsTest, Bf16CacheKernelsEqualTheF32OnesOnTheSameValues) {
+TEST_P(IsaKernelsTest, Bf16CacheKernelsEqualTheF32OnesOnTheSameValues) {
   for (const auto [p, mq, nk] :
        {std::array<int64_t, 3>{64, 1, 32}, {128, 2, 70}, {67, 3, 45}, {48, 2, 53}}) {
     SCOPED_TRACE(testing::Message() << "p " << p << " mq " << mq << " nk " << nk);
@@ -263,7 +281,7 @@ TEST(KernelsTest, Bf16CacheKernelsEqualTheF32OnesOnTheSameValues) {
 // f32 and bfloat16 caches (the double loops read the bfloat16 values widened); values
 // in column panels (ValueIndex<T>) of as many rows as the keys' stride, those past nk
 // NaN; the context accumulates onto what o held, and a prefetched block changes nothing.
-TEST(KernelsTest, GroupKernelsMatchDoubleLoops) {
+TEST_P(IsaKernelsTest, GroupKernelsMatchDoubleLoops) {
   for (const auto [p, nk] : {std::array<int64_t, 2>{128, 32},
                              {128, 17},
                              {64, 48},
@@ -287,9 +305,9 @@ TEST(KernelsTest, GroupKernelsMatchDoubleLoops) {
         }
         for (int64_t j = 0; j < ld; ++j) {
           for (int64_t c = 0; c < p; ++c) {
-            v[ValueIndex<float>(j, c, p, ld)] = j < nk
-                                             ? std::sin(0.11f * static_cast<float>(j * p + c) + 1)
-                                             : std::numeric_limits<float>::quiet_NaN();
+            v[ValueIndex<float>(j, c, p, ld)] =
+                j < nk ? std::sin(0.11f * static_cast<float>(j * p + c) + 1)
+                       : std::numeric_limits<float>::quiet_NaN();
           }
         }
         for (size_t i = 0; i < probs.size(); ++i) probs[i] = 0.01f * static_cast<float>(i % 17);
@@ -347,7 +365,7 @@ TEST(KernelsTest, GroupKernelsMatchDoubleLoops) {
 // and a partial last one, one to five rows (groups of three and their tails) at row
 // strides wider than the rows, with and without bias, and panels split into ranges as
 // threads take them. Nothing outside the rows' columns is written.
-TEST(KernelsTest, PanelRowsMatchDoubleLoops) {
+TEST_P(IsaKernelsTest, PanelRowsMatchDoubleLoops) {
   for (const auto [n, k] : {std::array<int64_t, 2>{20, 7}, {128, 1}, {150, 33}, {2304, 768}}) {
     for (const int64_t m : {1, 2, 3, 5}) {
       for (const bool with_bias : {false, true}) {
