@@ -207,6 +207,8 @@ int MultiHeadAttention::Prepare(int64_t max_rows, int64_t max_keys, ThreadRule r
   return impl_->Prepare(max_rows, max_keys, rule);
 }
 
+Precision MultiHeadAttention::GemmPrecision() const { return impl_->GemmPrecision(); }
+
 int MultiHeadAttention::Threads(const AttentionInputs& inputs, ThreadRule rule) const {
   return impl_->ThreadsFor(inputs, /*max_threads=*/0, rule);
 }

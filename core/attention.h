@@ -195,6 +195,11 @@ class MultiHeadAttention {
   // sizes may share (buffers grow as a call needs). Call before the first Forward.
   void ShareWorkspacesWith(const MultiHeadAttention& other);
 
+  // What the GEMMs multiply in on this CPU: config().precision, except kF32 for a
+  // bf16 or int8 model where oneDNN makes no bf16 matmul (below AVX-512; docs/core.md,
+  // "Precision on CPUs without AVX-512").
+  Precision GemmPrecision() const;
+
   const ModelConfig& config() const { return config_; }
   const Options& options() const { return options_; }
 

@@ -54,39 +54,45 @@ MultiHeadAttention::Impl::Impl(const ModelConfig& c, const Weights& weights, con
   heads_per_paged_task_ = LargestDivisorAtMost(group, kPagedQueryRows);
   if (c.attention_only()) return;  // no weights, no rope, dot-product scoring
   const int64_t e = c.num_hiddens, ekv = c.kv_hiddens();
-  Weights levels;
-  if (c.precision == Precision::kInt8 && weights_ != Dt::s8) {
-    levels = weights;
-    levels.w_q = Int8Levels(weights.w_q, e, c.query_size);
-    levels.w_k = Int8Levels(weights.w_k, ekv, c.key_size);
-    levels.w_v = Int8Levels(weights.w_v, ekv, c.value_size);
-    levels.w_o = Int8Levels(weights.w_o, e, e);
+  // The four matrices as given, or at their int8 levels (Int8Levels); biases and the
+  // scoring weights always as given.
+  const bool levels = c.precision == Precision::kInt8 && weights_ != Dt::s8;
+  std::vector<float> lq, lk, lv, lo;
+  if (levels) {
+    lq = Int8Levels(weights.w_q, e, c.query_size);
+    lk = Int8Levels(weights.w_k, ekv, c.key_size);
+    lv = Int8Levels(weights.w_v, ekv, c.value_size);
+    lo = Int8Levels(weights.w_o, e, e);
   }
-  const Weights& w = levels.w_q.empty() ? weights : levels;
+  const std::vector<float>& w_q = levels ? lq : weights.w_q;
+  const std::vector<float>& w_k = levels ? lk : weights.w_k;
+  const std::vector<float>& w_v = levels ? lv : weights.w_v;
+  const std::vector<float>& w_o = levels ? lo : weights.w_o;
   auto bias = [&](const std::vector<float>& b) { return b.empty() ? nullptr : b.data(); };
-  q_ = std::make_unique<Linear>(w.w_q.data(), bias(w.b_q), e, c.query_size, weights_);
-  k_ = std::make_unique<Linear>(w.w_k.data(), bias(w.b_k), ekv, c.key_size, weights_);
-  v_ = std::make_unique<Linear>(w.w_v.data(), bias(w.b_v), ekv, c.value_size, weights_);
+  q_ = std::make_unique<Linear>(w_q.data(), bias(weights.b_q), e, c.query_size, weights_);
+  k_ = std::make_unique<Linear>(w_k.data(), bias(weights.b_k), ekv, c.key_size, weights_);
+  v_ = std::make_unique<Linear>(w_v.data(), bias(weights.b_v), ekv, c.value_size, weights_);
   // A decode step's W_o and stacked Q/K/V projections of a few rows run by hand
   // (ForwardPaged); f32 models keep a panel copy of those weights for it (Linear).
-  o_lin_ = std::make_unique<Linear>(w.w_o.data(), bias(w.b_o), e, e, weights_, /*row_path=*/true);
+  o_lin_ =
+      std::make_unique<Linear>(w_o.data(), bias(weights.b_o), e, e, weights_, /*row_path=*/true);
   if (c.key_size == c.value_size) {
-    const auto kv_w = Stack({&w.w_k, &w.w_v});
-    const auto kv_b = Stack({&w.b_k, &w.b_v});
+    const auto kv_w = Stack({&w_k, &w_v});
+    const auto kv_b = Stack({&weights.b_k, &weights.b_v});
     kv_ = std::make_unique<Linear>(kv_w.data(), c.bias ? kv_b.data() : nullptr, 2 * ekv, c.key_size,
                                    weights_);
   }
   if (c.SupportsSelfAttention()) {
-    const auto qkv_w = Stack({&w.w_q, &w.w_k, &w.w_v});
-    const auto qkv_b = Stack({&w.b_q, &w.b_k, &w.b_v});
+    const auto qkv_w = Stack({&w_q, &w_k, &w_v});
+    const auto qkv_b = Stack({&weights.b_q, &weights.b_k, &weights.b_v});
     qkv_ = std::make_unique<Linear>(qkv_w.data(), c.bias ? qkv_b.data() : nullptr, e + 2 * ekv,
                                     c.query_size, weights_, /*row_path=*/true);
   }
   if (c.rope) rope_.emplace(c);
   if (c.scoring == Scoring::kAdditive) {
-    score_q_ = ToActivation(w.score_w_q);
-    score_k_ = ToActivation(w.score_w_k);
-    score_v_ = w.score_w_v;
+    score_q_ = ToActivation(weights.score_w_q);
+    score_k_ = ToActivation(weights.score_w_k);
+    score_v_ = weights.score_w_v;
   }
 }
 

@@ -58,6 +58,8 @@ class MultiHeadAttention::Impl {
   // The threads a dense call on `in` gets (internal::ThreadsForFlops).
   int ThreadsFor(const AttentionInputs& in, int max_threads = 0,
                  ThreadRule rule = ThreadRule::kAlone) const;
+  // MultiHeadAttention::GemmPrecision: f32 where act_ fell back to it.
+  Precision GemmPrecision() const { return act_ == Dt::f32 ? Precision::kF32 : c_.precision; }
   void ShareWorkspaces(const Impl& other) { workspaces_ = other.workspaces_; }
 
  private:

@@ -383,9 +383,8 @@ void Linear::RunChunk(dnnl::stream& stream, Bindings& args, const Entry& e, int6
 
 int Linear::Prepare(int64_t max_rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt, int64_t n0,
                     int64_t n1) const {
-  const int64_t most = dt_ == Dt::s8 ? kInt8RowChunkMax : kRowChunkMax;
   int built = 0;
-  for (int64_t m = 16; m <= std::min(max_rows, most); m += m < 128 ? 16 : 128) {
+  for (const int64_t m : RowChunkSizes(max_rows, ChunkMax())) {
     built += PrepareRows(m, src_ld, dst_ld, dst_dt, n0, n1);
   }
   return built;
@@ -393,7 +392,7 @@ int Linear::Prepare(int64_t max_rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt,
 
 int Linear::PrepareColumnBlocks(int64_t max_rows, int64_t src_ld, int64_t n, Dt dst_dt) const {
   int built = Prepare(max_rows, src_ld, n, dst_dt, 0, n);
-  for (int64_t m = 16; m <= std::min(max_rows, kRowChunkMax); m += m < 128 ? 16 : 128) {
+  for (const int64_t m : RowChunkSizes(max_rows, ChunkMax())) {
     const std::shared_ptr<const Entry> first = Lookup(KeyOf(m, src_ld, n, dst_dt, 0, n));
     for (int64_t n0 = n; n0 + n <= n_; n0 += n) {
       if (first->col_block > 0 && n0 % first->col_block == 0) continue;

@@ -172,6 +172,13 @@ inline int64_t RowChunk(int64_t rows, int64_t most = kRowChunkMax) {
   if (rows >= 16) return rows / 16 * 16;
   return rows;
 }
+// The chunks RowChunk makes of calls of up to max_rows rows, remainders aside: 16, 32,
+// ..., 128, 256, ..., up to max_rows and `most` (the row counts Prepare builds for).
+inline std::vector<int64_t> RowChunkSizes(int64_t max_rows, int64_t most = kRowChunkMax) {
+  std::vector<int64_t> sizes;
+  for (int64_t m = 16; m <= max_rows && m <= most; m += m < 128 ? 16 : 128) sizes.push_back(m);
+  return sizes;
+}
 
 // A weight matrix W (n, k) applied as dst = src W^T (+ b) with a oneDNN matmul.
 // Primitives are built once per (row chunk, row strides, dtype, threads) and cached;
@@ -276,6 +283,8 @@ class Linear {
   // Entries are shared so that a cache reset never frees one a caller still runs.
   // `built` (if given) is set when this call made the entry.
   std::shared_ptr<const Entry> Lookup(const Key& key, bool* built = nullptr) const;
+  // The largest chunk a call runs: kInt8RowChunkMax for s8, else kRowChunkMax.
+  int64_t ChunkMax() const { return dt_ == Dt::s8 ? kInt8RowChunkMax : kRowChunkMax; }
   // Prepare for one chunk of `rows` rows: 1 if it built its primitive.
   int PrepareRows(int64_t rows, int64_t src_ld, int64_t dst_ld, Dt dst_dt, int64_t n0,
                   int64_t n1) const;

@@ -356,9 +356,10 @@ int main(int argc, char** argv) {
     mha::log::Info(absl::StrCat(
         "model ", model->name, ": p_o ", c.num_hiddens, ", h ", c.num_heads, ", d_q ", c.query_size,
         ", d_k ", c.key_size, ", d_v ", c.value_size, ", bias ", c.bias ? "on" : "off", ", ",
-        mha::core::PrecisionName(c.precision), ", weights ", model->weights_source,
-        ", max_batch_size ", model->limits.max_batch_size, ", max_sequence_length ",
-        model->limits.max_sequence_length));
+        mha::core::PrecisionName(c.precision),
+        model->attention->GemmPrecision() == c.precision ? "" : " (its GEMMs in f32 on this CPU)",
+        ", weights ", model->weights_source, ", max_batch_size ", model->limits.max_batch_size,
+        ", max_sequence_length ", model->limits.max_sequence_length));
   }
   mha::log::Info(absl::StrCat(
       "compute: ", options.compute_workers, " worker(s) x ", (*server)->threads_per_worker(),

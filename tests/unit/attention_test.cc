@@ -615,6 +615,24 @@ TEST(AttentionTest, AdditiveZeroValidLenGivesZeroContext) {
 // For each thread rule: a model prepared for it builds nothing for calls that keep to
 // it (kBeside: the server's, max_threads = Threads(inputs, kBeside)), and kBeside
 // prepares fewer primitives where a one-region call's column shares exist.
+// A model's GEMMs run in its precision where oneDNN makes bf16 matmuls, and bf16 and
+// int8 models' in f32 where it does not (docs/core.md, "Precision on CPUs without
+// AVX-512"); f32 models in f32 everywhere.
+TEST(AttentionTest, GemmPrecisionFallsBackToF32OnlyWithoutBf16Matmuls) {
+  for (const Precision precision : {Precision::kF32, Precision::kBf16, Precision::kInt8}) {
+    SCOPED_TRACE(PrecisionName(precision));
+    const ModelConfig c{.num_hiddens = 64,
+                        .num_heads = 4,
+                        .query_size = 64,
+                        .key_size = 64,
+                        .value_size = 64,
+                        .bias = true,
+                        .precision = precision};
+    auto mha = MultiHeadAttention::Create(c, SeededWeights(c, 3)).value();
+    EXPECT_EQ(mha->GemmPrecision(), internal::Bf16MatmulsSupported() ? precision : Precision::kF32);
+  }
+}
+
 TEST(AttentionTest, PreparedModelBuildsNoPrimitivesForNewShapes) {
   using Rule = MultiHeadAttention::ThreadRule;
   for (const auto& [precision, rule] :
