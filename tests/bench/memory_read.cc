@@ -22,6 +22,7 @@
 // thread its share of the runs, as a task reads its head's chunks. With neither, the
 // loop is the bench's floor, unchanged.
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -126,8 +127,9 @@ int main(int argc, char** argv) {
       static_cast<uint64_t*>(std::aligned_alloc(64, static_cast<size_t>(words) * 8)), &std::free);
   uint64_t* buffer = memory.get();
   if (Flag(argc, argv, "huge", 0) != 0) {
-    const uintptr_t first = (reinterpret_cast<uintptr_t>(buffer) + 4095) / 4096 * 4096;
-    const uintptr_t last = (reinterpret_cast<uintptr_t>(buffer + words)) / 4096 * 4096;
+    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const uintptr_t first = (reinterpret_cast<uintptr_t>(buffer) + page - 1) / page * page;
+    const uintptr_t last = (reinterpret_cast<uintptr_t>(buffer + words)) / page * page;
     if (madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE) != 0) {
       std::perror("madvise");
     }
