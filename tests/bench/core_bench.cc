@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstring>
 #include <initializer_list>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <string>
@@ -592,17 +593,22 @@ void Register(const char* group, const Shape& shape, bool int8) {
 }  // namespace
 }  // namespace mha::core
 
-// --isa=avx2|baseline: the kernels built for several instruction sets run that build
-// (core/kernels.h, Isa), for A/B runs of one build against another on one CPU.
+// --isa=avx512|avx2|baseline (kernels::IsaName): the kernels built for several instruction sets run
+// that build (core/kernels.h, Isa), for A/B runs of one build against another on one CPU.
 int main(int argc, char** argv) {
   namespace kernels = mha::core::kernels;
   for (int i = 1; i < argc; ++i) {
     if (std::strncmp(argv[i], "--isa=", 6) != 0) continue;
     const std::string name = argv[i] + 6;
-    const kernels::Isa isa = name == "avx2"       ? kernels::Isa::kAvx2
-                             : name == "baseline" ? kernels::Isa::kBaseline
-                                                  : kernels::Isa::kAvx512;
-    kernels::CapIsa(isa);
+    const kernels::Isa isas[] = {kernels::Isa::kAvx512, kernels::Isa::kAvx2,
+                                 kernels::Isa::kBaseline};
+    const auto isa = std::find_if(std::begin(isas), std::end(isas),
+                                  [&](kernels::Isa x) { return name == kernels::IsaName(x); });
+    if (isa == std::end(isas)) {
+      std::fprintf(stderr, "--isa=%s: not avx512, avx2 or baseline\n", name.c_str());
+      return 1;
+    }
+    kernels::CapIsa(*isa);
     std::fprintf(stderr, "kernels: the %s build (this CPU's best: %s)\n",
                  kernels::IsaName(kernels::ActiveIsa()), kernels::IsaName(kernels::CpuIsa()));
     std::copy(argv + i + 1, argv + argc, argv + i);
