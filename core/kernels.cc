@@ -272,6 +272,96 @@ MHA_AVX512_BF16 float ExpSubSumBf16Avx512(const float* s, float m, uint16_t* p16
   return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
 }
 
+#define MHA_AVX2 __attribute__((target("avx2,fma")))
+
+// ExpNonPositive16 on 8 lanes, for CPUs with AVX2 and FMA but not AVX-512: the same
+// reduction and polynomial in the same fused multiply-adds, so the same values; 2^n
+// goes into the exponent bits, as in ExpNonPositive (n + 127 stays in (0, 255): the
+// floor bounds n below, and the online softmax's lazy rescale keeps x under 127 above).
+// A NaN x stays NaN through the polynomial, whatever bits its n gives.
+template <bool kBf16, bool kBase2>
+MHA_AVX2 inline __m256 ExpNonPositive8(__m256 x) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m256 n, r;
+  if constexpr (kBase2) {
+    x = _mm256_max_ps(_mm256_set1_ps(kExp2Floor), x);
+    n = _mm256_round_ps(x, kNearest);
+    r = _mm256_sub_ps(x, n);
+  } else {
+    x = _mm256_max_ps(_mm256_set1_ps(kExpFloor), x);
+    n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), kNearest);
+    if constexpr (kBf16) {
+      r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2), x);
+    } else {
+      r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+      r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+    }
+  }
+  const auto& poly = ExpPoly<kBf16, kBase2>();
+  __m256 q = _mm256_set1_ps(poly[0]);
+  for (size_t i = 1; i < std::size(poly); ++i) q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(poly[i]));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(q, _mm256_castsi256_ps(e));
+}
+
+// Bf16Bits on 8 lanes, packed to 8 halves.
+MHA_AVX2 inline __m128i Bf16Bits8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i h =
+      _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+template <bool kBf16>
+MHA_AVX2 inline void PutExp8(float* p, uint16_t* p16, int64_t at, __m256 e) {
+  if constexpr (kBf16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p16 + at), Bf16Bits8(e));
+  } else {
+    _mm256_storeu_ps(p + at, e);
+  }
+}
+
+// ExpSubSumAvx512 on 8 lanes: f32 to p or bfloat16 to p16; the tail through a
+// masked load and store (f32) or a copy of its halves (bfloat16).
+template <bool kBf16, bool kBase2>
+MHA_AVX2 float ExpSubSumAvx2(const float* s, float m, float* p, uint16_t* p16, int64_t n) {
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m256 e0 = ExpNonPositive8<kBf16, kBase2>(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+    const __m256 e1 = ExpNonPositive8<kBf16, kBase2>(_mm256_sub_ps(_mm256_loadu_ps(s + j + 8), vm));
+    PutExp8<kBf16>(p, p16, j, e0);
+    PutExp8<kBf16>(p, p16, j + 8, e1);
+    sum0 = _mm256_add_ps(sum0, e0);
+    sum1 = _mm256_add_ps(sum1, e1);
+  }
+  for (; j < n; j += 8) {
+    const __m256i keep =
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(n - j, 8))),
+                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 e = _mm256_and_ps(
+        ExpNonPositive8<kBf16, kBase2>(_mm256_sub_ps(_mm256_maskload_ps(s + j, keep), vm)),
+        _mm256_castsi256_ps(keep));
+    if (n - j >= 8) {
+      PutExp8<kBf16>(p, p16, j, e);
+    } else if constexpr (kBf16) {
+      alignas(16) uint16_t halves[8];
+      _mm_store_si128(reinterpret_cast<__m128i*>(halves), Bf16Bits8(e));
+      std::memcpy(p16 + j, halves, static_cast<size_t>(n - j) * sizeof(uint16_t));
+    } else {
+      _mm256_maskstore_ps(p + j, keep, e);
+    }
+    sum0 = _mm256_add_ps(sum0, e);
+  }
+  const __m256 sum = _mm256_add_ps(sum0, sum1);
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+
 // 0: neither, 1: AVX-512F, 2: also AVX512-BF16 (with BW and VL).
 const int kAvx512Level = [] {
   __builtin_cpu_init();  // may run before libgcc's own constructor
@@ -284,19 +374,35 @@ const int kAvx512Level = [] {
 
 }  // namespace
 
+// The exponentials follow ActiveIsa (kernels.h), so that CapIsa runs each build.
 float ExpSubSum(const float* s, float m, float* p, int64_t n, bool base2) {
-  if (kAvx512Level == 0) return ExpSubSumPortable(s, m, p, n, base2);
-  return base2 ? ExpSubSumAvx512<false, true>(s, m, p, nullptr, n)
-               : ExpSubSumAvx512<false, false>(s, m, p, nullptr, n);
+  switch (ActiveIsa()) {
+    case Isa::kAvx512:
+      return base2 ? ExpSubSumAvx512<false, true>(s, m, p, nullptr, n)
+                   : ExpSubSumAvx512<false, false>(s, m, p, nullptr, n);
+    case Isa::kAvx2:
+      return base2 ? ExpSubSumAvx2<false, true>(s, m, p, nullptr, n)
+                   : ExpSubSumAvx2<false, false>(s, m, p, nullptr, n);
+    case Isa::kBaseline:
+      break;
+  }
+  return ExpSubSumPortable(s, m, p, n, base2);
 }
 
 float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n, bool base2) {
-  if (kAvx512Level == 2) {
-    return base2 ? ExpSubSumBf16Avx512<true>(s, m, p, n) : ExpSubSumBf16Avx512<false>(s, m, p, n);
-  }
-  if (kAvx512Level == 1) {
-    return base2 ? ExpSubSumAvx512<true, true>(s, m, nullptr, p, n)
-                 : ExpSubSumAvx512<true, false>(s, m, nullptr, p, n);
+  switch (ActiveIsa()) {
+    case Isa::kAvx512:
+      if (kAvx512Level == 2) {
+        return base2 ? ExpSubSumBf16Avx512<true>(s, m, p, n)
+                     : ExpSubSumBf16Avx512<false>(s, m, p, n);
+      }
+      return base2 ? ExpSubSumAvx512<true, true>(s, m, nullptr, p, n)
+                   : ExpSubSumAvx512<true, false>(s, m, nullptr, p, n);
+    case Isa::kAvx2:
+      return base2 ? ExpSubSumAvx2<true, true>(s, m, nullptr, p, n)
+                   : ExpSubSumAvx2<true, false>(s, m, nullptr, p, n);
+    case Isa::kBaseline:
+      break;
   }
   return ExpSubSumBf16Portable(s, m, p, n, s, base2);
 }

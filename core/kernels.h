@@ -1,7 +1,8 @@
 // Row kernels of the fused attention loop: online-softmax statistics, exp, additive
 // scores, and float <-> bfloat16 conversion. Internal to core/; plain loops written so the
 // compiler vectorises them, with AVX-512 and AVX2 clones picked at load time, and a few
-// in AVX-512 intrinsics (the exponentials, the int8 row path) picked by the CPU's flags.
+// in intrinsics: the exponentials in AVX-512 and AVX2 (picked as ActiveIsa says), the
+// int8 row path in AVX-512 (picked by the CPU's flags).
 #ifndef MHA_CORE_KERNELS_H_
 #define MHA_CORE_KERNELS_H_
 
@@ -29,7 +30,8 @@ float RowMax(const float* s, int64_t n);
 // p[j] = exp(s[j] - m) for j < n, returns the sum of p[0, n). p may alias s.
 // With base2, p[j] = 2^(s[j] - m): for scores in log2 units (their GEMM's scale times
 // log2 e), which spares the exponentials a multiply and half the range reduction.
-// On AVX-512 in intrinsics (ExpSubSumAvx512), elsewhere the portable loop below.
+// In AVX-512 or AVX2 intrinsics as ActiveIsa() says, on baseline x86-64 the portable
+// loop below.
 float ExpSubSum(const float* s, float m, float* p, int64_t n, bool base2 = false);
 
 // Same, writing bfloat16 (round to nearest even) to p; the sum is of the f32 values.
@@ -38,7 +40,7 @@ float ExpSubSum(const float* s, float m, float* p, int64_t n, bool base2 = false
 // overwritten (the portable version's f32 exponentials go there).
 float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n, bool base2 = false);
 
-// The portable versions, for CPUs without AVX-512 and for the tests that hold the two
+// The portable versions, for CPUs without AVX2 and for the tests that hold the two
 // to the same values: ExpSubSumBf16Portable writes its f32 exponentials to tmp (n).
 float ExpSubSumPortable(const float* s, float m, float* p, int64_t n, bool base2 = false);
 float ExpSubSumBf16Portable(const float* s, float m, uint16_t* p, int64_t n, float* tmp,

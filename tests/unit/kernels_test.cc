@@ -47,14 +47,14 @@ TEST(KernelsTest, ExpSubSumMatchesStdExp) {
 }
 
 // The exp rows at every length from 0 to 70 (whole pairs of vectors, one vector, masked
-// tails), with scores from 0 down past the flush point: the dispatched kernels (AVX-512
-// intrinsics on this CPU) against std::exp in double to 1e-6 relative, against the
-// portable loops to 2 ulp; the bfloat16 row (its own, shorter polynomial): its f32
-// exponentials within 3e-6 of std::exp, so each bfloat16 within half an ulp (2^-8
-// relative) of exp, plus 3e-6, and within one of the portable bfloat16 loop's.
-// base2: 2^(s - m), for scores in log2 units (the dense pass's), to the same bounds;
-// its range reaches past its floor (2^-125.5) as base e's does past exp(-87).
-TEST(KernelsTest, ExpRowsMatchStdExpAndThePortableLoops) {
+// tails), with scores from 0 down past the flush point, once per build (AVX-512 and
+// AVX2 intrinsics, the portable loop): the dispatched kernels against std::exp in double to 1e-6
+// relative, against the portable loops to 2 ulp; the bfloat16 row (its own, shorter polynomial):
+// its f32 exponentials within 3e-6 of std::exp, so each bfloat16 within half an ulp (2^-8 relative)
+// of exp, plus 3e-6, and within one of the portable bfloat16 loop's. base2: 2^(s - m), for scores
+// in log2 units (the dense pass's), to the same bounds; its range reaches past its floor (2^-125.5)
+// as base e's does past exp(-87).
+TEST_P(IsaKernelsTest, ExpRowsMatchStdExpAndThePortableLoops) {
   for (int64_t i = 0; i <= 141; ++i) {
     const bool base2 = i > 70;
     const int64_t n = base2 ? i - 71 : i;
@@ -151,8 +151,9 @@ TEST(KernelsTest, OnlineSoftmaxRescalesOnlyPastItsThreshold) {
 
 // Scores that overflowed float32 (huge but finite inputs) reach the softmax as inf;
 // inf - inf is NaN, which must come out as NaN (as in PyTorch), never through an
-// undefined float -> int conversion (UBSan found it with the request fuzzer).
-TEST(KernelsTest, OverflowedScoresGiveNan) {
+// undefined float -> int conversion (UBSan found it with the request fuzzer). Once per
+// build.
+TEST_P(IsaKernelsTest, OverflowedScoresGiveNan) {
   const std::vector<float> s = {kInf, 1.0f, kInf, std::numeric_limits<float>::quiet_NaN()};
   std::vector<float> p(s.size());
   const float m = RowMax(s.data(), static_cast<int64_t>(s.size()));
