@@ -452,13 +452,23 @@ typedef uint32_t Words16 __attribute__((vector_size(64)));
 
 MHA_INLINE void Load16(const float* x, Floats16& v) { std::memcpy(&v, x, sizeof v); }
 MHA_INLINE void Store16(float* x, const Floats16& v) { std::memcpy(x, &v, sizeof v); }
-// A vector of 16 bf16 keys or values, widened to f32 (the high half of an f32).
-MHA_INLINE void Load16(const uint16_t* x, Floats16& v) {
-  Halves16 h;
+// The halves (bf16) and words of a vector of floats' width.
+template <typename F>
+struct WordsOf;
+template <>
+struct WordsOf<Floats16> {
+  using type = Words16;
+  using halves = Halves16;
+};
+// A vector of bf16 keys or values, widened to f32 (the high half of an f32).
+template <typename F>
+MHA_INLINE void Widen(const uint16_t* x, F& v) {
+  typename WordsOf<F>::halves h;
   std::memcpy(&h, x, sizeof h);
-  const Words16 bits = __builtin_convertvector(h, Words16) << 16;
+  const auto bits = __builtin_convertvector(h, typename WordsOf<F>::type) << 16;
   std::memcpy(&v, &bits, sizeof v);
 }
+MHA_INLINE void Load16(const uint16_t* x, Floats16& v) { Widen(x, v); }
 MHA_INLINE float Widen(float x) { return x; }
 MHA_INLINE float Widen(uint16_t x) { return FromBf16(x); }
 
@@ -490,15 +500,14 @@ MHA_INLINE void Store16(float* x, const Floats8x2& v) {
   std::memcpy(x, &v.lo, sizeof v.lo);
   std::memcpy(x + 8, &v.hi, sizeof v.hi);
 }
-MHA_INLINE void Widen8(const uint16_t* x, Floats8& v) {
-  Halves8 h;
-  std::memcpy(&h, x, sizeof h);
-  const Words8 bits = __builtin_convertvector(h, Words8) << 16;
-  std::memcpy(&v, &bits, sizeof v);
-}
+template <>
+struct WordsOf<Floats8> {
+  using type = Words8;
+  using halves = Halves8;
+};
 MHA_INLINE void Load16(const uint16_t* x, Floats8x2& v) {
-  Widen8(x, v.lo);
-  Widen8(x + 8, v.hi);
+  Widen(x, v.lo);
+  Widen(x + 8, v.hi);
 }
 // The vector type of a build's group kernels, and how many rows a group holds: a
 // group keeps up to 2 R (scores) or 4 R (context) vectors of sums in registers, 8
@@ -654,17 +663,11 @@ inline constexpr bool kSplit = sizeof(T) == 2 && V % 2 == 0;
 // 32 bf16 elements at x (16 for Floats8): the even ones (0, 2, ...) to `even`, the odd
 // ones to `odd`. A pair of halves loads each half on its own: one 64-byte copy into
 // the pair went through the stack.
-MHA_INLINE void LoadSplit(const uint16_t* x, Floats16& even, Floats16& odd) {
-  Words16 w;
+template <typename F>
+MHA_INLINE void LoadSplit(const uint16_t* x, F& even, F& odd) {
+  typename WordsOf<F>::type w;
   std::memcpy(&w, x, sizeof w);
-  const Words16 e = w << 16, o = w & 0xffff0000u;
-  std::memcpy(&even, &e, sizeof e);
-  std::memcpy(&odd, &o, sizeof o);
-}
-MHA_INLINE void LoadSplit(const uint16_t* x, Floats8& even, Floats8& odd) {
-  Words8 w;
-  std::memcpy(&w, x, sizeof w);
-  const Words8 e = w << 16, o = w & 0xffff0000u;
+  const auto e = w << 16, o = w & 0xffff0000u;
   std::memcpy(&even, &e, sizeof e);
   std::memcpy(&odd, &o, sizeof o);
 }
