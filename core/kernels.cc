@@ -155,6 +155,22 @@ MHA_MULTIVERSION float ExpSubSumBf16Portable(const float* s, float m, uint16_t* 
   return sum;
 }
 
+// Key by key across the row, one scoring feature a at a time: the loop over keys is
+// contiguous in kt and in s, so it vectorises without horizontal sums (in the
+// AVX-512 clone; GCC 12 leaves the AVX2 one scalar, hence AdditiveScoresAvx2).
+namespace {
+MHA_MULTIVERSION void AdditiveScoresPortable(const float* qa, const float* kt, int64_t ld,
+                                             const float* w, int64_t pa, float* s, int64_t n) {
+  std::fill_n(s, n, 0.0f);
+  for (int64_t a = 0; a < pa; ++a) {
+    const float q = qa[a], wa = w[a];
+    const float* k = kt + a * ld;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) s[j] += wa * Tanh(q + k[j]);
+  }
+}
+}  // namespace
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #if !defined(__clang__)  // GCC bug 105593, as for the VNNI kernels below
 #pragma GCC diagnostic push
@@ -362,6 +378,46 @@ MHA_AVX2 float ExpSubSumAvx2(const float* s, float m, float* p, uint16_t* p16, i
   return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
 }
 
+// Tanh on 8 lanes: Tanh's formula with ExpNonPositive8.
+MHA_AVX2 inline __m256 Tanh8(__m256 x) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 e = ExpNonPositive8<false, false>(
+      _mm256_mul_ps(_mm256_set1_ps(-2.0f), _mm256_andnot_ps(sign, x)));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  return _mm256_or_ps(t, _mm256_and_ps(x, sign));
+}
+
+// AdditiveScores on 8 lanes: 16 keys at a time (then 8, then a masked tail) summed
+// over the features in registers, in the portable loop's order of features.
+MHA_AVX2 void AdditiveScoresAvx2(const float* qa, const float* kt, int64_t ld, const float* w,
+                                 int64_t pa, float* s, int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (int64_t a = 0; a < pa; ++a) {
+      const __m256 q = _mm256_set1_ps(qa[a]), wa = _mm256_set1_ps(w[a]);
+      const float* k = kt + a * ld + j;
+      s0 = _mm256_fmadd_ps(wa, Tanh8(_mm256_add_ps(q, _mm256_loadu_ps(k))), s0);
+      s1 = _mm256_fmadd_ps(wa, Tanh8(_mm256_add_ps(q, _mm256_loadu_ps(k + 8))), s1);
+    }
+    _mm256_storeu_ps(s + j, s0);
+    _mm256_storeu_ps(s + j + 8, s1);
+  }
+  for (; j < n; j += 8) {
+    const __m256i keep =
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(n - j, 8))),
+                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t a = 0; a < pa; ++a) {
+      const __m256 k = _mm256_maskload_ps(kt + a * ld + j, keep);
+      sum = _mm256_fmadd_ps(_mm256_set1_ps(w[a]), Tanh8(_mm256_add_ps(_mm256_set1_ps(qa[a]), k)),
+                            sum);
+    }
+    _mm256_maskstore_ps(s + j, keep, sum);
+  }
+}
+
 // 0: neither, 1: AVX-512F, 2: also AVX512-BF16 (with BW and VL).
 const int kAvx512Level = [] {
   __builtin_cpu_init();  // may run before libgcc's own constructor
@@ -409,6 +465,12 @@ float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n, bool base2) {
 #if !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
+
+void AdditiveScores(const float* qa, const float* kt, int64_t ld, const float* w, int64_t pa,
+                    float* s, int64_t n) {
+  if (ActiveIsa() == Isa::kAvx2) return AdditiveScoresAvx2(qa, kt, ld, w, pa, s, n);
+  AdditiveScoresPortable(qa, kt, ld, w, pa, s, n);
+}
 #else
 float ExpSubSum(const float* s, float m, float* p, int64_t n, bool base2) {
   return ExpSubSumPortable(s, m, p, n, base2);
@@ -417,20 +479,12 @@ float ExpSubSum(const float* s, float m, float* p, int64_t n, bool base2) {
 float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n, bool base2) {
   return ExpSubSumBf16Portable(s, m, p, n, s, base2);
 }
-#endif
 
-// Key by key across the row, one scoring feature a at a time: the loop over keys is
-// contiguous in kt and in s, so it vectorises without horizontal sums.
-MHA_MULTIVERSION void AdditiveScores(const float* qa, const float* kt, int64_t ld, const float* w,
-                                     int64_t pa, float* s, int64_t n) {
-  std::fill_n(s, n, 0.0f);
-  for (int64_t a = 0; a < pa; ++a) {
-    const float q = qa[a], wa = w[a];
-    const float* k = kt + a * ld;
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) s[j] += wa * Tanh(q + k[j]);
-  }
+void AdditiveScores(const float* qa, const float* kt, int64_t ld, const float* w, int64_t pa,
+                    float* s, int64_t n) {
+  AdditiveScoresPortable(qa, kt, ld, w, pa, s, n);
 }
+#endif
 
 namespace {
 inline float FromBf16(uint16_t bits) { return std::bit_cast<float>(uint32_t{bits} << 16); }

@@ -401,23 +401,30 @@ TEST_P(IsaKernelsTest, PanelRowsMatchDoubleLoops) {
   }
 }
 
-TEST(KernelsTest, AdditiveScoresMatchStdTanh) {
-  const int64_t pa = 3, ld = 11, n = 9;  // ld > n: a block of a longer key row
+// Once per build (the AVX2 one in intrinsics), over rows of 9 to 41 keys: whole
+// groups of 16, one of 8, masked tails.
+TEST_P(IsaKernelsTest, AdditiveScoresMatchStdTanh) {
+  const int64_t pa = 3;
   const std::vector<float> qa = {0.0f, -0.7f, 2.5f};
   const std::vector<float> w = {1.0f, -0.5f, 0.25f};
-  std::vector<float> kt(pa * ld);
-  for (int64_t i = 0; i < pa * ld; ++i) kt[i] = 0.37f * static_cast<float>(i % 13 - 6) - 1e-4f;
-  kt[0] = 1e-6f;   // tanh of a tiny argument
-  kt[1] = 40.0f;   // saturated
-  kt[2] = -95.0f;  // past exp's flush to zero
-  std::vector<float> s(n, -1.0f);
-  AdditiveScores(qa.data(), kt.data(), ld, w.data(), pa, s.data(), n);
-  for (int64_t j = 0; j < n; ++j) {
-    double expected = 0;
-    for (int64_t a = 0; a < pa; ++a) {
-      expected += double{w[a]} * std::tanh(double{qa[a]} + double{kt[a * ld + j]});
+  for (const int64_t n : {9, 16, 24, 29, 41}) {
+    const int64_t ld = n + 2;  // ld > n: a block of a longer key row
+    std::vector<float> kt(pa * ld);
+    for (int64_t i = 0; i < pa * ld; ++i) kt[i] = 0.37f * static_cast<float>(i % 13 - 6) - 1e-4f;
+    kt[0] = 1e-6f;   // tanh of a tiny argument
+    kt[1] = 40.0f;   // saturated
+    kt[2] = -95.0f;  // past exp's flush to zero
+    kt[n - 1] = -40.0f;
+    std::vector<float> s(n + 1, -1.0f);  // s[n] is past the row
+    AdditiveScores(qa.data(), kt.data(), ld, w.data(), pa, s.data(), n);
+    for (int64_t j = 0; j < n; ++j) {
+      double expected = 0;
+      for (int64_t a = 0; a < pa; ++a) {
+        expected += double{w[a]} * std::tanh(double{qa[a]} + double{kt[a * ld + j]});
+      }
+      EXPECT_NEAR(s[j], expected, 5e-7) << "n " << n << " key " << j;
     }
-    EXPECT_NEAR(s[j], expected, 5e-7) << "key " << j;
+    EXPECT_EQ(s[n], -1.0f) << n;
   }
 }
 
