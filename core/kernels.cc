@@ -330,6 +330,13 @@ MHA_AVX2 inline __m128i Bf16Bits8(__m256 x) {
   return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
+// The lanes of a row's last vector of 8 that hold elements, `left` of them (1 to 8), as
+// the mask of a maskload / maskstore.
+MHA_AVX2 inline __m256i TailMask8(int64_t left) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(left, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 template <bool kBf16>
 MHA_AVX2 inline void PutExp8(float* p, uint16_t* p16, int64_t at, __m256 e) {
   if constexpr (kBf16) {
@@ -355,9 +362,7 @@ MHA_AVX2 float ExpSubSumAvx2(const float* s, float m, float* p, uint16_t* p16, i
     sum1 = _mm256_add_ps(sum1, e1);
   }
   for (; j < n; j += 8) {
-    const __m256i keep =
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(n - j, 8))),
-                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i keep = TailMask8(n - j);
     const __m256 e = _mm256_and_ps(
         ExpNonPositive8<kBf16, kBase2>(_mm256_sub_ps(_mm256_maskload_ps(s + j, keep), vm)),
         _mm256_castsi256_ps(keep));
@@ -405,9 +410,7 @@ MHA_AVX2 void AdditiveScoresAvx2(const float* qa, const float* kt, int64_t ld, c
     _mm256_storeu_ps(s + j + 8, s1);
   }
   for (; j < n; j += 8) {
-    const __m256i keep =
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(n - j, 8))),
-                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i keep = TailMask8(n - j);
     __m256 sum = _mm256_setzero_ps();
     for (int64_t a = 0; a < pa; ++a) {
       const __m256 k = _mm256_maskload_ps(kt + a * ld + j, keep);
