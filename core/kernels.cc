@@ -421,14 +421,12 @@ MHA_AVX2 void AdditiveScoresAvx2(const float* qa, const float* kt, int64_t ld, c
   }
 }
 
-// 0: neither, 1: AVX-512F, 2: also AVX512-BF16 (with BW and VL).
-const int kAvx512Level = [] {
+// AVX512-BF16 with BW and VL, for the bfloat16 exponentials' one-pass narrowing
+// (ActiveIsa says whether AVX-512F is there at all).
+const bool kAvx512Bf16 = [] {
   __builtin_cpu_init();  // may run before libgcc's own constructor
-  if (!__builtin_cpu_supports("avx512f")) return 0;
   return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-                 __builtin_cpu_supports("avx512vl")
-             ? 2
-             : 1;
+         __builtin_cpu_supports("avx512vl");
 }();
 
 }  // namespace
@@ -451,7 +449,7 @@ float ExpSubSum(const float* s, float m, float* p, int64_t n, bool base2) {
 float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n, bool base2) {
   switch (ActiveIsa()) {
     case Isa::kAvx512:
-      if (kAvx512Level == 2) {
+      if (kAvx512Bf16) {
         return base2 ? ExpSubSumBf16Avx512<true>(s, m, p, n)
                      : ExpSubSumBf16Avx512<false>(s, m, p, n);
       }
