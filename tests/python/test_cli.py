@@ -148,8 +148,15 @@ def test_timeout_takes_durations(default_target):
     for timeout in ("30s", "2m", "60"):
         done = run(f"--target={default_target}", f"--timeout={timeout}")
         assert done.returncode == 0, (timeout, done.stderr)
-    # a deadline too short for any answer: DEADLINE_EXCEEDED, a failed call (exit 1)
-    one_line_error(run(f"--target={default_target}", "--timeout=1ns"), 1, "DEADLINE_EXCEEDED: ")
+    # a deadline too short for any answer: DEADLINE_EXCEEDED, a failed call (exit 1).
+    # gRPC rounds a deadline up to its next millisecond, and the toy request's two calls
+    # (GetModel, Attend) were once answered within it (1 run in 60 on loopback): the
+    # request here (B 8, Q = K = 256: 2.5 MB of inputs), answered with the default
+    # deadline first, cannot be answered in a millisecond.
+    big = ("--batch=8", "--num_queries=256", "--num_keys=256")
+    assert run(f"--target={default_target}", *big).returncode == 0
+    one_line_error(run(f"--target={default_target}", *big, "--timeout=1ns"), 1,
+                   "DEADLINE_EXCEEDED: ")
 
 
 def project_version():
