@@ -22,6 +22,8 @@
 //   in_cache       every task over the first sequence's first 2 blocks (chunks:8),
 //                  again and again (512 KiB, in the cores' caches): the kernels'
 //                  arithmetic rate
+//   ..., bf16      the same with a bf16 cache of the same shape (the buffer's first
+//                  half, read as bf16: half the bytes; GroupScoresBf16 / GroupContextBf16)
 //   ..., ISA       the kernels' builds for the instruction sets below the CPU's best
 //                  (kernels::Isa; the cases above run the best)
 // Prints each case's median GB/s over the rounds (cache bytes read / wall time), its
@@ -56,23 +58,38 @@ constexpr int64_t kTile = kP * kBt;               // floats: one head's keys (or
 constexpr int64_t kBlockFloats = 2 * kG * kTile;  // every head's keys and values
 constexpr int64_t kFloats = kSequences * kBlocks * kBlockFloats;
 
+template <typename T>
 struct Layout {
-  const float* cache;
+  const T* cache;
   int64_t chunk;  // N: chunks of N blocks; 0: blocks of their own (every head together)
-  const float* keys(int64_t s, int64_t g, int64_t b) const {
-    const float* seq = cache + s * kBlocks * kBlockFloats;
+  const T* keys(int64_t s, int64_t g, int64_t b) const {
+    const T* seq = cache + s * kBlocks * kBlockFloats;
     if (chunk == 0) return seq + b * kBlockFloats + g * kTile;
     return seq + (b / chunk) * chunk * kBlockFloats + (g * chunk + b % chunk) * 2 * kTile;
   }
-  const float* values(int64_t s, int64_t g, int64_t b) const {
+  const T* values(int64_t s, int64_t g, int64_t b) const {
     if (chunk == 0) return keys(s, g, b) + kG * kTile;
     return keys(s, g, b) + kTile;
   }
 };
 
+void Scores(const float* q, const float* kt, float* s, int64_t ahead) {
+  kernels::GroupScores(q, kt, kBt, kP, kRows, kBt, 0.1f, s, ahead);
+}
+void Scores(const float* q, const uint16_t* kt, float* s, int64_t ahead) {
+  kernels::GroupScoresBf16(q, kt, kBt, kP, kRows, kBt, 0.1f, s, ahead);
+}
+void Context(const float* w, const float* v, float* o, int64_t ahead) {
+  kernels::GroupContext(w, v, kBt, kP, kRows, kBt, o, ahead);
+}
+void Context(const float* w, const uint16_t* v, float* o, int64_t ahead) {
+  kernels::GroupContextBf16(w, v, kBt, kP, kRows, kBt, o, ahead);
+}
+
 // Every task through `blocks` blocks of its sequence (of the first one: `first_only`);
 // returns the bytes read / second.
-double Attend(const Layout& layout, bool prefetch, int64_t blocks, int64_t repeat,
+template <typename T>
+double Attend(const Layout<T>& layout, bool prefetch, int64_t blocks, int64_t repeat,
               bool first_only) {
   const auto start = std::chrono::steady_clock::now();
   float sink = 0;
@@ -85,11 +102,9 @@ double Attend(const Layout& layout, bool prefetch, int64_t blocks, int64_t repea
         const int64_t seq = first_only ? 0 : task / kG, g = task % kG;
         for (int64_t b = 0; b < blocks; ++b) {
           const int64_t ahead = prefetch ? kernels::kReadAhead : 0;
-          kernels::GroupScores(q.data(), layout.keys(seq, g, b), kBt, kP, kRows, kBt, 0.1f,
-                               s.data(), ahead);
+          Scores(q.data(), layout.keys(seq, g, b), s.data(), ahead);
           for (float& x : s) x *= 1e-3f;  // stands in for the softmax's weights
-          kernels::GroupContext(s.data(), layout.values(seq, g, b), kBt, kP, kRows, kBt, o.data(),
-                                ahead);
+          Context(s.data(), layout.values(seq, g, b), o.data(), ahead);
         }
       }
     }
@@ -98,8 +113,8 @@ double Attend(const Layout& layout, bool prefetch, int64_t blocks, int64_t repea
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (sink == 12345.0f) std::puts("");
-  return static_cast<double>(repeat * kSequences * blocks * 2 * kG * kTile) * sizeof(float) /
-         seconds / 1e9;
+  return static_cast<double>(repeat * kSequences * blocks * 2 * kG * kTile) * sizeof(T) / seconds /
+         1e9;
 }
 
 double Read(const float* cache) {
@@ -140,6 +155,7 @@ int main(int argc, char** argv) {
     bool prefetch;
     int64_t blocks, repeat;
     kernels::Isa isa = kernels::CpuIsa();
+    bool bf16 = false;
   };
   std::vector<Case> cases = {
       {"read", -1, false, 0, 0},
@@ -150,6 +166,8 @@ int main(int argc, char** argv) {
       {"own blocks, prefetch", 0, true, kBlocks, 1},
       {"own blocks, no prefetch", 0, false, kBlocks, 1},
       {"in_cache", 8, false, 2, kBlocks / 2},
+      {"chunks:8, prefetch, bf16", 8, true, kBlocks, 1, kernels::CpuIsa(), true},
+      {"in_cache, bf16", 8, false, 2, kBlocks / 2, kernels::CpuIsa(), true},
   };
   for (const kernels::Isa isa : {kernels::Isa::kAvx2, kernels::Isa::kBaseline}) {
     if (isa >= kernels::CpuIsa()) continue;
@@ -162,13 +180,20 @@ int main(int argc, char** argv) {
     for (size_t c = 0; c < cases.size(); ++c) {
       const Case& k = cases[c];
       kernels::CapIsa(k.isa);
-      figures[c].push_back(k.chunk < 0 ? Read(cache)
-                                       : Attend({cache, k.chunk}, k.prefetch, k.blocks, k.repeat,
-                                                k.blocks < kBlocks));
+      const bool first_only = k.blocks < kBlocks;
+      if (k.chunk < 0) {
+        figures[c].push_back(Read(cache));
+      } else if (k.bf16) {
+        const Layout<uint16_t> bf16{reinterpret_cast<const uint16_t*>(cache), k.chunk};
+        figures[c].push_back(Attend(bf16, k.prefetch, k.blocks, k.repeat, first_only));
+      } else {
+        figures[c].push_back(
+            Attend(Layout<float>{cache, k.chunk}, k.prefetch, k.blocks, k.repeat, first_only));
+      }
     }
   }
   std::printf(
-      "cache of %lld MiB (%lld sequences x %lld tokens, G %lld, d_h %lld, f32), "
+      "cache of %lld MiB (%lld sequences x %lld tokens, G %lld, d_h %lld, f32 unless named), "
       "%d alternated rounds, 2 threads, the kernels' %s build unless named\n",
       static_cast<long long>(kFloats * sizeof(float) >> 20), static_cast<long long>(kSequences),
       static_cast<long long>(kTokens), static_cast<long long>(kG), static_cast<long long>(kP),
