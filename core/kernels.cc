@@ -566,11 +566,14 @@ MHA_INLINE void Load16(const uint16_t* x, Floats8x2& v) {
 }
 // The vector type of a build's group kernels, and how many rows a group holds: a
 // group keeps up to 2 R (scores) or 4 R (context) vectors of sums in registers, 8
-// rows in AVX-512's 32 registers of 16 floats, 2 in AVX2's 16 of 8.
+// rows in AVX-512's 32 registers of 16 floats, 2 in AVX2's 16 of 8. A bf16 cache's
+// AVX2 groups hold up to 4 rows, over 16 keys or columns at a time (2 R vectors of
+// sums): a G 8 group's 4 query rows then load and widen each bf16 row once, not twice
+// (the f32 kernels measured slower so; docs/performance.md, "fewer widenings").
 template <typename Vec>
 inline constexpr bool kHalves = std::is_same_v<Vec, Floats8x2>;
-template <typename Vec>
-inline constexpr int kMaxRows = kHalves<Vec> ? 2 : 8;
+template <typename Vec, typename T>
+inline constexpr int kMaxRows = kHalves<Vec> ? (sizeof(T) == 2 ? 4 : 2) : 8;
 
 // acc += w * x[0, 16), x f32 or bfloat16. Vectors go by reference: passed by value
 // they would change the ABI between the builds.
@@ -712,9 +715,10 @@ MHA_INLINE void ContextRow(const float* w, const T* v, int64_t p, int64_t nk, fl
 // each widened to two vectors by a shift and a mask (its even elements, then its odd
 // ones): half the instructions of widening 16 at a time. Sums over such rows stay in
 // that split order, element by element, and LoadSums / StoreSums turn them from and to
-// element order: the same sums, in the same order of additions.
-template <typename T, int V>
-inline constexpr bool kSplit = sizeof(T) == 2 && V % 2 == 0;
+// element order: the same sums, in the same order of additions. So is a bf16 row of
+// one Floats8x2 (16 elements, one 32-byte load: lo the even ones, hi the odd ones).
+template <typename T, int V, typename Vec>
+inline constexpr bool kSplit = sizeof(T) == 2 && (V % 2 == 0 || kHalves<Vec>);
 // 32 bf16 elements at x (16 for Floats8): the even ones (0, 2, ...) to `even`, the odd
 // ones to `odd`. A pair of halves loads each half on its own: one 64-byte copy into
 // the pair went through the stack.
@@ -758,9 +762,24 @@ MHA_INLINE void StoreMerged(float* x, const Floats8x2& a, const Floats8x2& b) {
                             __builtin_shufflevector(a.hi, b.hi, 4, 12, 5, 13, 6, 14, 7, 15)};
   for (int i = 0; i < 4; ++i) std::memcpy(x + 8 * i, &parts[i], sizeof parts[i]);
 }
+// 16 sums in element order to split order (lo: the even elements, hi: the odd ones),
+// and back to memory in element order.
+MHA_INLINE void SplitSums(Floats8x2& a) {
+  const Floats8x2 x = a;
+  a.lo = __builtin_shufflevector(x.lo, x.hi, 0, 2, 4, 6, 8, 10, 12, 14);
+  a.hi = __builtin_shufflevector(x.lo, x.hi, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+MHA_INLINE void StoreMerged(float* x, const Floats8x2& a) {
+  const Floats8 first = __builtin_shufflevector(a.lo, a.hi, 0, 8, 1, 9, 2, 10, 3, 11);
+  const Floats8 second = __builtin_shufflevector(a.lo, a.hi, 4, 12, 5, 13, 6, 14, 7, 15);
+  std::memcpy(x, &first, sizeof first);
+  std::memcpy(x + 8, &second, sizeof second);
+}
 template <int V, typename T, typename Vec>
 MHA_INLINE void LoadRow(const T* x, Vec (&k)[V]) {
-  if constexpr (kSplit<T, V>) {
+  if constexpr (kSplit<T, V, Vec> && V == 1) {
+    LoadSplit(x, k[0].lo, k[0].hi);
+  } else if constexpr (kSplit<T, V, Vec>) {
     for (int v = 0; v < V; v += 2) LoadSplit(x + 16 * v, k[v], k[v + 1]);
   } else {
     for (int v = 0; v < V; ++v) Load16(x + 16 * v, k[v]);
@@ -769,13 +788,17 @@ MHA_INLINE void LoadRow(const T* x, Vec (&k)[V]) {
 template <typename T, int V, typename Vec>
 MHA_INLINE void LoadSums(const float* x, Vec (&a)[V]) {
   for (int v = 0; v < V; ++v) Load16(x + 16 * v, a[v]);
-  if constexpr (kSplit<T, V>) {
+  if constexpr (kSplit<T, V, Vec> && V == 1) {
+    SplitSums(a[0]);
+  } else if constexpr (kSplit<T, V, Vec>) {
     for (int v = 0; v < V; v += 2) SplitSums(a[v], a[v + 1]);
   }
 }
 template <typename T, int V, typename Vec>
 MHA_INLINE void StoreSums(float* x, const Vec (&a)[V]) {
-  if constexpr (kSplit<T, V>) {
+  if constexpr (kSplit<T, V, Vec> && V == 1) {
+    StoreMerged(x, a[0]);
+  } else if constexpr (kSplit<T, V, Vec>) {
     for (int v = 0; v < V; v += 2) StoreMerged(x + 16 * v, a[v], a[v + 1]);
   } else {
     for (int v = 0; v < V; ++v) Store16(x + 16 * v, a[v]);
@@ -835,16 +858,19 @@ MHA_INLINE void ScoresRowsGroup(const float* q, const T* kt, int64_t ld, int64_t
 }
 
 // R rows (q rows of p, s rows of nk) against keys [0, nk) stored transposed: groups
-// of 32 keys, then of 16; keys past the last group take a plain loop per row.
+// of 32 keys (not for AVX2's groups of 3 or 4 rows), then of 16; keys past the last
+// group take a plain loop per row.
 template <typename Vec, int R, typename T>
 MHA_INLINE void ScoresRows(const float* q, const T* kt, int64_t ld, int64_t p, int64_t nk,
                            float scale, float* s, ReadAhead ra) {
   // 8 or more chains, in at most 16 registers of sums (AVX2: 8)
   constexpr int U = kHalves<Vec> ? (R == 1 ? 2 : 1) : R == 1 ? 4 : R <= 3 ? 2 : 1;
-  constexpr int U1 = kHalves<Vec> ? (R == 1 ? 4 : 2) : R <= 2 ? 4 : 2;
+  constexpr int U1 = kHalves<Vec> ? (R == 1 ? 4 : R == 2 ? 2 : 1) : R <= 2 ? 4 : 2;
   int64_t j0 = 0;
-  for (; j0 + 32 <= nk; j0 += 32) {
-    ScoresRowsGroup<Vec, R, U, 2>(q, kt, ld, p, j0, scale, s, nk, ra);
+  if constexpr (!kHalves<Vec> || R <= 2) {
+    for (; j0 + 32 <= nk; j0 += 32) {
+      ScoresRowsGroup<Vec, R, U, 2>(q, kt, ld, p, j0, scale, s, nk, ra);
+    }
   }
   for (; j0 + 16 <= nk; j0 += 16)
     ScoresRowsGroup<Vec, R, U1, 1>(q, kt, ld, p, j0, scale, s, nk, ra);
@@ -923,8 +949,8 @@ MHA_INLINE void ContextRowsGroup(const float* w, const T* v, int64_t ldv, int64_
 
 // R rows (w rows of nk, o rows of ldo) += w v, v (nk, cols) (a panel of values):
 // groups of 64 columns for up to four rows (32 for more, keeping R V sums in
-// registers), then of 32 and 16; columns past the last group take a plain loop per
-// row.
+// registers), then of 32 (not for AVX2's groups of 3 or 4 rows) and 16; columns past
+// the last group take a plain loop per row.
 template <typename Vec, int R, typename T>
 MHA_INLINE void ContextRows(const float* w, const T* v, int64_t cols, int64_t nk, float* o,
                             int64_t ldo, ReadAhead ra) {
@@ -935,7 +961,11 @@ MHA_INLINE void ContextRows(const float* w, const T* v, int64_t cols, int64_t nk
       ContextRowsGroup<Vec, R, U, 4>(w, v, cols, nk, c0, o, ldo, ra);
     }
   }
-  for (; c0 + 32 <= cols; c0 += 32) ContextRowsGroup<Vec, R, U, 2>(w, v, cols, nk, c0, o, ldo, ra);
+  if constexpr (!kHalves<Vec> || R <= 2) {
+    for (; c0 + 32 <= cols; c0 += 32) {
+      ContextRowsGroup<Vec, R, U, 2>(w, v, cols, nk, c0, o, ldo, ra);
+    }
+  }
   for (; c0 + 16 <= cols; c0 += 16) {
     ContextRowsGroup<Vec, R, R <= 2 ? 2 : 1, 1>(w, v, cols, nk, c0, o, ldo, ra);
   }
@@ -951,30 +981,30 @@ MHA_INLINE void ContextRows(const float* w, const T* v, int64_t cols, int64_t nk
   }
 }
 
-// Rows in groups of at most kMaxRows<Vec>. More are split evenly (9 as 5 + 4, not
+// Rows in groups of at most kMaxRows<Vec, T>. More are split evenly (9 as 5 + 4, not
 // 8 + 1), so that no group is left with a row or two.
-template <typename Vec>
+template <typename Vec, typename T>
 inline int GroupRows(int64_t rest) {
-  constexpr int kMax = kMaxRows<Vec>;
+  constexpr int kMax = kMaxRows<Vec, T>;
   if (rest <= kMax) return static_cast<int>(rest);
   const int64_t groups = (rest + kMax - 1) / kMax;
   return static_cast<int>((rest + groups - 1) / groups);
 }
 
 // ScoresRows / ContextRows for `rows` rows (1 to R).
-template <typename Vec, int R = kMaxRows<Vec>, typename T>
+template <typename Vec, typename T, int R = kMaxRows<Vec, T>>
 MHA_INLINE void ScoresRowsOf(int rows, const float* q, const T* kt, int64_t ld, int64_t p,
                              int64_t nk, float scale, float* s, ReadAhead ra) {
   if constexpr (R > 1) {
-    if (rows < R) return ScoresRowsOf<Vec, R - 1>(rows, q, kt, ld, p, nk, scale, s, ra);
+    if (rows < R) return ScoresRowsOf<Vec, T, R - 1>(rows, q, kt, ld, p, nk, scale, s, ra);
   }
   ScoresRows<Vec, R>(q, kt, ld, p, nk, scale, s, ra);
 }
-template <typename Vec, int R = kMaxRows<Vec>, typename T>
+template <typename Vec, typename T, int R = kMaxRows<Vec, T>>
 MHA_INLINE void ContextRowsOf(int rows, const float* w, const T* v, int64_t cols, int64_t nk,
                               float* o, int64_t ldo, ReadAhead ra) {
   if constexpr (R > 1) {
-    if (rows < R) return ContextRowsOf<Vec, R - 1>(rows, w, v, cols, nk, o, ldo, ra);
+    if (rows < R) return ContextRowsOf<Vec, T, R - 1>(rows, w, v, cols, nk, o, ldo, ra);
   }
   ContextRows<Vec, R>(w, v, cols, nk, o, ldo, ra);
 }
@@ -983,8 +1013,8 @@ template <typename Vec, typename T>
 MHA_INLINE void GroupScoresImpl(const float* q, const T* kt, int64_t ld, int64_t p, int64_t mq,
                                 int64_t nk, float scale, float* s, ReadAhead ra) {
   for (int64_t r0 = 0; r0 < mq;) {
-    const int rows = GroupRows<Vec>(mq - r0);
-    ScoresRowsOf<Vec>(rows, q + r0 * p, kt, ld, p, nk, scale, s + r0 * nk, ra);
+    const int rows = GroupRows<Vec, T>(mq - r0);
+    ScoresRowsOf<Vec, T>(rows, q + r0 * p, kt, ld, p, nk, scale, s + r0 * nk, ra);
     r0 += rows;
   }
 }
@@ -994,8 +1024,8 @@ template <typename Vec, typename T>
 MHA_INLINE void GroupContextPanel(const float* w, const T* v, int64_t cols, int64_t p, int64_t mq,
                                   int64_t nk, float* o, ReadAhead ra) {
   for (int64_t r0 = 0; r0 < mq;) {
-    const int rows = GroupRows<Vec>(mq - r0);
-    ContextRowsOf<Vec>(rows, w + r0 * nk, v, cols, nk, o + r0 * p, p, ra);
+    const int rows = GroupRows<Vec, T>(mq - r0);
+    ContextRowsOf<Vec, T>(rows, w + r0 * nk, v, cols, nk, o + r0 * p, p, ra);
     r0 += rows;
   }
 }
