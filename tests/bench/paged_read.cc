@@ -22,6 +22,11 @@
 //   in_cache       every task over the first sequence's first 2 blocks (chunks:8),
 //                  again and again (512 KiB, in the cores' caches): the kernels'
 //                  arithmetic rate
+//   fma peak       (CPUs with AVX2 and FMA) two threads of independent multiply-add
+//                  chains in registers, in the kernels' best build's vectors: the
+//                  cores' arithmetic peak, as the GB/s of an f32 cache read at 4
+//                  multiply-add lanes an element (a G 8 group's 4 query rows:
+//                  G lanes/s x 4 bytes / 4 lanes); a bf16 cache at that peak reads half
 //   ..., bf16      the same with a bf16 cache of the same shape (the buffer's first
 //                  half, read as bf16: half the bytes; GroupScoresBf16 / GroupContextBf16)
 //   ..., ISA       the kernels' builds for the instruction sets below the CPU's best
@@ -117,6 +122,40 @@ double Attend(const Layout<T>& layout, bool prefetch, int64_t blocks, int64_t re
          1e9;
 }
 
+// n rounds of 12 independent multiply-add chains of F (8 or 16 floats): more chains
+// than a multiply-add's latency (4 cycles) times the 2 a core issues a cycle. Returns
+// the lanes computed.
+template <typename F>
+inline __attribute__((always_inline)) double Chains(int64_t n) {
+  F a[12];
+  for (int k = 0; k < 12; ++k) a[k] = F{} + 0.001f * static_cast<float>(k);
+  const F x = F{} + 0.9999f, y = F{} + 1e-4f;
+  for (int64_t i = 0; i < n; ++i) {
+#pragma GCC unroll 12
+    for (int k = 0; k < 12; ++k) a[k] = a[k] * x + y;
+  }
+  F sum = a[0];
+  for (int k = 1; k < 12; ++k) sum += a[k];
+  if (sum[0] == 12345.0f) std::puts("");
+  return static_cast<double>(n) * 12 * sizeof(F) / sizeof(float);
+}
+typedef float Floats8 __attribute__((vector_size(32)));
+typedef float Floats16 __attribute__((vector_size(64)));
+__attribute__((target("avx2,fma"))) double ChainsAvx2(int64_t n) { return Chains<Floats8>(n); }
+__attribute__((target("avx512f"))) double ChainsAvx512(int64_t n) { return Chains<Floats16>(n); }
+
+// The fma peak case (see the top, AVX2 or AVX-512 CPUs only): G lanes / s, 2 threads.
+double FmaPeak() {
+  const kernels::Isa isa = kernels::CpuIsa();
+  const auto start = std::chrono::steady_clock::now();
+  double lanes = 0;
+#pragma omp parallel num_threads(2) reduction(+ : lanes)
+  lanes += isa == kernels::Isa::kAvx512 ? ChainsAvx512(20'000'000) : ChainsAvx2(40'000'000);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return lanes / seconds / 1e9;
+}
+
 double Read(const float* cache) {
   const auto* x = reinterpret_cast<const uint64_t*>(cache);
   const int64_t words = kFloats / 2;
@@ -151,7 +190,7 @@ int main(int argc, char** argv) {
 
   struct Case {
     std::string name;
-    int64_t chunk;  // -1: the read loop
+    int64_t chunk;  // -1: the read loop; -2: the fma peak
     bool prefetch;
     int64_t blocks, repeat;
     kernels::Isa isa = kernels::CpuIsa();
@@ -169,6 +208,8 @@ int main(int argc, char** argv) {
       {"chunks:8, prefetch, bf16", 8, true, kBlocks, 1, kernels::CpuIsa(), true},
       {"in_cache, bf16", 8, false, 2, kBlocks / 2, kernels::CpuIsa(), true},
   };
+  if (kernels::CpuIsa() != kernels::Isa::kBaseline)
+    cases.insert(cases.begin() + 1, {"fma peak", -2, false, 0, 0});
   for (const kernels::Isa isa : {kernels::Isa::kAvx2, kernels::Isa::kBaseline}) {
     if (isa >= kernels::CpuIsa()) continue;
     const std::string name = kernels::IsaName(isa);
@@ -181,8 +222,10 @@ int main(int argc, char** argv) {
       const Case& k = cases[c];
       kernels::CapIsa(k.isa);
       const bool first_only = k.blocks < kBlocks;
-      if (k.chunk < 0) {
+      if (k.chunk == -1) {
         figures[c].push_back(Read(cache));
+      } else if (k.chunk == -2) {
+        figures[c].push_back(FmaPeak());
       } else if (k.bf16) {
         const Layout<uint16_t> bf16{reinterpret_cast<const uint16_t*>(cache), k.chunk};
         figures[c].push_back(Attend(bf16, k.prefetch, k.blocks, k.repeat, first_only));
