@@ -13,9 +13,9 @@ namespace mha::core::kernels {
 // SmallScores, SmallContext(Bf16), TransposedScores(Bf16), the Group kernels and
 // PanelRows are built for three instruction sets and run the best this CPU has: AVX-512
 // (sums in vectors of 16 floats), AVX2 with FMA (vectors of 8, in register blocks a
-// quarter the size: groups of up to 2 rows where AVX-512 takes 8) or baseline x86-64
-// (docs/performance.md, "On an AVX2 CPU"). The other kernels are cloned per
-// instruction set by the compiler.
+// quarter the size: groups of up to 2 rows, 4 over a bf16 cache, where AVX-512 takes 8)
+// or baseline x86-64 (docs/performance.md, "On an AVX2 CPU"). The other kernels are
+// cloned per instruction set by the compiler.
 enum class Isa { kBaseline, kAvx2, kAvx512 };
 Isa CpuIsa();
 // For tests and benchmarks: those kernels run the lower of CpuIsa() and `cap`,

@@ -42,7 +42,8 @@ int64_t PagedRows(int64_t n) {
 // The paged kernels by the cache's element type: f32, or bf16 held as uint16_t. A
 // task's rows (its query heads sharing one key/value head, times its queries) go
 // through each block together, in register-blocked groups (kernels::GroupScores,
-// GroupContext): the block streams in once per group of up to 8 rows, not per row.
+// GroupContext): the block streams in once per group of up to 8 rows (AVX2: 2, or 4
+// over a bf16 cache), not per row.
 inline void BlockScores(const float* q, const float* kt, int64_t ld, int64_t p, int64_t mq,
                         int64_t nk, float scale, float* s, int64_t read_ahead) {
   kernels::GroupScores(q, kt, ld, p, mq, nk, scale, s, read_ahead);
