@@ -569,7 +569,8 @@ MHA_INLINE void Load16(const uint16_t* x, Floats8x2& v) {
 // rows in AVX-512's 32 registers of 16 floats, 2 in AVX2's 16 of 8. A bf16 cache's
 // AVX2 groups hold up to 4 rows, over 16 keys or columns at a time (2 R vectors of
 // sums): a G 8 group's 4 query rows then load and widen each bf16 row once, not twice
-// (the f32 kernels measured slower so; docs/performance.md, "fewer widenings").
+// (the f32 kernels measured slower so; docs/performance.md, "On an AVX2 CPU: the
+// arithmetic peak measured, and bf16 groups of 4 rows").
 template <typename Vec>
 inline constexpr bool kHalves = std::is_same_v<Vec, Floats8x2>;
 template <typename Vec, typename T>
@@ -605,8 +606,10 @@ struct Prefetcher {
 
 // The group kernels' software prefetch: as a kernel loads vector `i` of a row of
 // cache elements at x, it asks for the line `bytes` further on (0: none), into L1,
-// once per cache line (a bf16 line is two vectors). A kernel reads its tile in
-// order, and a cache block's values follow its keys, and its next block's keys its
+// once per cache line (a bf16 line is two vectors; AVX2's 16-wide bf16 groups read
+// half a line of each row and ask for it once per pass). A kernel reads its tile in
+// order (those groups in a pass per 16 keys or columns), and a cache block's values
+// follow its keys, and its next block's keys its
 // values, within a head's run of a chunk (KvSequence::keys): the prefetches run a
 // fixed distance ahead of the reads across the whole run, through the softmax
 // between the scores and the context and across the blocks. The hardware
@@ -809,7 +812,8 @@ MHA_INLINE void StoreSums(float* x, const Vec (&a)[V]) {
 // scale * q[r * p, + p) kt[:, j0 : j0 + 16 V] for r < R. Each vector of keys is loaded
 // once for the R rows; the sums run in U interleaved partial sums over the features,
 // so that R U V chains of multiply-adds are in flight (at least 8 for the whole
-// blocks of 32 keys). R 1 is TransposedScoresGroup's order of additions.
+// blocks of 32 keys; AVX2's groups of 3 rows over a bf16 cache have 6). R 1 is
+// TransposedScoresGroup's order of additions.
 template <typename Vec, int R, int U, int V, typename T>
 MHA_INLINE void ScoresRowsGroup(const float* q, const T* kt, int64_t ld, int64_t p, int64_t j0,
                                 float scale, float* s, int64_t lds, ReadAhead ra) {
@@ -863,7 +867,8 @@ MHA_INLINE void ScoresRowsGroup(const float* q, const T* kt, int64_t ld, int64_t
 template <typename Vec, int R, typename T>
 MHA_INLINE void ScoresRows(const float* q, const T* kt, int64_t ld, int64_t p, int64_t nk,
                            float scale, float* s, ReadAhead ra) {
-  // 8 or more chains, in at most 16 registers of sums (AVX2: 8)
+  // 8 or more chains, in at most 16 registers of sums (AVX2: 8, and 6 chains for 3
+  // rows over a bf16 cache: 2 partial sums would leave too few registers)
   constexpr int U = kHalves<Vec> ? (R == 1 ? 2 : 1) : R == 1 ? 4 : R <= 3 ? 2 : 1;
   constexpr int U1 = kHalves<Vec> ? (R == 1 ? 4 : R == 2 ? 2 : 1) : R <= 2 ? 4 : 2;
   int64_t j0 = 0;

@@ -59,7 +59,7 @@ namespace kernels = mha::core::kernels;
 constexpr int64_t kP = 128, kG = 8, kRows = 4, kSequences = 16, kTokens = 4096;
 constexpr int64_t kBt = KvCachePool::kBlockTokens;
 constexpr int64_t kBlocks = kTokens / kBt;
-constexpr int64_t kTile = kP * kBt;               // floats: one head's keys (or values)
+constexpr int64_t kTile = kP * kBt;               // elements: one head's keys (or values)
 constexpr int64_t kBlockFloats = 2 * kG * kTile;  // every head's keys and values
 constexpr int64_t kFloats = kSequences * kBlocks * kBlockFloats;
 
@@ -134,9 +134,11 @@ inline __attribute__((always_inline)) double Chains(int64_t n) {
 #pragma GCC unroll 12
     for (int k = 0; k < 12; ++k) a[k] = a[k] * x + y;
   }
-  F sum = a[0];
-  for (int k = 1; k < 12; ++k) sum += a[k];
-  if (sum[0] == 12345.0f) std::puts("");
+  float sum = 0;  // every lane of every chain, so that none can be left out
+  for (int k = 0; k < 12; ++k) {
+    for (size_t l = 0; l < sizeof(F) / sizeof(float); ++l) sum += a[k][l];
+  }
+  if (sum == 12345.0f) std::puts("");
   return static_cast<double>(n) * 12 * sizeof(F) / sizeof(float);
 }
 typedef float Floats8 __attribute__((vector_size(32)));
@@ -227,6 +229,8 @@ int main(int argc, char** argv) {
       } else if (k.chunk == -2) {
         figures[c].push_back(FmaPeak());
       } else if (k.bf16) {
+        // The f32 buffer's bytes as bf16 elements (0 and 0.5 alternately); the kernels,
+        // in another file, read them with memcpy.
         const Layout<uint16_t> bf16{reinterpret_cast<const uint16_t*>(cache), k.chunk};
         figures[c].push_back(Attend(bf16, k.prefetch, k.blocks, k.repeat, first_only));
       } else {
