@@ -575,6 +575,10 @@ template <typename Vec>
 inline constexpr bool kHalves = std::is_same_v<Vec, Floats8x2>;
 template <typename Vec, typename T>
 inline constexpr int kMaxRows = kHalves<Vec> ? (sizeof(T) == 2 ? 4 : 2) : 8;
+// Whether a group of R rows also takes 32 keys or columns at a time: not AVX2's groups
+// of 3 or 4 rows, whose 32 sums a row (4 R registers of 8) would not fit its 16.
+template <typename Vec, int R>
+inline constexpr bool kGroupsOf32 = !kHalves<Vec> || R <= 2;
 
 // acc += w * x[0, 16), x f32 or bfloat16. Vectors go by reference: passed by value
 // they would change the ABI between the builds.
@@ -872,7 +876,7 @@ MHA_INLINE void ScoresRows(const float* q, const T* kt, int64_t ld, int64_t p, i
   constexpr int U = kHalves<Vec> ? (R == 1 ? 2 : 1) : R == 1 ? 4 : R <= 3 ? 2 : 1;
   constexpr int U1 = kHalves<Vec> ? (R == 1 ? 4 : R == 2 ? 2 : 1) : R <= 2 ? 4 : 2;
   int64_t j0 = 0;
-  if constexpr (!kHalves<Vec> || R <= 2) {
+  if constexpr (kGroupsOf32<Vec, R>) {
     for (; j0 + 32 <= nk; j0 += 32) {
       ScoresRowsGroup<Vec, R, U, 2>(q, kt, ld, p, j0, scale, s, nk, ra);
     }
@@ -966,7 +970,7 @@ MHA_INLINE void ContextRows(const float* w, const T* v, int64_t cols, int64_t nk
       ContextRowsGroup<Vec, R, U, 4>(w, v, cols, nk, c0, o, ldo, ra);
     }
   }
-  if constexpr (!kHalves<Vec> || R <= 2) {
+  if constexpr (kGroupsOf32<Vec, R>) {
     for (; c0 + 32 <= cols; c0 += 32) {
       ContextRowsGroup<Vec, R, U, 2>(w, v, cols, nk, c0, o, ldo, ra);
     }
