@@ -120,11 +120,19 @@ inline uint16_t Bf16Bits(float x) {
 
 }  // namespace
 
-MHA_MULTIVERSION float RowMax(const float* s, int64_t n) {
+namespace {
+[[gnu::always_inline]] inline float MaxOf(const float* s, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
   for (int64_t j = 0; j < n; ++j) m = s[j] > m ? s[j] : m;
   return m;
+}
+}  // namespace
+
+MHA_MULTIVERSION float RowMax(const float* s, int64_t n) { return MaxOf(s, n); }
+
+MHA_MULTIVERSION void RowMaxes(const float* s, int64_t n, int64_t rows, float* out) {
+  for (int64_t i = 0; i < rows; ++i) out[i] = MaxOf(s + i * n, n);
 }
 
 namespace {
@@ -144,6 +152,15 @@ template <bool kBf16, bool kBase2>
 
 MHA_MULTIVERSION float ExpSubSumPortable(const float* s, float m, float* p, int64_t n, bool base2) {
   return base2 ? ExpRow<false, true>(s, m, p, n) : ExpRow<false, false>(s, m, p, n);
+}
+
+MHA_MULTIVERSION void ExpSubSumRowsPortable(float* s, int64_t n, const float* m, float* sums,
+                                            int64_t rows, bool base2) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float* row = s + i * n;
+    sums[i] +=
+        base2 ? ExpRow<false, true>(row, m[i], row, n) : ExpRow<false, false>(row, m[i], row, n);
+  }
 }
 
 MHA_MULTIVERSION float ExpSubSumBf16Portable(const float* s, float m, uint16_t* p, int64_t n,
@@ -446,6 +463,54 @@ float ExpSubSum(const float* s, float m, float* p, int64_t n, bool base2) {
   return ExpSubSumPortable(s, m, p, n, base2);
 }
 
+namespace {
+template <bool kBase2>
+MHA_AVX512 void ExpSubSumRowsAvx512(float* s, int64_t n, const float* m, float* sums,
+                                    int64_t rows) {
+  for (int64_t i = 0; i < rows; ++i) {
+    sums[i] += ExpSubSumAvx512<false, kBase2>(s + i * n, m[i], s + i * n, nullptr, n);
+  }
+}
+// Rows of 32 (a paged block's) as 4 vectors each, every row's chains in one
+// straight run, so that the next row's chains start while this row's sum is reduced.
+template <bool kBase2>
+MHA_AVX2 void ExpSubSumRowsAvx2(float* s, int64_t n, const float* m, float* sums, int64_t rows) {
+  if (n != 32) {
+    for (int64_t i = 0; i < rows; ++i) {
+      sums[i] += ExpSubSumAvx2<false, kBase2>(s + i * n, m[i], s + i * n, nullptr, n);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    float* row = s + i * 32;
+    const __m256 vm = _mm256_set1_ps(m[i]);
+    __m256 e[4];
+    for (int k = 0; k < 4; ++k) {
+      e[k] = ExpNonPositive8<false, kBase2>(_mm256_sub_ps(_mm256_loadu_ps(row + 8 * k), vm));
+      _mm256_storeu_ps(row + 8 * k, e[k]);
+    }
+    const __m256 sum = _mm256_add_ps(_mm256_add_ps(e[0], e[1]), _mm256_add_ps(e[2], e[3]));
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    sums[i] += _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+  }
+}
+}  // namespace
+
+void ExpSubSumRows(float* s, int64_t n, const float* m, float* sums, int64_t rows, bool base2) {
+  switch (ActiveIsa()) {
+    case Isa::kAvx512:
+      return base2 ? ExpSubSumRowsAvx512<true>(s, n, m, sums, rows)
+                   : ExpSubSumRowsAvx512<false>(s, n, m, sums, rows);
+    case Isa::kAvx2:
+      return base2 ? ExpSubSumRowsAvx2<true>(s, n, m, sums, rows)
+                   : ExpSubSumRowsAvx2<false>(s, n, m, sums, rows);
+    case Isa::kBaseline:
+      break;
+  }
+  ExpSubSumRowsPortable(s, n, m, sums, rows, base2);
+}
+
 float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n, bool base2) {
   switch (ActiveIsa()) {
     case Isa::kAvx512:
@@ -473,6 +538,9 @@ void AdditiveScores(const float* qa, const float* kt, int64_t ld, const float* w
   AdditiveScoresPortable(qa, kt, ld, w, pa, s, n);
 }
 #else
+void ExpSubSumRows(float* s, int64_t n, const float* m, float* sums, int64_t rows, bool base2) {
+  ExpSubSumRowsPortable(s, n, m, sums, rows, base2);
+}
 float ExpSubSum(const float* s, float m, float* p, int64_t n, bool base2) {
   return ExpSubSumPortable(s, m, p, n, base2);
 }

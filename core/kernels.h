@@ -26,6 +26,8 @@ const char* IsaName(Isa isa);
 
 // Max of s[0, n); -inf when n == 0.
 float RowMax(const float* s, int64_t n);
+// RowMax of `rows` rows of n (row i at s + i * n) to out[i].
+void RowMaxes(const float* s, int64_t n, int64_t rows, float* out);
 
 // p[j] = exp(s[j] - m) for j < n, returns the sum of p[0, n). p may alias s.
 // With base2, p[j] = 2^(s[j] - m): for scores in log2 units (their GEMM's scale times
@@ -34,7 +36,14 @@ float RowMax(const float* s, int64_t n);
 // loop below.
 float ExpSubSum(const float* s, float m, float* p, int64_t n, bool base2 = false);
 
-// Same, writing bfloat16 (round to nearest even) to p; the sum is of the f32 values.
+// ExpSubSum over `rows` rows of n scores in place (row i at s + i * n), each against
+// its own reference m[i], its sum added to sums[i]: one call for a paged block's
+// query rows, whose rows of kBlockTokens are too short for one call each to keep the
+// exponentials' chains in flight (docs/performance.md, "One call for a block's rows").
+void ExpSubSumRows(float* s, int64_t n, const float* m, float* sums, int64_t rows,
+                   bool base2 = false);
+
+// Same as ExpSubSum, writing bfloat16 (round to nearest even) to p; the sum is of the f32 values.
 // Those are exp to 3e-6 relative (a shorter polynomial: a bfloat16 keeps 8 bits, so
 // p[j] is exp rounded to bfloat16 or, rarely, the neighbour of that). s may be
 // overwritten (the portable version's f32 exponentials go there).
@@ -43,6 +52,8 @@ float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n, bool base2 = fals
 // The portable versions, for CPUs without AVX2 and for the tests that hold the two
 // to the same values: ExpSubSumBf16Portable writes its f32 exponentials to tmp (n).
 float ExpSubSumPortable(const float* s, float m, float* p, int64_t n, bool base2 = false);
+void ExpSubSumRowsPortable(float* s, int64_t n, const float* m, float* sums, int64_t rows,
+                           bool base2 = false);
 float ExpSubSumBf16Portable(const float* s, float m, uint16_t* p, int64_t n, float* tmp,
                             bool base2 = false);
 

@@ -49,7 +49,22 @@ struct RowStats {
   static constexpr float kLazyRescale = 8.0f;
   template <typename ExpSubSum>
   void Update(int64_t i, const float* s, int64_t n, float* o, int64_t p, ExpSubSum exp_sub_sum) {
-    const float block_max = kernels::RowMax(s, n);
+    Rebase(i, kernels::RowMax(s, n), o, p);
+    sum[i] += exp_sub_sum(max[i]);
+  }
+
+  // Update of rows [i0, i1) at once, each meeting n > 0 scores in place (row i's at
+  // s + (i - i0) * n, its context at o + (i - i0) * p): the rows' maxima in one call,
+  // the references row by row, then every row's exponentials in one call.
+  void UpdateRows(int64_t i0, int64_t i1, float* s, int64_t n, float* o, int64_t p) {
+    float block_max[kMaxQueryBlock];
+    kernels::RowMaxes(s, n, i1 - i0, block_max);
+    for (int64_t i = i0; i < i1; ++i) Rebase(i, block_max[i - i0], o + (i - i0) * p, p);
+    kernels::ExpSubSumRows(s, n, max + i0, sum + i0, i1 - i0, base2);
+  }
+
+  // Row i's reference for a block whose maximum is block_max (Update's rule).
+  void Rebase(int64_t i, float block_max, float* o, int64_t p) {
     if (max[i] == -std::numeric_limits<float>::infinity()) {
       max[i] = block_max;  // the first scores: nothing accumulated yet, o not read
     } else if (block_max > max[i] + kLazyRescale) {
@@ -58,7 +73,6 @@ struct RowStats {
       sum[i] *= alpha;
       max[i] = block_max;
     }
-    sum[i] += exp_sub_sum(max[i]);
   }
 
   // ctx[i * ld + d] = o[i * p + d] * factor / sum[i] for the first `rows` rows: the

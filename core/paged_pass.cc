@@ -94,32 +94,35 @@ void StoreRows(KvSequence& cache, int64_t n, const float* k, const float* v, int
 
 // The online softmax of a task's mq rows (queries q, rows of p) over the blocks of
 // key/value head g holding keys [0, max_limit): row r sees keys [0, limit(r)). Each
-// block's scores go to s (mq x kBlockTokens), their running max and sum to stats, and
-// the context to o (mq x p, unnormalised).
+// block's scores go to s (mq x kBlockTokens) in log2 units (`scale` folds in log2 e,
+// as Impl::ScoreScale; stats in base2), their running max and sum to stats, and the
+// context to o (mq x p, unnormalised).
 //
 // With `prefetch` (caches read from memory), the kernels read kernels::kReadAhead bytes
 // ahead of themselves in the head's run of blocks.
 template <typename T, typename Limit>
 void AttendBlocks(const KvSequence& cache, int64_t g, const float* q, int64_t p, int64_t mq,
-                  int64_t max_limit, const Limit& limit, bool prefetch, float* s, float* o,
-                  internal::RowStats& stats) {
+                  int64_t max_limit, const Limit& limit, bool prefetch, float scale, float* s,
+                  float* o, internal::RowStats& stats) {
   constexpr int64_t kBt = KvCachePool::kBlockTokens;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(p));
   const int64_t read_ahead = prefetch ? kernels::kReadAhead : 0;
   for (int64_t j0 = 0; j0 < max_limit; j0 += kBt) {
     const int64_t b = j0 / kBt, nk = std::min(kBt, max_limit - j0);
     BlockScores(q, cache.keys<T>(b, g), kBt, p, mq, nk, scale, s, read_ahead);
+    // Rows that see none of the block come first (limits grow with the row): their
+    // probabilities are 0; the rest see at least one key, the others masked to -inf.
+    int64_t first = 0;
     for (int64_t i = 0; i < mq; ++i) {
       float* si = s + i * nk;
       const int64_t seen = std::clamp<int64_t>(limit(i) - j0, 0, nk);
       if (seen == 0) {
         std::fill_n(si, nk, 0.0f);
-        continue;
+        first = i + 1;
+      } else {
+        std::fill(si + seen, si + nk, -std::numeric_limits<float>::infinity());
       }
-      std::fill(si + seen, si + nk, -std::numeric_limits<float>::infinity());
-      stats.Update(i, si, seen, o + i * p, p,
-                   [&](float m) { return kernels::ExpSubSum(si, m, si, nk); });
     }
+    if (first < mq) stats.UpdateRows(first, mq, s + first * nk, nk, o + first * p, p);
     BlockContext(s, cache.values<T>(b, g), p, mq, nk, o, read_ahead);
   }
 }
@@ -178,8 +181,9 @@ void MultiHeadAttention::Impl::AttendPagedTask(const PagedTask& task, TaskScratc
   }
   std::fill_n(o, mq * p, 0.0f);
   RowStats stats;
-  stats.Reset(mq);
-  AttendBlocks<T>(*step.cache, g, q, p, mq, max_limit, limit, task.prefetch, s, o, stats);
+  stats.Reset(mq, /*base2=*/true);
+  AttendBlocks<T>(*step.cache, g, q, p, mq, max_limit, limit, task.prefetch, ScoreScale(), s, o,
+                  stats);
   if (step.lse != nullptr) {
     for (int64_t r = 0; r < mq; ++r) lse_at(r) = stats.Lse(r);
   }

@@ -98,6 +98,61 @@ TEST_P(IsaKernelsTest, ExpRowsMatchStdExpAndThePortableLoops) {
   }
 }
 
+// A block's rows at once (ExpSubSumRows, RowMaxes, RowStats::UpdateRows) give each row
+// what it gets alone: the same exponentials, sums to 1e-6 (added in another order).
+TEST_P(IsaKernelsTest, ExpRowsOfABlockMatchOneRowAtATime) {
+  using internal::RowStats;
+  for (const bool base2 : {false, true}) {
+    for (const int64_t n : {32, 31, 20, 1}) {
+      for (const int64_t rows : {1, 3, 4, 9}) {
+        SCOPED_TRACE(testing::Message()
+                     << (base2 ? "base 2" : "base e") << ", n " << n << ", rows " << rows);
+        std::vector<float> s(rows * n + 1, 12345.0f), m(rows);
+        for (int64_t i = 0; i < rows; ++i) {
+          for (int64_t j = 0; j < n; ++j) {
+            s[i * n + j] = 2.0f - 0.37f * static_cast<float>((i * 7 + j * 13) % 101) + i;
+          }
+          m[i] = 2.0f + i + (i % 2 ? 0.5f : 0.0f);
+        }
+        std::vector<float> maxes(rows);
+        RowMaxes(s.data(), n, rows, maxes.data());
+        std::vector<float> one = s, all = s, sums_one(rows, 0.25f), sums_all(rows, 0.25f);
+        for (int64_t i = 0; i < rows; ++i) {
+          EXPECT_EQ(maxes[i], RowMax(s.data() + i * n, n)) << "row " << i;
+          sums_one[i] += ExpSubSum(one.data() + i * n, m[i], one.data() + i * n, n, base2);
+        }
+        ExpSubSumRows(all.data(), n, m.data(), sums_all.data(), rows, base2);
+        for (int64_t j = 0; j < rows * n; ++j) EXPECT_EQ(all[j], one[j]) << "element " << j;
+        EXPECT_EQ(all[rows * n], 12345.0f);  // past the last row: not written
+        for (int64_t i = 0; i < rows; ++i) {
+          EXPECT_NEAR(sums_all[i], sums_one[i], 1e-6f * sums_one[i]) << "row " << i;
+        }
+        // RowStats: UpdateRows after a first block equals Update row by row.
+        constexpr int64_t p = 5;
+        RowStats by_row, at_once;
+        by_row.Reset(rows, base2);
+        at_once.Reset(rows, base2);
+        std::vector<float> o_row(rows * p), o_once(rows * p);
+        for (int64_t d = 0; d < rows * p; ++d) o_row[d] = o_once[d] = 0.1f * static_cast<float>(d);
+        for (int64_t i = 0; i < rows; ++i) by_row.max[i] = at_once.max[i] = 1.0f - 9.0f * (i % 2);
+        std::vector<float> row_scores = s, block = s;
+        for (int64_t i = 0; i < rows; ++i) {
+          float* si = row_scores.data() + i * n;
+          by_row.Update(i, si, n, o_row.data() + i * p, p,
+                        [&](float ref) { return ExpSubSum(si, ref, si, n, base2); });
+        }
+        at_once.UpdateRows(0, rows, block.data(), n, o_once.data(), p);
+        for (int64_t i = 0; i < rows; ++i) {
+          EXPECT_EQ(at_once.max[i], by_row.max[i]) << "row " << i;
+          EXPECT_NEAR(at_once.sum[i], by_row.sum[i], 1e-6f * by_row.sum[i]) << "row " << i;
+        }
+        EXPECT_EQ(o_once, o_row);
+        for (int64_t j = 0; j < rows * n; ++j) EXPECT_EQ(block[j], row_scores[j]) << j;
+      }
+    }
+  }
+}
+
 // The online softmax over blocks whose maxima rise by less than kLazyRescale (no
 // rescaling: exponentials above 1), by more (the context so far rescaled), and fall:
 // the normalised context and the log-sum-exp equal a softmax over all the scores at
