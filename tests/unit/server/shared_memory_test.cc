@@ -32,12 +32,14 @@ bool Has(absl::string_view text, absl::string_view part) {
 
 constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
 
-// A shm file of `size` bytes, mode 0600, unlinked at the end of the test.
+// A shm file of `size` bytes (zeros), mode 0600, unlinked at the end of the test. A
+// file of the same name may be there already: one a death test's child left (it dies
+// before its destructors) under a process id now used again; it is emptied and taken.
 class ShmFile {
  public:
   explicit ShmFile(size_t size, absl::string_view tag = "")
       : key_(absl::StrCat("/mha_shm_unit_", getpid(), "_", tag, "_", counter_++)) {
-    fd_ = shm_open(key_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    fd_ = shm_open(key_.c_str(), O_CREAT | O_TRUNC | O_RDWR, 0600);
     EXPECT_GE(fd_, 0) << key_;
     EXPECT_EQ(ftruncate(fd_, static_cast<off_t>(size)), 0);
   }
@@ -295,6 +297,9 @@ TEST(SharedMemoryRegistryDeathTest, AFaultOutsideEveryRegionIsNotSwallowed) {
         void* map = mmap(nullptr, 2 * 4096, PROT_READ, MAP_SHARED, mine.fd(), 0);
         if (map == MAP_FAILED) std::abort();
         if (ftruncate(mine.fd(), 0) != 0) std::abort();
+        // This process dies before its destructors: its names go now (the mappings stay).
+        shm_unlink(mine.key().c_str());
+        shm_unlink(file.key().c_str());
         volatile const char* p = static_cast<const char*>(map) + 4096;
         std::printf("%d", *p);
         std::exit(0);  // not reached
