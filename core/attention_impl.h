@@ -233,8 +233,9 @@ class MultiHeadAttention::Impl {
     const int64_t per_task = o_.query_block / heads_per_task_;
     return (num_queries + per_task - 1) / per_task;
   }
-  // The dense pass's dot-product scores are q.k / sqrt(d_h) in log2 units, log2 e
-  // folded into their GEMM's scale, for the base-2 exponentials (kernels::ExpSubSum).
+  // Dot-product scores are q.k / sqrt(d_h) in log2 units, log2 e folded into their
+  // scale (the dense pass's GEMM, the paged pass's kernels), for the base-2
+  // exponentials (kernels::ExpSubSum, ExpSubSumRows).
   float ScoreScale() const {
     return std::numbers::log2e_v<float> / std::sqrt(static_cast<float>(c_.head_size()));
   }

@@ -363,6 +363,13 @@ MHA_AVX2 inline void PutExp8(float* p, uint16_t* p16, int64_t at, __m256 e) {
   }
 }
 
+// The sum of x's 8 lanes.
+MHA_AVX2 inline float Sum8(__m256 x) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+
 // ExpSubSumAvx512 on 8 lanes: f32 to p or bfloat16 to p16; the tail through a
 // masked load and store (f32) or a copy of its halves (bfloat16).
 template <bool kBf16, bool kBase2>
@@ -394,10 +401,7 @@ MHA_AVX2 float ExpSubSumAvx2(const float* s, float m, float* p, uint16_t* p16, i
     }
     sum0 = _mm256_add_ps(sum0, e);
   }
-  const __m256 sum = _mm256_add_ps(sum0, sum1);
-  __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+  return Sum8(_mm256_add_ps(sum0, sum1));
 }
 
 // Tanh on 8 lanes: Tanh's formula with ExpNonPositive8.
@@ -489,10 +493,7 @@ MHA_AVX2 void ExpSubSumRowsAvx2(float* s, int64_t n, const float* m, float* sums
       e[k] = ExpNonPositive8<false, kBase2>(_mm256_sub_ps(_mm256_loadu_ps(row + 8 * k), vm));
       _mm256_storeu_ps(row + 8 * k, e[k]);
     }
-    const __m256 sum = _mm256_add_ps(_mm256_add_ps(e[0], e[1]), _mm256_add_ps(e[2], e[3]));
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    sums[i] += _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+    sums[i] += Sum8(_mm256_add_ps(_mm256_add_ps(e[0], e[1]), _mm256_add_ps(e[2], e[3])));
   }
 }
 }  // namespace

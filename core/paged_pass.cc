@@ -94,8 +94,8 @@ void StoreRows(KvSequence& cache, int64_t n, const float* k, const float* v, int
 
 // The online softmax of a task's mq rows (queries q, rows of p) over the blocks of
 // key/value head g holding keys [0, max_limit): row r sees keys [0, limit(r)). Each
-// block's scores go to s (mq x kBlockTokens) in log2 units (`scale` folds in log2 e,
-// as Impl::ScoreScale; stats in base2), their running max and sum to stats, and the
+// block's scores go to s (mq x kBlockTokens) in log2 units (`scale` is
+// Impl::ScoreScale; stats in base2), their running max and sum to stats, and the
 // context to o (mq x p, unnormalised).
 //
 // With `prefetch` (caches read from memory), the kernels read kernels::kReadAhead bytes

@@ -127,21 +127,28 @@ TEST_P(IsaKernelsTest, ExpRowsOfABlockMatchOneRowAtATime) {
         for (int64_t i = 0; i < rows; ++i) {
           EXPECT_NEAR(sums_all[i], sums_one[i], 1e-6f * sums_one[i]) << "row " << i;
         }
-        // RowStats: UpdateRows after a first block equals Update row by row.
+        // RowStats: UpdateRows equals Update row by row. Row 0 meets its first scores;
+        // the others have met some (sum 2), odd rows with a maximum that the block
+        // passes by more than kLazyRescale (their sums and contexts rescaled). Row 0
+        // goes through a call of its own, the rest through one from row 1.
         constexpr int64_t p = 5;
         RowStats by_row, at_once;
         by_row.Reset(rows, base2);
         at_once.Reset(rows, base2);
         std::vector<float> o_row(rows * p), o_once(rows * p);
         for (int64_t d = 0; d < rows * p; ++d) o_row[d] = o_once[d] = 0.1f * static_cast<float>(d);
-        for (int64_t i = 0; i < rows; ++i) by_row.max[i] = at_once.max[i] = 1.0f - 9.0f * (i % 2);
+        for (int64_t i = 1; i < rows; ++i) {
+          by_row.max[i] = at_once.max[i] = 1.0f - 9.0f * (i % 2);
+          by_row.sum[i] = at_once.sum[i] = 2.0f;
+        }
         std::vector<float> row_scores = s, block = s;
         for (int64_t i = 0; i < rows; ++i) {
           float* si = row_scores.data() + i * n;
           by_row.Update(i, si, n, o_row.data() + i * p, p,
                         [&](float ref) { return ExpSubSum(si, ref, si, n, base2); });
         }
-        at_once.UpdateRows(0, rows, block.data(), n, o_once.data(), p);
+        at_once.UpdateRows(0, 1, block.data(), n, o_once.data(), p);
+        at_once.UpdateRows(1, rows, block.data() + n, n, o_once.data() + p, p);
         for (int64_t i = 0; i < rows; ++i) {
           EXPECT_EQ(at_once.max[i], by_row.max[i]) << "row " << i;
           EXPECT_NEAR(at_once.sum[i], by_row.sum[i], 1e-6f * by_row.sum[i]) << "row " << i;
