@@ -154,15 +154,6 @@ MHA_MULTIVERSION float ExpSubSumPortable(const float* s, float m, float* p, int6
   return base2 ? ExpRow<false, true>(s, m, p, n) : ExpRow<false, false>(s, m, p, n);
 }
 
-MHA_MULTIVERSION void ExpSubSumRowsPortable(float* s, int64_t n, const float* m, float* sums,
-                                            int64_t rows, bool base2) {
-  for (int64_t i = 0; i < rows; ++i) {
-    float* row = s + i * n;
-    sums[i] +=
-        base2 ? ExpRow<false, true>(row, m[i], row, n) : ExpRow<false, false>(row, m[i], row, n);
-  }
-}
-
 MHA_MULTIVERSION float ExpSubSumBf16Portable(const float* s, float m, uint16_t* p, int64_t n,
                                              float* tmp, bool base2) {
   // Two vectorised passes: GCC does not vectorise the exp, the float reduction and a
@@ -468,23 +459,10 @@ float ExpSubSum(const float* s, float m, float* p, int64_t n, bool base2) {
 }
 
 namespace {
-template <bool kBase2>
-MHA_AVX512 void ExpSubSumRowsAvx512(float* s, int64_t n, const float* m, float* sums,
-                                    int64_t rows) {
-  for (int64_t i = 0; i < rows; ++i) {
-    sums[i] += ExpSubSumAvx512<false, kBase2>(s + i * n, m[i], s + i * n, nullptr, n);
-  }
-}
 // Rows of 32 (a paged block's) as 4 vectors each, every row's chains in one
 // straight run, so that the next row's chains start while this row's sum is reduced.
 template <bool kBase2>
-MHA_AVX2 void ExpSubSumRowsAvx2(float* s, int64_t n, const float* m, float* sums, int64_t rows) {
-  if (n != 32) {
-    for (int64_t i = 0; i < rows; ++i) {
-      sums[i] += ExpSubSumAvx2<false, kBase2>(s + i * n, m[i], s + i * n, nullptr, n);
-    }
-    return;
-  }
+MHA_AVX2 void ExpSubSumRows32Avx2(float* s, const float* m, float* sums, int64_t rows) {
   for (int64_t i = 0; i < rows; ++i) {
     float* row = s + i * 32;
     const __m256 vm = _mm256_set1_ps(m[i]);
@@ -497,20 +475,6 @@ MHA_AVX2 void ExpSubSumRowsAvx2(float* s, int64_t n, const float* m, float* sums
   }
 }
 }  // namespace
-
-void ExpSubSumRows(float* s, int64_t n, const float* m, float* sums, int64_t rows, bool base2) {
-  switch (ActiveIsa()) {
-    case Isa::kAvx512:
-      return base2 ? ExpSubSumRowsAvx512<true>(s, n, m, sums, rows)
-                   : ExpSubSumRowsAvx512<false>(s, n, m, sums, rows);
-    case Isa::kAvx2:
-      return base2 ? ExpSubSumRowsAvx2<true>(s, n, m, sums, rows)
-                   : ExpSubSumRowsAvx2<false>(s, n, m, sums, rows);
-    case Isa::kBaseline:
-      break;
-  }
-  ExpSubSumRowsPortable(s, n, m, sums, rows, base2);
-}
 
 float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n, bool base2) {
   switch (ActiveIsa()) {
@@ -539,9 +503,6 @@ void AdditiveScores(const float* qa, const float* kt, int64_t ld, const float* w
   AdditiveScoresPortable(qa, kt, ld, w, pa, s, n);
 }
 #else
-void ExpSubSumRows(float* s, int64_t n, const float* m, float* sums, int64_t rows, bool base2) {
-  ExpSubSumRowsPortable(s, n, m, sums, rows, base2);
-}
 float ExpSubSum(const float* s, float m, float* p, int64_t n, bool base2) {
   return ExpSubSumPortable(s, m, p, n, base2);
 }
@@ -555,6 +516,17 @@ void AdditiveScores(const float* qa, const float* kt, int64_t ld, const float* w
   AdditiveScoresPortable(qa, kt, ld, w, pa, s, n);
 }
 #endif
+
+// AVX2 rows of 32 as above; other ISAs and row lengths take ExpSubSum row by row.
+void ExpSubSumRows(float* s, int64_t n, const float* m, float* sums, int64_t rows, bool base2) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (n == 32 && ActiveIsa() == Isa::kAvx2) {
+    return base2 ? ExpSubSumRows32Avx2<true>(s, m, sums, rows)
+                 : ExpSubSumRows32Avx2<false>(s, m, sums, rows);
+  }
+#endif
+  for (int64_t i = 0; i < rows; ++i) sums[i] += ExpSubSum(s + i * n, m[i], s + i * n, n, base2);
+}
 
 namespace {
 inline float FromBf16(uint16_t bits) { return std::bit_cast<float>(uint32_t{bits} << 16); }

@@ -52,8 +52,6 @@ float ExpSubSumBf16(float* s, float m, uint16_t* p, int64_t n, bool base2 = fals
 // The portable versions, for CPUs without AVX2 and for the tests that hold the two
 // to the same values: ExpSubSumBf16Portable writes its f32 exponentials to tmp (n).
 float ExpSubSumPortable(const float* s, float m, float* p, int64_t n, bool base2 = false);
-void ExpSubSumRowsPortable(float* s, int64_t n, const float* m, float* sums, int64_t rows,
-                           bool base2 = false);
 float ExpSubSumBf16Portable(const float* s, float m, uint16_t* p, int64_t n, float* tmp,
                             bool base2 = false);
 
