@@ -145,6 +145,23 @@ TEST(FaultTest, SigtermUnderLoadLosesNoAcceptedRequest) {
   }
   // Streams: one writer and one reader each; writes stop at `stop`, then
   // WritesDone. An accepted stream must answer every request it took.
+  //
+  // Their channels do not send BDP probe pings. gRPC's client (1.51) sends one when
+  // data arrives; when it goes out after the server, drained, has closed the
+  // connection, the server's kernel answers it with a reset, and the client's
+  // transport then fails the stream UNAVAILABLE ("Broken pipe", "Connection reset by
+  // peer"), dropping answers and the OK status it had already received but its reader
+  // had not yet taken. A slow reader (ThreadSanitizer's, or a 10 ms sleep per read)
+  // loses the race; a packet capture shows the server wrote every answer, the OK
+  // trailers and its FIN first (docs/reliability.md, "A drain and a slow reader").
+  auto stream_channel = [&] {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+    args.SetMaxReceiveMessageSize(-1);
+    args.SetMaxSendMessageSize(-1);
+    return grpc::CreateCustomChannel(server.target(), grpc::InsecureChannelCredentials(), args);
+  };
   struct StreamTally {
     int64_t written = 0, answered = 0;
     grpc::Status status;
@@ -152,7 +169,7 @@ TEST(FaultTest, SigtermUnderLoadLosesNoAcceptedRequest) {
   std::vector<StreamTally> tallies(2);
   for (int t = 0; t < 2; ++t) {
     clients.emplace_back([&, t] {
-      auto stub = AttentionService::NewStub(own());
+      auto stub = AttentionService::NewStub(stream_channel());
       grpc::ClientContext context;
       SetTimeout(&context, std::chrono::seconds(60));
       auto stream = stub->AttendStream(&context);
