@@ -649,10 +649,18 @@ struct Prefetcher {
   }
 };
 
+// Where an f32 cache's read-ahead lands: L2 on Intel CPUs, where it read faster than
+// L1; L1 for bf16 caches and on other CPUs (docs/performance.md, "On an Intel CPU").
+const bool kF32ReadAheadIntoL2 = [] {
+  __builtin_cpu_init();  // may run before libgcc's own constructor
+  return __builtin_cpu_is("intel") != 0;
+}();
+
 // The group kernels' software prefetch: as a kernel loads vector `i` of a row of
-// cache elements at x, it asks for the line `bytes` further on (0: none), into L1,
-// once per cache line (a bf16 line is two vectors; AVX2's 16-wide bf16 groups read
-// half a line of each row and ask for it once per pass). A kernel reads its tile in
+// cache elements at x, it asks for the line `bytes` further on (0: none), into L1
+// (an f32 cache on Intel: L2, kF32ReadAheadIntoL2), once per cache line (a bf16 line
+// is two vectors; AVX2's 16-wide bf16 groups read half a line of each row and ask for
+// it once per pass). A kernel reads its tile in
 // order (those groups in a pass per 16 keys or columns), and a cache block's values
 // follow its keys, and its next block's keys its
 // values, within a head's run of a chunk (KvSequence::keys): the prefetches run a
@@ -665,7 +673,12 @@ struct ReadAhead {
   template <typename T>
   MHA_INLINE void At(const T* x, int i) const {
     if (bytes != 0 && (16 * sizeof(T) * i) % 64 == 0) {
-      __builtin_prefetch(reinterpret_cast<const char*>(x) + bytes, 0, 3);
+      const char* line = reinterpret_cast<const char*>(x) + bytes;
+      if (sizeof(T) == 4 && kF32ReadAheadIntoL2) {
+        __builtin_prefetch(line, 0, 1);  // prefetcht2
+      } else {
+        __builtin_prefetch(line, 0, 3);  // prefetcht0
+      }
     }
   }
 };

@@ -102,9 +102,10 @@ void SmallContextBf16(const float* probs, const uint16_t* v, int64_t p, int64_t 
 //   GroupContext: o (mq, p) += probs (mq, nk) v (nk, p), v in column panels
 //                 (ValueIndex<T>) of panel_rows >= nk rows
 // read_ahead > 0: each cache line of kt or v they read, they prefetch the line
-// read_ahead bytes past it into L1. The paged pass reads a head's run of blocks in
-// memory order (a block's keys, its values, the next block's keys) and passes
-// kReadAhead, f32 or bf16 (docs/performance.md, "Reading ahead of the kernels").
+// read_ahead bytes past it into L1 (an f32 cache on Intel CPUs: into L2). The paged
+// pass reads a head's run of blocks in memory order (a block's keys, its values, the
+// next block's keys) and passes kReadAhead, f32 or bf16 (docs/performance.md,
+// "Reading ahead of the kernels").
 inline constexpr int64_t kReadAhead = 8 << 10;
 void GroupScores(const float* q, const float* kt, int64_t ld, int64_t p, int64_t mq, int64_t nk,
                  float scale, float* s, int64_t read_ahead = 0);
