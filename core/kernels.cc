@@ -656,18 +656,17 @@ const bool kF32ReadAheadIntoL2 = [] {
   return __builtin_cpu_is("intel") != 0;
 }();
 
-// The group kernels' software prefetch: as a kernel loads vector `i` of a row of
-// cache elements at x, it asks for the line `bytes` further on (0: none), into L1
-// (an f32 cache on Intel: L2, kF32ReadAheadIntoL2), once per cache line (a bf16 line
-// is two vectors; AVX2's 16-wide bf16 groups read half a line of each row and ask for
-// it once per pass). A kernel reads its tile in
-// order (those groups in a pass per 16 keys or columns), and a cache block's values
-// follow its keys, and its next block's keys its
-// values, within a head's run of a chunk (KvSequence::keys): the prefetches run a
-// fixed distance ahead of the reads across the whole run, through the softmax
-// between the scores and the context and across the blocks. The hardware
-// prefetchers alone kept too few reads in flight for one core to stream the cache at
-// the memory's pace (docs/performance.md, "Reading ahead of the kernels").
+// The group kernels' software prefetch: as a kernel loads vector `i` of a row of cache
+// elements at x, it asks for the line `bytes` further on (0: none), into L1 (an f32
+// cache on Intel: L2, kF32ReadAheadIntoL2), once per cache line (a bf16 line is two
+// vectors; AVX2's 16-wide bf16 groups read half a line of each row and ask for it once
+// per pass). A kernel reads its tile in order (those groups in a pass per 16 keys or
+// columns), and a cache block's values follow its keys, and its next block's keys its
+// values, within a head's run of a chunk (KvSequence::keys): the prefetches run a fixed
+// distance ahead of the reads across the whole run, through the softmax between the
+// scores and the context and across the blocks. The hardware prefetchers alone kept too
+// few reads in flight for one core to stream the cache at the memory's pace
+// (docs/performance.md, "Reading ahead of the kernels").
 struct ReadAhead {
   int64_t bytes = 0;
   template <typename T>
