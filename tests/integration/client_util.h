@@ -55,10 +55,13 @@ inline AttendRequest ToyRequest() {
 inline std::shared_ptr<grpc::Channel> Channel(
     const std::string& target,
     std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials(),
-    const std::string& ssl_target_name = "", bool own_connection = false) {
+    const std::string& ssl_target_name = "", bool own_connection = false, bool bdp_probe = true) {
   grpc::ChannelArguments args;
   // Channels with equal arguments share one connection; this one gets its own.
   if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  // false: no BDP probe pings (tests/integration/fault_test.cc says why a drain test's
+  // streams need that).
+  if (!bdp_probe) args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
   if (!ssl_target_name.empty()) args.SetSslTargetNameOverride(ssl_target_name);

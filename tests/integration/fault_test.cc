@@ -155,12 +155,8 @@ TEST(FaultTest, SigtermUnderLoadLosesNoAcceptedRequest) {
   // loses the race; a packet capture shows the server wrote every answer, the OK
   // trailers and its FIN first (docs/reliability.md, "A drain and a slow reader").
   auto stream_channel = [&] {
-    grpc::ChannelArguments args;
-    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-    args.SetMaxReceiveMessageSize(-1);
-    args.SetMaxSendMessageSize(-1);
-    return grpc::CreateCustomChannel(server.target(), grpc::InsecureChannelCredentials(), args);
+    return Channel(server.target(), grpc::InsecureChannelCredentials(), "", true,
+                   /*bdp_probe=*/false);
   };
   struct StreamTally {
     int64_t written = 0, answered = 0;
