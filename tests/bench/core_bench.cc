@@ -35,6 +35,12 @@
 namespace mha::core {
 namespace {
 
+// The median of v (its upper middle for an even count).
+double Median(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
+}
+
 struct Shape {
   const char* name;
   int64_t batch, length, hiddens, heads;
@@ -375,13 +381,9 @@ void BM_DecodeHeldRatio(benchmark::State& state) {
     int8_us.push_back(b);
     ratios.push_back(b / a);
   }
-  auto median = [](std::vector<double> v) {
-    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-    return v[v.size() / 2];
-  };
-  state.counters["f32_us"] = median(f32_us);
-  state.counters["int8_us"] = median(int8_us);
-  state.counters["int8_per_f32"] = median(ratios);
+  state.counters["f32_us"] = Median(f32_us);
+  state.counters["int8_us"] = Median(int8_us);
+  state.counters["int8_per_f32"] = Median(ratios);
 }
 BENCHMARK_CAPTURE(BM_DecodeHeld, f32, Precision::kF32)
     ->Name("Decode/held")
@@ -473,8 +475,7 @@ void BM_AttentionOnlyDecode(benchmark::State& state) {
   state.counters["cache GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsRate);
   // The mean above counts the steps that first touch a session's new chunk (2 MiB for
   // 8 blocks of G 8 f32); the p50 leaves them out, as the served bench's step p50 does.
-  std::nth_element(step_ms.begin(), step_ms.begin() + step_ms.size() / 2, step_ms.end());
-  const double p50 = step_ms[step_ms.size() / 2];
+  const double p50 = Median(step_ms);
   state.counters["p50 step ms"] = p50;
   state.counters["p50 cache GB/s"] = bytes / static_cast<double>(step_ms.size()) / p50 * 1e-6;
   state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(kSessions),
