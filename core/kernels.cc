@@ -668,12 +668,14 @@ const bool kF32ReadAheadIntoL2 = [] {
 // few reads in flight for one core to stream the cache at the memory's pace
 // (docs/performance.md, "Reading ahead of the kernels").
 //
-// On Intel an f32 cache's read-ahead is also paced: each prefetch waits behind
-// kReadAheadPace conditional branches that the compiler can neither fold nor merge
-// (Paced). A kernel then keeps fewer of its rows in flight while it waits for memory,
-// and reads the cache 10-23% faster from memory, at 5-10% of its in-cache rate
-// (docs/performance.md, "Pacing the f32 read-ahead on Intel"); caches read without
-// read-ahead do not pass here.
+// On Intel the 16-float kernels' read-ahead of an f32 cache is also paced: each
+// prefetch waits behind kReadAheadPace conditional branches on flags the compiler
+// cannot see are true (Paced; GCC also stores the flags, a byte each, to the stack).
+// Measured alternated with the unpaced kernels (docs/performance.md, "Pacing the f32
+// read-ahead on Intel"), they read an f32 cache 14-26% faster from memory and as fast
+// in cache; the AVX2 kernels read 16% slower paced, and bf16 caches (into L1) gain
+// nothing, so neither is. The reading of why: fewer of a kernel's rows in flight
+// while it waits for memory. Caches read without read-ahead do not pass here.
 inline constexpr int kReadAheadPace = 5;
 
 MHA_INLINE bool Paced() {
@@ -690,12 +692,12 @@ MHA_INLINE bool Paced() {
 
 struct ReadAhead {
   int64_t bytes = 0;
-  template <typename T>
+  template <typename Vec, typename T>
   MHA_INLINE void At(const T* x, int i) const {
     if (bytes != 0 && (16 * sizeof(T) * i) % 64 == 0) {
       const char* line = reinterpret_cast<const char*>(x) + bytes;
       if (sizeof(T) == 4 && kF32ReadAheadIntoL2) {
-        if (Paced()) __builtin_prefetch(line, 0, 1);  // prefetcht2
+        if (kHalves<Vec> || Paced()) __builtin_prefetch(line, 0, 1);  // prefetcht2
       } else {
         __builtin_prefetch(line, 0, 3);  // prefetcht0
       }
@@ -902,7 +904,7 @@ MHA_INLINE void ScoresRowsGroup(const float* q, const T* kt, int64_t ld, int64_t
     for (int u = 0; u < U; ++u) {
       Vec k[V];
 #pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) ra.At<T>(kt + (c + u) * ld + j0 + 16 * v, v);
+      for (int v = 0; v < V; ++v) ra.At<Vec>(kt + (c + u) * ld + j0 + 16 * v, v);
       LoadRow<V>(kt + (c + u) * ld + j0, k);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
@@ -1000,7 +1002,7 @@ MHA_INLINE void ContextRowsGroup(const float* w, const T* v, int64_t ldv, int64_
     for (int i = 0; i < U; ++i) {
       Vec x[V];
 #pragma GCC unroll 4
-      for (int u = 0; u < V; ++u) ra.At<T>(v + (j + i) * ldv + c0 + 16 * u, u);
+      for (int u = 0; u < V; ++u) ra.At<Vec>(v + (j + i) * ldv + c0 + 16 * u, u);
       LoadRow<V>(v + (j + i) * ldv + c0, x);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
