@@ -672,7 +672,7 @@ const bool kF32ReadAheadIntoL2 = [] {
 // prefetch waits behind kReadAheadPace conditional branches on flags the compiler
 // cannot see are true (Paced; GCC also stores the flags, a byte each, to the stack).
 // Measured alternated with the unpaced kernels (docs/performance.md, "Pacing the f32
-// read-ahead on Intel"), they read an f32 cache 14-26% faster from memory and as fast
+// read-ahead on Intel"), they read an f32 cache 10-25% faster from memory and as fast
 // in cache; the AVX2 kernels read 16% slower paced, and bf16 caches (into L1) gain
 // nothing, so neither is. The reading of why: fewer of a kernel's rows in flight
 // while it waits for memory. Caches read without read-ahead do not pass here.
