@@ -665,11 +665,11 @@ const bool kF32ReadAheadIntoL2 = [] {
 // chunks of 8 and of 128) and in cache within the noise; a decode step of 16 sessions
 // at context 4,096 took 12-17% less time in the core and through the server. Not
 // paced: the AVX2 kernels, which read 16% slower paced, and bf16 caches (into L1),
-// which read 5-13% slower. Why it helps is a reading, not a measurement (the VM has no hardware
-// counters): the branches in flight are bounded, and so then are the rows a kernel
-// has in flight while it waits for memory. docs/performance.md, "Pacing the f32
-// read-ahead on Intel". Caches read without read-ahead (32 MiB and under) do not pass
-// here.
+// which read 5-13% slower. Why it helps is a reading, not a measurement (the VM has
+// no hardware counters): the branches in flight are bounded, and so then are the rows
+// a kernel has in flight while it waits for memory. docs/performance.md, "Pacing the
+// f32 read-ahead on Intel". Caches read without read-ahead (32 MiB and under) do not
+// pass here.
 inline constexpr int kReadAheadPace = 5;
 
 MHA_INLINE bool PacingBranches() {
@@ -683,9 +683,9 @@ MHA_INLINE bool PacingBranches() {
 
 // The group kernels' software prefetch: as a kernel loads vector `i` of a row of cache
 // elements at x, it asks for the line `bytes` further on (0: none), into L1 (an f32
-// cache on Intel: L2, kF32ReadAheadIntoL2, paced), once per cache line (a bf16 line is two
-// vectors; AVX2's 16-wide bf16 groups read half a line of each row and ask for it once
-// per pass). A kernel reads its tile in order (those groups in a pass per 16 keys or
+// cache on Intel: L2, kF32ReadAheadIntoL2, paced), once per cache line (a bf16 line is
+// two vectors; AVX2's 16-wide bf16 groups read half a line of each row and ask for it
+// once per pass). A kernel reads its tile in order (those groups in a pass per 16 keys or
 // columns), and a cache block's values follow its keys, and its next block's keys its
 // values, within a head's run of a chunk (KvSequence::keys): the prefetches run a fixed
 // distance ahead of the reads across the whole run, through the softmax between the
@@ -699,11 +699,7 @@ struct ReadAhead {
     if (bytes != 0 && (16 * sizeof(T) * i) % 64 == 0) {
       const char* line = reinterpret_cast<const char*>(x) + bytes;
       if (sizeof(T) == 4 && kF32ReadAheadIntoL2) {
-        if constexpr (kHalves<Vec>) {
-          __builtin_prefetch(line, 0, 1);  // prefetcht2
-        } else if (PacingBranches()) {
-          __builtin_prefetch(line, 0, 1);
-        }
+        if (kHalves<Vec> || PacingBranches()) __builtin_prefetch(line, 0, 1);  // prefetcht2
       } else {
         __builtin_prefetch(line, 0, 3);  // prefetcht0
       }
