@@ -649,10 +649,12 @@ struct Prefetcher {
   }
 };
 
-// Where an f32 cache's read-ahead lands: L2 on Intel CPUs, where it read faster than
-// L1; L1 for bf16 caches and on other CPUs (docs/performance.md, "On an Intel CPU").
-// Where it lands in L2, the 16-float kernels also pace it (kReadAheadPace, below).
-const bool kF32ReadAheadIntoL2 = [] {
+// Where the read-ahead lands: L2 on Intel CPUs for an f32 cache, and for a bf16 cache
+// read by the 16-float kernels, where each read faster than L1; L1 for AVX2's bf16
+// kernels and on other CPUs (docs/performance.md, "On an Intel CPU" and "A bf16 cache's
+// read-ahead into L2 on Intel"). The 16-float kernels also pace an f32 cache's
+// (kReadAheadPace, below).
+const bool kReadAheadIntoL2 = [] {
   __builtin_cpu_init();  // may run before libgcc's own constructor
   return __builtin_cpu_is("intel") != 0;
 }();
@@ -682,24 +684,27 @@ MHA_INLINE bool PacingBranches() {
 }
 
 // The group kernels' software prefetch: as a kernel loads vector `i` of a row of cache
-// elements at x, it asks for the line `bytes` further on (0: none), into L1 (an f32
-// cache on Intel: L2, kF32ReadAheadIntoL2, paced), once per cache line (a bf16 line is
-// two vectors; AVX2's 16-wide bf16 groups read half a line of each row and ask for it
-// once per pass). A kernel reads its tile in order (those groups in a pass per 16 keys or
-// columns), and a cache block's values follow its keys, and its next block's keys its
-// values, within a head's run of a chunk (KvSequence::keys): the prefetches run a fixed
-// distance ahead of the reads across the whole run, through the softmax between the
-// scores and the context and across the blocks. The hardware prefetchers alone kept too
-// few reads in flight for one core to stream the cache at the memory's pace
-// (docs/performance.md, "Reading ahead of the kernels").
+// elements at x, it asks for the line `bytes` further on (0: none), into L1 (on Intel,
+// an f32 cache's, paced, and the 16-float kernels' bf16 cache's: into L2,
+// kReadAheadIntoL2), once per cache line (a bf16 line is two vectors; AVX2's 16-wide
+// bf16 groups read half a line of each row and ask for it once per pass). A kernel
+// reads its tile in order (those groups in a pass per 16 keys or columns), and a cache
+// block's values follow its keys, and its next block's keys its values, within a
+// head's run of a chunk (KvSequence::keys): the prefetches run a fixed distance ahead
+// of the reads across the whole run, through the softmax between the scores and the
+// context and across the blocks. The hardware prefetchers alone kept too few reads in
+// flight for one core to stream the cache at the memory's pace (docs/performance.md,
+// "Reading ahead of the kernels").
 struct ReadAhead {
   int64_t bytes = 0;
   template <typename Vec, typename T>
   MHA_INLINE void At(const T* x, int i) const {
     if (bytes != 0 && (16 * sizeof(T) * i) % 64 == 0) {
       const char* line = reinterpret_cast<const char*>(x) + bytes;
-      if (sizeof(T) == 4 && kF32ReadAheadIntoL2) {
-        if (kHalves<Vec> || PacingBranches()) __builtin_prefetch(line, 0, 1);  // prefetcht2
+      if (kReadAheadIntoL2 && (sizeof(T) == 4 || !kHalves<Vec>)) {
+        if (kHalves<Vec> || sizeof(T) == 2 || PacingBranches()) {
+          __builtin_prefetch(line, 0, 1);  // prefetcht2
+        }
       } else {
         __builtin_prefetch(line, 0, 3);  // prefetcht0
       }
