@@ -175,6 +175,11 @@ ABSL_FLAG(double, inline_max_flops, kDefaults.inline_max_flops,
           "A request of at most this many FLOPs (the toy model's (2, 4, 100) request is 0.8M) "
           "runs on the thread that received it when no compute is queued or running; larger "
           "ones go to the compute workers. 0 = always hand off.");
+ABSL_FLAG(std::string, session_answers, "call_end",
+          "When AttendSession steps computed together are answered: call_end (each when "
+          "their call has ended) or step_end (each as the core finishes it, while the call "
+          "computes the others; attention-only models). On a machine whose cores the "
+          "compute fills, step_end's answers and next steps take cores from the call.");
 ABSL_FLAG(bool, default_warmup, kDefaults.default_warmup,
           "Warm up a model whose config.pbtxt lists no warmup passes with the default ones "
           "(B 1 x Q 128 self-attention, B 1 x Q 64 x K 128 with keys, the client's default "
@@ -292,6 +297,12 @@ int main(int argc, char** argv) {
   if (options.port == 0) {
     if (!given("metrics_port")) options.metrics_port = 0;
     if (!given("http_port")) options.http_port = 0;
+  }
+  if (const std::string answers = absl::GetFlag(FLAGS_session_answers); answers == "step_end") {
+    options.session_answers_as_steps_end = true;
+  } else if (answers != "call_end") {
+    mha::ExitWithUsageError(
+        absl::StrCat("--session_answers: expected call_end or step_end, got \"", answers, "\""));
   }
   options.restricted_api = absl::GetFlag(FLAGS_restricted_api);
   if (const std::string shm = absl::GetFlag(FLAGS_shared_memory); shm == "system") {

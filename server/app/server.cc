@@ -196,9 +196,11 @@ absl::Status ServerOptions::Validate() const {
 
 // The batcher, the models' lifecycle, the session manager and the RPC services.
 absl::Status Server::StartServices() {
-  MHA_ASSIGN_OR_RETURN(batcher_, Batcher::Create({.num_workers = options_.compute_workers,
-                                                  .inline_max_flops = options_.inline_max_flops},
-                                                 metrics_.get()));
+  MHA_ASSIGN_OR_RETURN(
+      batcher_, Batcher::Create({.num_workers = options_.compute_workers,
+                                 .inline_max_flops = options_.inline_max_flops,
+                                 .answer_steps_as_they_end = options_.session_answers_as_steps_end},
+                                metrics_.get()));
   states_ = std::make_unique<ModelStates>();
   lifecycle_ = std::make_unique<ModelLifecycle>(
       ModelLifecycle::Options{.control = options_.model_control,

@@ -54,6 +54,9 @@ struct ServerOptions {
   // A request of at most this much work runs on the thread that received it when
   // compute is idle (server/serving/batcher.h); 0 = never.
   double inline_max_flops = 2e6;
+  // AttendSession steps answered as the core finishes each, while their call computes
+  // the others; false: when their call has ended (server/serving/batcher.h).
+  bool session_answers_as_steps_end = false;
   // A model whose config.pbtxt lists no `warmup` runs the default passes
   // (server/models/model_repository.h DefaultWarmup); false: no warm-up for it.
   bool default_warmup = true;

@@ -397,20 +397,16 @@ void Batcher::WorkerLoop() {
   }
 }
 
-void Batcher::BatchDone(const Batch& batch, absl::Duration elapsed, bool computed,
-                        const std::vector<uint8_t>& answered) {
+void Batcher::BatchDone(const Batch& batch, absl::Duration elapsed, bool computed) {
   absl::MutexLock lock(&mu_);
   ModelQueue& queue = queues_.at(batch.model);
   queue.computing_tokens -= batch.tokens;
   --computing_;
   const WorkItem& front = batch.items.front();
   if (front.step != nullptr && !front.warmup) {
-    // Its sessions not answered during the call (Run's step_done) are answered next.
-    const absl::Time now = absl::Now();
-    for (size_t i = 0; computed && i < batch.items.size(); ++i) {
-      if (!answered[i]) queue.pacing.Answered(batch.items[i].step, now);
-    }
-    queue.pacing.CallEnded(batch.items, computed, now);
+    // A computed call's steps are all answered by now (Run); a failed call's are
+    // answered next, and its sessions end.
+    queue.pacing.CallEnded(batch.items, computed, absl::Now());
   }
   // Warm-up passes are cold by design (packing, primitives): not the model's pace.
   if (!computed || batch.tokens == 0 || front.warmup) return;
@@ -441,24 +437,33 @@ void Batcher::Run(Batch& batch, Worker* worker) {
         status,
         ComputeTiming{.queue = start - item.enqueued, .compute = end - start, .batch_rows = rows});
   };
-  // Session steps the core reports done while it computes the others are answered
-  // then, from the thread that finished them: their sessions' next steps queue
-  // during the call instead of after it (docs/performance.md, "Steps answered as
-  // they end"). One byte per item: each is written by one thread.
+  // A session step is answered with its own answer's time recorded for the
+  // gathering (SessionPacing::Answered), so that a session is judged prompt by how
+  // soon its next step follows that answer. One byte per item: each is written by
+  // one thread.
   std::vector<uint8_t> answered(batch.items.size(), 0);
-  auto step_done = [&](size_t i) {
+  auto answer_step = [&](size_t i, absl::Time end) {
     WorkItem& item = batch.items[i];
-    const absl::Time end = absl::Now();
     if (!item.warmup) {
       absl::MutexLock lock(&mu_);
-      queues_.at(batch.model).pacing.Answered(item.step, end);
+      queues_.at(batch.model).pacing.Answered(item.step, absl::Now());
     }
     answer(item, absl::OkStatus(), end);
     answered[i] = 1;
   };
+  // With answer_steps_as_they_end, the steps the core reports done while it computes
+  // the others are answered then, from the thread that finished them (batcher.h).
+  auto step_done = [&](size_t i) {
+    if (options_.answer_steps_as_they_end) answer_step(i, absl::Now());
+  };
   const absl::Status status = Compute(batch, worker, step_done);
   const absl::Time end = absl::Now();
-  BatchDone(batch, end - start, status.ok(), answered);
+  if (status.ok() && batch.items.front().step != nullptr) {
+    for (size_t i = 0; i < batch.items.size(); ++i) {
+      if (!answered[i]) answer_step(i, end);
+    }
+  }
+  BatchDone(batch, end - start, status.ok());
   if (metrics != nullptr) {
     metrics->Batch(static_cast<int64_t>(batch.items.size()), rows, rows * queries, end - start);
   }

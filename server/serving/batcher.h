@@ -78,13 +78,20 @@
 // A computed item's `output` (and `attention`, when set) is written before
 // `done` is called with OK and its timing.
 //
-// A session step's `done` may come before its call has ended: the core reports an
-// attention-only model's decode steps done as it finishes each (ForwardPaged's
-// step_done), and they are answered then, so that their sessions' next steps queue
-// while the call computes the others.
+// Session steps are answered when their call has ended (Options::
+// answer_steps_as_they_end false, the default): every step of the call, one after
+// another on the worker's thread, each recorded for the gathering as answered when
+// its own answer goes out. With answer_steps_as_they_end, a step's `done` may come
+// before its call has ended: the core reports an attention-only model's decode steps
+// done as it finishes each (ForwardPaged's step_done), and they are answered then,
+// from the thread that finished them, so that their sessions' next steps queue while
+// the call computes the others. Which is faster depends on the machine: where the
+// call's threads fill every core, each answer and next step then take a core from
+// the call (docs/performance.md, "Session steps answered at the call's end").
 //
 // Thread safety: Submit, SessionEnded and Shutdown are thread-safe. `done` runs on a worker
-// thread, or one of its call's OpenMP threads, and must not block for long.
+// thread (with answer_steps_as_they_end, or one of its call's OpenMP threads) and
+// must not block for long.
 #ifndef MHA_SERVER_SERVING_BATCHER_H_
 #define MHA_SERVER_SERVING_BATCHER_H_
 
@@ -125,6 +132,9 @@ class Batcher {
   struct Options {
     int num_workers = 1;
     double inline_max_flops = 0;  // 0: never inline (see above)
+    // Session steps answered as the core finishes each (see above); false: when
+    // their call has ended.
+    bool answer_steps_as_they_end = false;
   };
 
   // `metrics` may be null. INVALID_ARGUMENT naming num_workers when < 1.
@@ -234,10 +244,9 @@ class Batcher {
   absl::Status Compute(const Batch& batch, Worker* worker,
                        absl::FunctionRef<void(size_t)> step_done);
   // The batch's forward call is over: its tokens leave computing_tokens and, if it
-  // computed, its time per token enters the model's average.
-  // answered: the items whose steps were answered during the call.
-  void BatchDone(const Batch& batch, absl::Duration elapsed, bool computed,
-                 const std::vector<uint8_t>& answered);
+  // computed, its time per token enters the model's average. A session call's
+  // steps were answered before, if it computed (Run).
+  void BatchDone(const Batch& batch, absl::Duration elapsed, bool computed);
   // When the server's only session is awaited: the time until which an idle worker
   // polls for its step (see above); else InfinitePast. NextBatch asks only when the
   // worker has nothing to do.

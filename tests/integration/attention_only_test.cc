@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -13,6 +14,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -111,21 +113,25 @@ class AttentionOnlyTest : public ::testing::Test {
                                    kKvHeads, " projections: NONE kv_cache_precision: \"bf16\""));
     repository_.Write("full/config.pbtxt", "num_hiddens: 100 num_heads: 5 seeded { seed: 0 }");
   }
-  void Start() {
-    auto server = ServerProcess::Start(
-        {"--port=0", "--default_warmup=false", "--model_repository=" + repository_.path()});
+  void Start(const std::vector<std::string>& flags = {}) {
+    std::vector<std::string> args = {"--port=0", "--default_warmup=false",
+                                     "--model_repository=" + repository_.path()};
+    args.insert(args.end(), flags.begin(), flags.end());
+    auto server = ServerProcess::Start(args);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
     stub_ = Connect(server_->target());
   }
-  void TearDown() override {
+  void Stop() {
     if (server_ == nullptr) return;
     stub_.reset();
     server_->Signal(SIGTERM);
     const std::optional<int> status = server_->WaitForExit(absl::Seconds(30));
     ASSERT_TRUE(status.has_value()) << "server did not exit";
     EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << server_->log();
+    server_.reset();
   }
+  void TearDown() override { Stop(); }
   AttendRequest Request(const std::vector<float>& q, const std::vector<float>& k,
                         const std::vector<float>& v, int64_t Q, int64_t K) {
     AttendRequest r;
@@ -259,6 +265,76 @@ TEST_F(AttentionOnlyTest, SessionPartialMergedWithStatelessAttendEqualsFullAtten
     }
     EXPECT_GT(Diff(all.output().data(), last->output().data()), 1e-3);
     EXPECT_TRUE(session.Close().ok());
+  }
+}
+
+// Sessions decoding together, their steps answered when their call has ended (the
+// default) and as each ends (--session_answers=step_end): every decode step's
+// contexts and lse equal the reference over the session's keys so far, and the
+// sessions' steps shared calls.
+TEST_F(AttentionOnlyTest, SessionsDecodingTogetherMatchTheReferenceEitherWayOfAnswering) {
+  constexpr int kSessions = 3;
+  constexpr int64_t kPrefill = 40, kSteps = 12, kTokens = kPrefill + kSteps;
+  std::vector<std::vector<float>> q, k, v;
+  for (int s = 0; s < kSessions; ++s) {
+    q.push_back(Random(kTokens * kE, 100 + s));
+    k.push_back(Random(kTokens * kEkv, 200 + s, 2.0f));
+    v.push_back(Random(kTokens * kEkv, 300 + s));
+  }
+  for (const std::string answers : {"call_end", "step_end"}) {
+    SCOPED_TRACE(answers);
+    Start({"--session_answers=" + answers});
+    std::vector<std::vector<SessionResponse>> responses(kSessions);
+    std::vector<std::string> errors(kSessions);
+    std::vector<std::thread> threads;
+    for (int s = 0; s < kSessions; ++s) {
+      threads.emplace_back([&, s] {
+        Session session(*stub_, "worker", /*causal=*/true, attention::v1::CROSS);
+        for (int64_t at = 0; at < kTokens;) {
+          const int64_t t = at == 0 ? kPrefill : 1;
+          SessionRequest step;
+          if (at == 0) step.set_return_lse(true);
+          *step.mutable_queries() = Shaped(
+              std::vector<float>(q[s].begin() + at * kE, q[s].begin() + (at + t) * kE), {1, t, kE});
+          *step.mutable_keys() =
+              Shaped(std::vector<float>(k[s].begin() + at * kEkv, k[s].begin() + (at + t) * kEkv),
+                     {1, t, kEkv});
+          *step.mutable_values() =
+              Shaped(std::vector<float>(v[s].begin() + at * kEkv, v[s].begin() + (at + t) * kEkv),
+                     {1, t, kEkv});
+          std::optional<SessionResponse> response = session.Step(step);
+          if (!response.has_value()) {
+            errors[s] = session.status().error_message();
+            return;
+          }
+          responses[s].push_back(*std::move(response));
+          at += t;
+        }
+        if (const grpc::Status closed = session.Close(); !closed.ok()) {
+          errors[s] = closed.error_message();
+        }
+      });
+    }
+    for (std::thread& thread : threads) thread.join();
+    int64_t most_rows = 0;
+    for (int s = 0; s < kSessions; ++s) {
+      SCOPED_TRACE(s);
+      ASSERT_EQ(errors[s], "");
+      ASSERT_EQ(responses[s].size(), static_cast<size_t>(kSteps + 1));
+      for (int64_t i = 0; i < kSteps; ++i) {
+        const SessionResponse& r = responses[s][i + 1];
+        const int64_t n = kPrefill + i + 1;  // keys the step's query sees, its own included
+        EXPECT_EQ(r.context_tokens(), n);
+        std::vector<double> out, lse;
+        Reference(std::vector<float>(q[s].begin() + (n - 1) * kE, q[s].begin() + n * kE), k[s],
+                  v[s], 1, n, {}, out, lse);
+        EXPECT_LE(Diff(r.output().data(), out), kReferenceTolerance) << "step " << i;
+        EXPECT_LE(Diff(r.lse().data(), lse), kReferenceTolerance) << "step " << i;
+        most_rows = std::max(most_rows, r.timing().batch_rows());
+      }
+    }
+    EXPECT_GE(most_rows, 2) << "the sessions' steps never shared a call";
+    Stop();
   }
 }
 

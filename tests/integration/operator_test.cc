@@ -353,6 +353,14 @@ TEST(AccessLogTest, OffByDefaultAndBadFormatNamesTheFlag) {
       << run.err;
 }
 
+TEST(SessionAnswersFlagTest, ABadValueFailsStartNamingTheFlag) {
+  const RunResult run = RunServer({"--port=0", "--session_answers=early"});
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_TRUE(
+      absl::StrContains(run.err, "--session_answers: expected call_end or step_end, got \"early\""))
+      << run.err;
+}
+
 // Poll model control serves an empty repository and loads the models that appear in it;
 // with no --model_repository at all it is still a usage error.
 TEST(PollTest, EmptyRepositoryStartsAndLoadsModelsAsTheyAppear) {

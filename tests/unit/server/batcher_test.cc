@@ -9,9 +9,14 @@
 
 #include <time.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -856,6 +861,110 @@ TEST_F(BatcherGatherTest, AnAwaitedSessionsStepDoesNotRunInline) {
   EXPECT_EQ(StepWhileBIsAwaited(a, b, [&] { Submit(b); }).batch_rows, 2);
   Wait(b);
 }
+
+// Two session steps of an attention-only model in one call on one compute thread:
+// the core finishes the first step's heads (and writes its output) before it starts
+// the second's. Answered when the call has ended (the default), each step's `done`
+// finds both outputs written and both report the call's time; answered as the steps
+// end (Options::answer_steps_as_they_end), the first step's `done` comes before the
+// second step's output is written.
+class BatcherSessionAnswersTest : public ::testing::TestWithParam<bool> {
+ protected:
+  static constexpr int64_t kHeads = 4, kKvHeads = 2, kDh = 16;
+  struct Session {
+    explicit Session(core::KvCachePool* pool) : cache(pool, kKvHeads, kDh) {}
+    core::KvSequence cache;
+    std::vector<float> query = std::vector<float>(kHeads * kDh, 0.5f);
+    std::vector<float> key = std::vector<float>(kKvHeads * kDh, 0.25f);
+    std::vector<float> value = std::vector<float>(kKvHeads * kDh, 1.0f);
+    std::vector<float> output =
+        std::vector<float>(kHeads * kDh, std::numeric_limits<float>::quiet_NaN());
+    core::PagedStep step;
+    absl::Notification done;
+    absl::Status status;
+    ComputeTiming timing;
+    bool other_written = false;  // the other step's output, when `done` ran
+    int order = 0;               // 1: answered first
+  };
+  static bool Written(const Session& s) {
+    return std::all_of(s.output.begin(), s.output.end(), [](float x) { return std::isfinite(x); });
+  }
+};
+
+TEST_P(BatcherSessionAnswersTest, StepsAreAnsweredAtTheCallsEndUnlessAsTheyEnd) {
+  const bool as_they_end = GetParam();
+  core::ModelConfig config;
+  config.num_heads = kHeads;
+  config.num_kv_heads = kKvHeads;
+  config.num_hiddens = config.query_size = kHeads * kDh;
+  config.key_size = config.value_size = kKvHeads * kDh;
+  config.projections = core::Projections::kNone;
+  auto model = std::make_shared<Model>();
+  model->name = "worker";
+  model->config = config;
+  // Both steps in one call: the first waits for the second (a full batch).
+  model->batching = {.max_queue_delay = absl::Seconds(30), .max_batch_size = 2};
+  model->attention =
+      core::MultiHeadAttention::Create(config, core::Weights{}, {.num_threads = 1}).value();
+  ASSERT_TRUE(model->config.attention_only());
+  auto batcher =
+      Batcher::Create({.num_workers = 1, .answer_steps_as_they_end = as_they_end}, nullptr).value();
+  ASSERT_TRUE(batcher->AddModel(model).ok());
+
+  core::KvCachePool pool(int64_t{16} << 20);
+  Session a(&pool), b(&pool);
+  std::atomic<int> answers{0};
+  for (auto [s, other] : {std::pair{&a, &b}, std::pair{&b, &a}}) {
+    ASSERT_TRUE(s->cache.Reserve(1).ok());
+    s->step = core::PagedStep{.num_queries = 1,
+                              .queries = s->query.data(),
+                              .num_keys = 1,
+                              .keys = s->key.data(),
+                              .values = s->value.data(),
+                              .causal = true,
+                              .cache = &s->cache,
+                              .output = s->output.data()};
+    ASSERT_TRUE(
+        batcher
+            ->Submit(WorkItem{
+                .model = model,
+                .inputs = {.batch = 1, .num_queries = 1, .num_keys = 1, .queries = s->query.data()},
+                .done =
+                    [s, other, &answers](absl::Status status, const ComputeTiming& timing) {
+                      s->order = ++answers;
+                      s->other_written = Written(*other);
+                      s->status = std::move(status);
+                      s->timing = timing;
+                      s->done.Notify();
+                    },
+                .step = &s->step})
+            .ok());
+  }
+  for (Session* s : {&a, &b}) {
+    ASSERT_TRUE(s->done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+    ASSERT_TRUE(s->status.ok()) << s->status;
+    EXPECT_EQ(s->timing.batch_rows, 2);  // one call
+    // One new token attended by itself: each head's context is that token's value.
+    for (float x : s->output) EXPECT_FLOAT_EQ(x, 1.0f);
+    EXPECT_EQ(s->cache.size(), 1);
+  }
+  Session& first = a.order == 1 ? a : b;
+  Session& second = a.order == 1 ? b : a;
+  EXPECT_TRUE(second.other_written);
+  if (as_they_end) {
+    EXPECT_FALSE(first.other_written) << "answered only when the call had ended";
+    EXPECT_LT(first.timing.compute, second.timing.compute);
+  } else {
+    EXPECT_TRUE(first.other_written) << "answered before the call had ended";
+    EXPECT_EQ(first.timing.compute, second.timing.compute);  // the call's time
+  }
+  batcher->Shutdown();
+}
+
+INSTANTIATE_TEST_SUITE_P(Answers, BatcherSessionAnswersTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "AsTheyEnd" : "AtTheCallsEnd";
+                         });
 
 }  // namespace
 }  // namespace mha::server
