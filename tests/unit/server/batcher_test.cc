@@ -880,7 +880,10 @@ class BatcherSessionAnswersTest : public ::testing::TestWithParam<bool> {
     std::vector<float> output =
         std::vector<float>(kHeads * kDh, std::numeric_limits<float>::quiet_NaN());
     core::PagedStep step;
-    absl::Notification done;
+    // Its answer (a Mutex, not a Notification: TSan sees absl::Mutex through
+    // tests/sanitizers/tsan_absl_sync.cc).
+    absl::Mutex mu;
+    bool done = false;
     absl::Status status;
     ComputeTiming timing;
     bool other_written = false;  // the other step's output, when `done` ran
@@ -931,17 +934,19 @@ TEST_P(BatcherSessionAnswersTest, StepsAreAnsweredAtTheCallsEndUnlessAsTheyEnd) 
                 .inputs = {.batch = 1, .num_queries = 1, .num_keys = 1, .queries = s->query.data()},
                 .done =
                     [s, other, &answers](absl::Status status, const ComputeTiming& timing) {
+                      absl::MutexLock lock(&s->mu);
                       s->order = ++answers;
                       s->other_written = Written(*other);
                       s->status = std::move(status);
                       s->timing = timing;
-                      s->done.Notify();
+                      s->done = true;
                     },
                 .step = &s->step})
             .ok());
   }
   for (Session* s : {&a, &b}) {
-    ASSERT_TRUE(s->done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+    absl::MutexLock lock(&s->mu);
+    ASSERT_TRUE(s->mu.AwaitWithTimeout(absl::Condition(&s->done), absl::Seconds(60)));
     ASSERT_TRUE(s->status.ok()) << s->status;
     EXPECT_EQ(s->timing.batch_rows, 2);  // one call
     // One new token attended by itself: each head's context is that token's value.
