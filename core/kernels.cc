@@ -701,10 +701,10 @@ struct ReadAhead {
   MHA_INLINE void At(const T* x, int i) const {
     if (bytes != 0 && (16 * sizeof(T) * i) % 64 == 0) {
       const char* line = reinterpret_cast<const char*>(x) + bytes;
-      if (kReadAheadIntoL2 && (sizeof(T) == 4 || !kHalves<Vec>)) {
-        if (kHalves<Vec> || sizeof(T) == 2 || PacingBranches()) {
-          __builtin_prefetch(line, 0, 1);  // prefetcht2
-        }
+      constexpr bool kIntoL2 = sizeof(T) == 4 || !kHalves<Vec>;
+      constexpr bool kPaced = sizeof(T) == 4 && !kHalves<Vec>;
+      if (kIntoL2 && kReadAheadIntoL2) {
+        if (!kPaced || PacingBranches()) __builtin_prefetch(line, 0, 1);  // prefetcht2
       } else {
         __builtin_prefetch(line, 0, 3);  // prefetcht0
       }
