@@ -52,6 +52,22 @@ Tensor Shaped(const std::vector<float>& x, std::vector<int64_t> shape) {
   return t;
 }
 
+// A CROSS session step of tokens [at, at + t) of q (rows of kE), k and v (rows of
+// kEkv), return_lse set in the session's first step (at 0).
+SessionRequest CrossStep(const std::vector<float>& q, const std::vector<float>& k,
+                         const std::vector<float>& v, int64_t at, int64_t t) {
+  auto rows = [&](const std::vector<float>& x, int64_t width) {
+    return Shaped(std::vector<float>(x.begin() + at * width, x.begin() + (at + t) * width),
+                  {1, t, width});
+  };
+  SessionRequest step;
+  if (at == 0) step.set_return_lse(true);
+  *step.mutable_queries() = rows(q, kE);
+  *step.mutable_keys() = rows(k, kEkv);
+  *step.mutable_values() = rows(v, kEkv);
+  return step;
+}
+
 // One batch row: query t of head i sees keys j < limit[t] of key/value head
 // i / (h / G); lse = log sum exp(q.k / sqrt(d)), context = softmax . v; no key: -inf, 0.
 void Reference(const std::vector<float>& q, const std::vector<float>& k,
@@ -223,15 +239,7 @@ TEST_F(AttentionOnlyTest, SessionPartialMergedWithStatelessAttendEqualsFullAtten
     std::optional<SessionResponse> last;
     int64_t at = 0;
     for (int64_t t : {int64_t{100}, n - 1 - 100, int64_t{1}}) {
-      SessionRequest step;
-      if (at == 0) step.set_return_lse(true);
-      const std::vector<float> qs(q_prefix.begin() + at * kE, q_prefix.begin() + (at + t) * kE);
-      const std::vector<float> ks(k.begin() + at * kEkv, k.begin() + (at + t) * kEkv);
-      const std::vector<float> vs(v.begin() + at * kEkv, v.begin() + (at + t) * kEkv);
-      *step.mutable_queries() = Shaped(qs, {1, t, kE});
-      *step.mutable_keys() = Shaped(ks, {1, t, kEkv});
-      *step.mutable_values() = Shaped(vs, {1, t, kEkv});
-      last = session.Step(step);
+      last = session.Step(CrossStep(q_prefix, k, v, at, t));
       ASSERT_TRUE(last.has_value()) << session.status().error_message();
       ASSERT_EQ(last->lse().shape_size(), 3);
       EXPECT_EQ(last->lse().shape(1), kHeads);
@@ -292,17 +300,8 @@ TEST_F(AttentionOnlyTest, SessionsDecodingTogetherMatchTheReferenceEitherWayOfAn
         Session session(*stub_, "worker", /*causal=*/true, attention::v1::CROSS);
         for (int64_t at = 0; at < kTokens;) {
           const int64_t t = at == 0 ? kPrefill : 1;
-          SessionRequest step;
-          if (at == 0) step.set_return_lse(true);
-          *step.mutable_queries() = Shaped(
-              std::vector<float>(q[s].begin() + at * kE, q[s].begin() + (at + t) * kE), {1, t, kE});
-          *step.mutable_keys() =
-              Shaped(std::vector<float>(k[s].begin() + at * kEkv, k[s].begin() + (at + t) * kEkv),
-                     {1, t, kEkv});
-          *step.mutable_values() =
-              Shaped(std::vector<float>(v[s].begin() + at * kEkv, v[s].begin() + (at + t) * kEkv),
-                     {1, t, kEkv});
-          std::optional<SessionResponse> response = session.Step(step);
+          std::optional<SessionResponse> response =
+              session.Step(CrossStep(q[s], k[s], v[s], at, t));
           if (!response.has_value()) {
             errors[s] = session.status().error_message();
             return;
