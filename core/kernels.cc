@@ -655,8 +655,12 @@ struct Prefetcher {
 // read-ahead into L2 on Intel"). The 16-float kernels also pace an f32 cache's
 // (kReadAheadPace, below).
 const bool kReadAheadIntoL2 = [] {
+#if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();  // may run before libgcc's own constructor
   return __builtin_cpu_is("intel") != 0;
+#else
+  return false;  // __builtin_cpu_is is x86's
+#endif
 }();
 
 // The pacing of an f32 cache's read-ahead into L2 by the 16-float kernels (AVX-512;
