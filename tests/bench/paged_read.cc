@@ -28,7 +28,8 @@
 //                  multiply-add lanes an element (a G 8 group's 4 query rows:
 //                  G lanes/s x 4 bytes / 4 lanes); a bf16 cache at that peak reads half
 //   ..., bf16      the same with a bf16 cache of the same shape (the buffer's first
-//                  half, read as bf16: half the bytes; GroupScoresBf16 / GroupContextBf16)
+//                  half, read as bf16: half the bytes; GroupScoresBf16 / GroupContextBf16),
+//                  in a decode's chunks of 8 and a prefill's runs (chunks:128)
 //   ..., ISA       the kernels' builds for the instruction sets below the CPU's best
 //                  (kernels::Isa; the cases above run the best)
 // Prints each case's median GB/s over the rounds (cache bytes read / wall time), its
@@ -217,6 +218,7 @@ int main(int argc, char** argv) {
       {"in_cache", 8, false, 2, kBlocks / 2},
       {"chunks:8, prefetch, bf16", 8, true, kBlocks, 1, kernels::CpuIsa(), true},
       {"in_cache, bf16", 8, false, 2, kBlocks / 2, kernels::CpuIsa(), true},
+      {"chunks:128, prefetch, bf16", 128, true, kBlocks, 1, kernels::CpuIsa(), true},
   };
   if (kernels::CpuIsa() != kernels::Isa::kBaseline)
     cases.insert(cases.begin() + 1, {"fma peak", -2, false, 0, 0});
