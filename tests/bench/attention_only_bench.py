@@ -23,6 +23,11 @@ Figures, one run (lscpu quoted first):
               and the ratio to the first is printed too; when the two beside it
               differ by more than 15%, the state changed during the decode and the
               run says so instead of met or not met
+              Printed too, not judged: the same bytes within the server's calls (a
+              call's steps times a step's cache bytes over its compute time, the
+              decode steps' means of timing.batch_rows and compute_us): the step
+              time less the round trip between calls, in which the answers go out
+              and the client's next steps come in on the cores it shares here
   grouping    the same with G 8 and G 32: p50 step time G 8 / G 32; bound <= 0.35
   bf16        both again with kv_cache_precision "bf16"
   tokens/s    1, 16 and 64 sessions (G 8, f32 cache, context 4,096), the session cache
@@ -86,6 +91,13 @@ def step_bytes(report):
 def step_gbs(report):
     """Cache GB/s of a decode step: its bytes over the p50 step time."""
     return step_bytes(report) / step_p50_ms(report) / 1e6
+
+
+def call_gbs(report):
+    """Cache GB/s within the server's calls: the mean steps a call (timing.batch_rows)
+    times a step's cache bytes, over the mean call time (timing.compute_us)."""
+    server = report["decode"]["steps"]["server"]
+    return server["batch_rows"] * report["cache_bytes_per_step"] / server["compute_us"] / 1e3
 
 
 def main():
@@ -191,6 +203,11 @@ def main():
                   f"loop ({read_gbs:.2f}): {step_gbs(g8) / read_gbs:.2f}; "
                   f"step G 8 / G 32 = {ratio:.2f} (<= 0.35: "
                   f"{'met' if ratio <= 0.35 else 'NOT met'})")
+            server = g8["decode"]["steps"]["server"]
+            print(f"{cache} cache: within the server's calls ({server['batch_rows']:.1f} steps "
+                  f"a call, {server['compute_us']:.0f} us, means): {call_gbs(g8):.2f} GB/s, "
+                  f"{call_gbs(g8) / loop_gbs:.2f} of the read loop beside it (not judged: the "
+                  f"step adds the round trip between calls)")
             best = max(strongest[f"{when} llama_attention_only, {cache} cache"]
                        for when in ("before", "after"))
             print(f"{cache} cache: against the strongest read beside it "
