@@ -18,8 +18,9 @@
 //   read            two threads summing the buffer as uint64 words (memory_read's loop)
 //   amx             every task's scores, stand-in softmax and context
 //   amx, loads only the same tile loads and read-ahead, no arithmetic
-//   amx, in cache   every task over its first 2 blocks, again and again: the rate of
-//                   the arithmetic alone
+//   amx, in cache   every task over the first 2 blocks of one of 8 heads' runs, again
+//                   and again (256 KiB, as paged_read's in_cache): the rate of the
+//                   arithmetic alone
 // Prints each case's median GB/s over the rounds (cache bytes / wall time), its spread,
 // and its ratio to the read loop's median. Exits 0 saying why when the CPU has no
 // AMX-BF16 or the kernel does not grant the tile state.
@@ -343,7 +344,7 @@ int main(int argc, char** argv) {
           ConfigureTiles();
 #pragma omp for schedule(dynamic, 1)
           for (int64_t task = 0; task < kTasks; ++task) {
-            const char* base = cache + (k.in_cache ? 0 : task * kTaskBytes);
+            const char* base = cache + (k.in_cache ? task % 8 : task) * kTaskBytes;
             sink += Task(base, queries, k.mode, kBlocks, k.in_cache ? 2 : kBlocks, !k.in_cache,
                          nullptr);
           }
