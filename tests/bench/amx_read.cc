@@ -358,15 +358,9 @@ int main(int argc, char** argv) {
       "bf16 cache of %lld MiB (16 sessions x 8 heads x 4096 tokens, d_h 128), 4 query "
       "rows a head, %d alternated rounds, 2 threads, huge pages advised\n",
       static_cast<long long>(kBytes >> 20), rounds);
-  double read = 0;
-  for (size_t i = 0; i < cases.size(); ++i) {
-    std::vector<double> v = figures[i];
-    std::sort(v.begin(), v.end());
-    const double median = v[v.size() / 2];
-    if (i == 0) read = median;
-    std::printf("%-18s median %7.2f GB/s (%.2f-%.2f)  %.2fx the read loop\n", cases[i].name.c_str(),
-                median, v.front(), v.back(), median / read);
-  }
+  std::vector<std::string> names;
+  for (const Case& k : cases) names.push_back(k.name);
+  mha::bench::PrintAgainstRead(names, figures);
   munmap(mapped, kBytes);
   return 0;
 }

@@ -255,15 +255,9 @@ int main(int argc, char** argv) {
       static_cast<long long>(kFloats * sizeof(float) >> 20), static_cast<long long>(kSequences),
       static_cast<long long>(kTokens), static_cast<long long>(kG), static_cast<long long>(kP),
       rounds, kernels::IsaName(kernels::CpuIsa()), huge ? "huge" : "small");
-  double read = 0;
-  for (size_t c = 0; c < cases.size(); ++c) {
-    std::vector<double> v = figures[c];
-    std::sort(v.begin(), v.end());
-    const double median = v[v.size() / 2];
-    if (c == 0) read = median;
-    std::printf("%-30s median %6.2f GB/s (%.2f-%.2f)  %.2fx the read loop\n", cases[c].name.c_str(),
-                median, v.front(), v.back(), median / read);
-  }
+  std::vector<std::string> names;
+  for (const Case& k : cases) names.push_back(k.name);
+  mha::bench::PrintAgainstRead(names, figures);
   munmap(mapped, kFloats * sizeof(float));
   return 0;
 }
