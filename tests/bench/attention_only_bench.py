@@ -203,10 +203,10 @@ def main():
                   f"loop ({read_gbs:.2f}): {step_gbs(g8) / read_gbs:.2f}; "
                   f"step G 8 / G 32 = {ratio:.2f} (<= 0.35: "
                   f"{'met' if ratio <= 0.35 else 'NOT met'})")
-            server = g8["decode"]["steps"]["server"]
+            server, calls = g8["decode"]["steps"]["server"], call_gbs(g8)
             print(f"{cache} cache: within the server's calls ({server['batch_rows']:.1f} steps "
-                  f"a call, {server['compute_us']:.0f} us, means): {call_gbs(g8):.2f} GB/s, "
-                  f"{call_gbs(g8) / loop_gbs:.2f} of the read loop beside it (not judged: the "
+                  f"a call, {server['compute_us']:.0f} us, means): {calls:.2f} GB/s, "
+                  f"{calls / loop_gbs:.2f} of the read loop beside it (not judged: the "
                   f"step adds the round trip between calls)")
             best = max(strongest[f"{when} llama_attention_only, {cache} cache"]
                        for when in ("before", "after"))
