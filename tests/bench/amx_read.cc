@@ -26,7 +26,6 @@
 // AMX-BF16 or the kernel does not grant the tile state.
 //
 //   amx_read [--rounds=5]
-#include <omp.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -328,26 +327,20 @@ int main(int argc, char** argv) {
   for (int round = 0; round < rounds; ++round) {
     for (size_t i = 0; i < cases.size(); ++i) {
       const Case& k = cases[i];
+      if (k.read) {
+        figures[i].push_back(mha::bench::ReadGbs(cache, kBytes));
+        continue;
+      }
       const auto start = std::chrono::steady_clock::now();
       double sink = 0;
-      if (k.read) {
-        const auto* words = reinterpret_cast<const uint64_t*>(cache);
-        const int64_t n = kBytes / 8;
 #pragma omp parallel num_threads(2) reduction(+ : sink)
-        {
-          const int64_t t = omp_get_thread_num();
-          sink += static_cast<double>(mha::bench::SumWords(words, n * t / 2, n * (t + 1) / 2));
-        }
-      } else {
-#pragma omp parallel num_threads(2) reduction(+ : sink)
-        {
-          ConfigureTiles();
+      {
+        ConfigureTiles();
 #pragma omp for schedule(dynamic, 1)
-          for (int64_t task = 0; task < kTasks; ++task) {
-            const char* base = cache + (k.in_cache ? task % 8 : task) * kTaskBytes;
-            sink += Task(base, queries, k.mode, kBlocks, k.in_cache ? 2 : kBlocks, !k.in_cache,
-                         nullptr);
-          }
+        for (int64_t task = 0; task < kTasks; ++task) {
+          const char* base = cache + (k.in_cache ? task % 8 : task) * kTaskBytes;
+          sink +=
+              Task(base, queries, k.mode, kBlocks, k.in_cache ? 2 : kBlocks, !k.in_cache, nullptr);
         }
       }
       figures[i].push_back(static_cast<double>(kBytes) / Seconds(start) / 1e9);

@@ -40,7 +40,6 @@
 // --huge=1 advises the cache as transparent huge pages (MADV_HUGEPAGE) before it is
 // written, as the session cache's chunks are: the read loop and the kernels then read
 // what a served step reads (on the Intel VM huge pages read 1.5x faster than small).
-#include <omp.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -163,22 +162,6 @@ double FmaPeak() {
   return lanes / seconds / 1e9;
 }
 
-double Read(const float* cache) {
-  const auto* x = reinterpret_cast<const uint64_t*>(cache);
-  const int64_t words = kFloats / 2;
-  const auto start = std::chrono::steady_clock::now();
-  uint64_t total = 0;
-#pragma omp parallel num_threads(2) reduction(+ : total)
-  {
-    const int64_t t = omp_get_thread_num();
-    total += mha::bench::SumWords(x, words * t / 2, words * (t + 1) / 2);
-  }
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (total == 12345) std::puts("");
-  return static_cast<double>(kFloats) * sizeof(float) / seconds / 1e9;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -235,7 +218,7 @@ int main(int argc, char** argv) {
       kernels::CapIsa(k.isa);
       const bool first_only = k.blocks < kBlocks;
       if (k.chunk == -1) {
-        figures[c].push_back(Read(cache));
+        figures[c].push_back(mha::bench::ReadGbs(cache, kFloats * sizeof(float)));
       } else if (k.chunk == -2) {
         figures[c].push_back(FmaPeak());
       } else if (k.bf16) {
