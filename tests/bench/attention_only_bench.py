@@ -32,6 +32,13 @@ Figures, one run (lscpu quoted first):
   bf16        both again with kv_cache_precision "bf16"
   tokens/s    1, 16 and 64 sessions (G 8, f32 cache, context 4,096), the session cache
               budget printed with them; a count the budget cannot hold is skipped
+  floor       printed, not judged: the same 16-session decode against
+              tests/bench/transport_floor, which answers each step with zeroes and
+              computes and caches nothing (gRPC, protobuf and the kernel alone, the
+              client as above). Its step p50 is the least round trip a step can have
+              on these cores whatever the server does; with it, each cache's line
+              says how fast a call would have to read (x the read loop beside it) for
+              the step to meet the 0.85 bound, against what the server's calls read
 
   tests/bench/attention_only_bench.py [--build=build/release] [--cache_gib=8]
 Exit status 0 whatever the figures (a benchmark, not a test); 1 if a run failed; 77
@@ -100,6 +107,21 @@ def call_gbs(report):
     return server["batch_rows"] * report["cache_bytes_per_step"] / server["compute_us"] / 1e3
 
 
+def floor_decode(floor_bin, models_from, client, out):
+    """16 sessions of llama_attention_only decoded against transport_floor (which
+    describes the models as the server at `models_from` does); the client's report."""
+    proc = subprocess.Popen([floor_bin, f"--models_from={models_from}"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        if not line.startswith("listening on "):
+            raise RuntimeError(f"transport_floor did not start: {line!r}")
+        return decode(client, line.split()[-1], out, "floor", "llama_attention_only", 16)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--build", default=os.path.join(ROOT, "build", "release"))
@@ -110,6 +132,7 @@ def main():
         print("attention_only_bench: skipped (MHA_SLOW_TESTS=1 runs it)")
         return 77
     server_bin = os.path.join(args.build, "server", "attention_server")
+    floor_bin = os.path.join(args.build, "tests", "bench", "transport_floor")
     client = os.path.join(args.build, "client", "attention_client")
     reader = os.path.join(args.build, "tests", "bench", "memory_read")
     out = tempfile.mkdtemp(prefix="mha_attention_only_bench.")
@@ -184,6 +207,11 @@ def main():
                         print(f"tokens/s, {sessions} session(s), G 8, f32 cache (budget "
                               f"{budget} bytes): {report['decode']['tokens_per_s']:.0f}",
                               flush=True)
+                if cache == "bf16":
+                    floor = floor_decode(floor_bin, target, client, out)
+                    print(f"transport_floor, 16 sessions of llama_attention_only: step p50 "
+                          f"{step_p50_ms(floor):.3f} ms (nothing computed or cached)",
+                          flush=True)
             finally:
                 stop_server(proc)
         for cache in ("f32", "bf16"):
@@ -208,6 +236,19 @@ def main():
                   f"a call, {server['compute_us']:.0f} us, means): {calls:.2f} GB/s, "
                   f"{calls / loop_gbs:.2f} of the read loop beside it (not judged: the "
                   f"step adds the round trip between calls)")
+            # The step is the call plus the round trip; with the round trip at the
+            # floor, the bound (step <= bytes / (0.85 x loop)) leaves the call
+            # bytes / loop / (bytes / (0.85 x loop) - floor) of the loop to read at.
+            at_loop_ms = step_bytes(g8) / loop_gbs / 1e6
+            # The round trip: the step less its bytes at the calls' pace (a mean call
+            # holds fewer than the 16 steps when a session's next step came late).
+            round_trip = step_p50_ms(g8) - step_bytes(g8) / calls / 1e6
+            budget_ms = at_loop_ms / 0.85 - step_p50_ms(floor)
+            print(f"{cache} cache: the round trip (step p50 less its bytes at the calls' pace) "
+                  f"{round_trip:.2f} ms, gRPC's floor {step_p50_ms(floor):.2f} ms; with "
+                  f"the floor's round trip, the bound asks a call to read at "
+                  f"{at_loop_ms / budget_ms:.2f} of the read loop beside it; the calls read at "
+                  f"{calls / loop_gbs:.2f}")
             best = max(strongest[f"{when} llama_attention_only, {cache} cache"]
                        for when in ("before", "after"))
             print(f"{cache} cache: against the strongest read beside it "

@@ -8,6 +8,13 @@
 //
 //   transport_floor --models_from=127.0.0.1:PORT [--port=0]
 //
+// AttendSession is answered the same way: each step with a zeroed output (1, T, p_o)
+// in `data` (and a zeroed lse (1, h, T) when the first message asked for it) and the
+// context grown by the step's keys, one answer per step in order, so that
+// attention_client decode against it times a decode's round trip with nothing
+// computed and nothing cached: what a session step costs in gRPC, protobuf and the
+// kernel on this machine (docs/performance.md, issue 35).
+//
 // GetModel and ListModels are answered with what a real attention_server
 // (--models_from) lists, read once at start, so the client builds the same requests.
 // Health/Check is gRPC's default health service, as in attention_server. The server
@@ -19,6 +26,8 @@
 #include <climits>
 #include <csignal>
 #include <cstdio>
+#include <functional>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <string>
@@ -39,6 +48,58 @@ namespace {
 using attention::v1::AttendRequest;
 using attention::v1::AttendResponse;
 using attention::v1::ModelInfo;
+using attention::v1::SessionRequest;
+using attention::v1::SessionResponse;
+
+// One session: each message read is answered before the next is read.
+class SessionFloor final : public grpc::ServerBidiReactor<SessionRequest, SessionResponse> {
+ public:
+  using FindModel = std::function<const ModelInfo*(const std::string&)>;
+  explicit SessionFloor(FindModel find) : find_(std::move(find)) { StartRead(&request_); }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return Finish(grpc::Status::OK);
+    if (model_ == nullptr) {
+      model_ = find_(request_.model());
+      return_lse_ = request_.return_lse();
+    }
+    const auto& shape = request_.queries().shape();
+    if (model_ == nullptr || shape.size() != 3 || request_.keys().shape().size() != 3) {
+      return Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                 "transport_floor: unknown model or queries/keys not 3-d"));
+    }
+    const int64_t tokens = shape[1];
+    context_ += request_.keys().shape(1);
+    response_.Clear();
+    Fill(response_.mutable_output(), {1, tokens, model_->num_hiddens()});
+    if (return_lse_) Fill(response_.mutable_lse(), {1, model_->num_heads(), tokens});
+    response_.set_context_tokens(context_);
+    response_.mutable_timing()->set_batch_rows(1);
+    StartWrite(&response_);
+  }
+  void OnWriteDone(bool ok) override {
+    if (!ok) return Finish(grpc::Status::OK);
+    StartRead(&request_);
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  static void Fill(attention::v1::Tensor* tensor, std::initializer_list<int64_t> shape) {
+    int64_t elements = 1;
+    for (int64_t d : shape) {
+      tensor->add_shape(d);
+      elements *= d;
+    }
+    tensor->mutable_data()->Resize(static_cast<int>(elements), 0.0f);
+  }
+
+  const FindModel find_;
+  const ModelInfo* model_ = nullptr;
+  bool return_lse_ = false;
+  int64_t context_ = 0;
+  SessionRequest request_;
+  SessionResponse response_;
+};
 
 class FloorService final : public attention::v1::AttentionService::CallbackService {
  public:
@@ -79,6 +140,11 @@ class FloorService final : public attention::v1::AttentionService::CallbackServi
     response->mutable_timing()->set_batch_rows(shape[0]);
     reactor->Finish(grpc::Status::OK);
     return reactor;
+  }
+
+  grpc::ServerBidiReactor<SessionRequest, SessionResponse>* AttendSession(
+      grpc::CallbackServerContext* /*context*/) override {
+    return new SessionFloor([this](const std::string& name) { return Find(name); });
   }
 
   grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* context,
