@@ -244,11 +244,12 @@ def main():
             # holds fewer than the 16 steps when a session's next step came late).
             round_trip = step_p50_ms(g8) - step_bytes(g8) / calls / 1e6
             budget_ms = at_loop_ms / 0.85 - step_p50_ms(floor)
+            ask = (f"{at_loop_ms / budget_ms:.2f} of the read loop beside it" if budget_ms > 0
+                   else "more than any call can: the floor alone exceeds the step allowed")
             print(f"{cache} cache: the round trip (step p50 less its bytes at the calls' pace) "
                   f"{round_trip:.2f} ms, gRPC's floor {step_p50_ms(floor):.2f} ms; with "
-                  f"the floor's round trip, the bound asks a call to read at "
-                  f"{at_loop_ms / budget_ms:.2f} of the read loop beside it; the calls read at "
-                  f"{calls / loop_gbs:.2f}")
+                  f"the floor's round trip, the bound asks a call to read at {ask}; the "
+                  f"calls read at {calls / loop_gbs:.2f}")
             best = max(strongest[f"{when} llama_attention_only, {cache} cache"]
                        for when in ("before", "after"))
             print(f"{cache} cache: against the strongest read beside it "
