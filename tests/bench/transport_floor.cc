@@ -10,10 +10,11 @@
 //
 // AttendSession is answered the same way: each step with a zeroed output (1, T, p_o)
 // in `data` (and a zeroed lse (1, h, T) when the first message asked for it) and the
-// context grown by the step's keys, one answer per step in order, so that
-// attention_client decode against it times a decode's round trip with nothing
-// computed and nothing cached: what a session step costs in gRPC, protobuf and the
-// kernel on this machine (docs/performance.md, issue 35).
+// context grown by the step's keys (its queries in a self-attention session), one
+// answer per step in order, so that attention_client decode against it times a
+// decode's round trip with nothing computed and nothing cached: what a session step
+// costs in gRPC, protobuf and the kernel on this machine (docs/performance.md,
+// issue 35).
 //
 // GetModel and ListModels are answered with what a real attention_server
 // (--models_from) lists, read once at start, so the client builds the same requests.
@@ -51,6 +52,21 @@ using attention::v1::ModelInfo;
 using attention::v1::SessionRequest;
 using attention::v1::SessionResponse;
 
+// A zeroed tensor of `shape` in `tensor`, its values in raw bytes or in data: what
+// attention_server allocates before its forward pass writes into it.
+void ZeroTensor(attention::v1::Tensor* tensor, std::initializer_list<int64_t> shape, bool raw) {
+  int64_t elements = 1;
+  for (int64_t d : shape) {
+    tensor->add_shape(d);
+    elements *= d;
+  }
+  if (raw) {
+    tensor->mutable_raw()->assign(static_cast<size_t>(elements) * sizeof(float), '\0');
+  } else {
+    tensor->mutable_data()->Resize(static_cast<int>(elements), 0.0f);
+  }
+}
+
 // One session: each message read is answered before the next is read.
 class SessionFloor final : public grpc::ServerBidiReactor<SessionRequest, SessionResponse> {
  public:
@@ -64,15 +80,18 @@ class SessionFloor final : public grpc::ServerBidiReactor<SessionRequest, Sessio
       return_lse_ = request_.return_lse();
     }
     const auto& shape = request_.queries().shape();
-    if (model_ == nullptr || shape.size() != 3 || request_.keys().shape().size() != 3) {
+    const auto& keys = request_.has_keys() ? request_.keys().shape() : shape;  // self: queries'
+    if (model_ == nullptr || shape.size() != 3 || keys.size() != 3) {
       return Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                                  "transport_floor: unknown model or queries/keys not 3-d"));
     }
     const int64_t tokens = shape[1];
-    context_ += request_.keys().shape(1);
+    context_ += keys[1];
     response_.Clear();
-    Fill(response_.mutable_output(), {1, tokens, model_->num_hiddens()});
-    if (return_lse_) Fill(response_.mutable_lse(), {1, model_->num_heads(), tokens});
+    ZeroTensor(response_.mutable_output(), {1, tokens, model_->num_hiddens()}, /*raw=*/false);
+    if (return_lse_) {
+      ZeroTensor(response_.mutable_lse(), {1, model_->num_heads(), tokens}, /*raw=*/false);
+    }
     response_.set_context_tokens(context_);
     response_.mutable_timing()->set_batch_rows(1);
     StartWrite(&response_);
@@ -84,15 +103,6 @@ class SessionFloor final : public grpc::ServerBidiReactor<SessionRequest, Sessio
   void OnDone() override { delete this; }
 
  private:
-  static void Fill(attention::v1::Tensor* tensor, std::initializer_list<int64_t> shape) {
-    int64_t elements = 1;
-    for (int64_t d : shape) {
-      tensor->add_shape(d);
-      elements *= d;
-    }
-    tensor->mutable_data()->Resize(static_cast<int>(elements), 0.0f);
-  }
-
   const FindModel find_;
   const ModelInfo* model_ = nullptr;
   bool return_lse_ = false;
@@ -124,18 +134,9 @@ class FloorService final : public attention::v1::AttentionService::CallbackServi
                                    "transport_floor: unknown model or queries not 3-d"));
       return reactor;
     }
-    // Zeroed output (B, Q, p_o), in raw when the queries came in raw: what
-    // attention_server allocates before its forward pass writes into it.
-    const int64_t elements = shape[0] * shape[1] * model->num_hiddens();
-    attention::v1::Tensor* output = response->mutable_output();
-    output->add_shape(shape[0]);
-    output->add_shape(shape[1]);
-    output->add_shape(model->num_hiddens());
-    if (!request->queries().raw().empty()) {
-      output->mutable_raw()->assign(static_cast<size_t>(elements) * sizeof(float), '\0');
-    } else {
-      output->mutable_data()->Resize(static_cast<int>(elements), 0.0f);
-    }
+    // Zeroed output (B, Q, p_o), in raw when the queries came in raw.
+    ZeroTensor(response->mutable_output(), {shape[0], shape[1], model->num_hiddens()},
+               !request->queries().raw().empty());
     response->set_request_id(request->request_id());
     response->mutable_timing()->set_batch_rows(shape[0]);
     reactor->Finish(grpc::Status::OK);
