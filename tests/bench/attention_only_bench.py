@@ -236,13 +236,13 @@ def main():
                   f"a call, {server['compute_us']:.0f} us, means): {calls:.2f} GB/s, "
                   f"{calls / loop_gbs:.2f} of the read loop beside it (not judged: the "
                   f"step adds the round trip between calls)")
+            # The round trip: the step less its bytes at the calls' pace (a mean call
+            # holds fewer than the 16 steps when a session's next step came late).
+            round_trip = step_p50_ms(g8) - step_bytes(g8) / calls / 1e6
             # The step is the call plus the round trip; with the round trip at the
             # floor, the bound (step <= bytes / (0.85 x loop)) leaves the call
             # bytes / loop / (bytes / (0.85 x loop) - floor) of the loop to read at.
             at_loop_ms = step_bytes(g8) / loop_gbs / 1e6
-            # The round trip: the step less its bytes at the calls' pace (a mean call
-            # holds fewer than the 16 steps when a session's next step came late).
-            round_trip = step_p50_ms(g8) - step_bytes(g8) / calls / 1e6
             budget_ms = at_loop_ms / 0.85 - step_p50_ms(floor)
             ask = (f"{at_loop_ms / budget_ms:.2f} of the read loop beside it" if budget_ms > 0
                    else "more than any call can: the floor alone exceeds the step allowed")
